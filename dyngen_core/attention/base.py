@@ -1,0 +1,74 @@
+"""The forward metadata every attention backend reads, and the backend protocol.
+
+`ForwardBatch` describes one flattened forward: T tokens from B sequences (prefill chunks and
+decode tokens mixed), each sequence's page table and context length. It is built once per step
+from a `StepPlan` and passed down as an argument (never a global: a draft model and the target
+share a process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dyngen_core.storage.base import KVStorage
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors on the model's device, plus host copies of the small shapes (no device syncs).
+
+    input_ids, positions, slot_mapping: [T] (int64); slot = page * page_size + offset.
+    query_start: [B + 1] (int32) cumulative query lengths (cu_seqlens_q).
+    context_lens: [B] (int32) tokens in cache for each sequence once this step is written.
+    page_table: [B, max_pages] (int32), padded with 0 beyond a sequence's pages.
+    logits_indices: [S] (int64) rows of the flattened tokens whose logits are wanted.
+    query_lens_host / context_lens_host: the same lengths as Python lists.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    page_table: torch.Tensor
+    logits_indices: torch.Tensor
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_host)
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's keys/values into storage and attends over each sequence's pages.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
+    Returns [T, num_heads, head_dim]. Attention is causal within a sequence: the token at
+    position p sees cache slots 0..p of its own sequence.
+    """
+
+    name: str
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        storage: KVStorage,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,94 @@
+"""What one engine step must compute (`StepPlan`) and what it produced (`StepOutcome`).
+
+The scheduler writes a plan; the runner and sampler execute it; the scheduler applies the outcome.
+Plans are plain data over integers so the control plane stays free of torch. Tensors requested by a
+job (probabilities, top-k, logits) travel in the outcome as opaque objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` before the forward
+    (partial-page reuse and defragmentation)."""
+
+    src: int
+    dst: int
+    num_slots: int
+
+
+@dataclass
+class SequenceSlice:
+    """One job's share of a step.
+
+    token_ids: the tokens fed this step, at positions ``start_pos ...``: a prefill chunk, or the
+        last sampled token for a decode, followed by ``draft_ids`` (speculative tokens).
+    page_table: the job's page ids covering every position up to the end of this slice.
+    sample: True when logits are needed (the slice reaches the end of the known tokens); then
+        ``1 + len(draft_ids)`` logit rows come back, one per draft position plus the bonus one.
+    """
+
+    job_id: int
+    token_ids: list[int]
+    start_pos: int
+    page_table: list[int]
+    sample: bool
+    draft_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.draft_ids)
+
+    @property
+    def end_pos(self) -> int:
+        """Context length once this slice is in the cache."""
+        return self.start_pos + self.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        return 1 + len(self.draft_ids) if self.sample else 0
+
+    @property
+    def is_prefill(self) -> bool:
+        return len(self.token_ids) > 1 or not self.sample
+
+
+@dataclass
+class StepPlan:
+    """Everything one forward computes: ``copies`` run first, then all ``slices`` in one batch."""
+
+    slices: list[SequenceSlice] = field(default_factory=list)
+    copies: list[PageCopy] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.slices)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.slices and not self.copies
+
+
+@dataclass
+class SampledTokens:
+    """What sampling produced for one slice: the accepted tokens (one, or several with drafts),
+    and what the job asked to see, one row per accepted token."""
+
+    job_id: int
+    token_ids: list[int]
+    num_draft_accepted: int = 0
+    probs: Any = None
+    top_k_tokens: Any = None
+    top_k_probs: Any = None
+    logits: Any = None
+
+
+@dataclass
+class StepOutcome:
+    """The result of running a plan: sampled tokens for every slice with ``sample=True``."""
+
+    sampled: dict[int, SampledTokens] = field(default_factory=dict)

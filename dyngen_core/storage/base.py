@@ -1,0 +1,36 @@
+"""The protocol behind every KV storage mode (fp16, q8, q6, q4).
+
+Storage owns the tensors behind pages: per layer, on that layer's device. It knows nothing of
+jobs; it is addressed by slots (page * page_size + offset) and page ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from dyngen_core.plan import PageCopy
+
+
+class KVStorage(Protocol):
+    """Paged key/value storage for every layer of one model."""
+
+    mode: str
+    page_size: int
+    num_pages: int
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store key/value rows [T, num_kv_heads, head_dim] at the given flat slots."""
+
+    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the pages in ``page_table`` [B, P], in compute dtype, as
+        [B, P * page_size, num_kv_heads, head_dim]. Quantized modes dequantize only these pages."""
+
+    def copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        """Copy slot ranges between pages, in every layer, in order."""
+
+    def nbytes(self) -> int:
+        """Device memory held by the storage tensors."""
