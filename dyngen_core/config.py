@@ -65,6 +65,7 @@ class ModelConfig:
         generation = generation or {}
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
+        rope_theta, rope_scaling = _rope_fields(raw)
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -75,8 +76,8 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rope_scaling=raw.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
@@ -178,6 +179,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelFolderError(f"{str(path)!r} must hold a JSON object")
     return data
+
+
+def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either config.json layout: transformers < 5 writes
+    ``rope_theta`` + ``rope_scaling``; transformers 5 writes one ``rope_parameters`` dict."""
+    params = dict(raw.get("rope_parameters") or {})
+    theta = float(raw.get("rope_theta") or params.pop("rope_theta", 10000.0))
+    params.pop("rope_theta", None)
+    scaling = raw.get("rope_scaling") or params or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling
 
 
 def _first_id(value: Any) -> int | None:
