@@ -1,0 +1,83 @@
+"""What the generator hands back: `Result` per job event, `GeneratorStats`, `EosReason`.
+
+Results are typed objects that also read as mappings (``result["text"]``, ``result.get(...)``),
+because code ported from ExLlamaV2's dynamic generator indexes them like dicts. A key is present
+only when its stage sets it, so ``"text" in result`` is meaningful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
+
+
+class EosReason(str, Enum):
+    """Why a job ended (the ``eos_reason`` of its final result)."""
+
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    MAX_NEW_TOKENS = "max_new_tokens"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    CONSTRAINT_INCOMPLETE = "constraint_incomplete"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Result(Mapping[str, Any]):
+    """One event of one job.
+
+    Always: ``job``, ``identifier``, ``stage`` ("started", "prefill" or "streaming") and ``eos``.
+    Streaming results add ``text`` and ``token_ids`` and, when the job asked, ``token_probs``,
+    ``top_k_tokens``, ``top_k_probs``, ``logits``. Prefill results add ``prefill_progress`` and
+    ``prefill_total``. The final result (``eos=True``) adds ``eos_reason``, ``full_completion``,
+    ``new_tokens``, ``prompt_tokens``, ``cached_tokens``, ``cached_pages``, ``time_enqueued``,
+    ``time_prefill``, ``time_generate``, ``accepted_draft_tokens``, ``rejected_draft_tokens``,
+    and ``error`` when eos_reason is "error".
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, **data: Any) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._data[key]
+        except KeyError:
+            raise AttributeError(f"result has no {key!r} at stage {self._data.get('stage')!r}")
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self._data.items() if k != "job"}
+        return f"Result({shown})"
+
+
+@dataclass(frozen=True)
+class GeneratorStats:
+    """A snapshot of the engine: pages by state, prefill work done and saved, jobs, drafts."""
+
+    pages_total: int
+    pages_referenced: int
+    pages_cached: int
+    pages_free: int
+    prefill_tokens_computed: int
+    prefill_tokens_reused: int
+    jobs_active: int
+    jobs_pending: int
+    draft_tokens_accepted: int = 0
+    draft_tokens_rejected: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
