@@ -1,0 +1,246 @@
+"""`DynamicGenerator`: the one module that wires scheduler, runner, sampler and streams.
+
+A step is ``schedule -> run -> sample -> apply -> emit``, each one call. The generator keeps a
+record per active job (its text stream, sampler state, timings) keyed by job id; page and
+sequence state belong to the scheduler, tensors to the cache and runner.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dyngen_core.attention import get_backend
+from dyngen_core.cache import Cache
+from dyngen_core.config import SchedulerConfig
+from dyngen_core.errors import JobError
+from dyngen_core.generate import run_generate
+from dyngen_core.job import Job
+from dyngen_core.models import Model
+from dyngen_core.plan import SampledTokens, StepOutcome, StepPlan
+from dyngen_core.results import EosReason, GeneratorStats, Result
+from dyngen_core.runner import ModelRunner
+from dyngen_core.sampling_bridge import ActiveJob, SamplingBridge
+from dyngen_core.scheduler import Scheduler
+from dyngen_core.settings import SamplerSettings
+from dyngen_core.tokenizer import Tokenizer
+
+
+class DynamicGenerator:
+    """Continuous-batching generator over a paged KV cache.
+
+    Args:
+        model: a loaded `Model`.
+        cache: a `Cache` built for that model.
+        tokenizer: the model's `Tokenizer`.
+        max_batch_size: most jobs running at once (more wait in the queue).
+        max_chunk_size: most prompt tokens prefilled per step across jobs; decodes of running
+            jobs share the same forward.
+        dedup: share identical prompt pages among running jobs (prefill them once).
+        prompt_cache: keep finished jobs' pages so later prompts with the same prefix reuse them.
+        attention_backend: "auto", "sdpa", "triton" or "flash".
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        cache: Cache,
+        tokenizer: Tokenizer,
+        *,
+        max_batch_size: int = 256,
+        max_chunk_size: int = 2048,
+        dedup: bool = True,
+        prompt_cache: bool = True,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        sched_config = SchedulerConfig(
+            max_batch_size=max_batch_size,
+            max_chunk_size=max_chunk_size,
+            dedup=dedup,
+            prompt_cache=prompt_cache,
+        )
+        self._scheduler = Scheduler(cache.config, sched_config)
+        self._runner = ModelRunner(model, cache, get_backend(attention_backend, model.device))
+        self._bridge = SamplingBridge(model, tokenizer)
+        self._default_settings = SamplerSettings.from_generation_config(
+            model.config.generation_defaults
+        )
+        self._active: dict[int, ActiveJob] = {}
+        self._finished_results: list[Result] = []
+        self._next_job_id = 0
+        self._draft_accepted = 0
+        self._draft_rejected = 0
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        cache_tokens: int = 32768,
+        cache_mode: str = "fp16",
+        device: Any = None,
+        dtype: Any = None,
+        progress: bool = False,
+        **options: Any,
+    ) -> DynamicGenerator:
+        """Load model, tokenizer and a cache of ``cache_tokens`` tokens in ``cache_mode``;
+        ``options`` are the constructor's keyword arguments."""
+        model = Model.load(model_dir, device=device, dtype=dtype, progress=progress)
+        cache = Cache(model, max_tokens=cache_tokens, mode=cache_mode)
+        return cls(model=model, cache=cache, tokenizer=Tokenizer.from_model_dir(model_dir),
+                   **options)
+
+    # ---- queue -------------------------------------------------------------------------------
+
+    def enqueue(self, job: Job | Sequence[Job]) -> None:
+        """Queue one job or a list of jobs. Raises JobTooLargeError for a job that can never
+        fit in the cache (nothing of a rejected list is queued)."""
+        jobs = [job] if isinstance(job, Job) else list(job)
+        for j in jobs:
+            if not isinstance(j, Job):
+                raise TypeError(f"enqueue takes Job objects; got {type(j).__name__}")
+            if j.job_id is not None:
+                raise JobError(f"{j!r} was already enqueued; build a new Job to run it again")
+        added: list[int] = []
+        try:
+            for j in jobs:
+                j.job_id = self._next_job_id
+                self._next_job_id += 1
+                self._scheduler.add(j.job_id, j.input_ids, j.max_new_tokens)
+                added.append(j.job_id)
+                self._active[j.job_id] = self._bridge.activate(
+                    j, self._default_settings, random.getrandbits(63)
+                )
+        except Exception:
+            for job_id in added:
+                self._scheduler.cancel(job_id)
+                self._active.pop(job_id, None)
+            for j in jobs:
+                j.job_id = None
+            raise
+
+    def num_remaining_jobs(self) -> int:
+        """Jobs queued or running, plus final results not yet returned by `iterate`."""
+        return len(self._active) + len(self._finished_results)
+
+    def cancel(self, job: Job) -> None:
+        """Stop a queued or running job now; its pages are freed at once and the next
+        `iterate` returns its final result with eos_reason "cancelled"."""
+        if job.job_id is None or job.job_id not in self._active:
+            return
+        self._end_job(job.job_id, EosReason.CANCELLED, text=self._active[job.job_id].stream
+                      .cancel_text())
+
+    def clear_queue(self) -> None:
+        """Cancel every job, queued or running (no results are returned for them)."""
+        for job_id in list(self._active):
+            self._scheduler.cancel(job_id)
+            self._active.pop(job_id).job.finished = True
+        self._finished_results.clear()
+
+    def stats(self) -> GeneratorStats:
+        s = self._scheduler.stats()
+        return GeneratorStats(
+            pages_total=s.pages_total,
+            pages_referenced=s.pages_referenced,
+            pages_cached=s.pages_cached,
+            pages_free=s.pages_free,
+            prefill_tokens_computed=s.prefill_tokens_computed,
+            prefill_tokens_reused=s.prefill_tokens_reused,
+            jobs_active=s.jobs_active,
+            jobs_pending=s.jobs_pending,
+            draft_tokens_accepted=self._draft_accepted,
+            draft_tokens_rejected=self._draft_rejected,
+        )
+
+    def check_invariant(self) -> None:
+        """Raise AssertionError if the page invariant (DESIGN.md §4) does not hold."""
+        self._scheduler.check_invariant()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def iterate(self) -> list[Result]:
+        """Run one step and return the results it produced (possibly none)."""
+        results, self._finished_results = self._finished_results, []
+        if not self._active:
+            return results
+        plan = self._scheduler.schedule()
+        if plan.is_empty:
+            return results
+        try:
+            outcome = self._run_and_sample(plan)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the engine
+            for s in plan.slices:
+                if s.job_id in self._active:
+                    self._end_job(s.job_id, EosReason.ERROR, error=exc)
+            return results + self._take_finished()
+        self._scheduler.apply(plan, outcome)
+        for s in plan.slices:
+            if s.job_id in self._active:
+                results.extend(self._emit(s.job_id, s.sample, outcome.sampled.get(s.job_id)))
+        return results + self._take_finished()
+
+    def _run_and_sample(self, plan: StepPlan) -> StepOutcome:
+        logits = self._runner.run(plan)
+        sampling = [s for s in plan.slices if s.sample]
+        if not sampling or logits is None:
+            return StepOutcome()
+        active = [self._active[s.job_id] for s in sampling]
+        sampled = self._bridge.sample(logits, active, self._scheduler)
+        return StepOutcome({a.job_id: tokens for a, tokens in zip(active, sampled)})
+
+    def _emit(self, job_id: int, sampled_now: bool, tokens: SampledTokens | None) -> list[Result]:
+        active = self._active[job_id]
+        out: list[Result] = []
+        now = time.perf_counter()
+        if active.time_started is None:
+            active.time_started = now
+            out.append(active.result("started"))
+        if not sampled_now or tokens is None:
+            seq = self._scheduler.sequence(job_id)
+            out.append(active.result("prefill", prefill_progress=seq.num_computed,
+                                     prefill_total=len(seq.token_ids)))
+            return out
+        if active.time_first_token is None:
+            active.time_first_token = now
+        update = active.stream.push(tokens.token_ids[0])
+        if update.rewind:
+            self._scheduler.rewind(job_id, update.rewind)
+            active.on_rewind(update.rewind, update.banned_token_id)
+            return out
+        active.on_token(tokens.token_ids[0])
+        eos = update.eos_reason or active.constraint_end()
+        out.append(active.result("streaming", text=update.text, token_ids=update.token_ids,
+                                 **active.extras(tokens)))
+        if eos is not None:
+            self._end_job(job_id, eos)
+        return out
+
+    def _end_job(self, job_id: int, reason: EosReason, *, text: str = "",
+                 error: BaseException | None = None) -> None:
+        active = self._active.pop(job_id)
+        seq = self._scheduler.sequence(job_id)
+        cached_tokens = seq.num_cached_tokens if seq is not None else 0
+        self._scheduler.finish(job_id)
+        active.job.finished = True
+        self._finished_results.append(
+            active.final_result(reason, text=text, error=error, cached_tokens=cached_tokens,
+                                page_size=self.cache.page_size)
+        )
+
+    def _take_finished(self) -> list[Result]:
+        finished, self._finished_results = self._finished_results, []
+        return finished
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[str], max_new_tokens: int, **kwargs: Any) -> Any:
+        """Generate completions for one prompt (returns a str) or a list (returns a list in
+        order). See `dyngen_core.generate.run_generate` for every keyword argument."""
+        return run_generate(self, prompt, max_new_tokens, **kwargs)

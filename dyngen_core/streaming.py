@@ -1,0 +1,140 @@
+"""`JobStream`: one job's text pipeline, from sampled token ids to text chunks and an end.
+
+It owns the incremental detokenizer, the stop matcher and the banned-string matcher of one job,
+and decides when the job ends (stop token, stop string, max_new_tokens). Pure Python: the
+generator feeds it token ids and emits what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dyngen_core.detokenize import IncrementalDetokenizer
+from dyngen_core.job import Job
+from dyngen_core.results import EosReason
+from dyngen_core.stop import BannedStringMatcher, StopMatcher
+from dyngen_core.tokenizer import Tokenizer
+
+
+@dataclass
+class StreamUpdate:
+    """What one pushed token produced: text safe to show, an end, or a rewind request.
+
+    rewind: how many of the job's generated tokens to drop because a banned string matched;
+    banned_token_id: the token that started the banned string, to forbid at that position.
+    """
+
+    text: str = ""
+    eos_reason: EosReason | None = None
+    rewind: int = 0
+    banned_token_id: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class JobStream:
+    """Tracks one job's generated tokens and turns them into text chunks."""
+
+    def __init__(self, job: Job, tokenizer: Tokenizer, stop_token_ids: frozenset[int]) -> None:
+        self.job = job
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.stop = StopMatcher(set(stop_token_ids), list(job.stop_strings))
+        self.banned = BannedStringMatcher(list(job.banned_strings)) if job.banned_strings else None
+        self.detok = self._new_detokenizer(job.input_ids)
+        self.completion = ""
+        # Tokens whose text the banned matcher still holds back (candidates for a rewind).
+        self.held_tokens: list[int] = []
+        self.held_text = ""
+
+    def _new_detokenizer(self, prefix: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=not self.job.decode_special_tokens,
+            prompt_ids=prefix,
+        )
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.job.new_token_ids)
+
+    def push(self, token_id: int) -> StreamUpdate:
+        """Account one sampled token; returns the text it releases and whether the job ends."""
+        job = self.job
+        job.new_token_ids.append(token_id)
+        can_stop = self.num_new_tokens > job.min_new_tokens or job.min_new_tokens == 0
+        if token_id in self.stop_token_ids and can_stop:
+            update = StreamUpdate(self._release_all(), EosReason.STOP_TOKEN, token_ids=[token_id])
+            self.completion += update.text
+            return update
+        text = self.detok.add([token_id])
+        if self.banned is not None:
+            update = self._check_banned(token_id, text)
+            if update is not None:
+                return update
+            text = self._release_banned_safe()
+        update = StreamUpdate(token_ids=[token_id])
+        if can_stop and job.stop_strings:
+            released, matched = self.stop.feed_text(text)
+            update.text = released
+            if matched is not None:
+                update.eos_reason = EosReason.STOP_STRING
+        else:
+            update.text = self.stop.flush() + text if job.stop_strings else text
+        if update.eos_reason is None and self.num_new_tokens >= job.max_new_tokens:
+            update.text += self._release_all()
+            update.eos_reason = EosReason.MAX_NEW_TOKENS
+        self.completion += update.text
+        return update
+
+    def _check_banned(self, token_id: int, text: str) -> StreamUpdate | None:
+        assert self.banned is not None
+        self.held_tokens.append(token_id)
+        self.held_text += text
+        match_at = self.banned.find(self.held_text)
+        if match_at is None:
+            return None
+        # Drop held tokens until the kept text ends before the banned string starts.
+        kept = list(self.held_tokens)
+        while kept and len(self.tokenizer.decode(kept)) > match_at:
+            kept.pop()
+        dropped = len(self.held_tokens) - len(kept)
+        first_banned = self.held_tokens[len(kept)]
+        del self.job.new_token_ids[len(self.job.new_token_ids) - dropped:]
+        self.held_tokens = kept
+        self.held_text = self.tokenizer.decode(kept) if kept else ""
+        self.detok = self._new_detokenizer(self.job.input_ids + self.job.new_token_ids)
+        return StreamUpdate(rewind=dropped, banned_token_id=first_banned)
+
+    def _release_banned_safe(self) -> str:
+        """Release the held text no banned string can still start in."""
+        assert self.banned is not None
+        safe = self.banned.safe_prefix_length(self.held_text)
+        if safe == 0:
+            return ""
+        out = self.held_text[:safe]
+        if safe == len(self.held_text):
+            self.held_tokens, self.held_text = [], ""
+        else:
+            self.held_text = self.held_text[safe:]
+            # Keep tokens from the earliest one whose text reaches the held part.
+            while self.held_tokens and len(self.tokenizer.decode(self.held_tokens[1:])) >= len(
+                self.held_text
+            ):
+                self.held_tokens.pop(0)
+        return out
+
+    def _release_all(self) -> str:
+        text = self.detok.flush()
+        if self.banned is not None:
+            text = self.held_text + text
+            self.held_tokens, self.held_text = [], ""
+        if self.job.stop_strings:
+            released, _ = self.stop.feed_text(text)
+            text = released + self.stop.flush()
+        return text
+
+    def cancel_text(self) -> str:
+        """Text still held back when a job is cancelled (released so nothing is lost)."""
+        text = self._release_all()
+        self.completion += text
+        return text
