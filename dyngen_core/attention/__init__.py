@@ -1,0 +1,50 @@
+"""Attention backends behind one protocol, and `get_backend` to pick one by name or device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dyngen_core.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.attention.sdpa import SdpaBackend
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """How to build a backend, and which devices it runs on."""
+
+    factory: Callable[[], AttentionBackend]
+    supports: Callable[[torch.device], bool]
+
+
+BACKENDS: dict[str, BackendEntry] = {
+    "sdpa": BackendEntry(SdpaBackend, lambda device: True),
+}
+# "auto" takes the first backend of this order that supports the device.
+AUTO_ORDER: tuple[str, ...] = ("sdpa",)
+
+
+def get_backend(name: str = "auto", device: str | torch.device | None = None) -> AttentionBackend:
+    """Build an attention backend.
+
+    name: "auto" (the fastest backend for ``device``) or a backend name: "sdpa" (reference,
+        any device), plus GPU backends when installed.
+    device: the model's device; "auto" uses it to choose (None means the CPU).
+    """
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    if name == "auto":
+        name = next(n for n in AUTO_ORDER if n in BACKENDS and BACKENDS[n].supports(target))
+    entry = BACKENDS.get(name)
+    if entry is None:
+        raise ValueError(
+            f"attention backend {name!r} is unknown; available: 'auto', "
+            f"{', '.join(repr(n) for n in BACKENDS)}"
+        )
+    if not entry.supports(target):
+        raise ValueError(f"attention backend {name!r} does not run on {target}; use 'auto'")
+    return entry.factory()
+
+
+__all__ = ["AttentionBackend", "BACKENDS", "ForwardBatch", "SdpaBackend", "get_backend"]

@@ -1,0 +1,139 @@
+"""The reference attention backend: gather each sequence's pages, then PyTorch's
+``scaled_dot_product_attention`` with a per-sequence causal mask.
+
+Runs on any device. Sequences are padded into one batched call per group: decode tokens (one
+query each) form one group, prefill chunks another, so a long prefill does not pad every decode
+to its length. The group layout (indices, masks) is built once per forward and reused by every
+layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.storage.base import KVStorage
+
+
+@dataclass
+class _Group:
+    """Sequences attended in one padded call.
+
+    page_table: [G, P] pages (trimmed to the group's longest context).
+    token_rows: [Tg] rows of the flattened batch, or None when the group is the whole batch.
+    seq_of_row, pos_in_seq: [Tg] where each row goes in the padded query [G, max_query, ...];
+        None for decode groups (one query per sequence, no padding).
+    mask: [G, 1, max_query, key_len] True where a query may see a key.
+    """
+
+    page_table: torch.Tensor
+    token_rows: torch.Tensor | None
+    seq_of_row: torch.Tensor | None
+    pos_in_seq: torch.Tensor | None
+    max_query: int
+    key_len: int
+    mask: torch.Tensor
+
+
+class SdpaBackend:
+    """Reference backend over any KVStorage (the oracle other backends are tested against)."""
+
+    name = "sdpa"
+
+    def __init__(self) -> None:
+        # The layout of the batch being run, reused by every layer of the same forward.
+        self._cached: tuple[ForwardBatch, torch.device, list[_Group]] | None = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
+        storage.write(layer, k, v, batch.slot_mapping)
+        groups = self._groups(batch, q.device)
+        if len(groups) == 1 and groups[0].token_rows is None:
+            return _attend_group(layer, q, storage, groups[0], scale)
+        out = torch.empty_like(q)
+        for group in groups:
+            assert group.token_rows is not None
+            rows = q.index_select(0, group.token_rows)
+            out.index_copy_(0, group.token_rows, _attend_group(layer, rows, storage, group, scale))
+        return out
+
+    def _groups(self, batch: ForwardBatch, device: torch.device) -> list[_Group]:
+        cached = self._cached
+        if cached is not None and cached[0] is batch and cached[1] == device:
+            return cached[2]
+        groups = _plan_groups(batch, device)
+        self._cached = (batch, device, groups)
+        return groups
+
+
+def _attend_group(layer: int, q: torch.Tensor, storage: KVStorage, group: _Group,
+                  scale: float) -> torch.Tensor:
+    """q: the group's rows [Tg, H, D] -> attention output [Tg, H, D]."""
+    keys, values = storage.gather(layer, group.page_table)
+    keys = keys[:, :group.key_len].transpose(1, 2)
+    values = values[:, :group.key_len].transpose(1, 2)
+    if group.seq_of_row is None:
+        padded = q.unsqueeze(2)
+    else:
+        padded = q.new_zeros(group.page_table.shape[0], group.max_query, *q.shape[1:])
+        padded[group.seq_of_row, group.pos_in_seq] = q
+        padded = padded.transpose(1, 2)
+    out = F.scaled_dot_product_attention(padded.to(keys.dtype), keys, values,
+                                         attn_mask=group.mask, scale=scale,
+                                         enable_gqa=keys.shape[1] != q.shape[1])
+    out = out.to(q.dtype)
+    if group.seq_of_row is None:
+        return out.squeeze(2)
+    return out.transpose(1, 2)[group.seq_of_row, group.pos_in_seq]
+
+
+def _plan_groups(batch: ForwardBatch, device: torch.device) -> list[_Group]:
+    seqs = range(batch.num_seqs)
+    decodes = [i for i in seqs if batch.query_lens_host[i] == 1]
+    prefills = [i for i in seqs if batch.query_lens_host[i] != 1]
+    if not decodes or not prefills:
+        return [_make_group(batch, list(seqs), device, whole_batch=True)]
+    return [_make_group(batch, decodes, device, whole_batch=False),
+            _make_group(batch, prefills, device, whole_batch=False)]
+
+
+def _make_group(batch: ForwardBatch, seq_ids: list[int], device: torch.device,
+                whole_batch: bool) -> _Group:
+    all_starts = [0, *accumulate(batch.query_lens_host)]
+    query_lens = [batch.query_lens_host[i] for i in seq_ids]
+    context_lens = [batch.context_lens_host[i] for i in seq_ids]
+    max_query, key_len = max(query_lens), max(context_lens)
+    page_table = batch.page_table.to(device)[:, :-(-key_len // batch.page_size)]
+    if not whole_batch:
+        page_table = page_table.index_select(0, _tensor(seq_ids, device))
+    rows: list[int] = []
+    seq_of_row: list[int] = []
+    pos_in_seq: list[int] = []
+    for local, seq in enumerate(seq_ids):
+        qlen = batch.query_lens_host[seq]
+        rows.extend(range(all_starts[seq], all_starts[seq] + qlen))
+        seq_of_row.extend([local] * qlen)
+        pos_in_seq.extend(range(qlen))
+    # Query j of a sequence sits at position context_len - query_len + j and sees slots up to it.
+    first_pos = _tensor([c - q for c, q in zip(context_lens, query_lens, strict=True)], device)
+    query_pos = first_pos[:, None] + torch.arange(max_query, device=device)[None, :]
+    mask = torch.arange(key_len, device=device)[None, None, :] <= query_pos[:, :, None]
+    padded = max_query > 1
+    return _Group(
+        page_table=page_table,
+        token_rows=None if whole_batch else _tensor(rows, device),
+        seq_of_row=_tensor(seq_of_row, device) if padded else None,
+        pos_in_seq=_tensor(pos_in_seq, device) if padded else None,
+        max_query=max_query,
+        key_len=key_len,
+        mask=mask.unsqueeze(1),
+    )
+
+
+def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

@@ -1,0 +1,61 @@
+"""`Cache`: the paged KV cache of one model (its configuration plus the storage tensors)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dyngen_core.config import PAGE_SIZE, CacheConfig
+from dyngen_core.storage import make_storage
+from dyngen_core.storage.base import KVStorage
+
+if TYPE_CHECKING:
+    from dyngen_core.models import Model
+
+
+class Cache:
+    """Paged key/value storage sized for ``max_tokens`` tokens of ``model``.
+
+    model: the Model whose keys and values this cache holds; the storage follows its dtype and
+        puts each layer's pages on that layer's device.
+    max_tokens: capacity in tokens, shared by all jobs (rounded up to whole pages; at least one
+        page). Default 65536.
+    mode: storage precision: "fp16" keeps the model's own dtype (no quantization); "q8", "q6"
+        and "q4" quantize keys and values when those modes are available.
+    page_size: slots per page (keyword only; default 256, which flash-attn's paged kernels
+        need; smaller pages work with the sdpa backend).
+
+    Attributes: ``max_tokens`` (the rounded capacity), ``mode``, ``page_size``, ``num_pages``,
+    ``config`` (the CacheConfig) and ``storage`` (the KVStorage).
+    """
+
+    def __init__(self, model: Model, max_tokens: int = 65536, mode: str = "fp16", *,
+                 page_size: int = PAGE_SIZE) -> None:
+        self.config = CacheConfig(max_tokens=max_tokens, mode=mode, page_size=page_size)
+        self.storage: KVStorage = make_storage(
+            mode, model.config, self.config.num_pages, page_size, model.dtype,
+            model.layer_devices,
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.config.num_pages
+
+    def nbytes(self) -> int:
+        """Device memory the storage tensors hold."""
+        return self.storage.nbytes()
+
+    def __repr__(self) -> str:
+        return (f"Cache(max_tokens={self.max_tokens}, mode={self.mode!r}, "
+                f"page_size={self.page_size}, num_pages={self.num_pages})")

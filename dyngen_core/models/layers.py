@@ -1,0 +1,124 @@
+"""The building blocks of a Llama-family decoder: RMSNorm, gated MLP, attention, decoder layer.
+
+Parameters are allocated empty on their device and filled by the loader; q/k/v live in one fused
+projection and gate/up in another, so each block runs one matrix product where the checkpoint has
+two or three. Tensors are flat over the batch: [T, ...] for T tokens of all sequences together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dyngen_core.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.config import ModelConfig
+from dyngen_core.models.rope import apply_rotary
+from dyngen_core.storage.base import KVStorage
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a block's parameters live and in which dtype."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
+def empty_parameter(*shape: int, place: Placement) -> nn.Parameter:
+    """An uninitialised, frozen parameter (the loader fills it)."""
+    tensor = torch.empty(shape, device=place.device, dtype=place.dtype)
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in float32 like transformers."""
+
+    def __init__(self, dim: int, eps: float, place: Placement) -> None:
+        super().__init__()
+        self.weight = empty_parameter(dim, place=place)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one [2 * I, hidden] weight."""
+
+    def __init__(self, config: ModelConfig, place: Placement) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_weight = empty_parameter(2 * inter, hidden, place=place)
+        self.down_weight = empty_parameter(hidden, inter, place=place)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rotary
+    embedding, then the attention backend over the paged cache, then the output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, place: Placement) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        qkv_rows, hidden = q_size + 2 * kv_size, config.hidden_size
+        self.qkv_weight = empty_parameter(qkv_rows, hidden, place=place)
+        self.qkv_bias = empty_parameter(qkv_rows, place=place) if has_qkv_bias(config) else None
+        self.o_weight = empty_parameter(hidden, q_size, place=place)
+        self.o_bias = empty_parameter(hidden, place=place) if has_o_bias(config) else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, place) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, place) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, storage: KVStorage,
+                backend: AttentionBackend) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.attend(self.layer_idx, q, k, v, storage, batch, self.scale)
+        return F.linear(out.reshape(tokens, -1), self.o_weight, self.o_bias)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, place: Placement) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, place)
+        self.attn = Attention(config, layer_idx, place)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, place)
+        self.mlp = GatedMLP(config, place)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, storage: KVStorage,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, batch, storage, backend)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+def has_qkv_bias(config: ModelConfig) -> bool:
+    """q/k/v projections carry a bias (Qwen2 always; Llama and Qwen3 when attention_bias)."""
+    return config.attention_bias and config.architecture != "MistralForCausalLM"
+
+
+def has_o_bias(config: ModelConfig) -> bool:
+    """The output projection carries a bias: Llama and Qwen3 tie it to attention_bias; Qwen2
+    biases only q/k/v; Mistral has no biases."""
+    return config.attention_bias and config.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")

@@ -1,0 +1,82 @@
+"""Which tensors a Llama-family checkpoint holds, their shapes, and where each one lands.
+
+The checkpoint stores q/k/v and gate/up as separate tensors; the runtime fuses them, so one
+checkpoint tensor maps to a band of rows in a fused parameter. Pure bookkeeping: no I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dyngen_core.config import ModelConfig
+from dyngen_core.models.layers import has_o_bias, has_qkv_bias
+
+# Tensors some exporters leave in checkpoints that carry no weights (recomputed from config).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one checkpoint tensor goes: rows ``row_start ...`` of the runtime parameter
+    ``param`` (a name from ``Model.named_parameters()``), with the checkpoint ``shape``."""
+
+    param: str
+    shape: tuple[int, ...]
+    row_start: int = 0
+
+
+def checkpoint_layout(config: ModelConfig) -> dict[str, TensorSlot]:
+    """Every tensor the checkpoint must hold, by its Hugging Face name.
+
+    lm_head.weight is expected only without ``tie_word_embeddings`` (tied models reuse the
+    embedding matrix).
+    """
+    hidden, vocab = config.hidden_size, config.vocab_size
+    layout = {
+        "model.embed_tokens.weight": TensorSlot("embed_weight", (vocab, hidden)),
+        "model.norm.weight": TensorSlot("norm.weight", (hidden,)),
+    }
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = TensorSlot("lm_head_weight", (vocab, hidden))
+    for i in range(config.num_layers):
+        layout.update(_layer_layout(config, i))
+    return layout
+
+
+def is_ignored(name: str, config: ModelConfig) -> bool:
+    """True for tensors that may be present but are not loaded (a tied model's lm_head copy,
+    cached rotary frequencies)."""
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return True
+    return name.endswith(IGNORED_SUFFIXES)
+
+
+def _layer_layout(config: ModelConfig, i: int) -> dict[str, TensorSlot]:
+    src, dst = f"model.layers.{i}", f"layers.{i}"
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    qkv_bands = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows),
+                 "v_proj": (q_rows + kv_rows, kv_rows)}
+    layout = {
+        f"{src}.input_layernorm.weight": TensorSlot(f"{dst}.input_norm.weight", (hidden,)),
+        f"{src}.post_attention_layernorm.weight":
+            TensorSlot(f"{dst}.post_attention_norm.weight", (hidden,)),
+        f"{src}.self_attn.o_proj.weight": TensorSlot(f"{dst}.attn.o_weight", (hidden, q_rows)),
+        f"{src}.mlp.gate_proj.weight": TensorSlot(f"{dst}.mlp.gate_up_weight", (inter, hidden)),
+        f"{src}.mlp.up_proj.weight":
+            TensorSlot(f"{dst}.mlp.gate_up_weight", (inter, hidden), row_start=inter),
+        f"{src}.mlp.down_proj.weight": TensorSlot(f"{dst}.mlp.down_weight", (hidden, inter)),
+    }
+    for proj, (start, rows) in qkv_bands.items():
+        layout[f"{src}.self_attn.{proj}.weight"] = TensorSlot(
+            f"{dst}.attn.qkv_weight", (rows, hidden), row_start=start)
+        if has_qkv_bias(config):
+            layout[f"{src}.self_attn.{proj}.bias"] = TensorSlot(
+                f"{dst}.attn.qkv_bias", (rows,), row_start=start)
+    if has_o_bias(config):
+        layout[f"{src}.self_attn.o_proj.bias"] = TensorSlot(f"{dst}.attn.o_bias", (hidden,))
+    if config.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            layout[f"{src}.self_attn.{name}.weight"] = TensorSlot(
+                f"{dst}.attn.{name}.weight", (head_dim,))
+    return layout

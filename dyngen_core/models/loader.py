@@ -1,0 +1,171 @@
+"""Reading safetensors checkpoints (single file or sharded) into a model's parameters.
+
+Headers are read and checked against the expected layout before any weight is touched, so a
+mismatched checkpoint fails fast with a message naming the tensor. Weights then stream one tensor
+at a time: read from the file, cast and copied straight into the device parameter, so the host
+never holds more than one tensor. Only safetensors are read: no pickle, no remote code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from dyngen_core.config import ModelConfig
+from dyngen_core.errors import ModelFolderError, WeightsError
+from dyngen_core.models.layout import TensorSlot, is_ignored
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_MAX_LISTED = 5
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the checkpoint header describes it."""
+
+    file: Path
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def find_weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: the shards named by the index, model.safetensors, or else every
+    ``*.safetensors`` file in the folder."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return _files_from_index(index)
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in folder.glob("*.bin"))
+        hint = (f" (found {', '.join(pickled)}: pickled weights are not loaded; re-save them with "
+                "safe_serialization=True)" if pickled else "")
+        raise ModelFolderError(
+            f"no .safetensors weights in {str(folder)!r}{hint}; the folder needs "
+            f"{SINGLE_FILE} or {INDEX_FILE} and its shards"
+        )
+    return files
+
+
+def read_inventory(files: list[Path]) -> dict[str, TensorInfo]:
+    """Every tensor in the checkpoint's headers, by name (no weights are read)."""
+    inventory: dict[str, TensorInfo] = {}
+    for path in files:
+        with _open(path) as f:
+            for name in f.keys():
+                if name in inventory:
+                    raise WeightsError(
+                        f"tensor {name!r} appears in both {inventory[name].file.name} and "
+                        f"{path.name}; remove the stray file from the model folder"
+                    )
+                info = f.get_slice(name)
+                shape = tuple(int(d) for d in info.get_shape())
+                nbytes = _DTYPE_BYTES.get(info.get_dtype(), 1) * _numel(shape)
+                inventory[name] = TensorInfo(path, shape, nbytes)
+    return inventory
+
+
+def check_inventory(inventory: Mapping[str, TensorInfo], layout: Mapping[str, TensorSlot],
+                    config: ModelConfig) -> None:
+    """Raise WeightsError when the checkpoint lacks, adds or misshapes a tensor."""
+    arch = config.architecture
+    missing = [name for name in layout if name not in inventory]
+    if missing:
+        hint = (" (if the model shares its input and output embeddings, set "
+                "\"tie_word_embeddings\": true in config.json)" if "lm_head.weight" in missing
+                else "")
+        raise WeightsError(
+            f"the checkpoint lacks {len(missing)} tensor(s) a {arch} with this config.json "
+            f"needs: {_listing(missing)}; the weights and config.json disagree{hint}"
+        )
+    unexpected = [n for n in inventory if n not in layout and not is_ignored(n, config)]
+    if unexpected:
+        raise WeightsError(
+            f"the checkpoint holds {len(unexpected)} tensor(s) a {arch} with this config.json "
+            f"does not use: {_listing(unexpected)}; check 'architectures' and "
+            "'num_hidden_layers' in config.json"
+        )
+    for name, slot in layout.items():
+        info = inventory[name]
+        if info.shape != slot.shape:
+            raise WeightsError(
+                f"tensor {name!r} in {info.file.name} has shape {list(info.shape)} but "
+                f"config.json implies {list(slot.shape)}; the weights and config.json disagree "
+                "(check hidden_size, num_attention_heads, num_key_value_heads, head_dim, "
+                "intermediate_size, vocab_size)"
+            )
+
+
+def load_weights(params: Mapping[str, torch.Tensor], layout: Mapping[str, TensorSlot],
+                 inventory: Mapping[str, TensorInfo], *, progress: bool = False,
+                 description: str = "Loading weights") -> None:
+    """Copy every tensor of ``layout`` into its band of ``params`` (cast and moved on the way).
+
+    progress: show a tqdm bar over the bytes read.
+    """
+    by_file: dict[Path, list[str]] = {}
+    for name in layout:
+        by_file.setdefault(inventory[name].file, []).append(name)
+    total = sum(inventory[name].nbytes for name in layout)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=description,
+              disable=not progress) as bar:
+        for path, names in by_file.items():
+            with _open(path) as f:
+                for name in names:
+                    slot = layout[name]
+                    rows = slot.shape[0]
+                    target = params[slot.param][slot.row_start:slot.row_start + rows]
+                    target.copy_(f.get_tensor(name))
+                    bar.update(inventory[name].nbytes)
+
+
+def _files_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise WeightsError(
+            f"{str(index)!r} is not a valid safetensors index (needs a 'weight_map' object): "
+            f"{exc}; re-download it or delete it when the folder holds {SINGLE_FILE}"
+        ) from exc
+    files = [index.parent / name for name in names]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ModelFolderError(
+            f"{index.name} names shard(s) missing from {str(index.parent)!r}: "
+            f"{_listing(absent)}; download every shard of the checkpoint"
+        )
+    return files
+
+
+def _open(path: Path) -> Any:
+    """safe_open with a WeightsError naming the file for unreadable or corrupt headers."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise WeightsError(
+            f"{str(path)!r} is not a readable safetensors file ({exc}); the file is corrupt or "
+            "truncated: download it again"
+        ) from exc
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")

@@ -1,0 +1,126 @@
+"""`Model`: a Llama-family causal language model running over a paged KV cache.
+
+One forward computes a whole flattened batch (prefill chunks and decode tokens of many sequences
+together) described by a `ForwardBatch`; keys and values go to a `KVStorage` through an
+`AttentionBackend`. Logits are computed only for the rows the batch asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dyngen_core.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.config import ModelConfig
+from dyngen_core.models.layers import DecoderLayer, Placement, RMSNorm, empty_parameter
+from dyngen_core.models.layout import checkpoint_layout
+from dyngen_core.models.loader import (
+    check_inventory,
+    find_weight_files,
+    load_weights,
+    read_inventory,
+)
+from dyngen_core.models.placement import resolve_device, resolve_dtype
+from dyngen_core.models.rope import RotaryEmbedding
+from dyngen_core.storage.base import KVStorage
+
+
+class Model(nn.Module):
+    """A Llama, Mistral, Qwen2 or Qwen3 model (SmolLM2 and Llama 3.x included).
+
+    Build one with `Model.load`; the constructor allocates uninitialised weights.
+
+    config: the model's shape, from config.json.
+    device: where embeddings, final norm, lm_head and forward metadata live.
+    dtype: the weights' and activations' precision.
+    layer_devices: one device per decoder layer (default: all on ``device``). Hidden states move
+        to each layer's device during the forward, so a model may later be split over devices.
+    model_dir: the folder the weights came from, if any.
+    """
+
+    def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+                 layer_devices: Sequence[torch.device] | None = None,
+                 model_dir: Path | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.model_dir = model_dir
+        self.layer_devices = list(layer_devices or [device] * config.num_layers)
+        if len(self.layer_devices) != config.num_layers:
+            raise ValueError(f"layer_devices has {len(self.layer_devices)} entries; the model "
+                             f"has {config.num_layers} layers")
+        place = Placement(device, dtype)
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_weight = empty_parameter(*shape, place=place)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, Placement(layer_device, dtype))
+            for i, layer_device in enumerate(self.layer_devices)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, place)
+        self.lm_head_weight = (
+            self.embed_weight if config.tie_word_embeddings
+            else empty_parameter(*shape, place=place)
+        )
+        self.rotary = RotaryEmbedding(config, device)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None,
+             dtype: str | torch.dtype | None = None, progress: bool = False) -> Model:
+        """Load a Hugging Face model folder (config.json + safetensors, single or sharded).
+
+        model_dir: the folder holding config.json and the .safetensors files.
+        device: None or "auto" picks CUDA when available, else the CPU; or any torch device.
+        dtype: None or "auto" picks the checkpoint's torch_dtype on CUDA and float32 on the CPU
+            (half-precision matrix products are slow on CPUs); or "bfloat16", "float16",
+            "float32" or the torch dtype.
+        progress: show a progress bar over the bytes loaded.
+
+        Raises ModelFolderError (missing folder, config.json or weights),
+        UnsupportedArchitectureError, or WeightsError (corrupt file; missing, unexpected or
+        wrongly shaped tensor), each naming the file or tensor.
+        """
+        folder = Path(model_dir)
+        config = ModelConfig.from_model_dir(folder)
+        inventory = read_inventory(find_weight_files(folder))
+        layout = checkpoint_layout(config)
+        check_inventory(inventory, layout, config)
+        target = resolve_device(device)
+        model = cls(config, device=target, dtype=resolve_dtype(dtype, config.torch_dtype, target),
+                    model_dir=folder)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        load_weights(params, layout, inventory, progress=progress,
+                     description=f"Loading {folder.name}")
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, storage: KVStorage,
+                backend: AttentionBackend) -> torch.Tensor:
+        """Run one flattened batch; returns float32 logits [S, vocab] for the rows in
+        ``batch.logits_indices`` (in that order). Writes this step's keys/values to storage."""
+        hidden = self.forward_hidden(batch, storage, backend)
+        return self.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, storage: KVStorage,
+                       backend: AttentionBackend) -> torch.Tensor:
+        """The last decoder layer's output [T, hidden] (before the final norm) on ``device``."""
+        x = F.embedding(batch.input_ids, self.embed_weight)
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        rotary_by_device = {self.device: (cos, sin)}
+        for layer, layer_device in zip(self.layers, self.layer_devices, strict=True):
+            if layer_device not in rotary_by_device:
+                rotary_by_device[layer_device] = (cos.to(layer_device), sin.to(layer_device))
+            layer_cos, layer_sin = rotary_by_device[layer_device]
+            x = layer(x.to(layer_device, non_blocking=True), layer_cos, layer_sin, batch,
+                      storage, backend)
+        return x.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head over hidden rows [S, hidden]; float32 logits [S, vocab]."""
+        return F.linear(self.norm(hidden), self.lm_head_weight).float()

@@ -1,0 +1,93 @@
+"""Unquantized KV storage ("fp16" mode): pages kept in the model's own dtype.
+
+Per layer, one key and one value tensor [num_pages, page_size, num_kv_heads, head_dim] on that
+layer's device. Writes scatter rows to flat slots; gathers return whole pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dyngen_core.config import ModelConfig
+from dyngen_core.plan import PageCopy
+
+
+class FP16Storage:
+    """Paged keys/values in the compute dtype ("fp16" means: the model's dtype, unquantized).
+
+    config: the model's shape (layers, kv heads, head_dim).
+    num_pages, page_size: the cache's pages and slots per page.
+    dtype: the storage dtype (the model's dtype).
+    layer_devices: one device per layer; each layer's pages live there.
+
+    Tensors start zeroed: padded page-table entries and masked slots are read by batched
+    attention, and garbage such as NaN in them would leak through a zero attention weight.
+    """
+
+    mode = "fp16"
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 layer_devices: Sequence[torch.device]) -> None:
+        if len(layer_devices) != config.num_layers:
+            raise ValueError(f"layer_devices has {len(layer_devices)} entries; the model has "
+                             f"{config.num_layers} layers")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dtype = dtype
+        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
+        self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store key/value rows [T, num_kv_heads, head_dim] at flat slots [T]."""
+        keys, values = self.keys[layer], self.values[layer]
+        slots = slot_mapping.to(keys.device, non_blocking=True)
+        keys.view(-1, *keys.shape[2:]).index_copy_(0, slots, key.to(self.dtype))
+        values.view(-1, *values.shape[2:]).index_copy_(0, slots, value.to(self.dtype))
+
+    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``page_table`` [B, P], as [B, P * page_size, Hkv, head_dim]."""
+        keys, values = self.keys[layer], self.values[layer]
+        pages = page_table.to(keys.device, dtype=torch.long, non_blocking=True)
+        return keys[pages].flatten(1, 2), values[pages].flatten(1, 2)
+
+    def copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        """Copy slot ranges between pages in every layer, in order.
+
+        When no copy reads a page an earlier copy writes, all of them run as one indexed copy per
+        tensor (the common case: partial-page reuse, defrag moves into free pages).
+        """
+        if not copies:
+            return
+        if _independent(copies):
+            src, dst = _slot_indices(copies, self.page_size)
+            for tensor in (*self.keys, *self.values):
+                flat = tensor.view(-1, *tensor.shape[2:])
+                index_src, index_dst = src.to(tensor.device), dst.to(tensor.device)
+                flat.index_copy_(0, index_dst, flat.index_select(0, index_src))
+            return
+        for copy in copies:
+            for tensor in (*self.keys, *self.values):
+                tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
+
+    def nbytes(self) -> int:
+        """Device memory held by the key and value tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def _independent(copies: Sequence[PageCopy]) -> bool:
+    """True when no copy's source page is written by any copy (so order does not matter)."""
+    written = {c.dst for c in copies}
+    return not any(c.src in written for c in copies) and len(written) == len(copies)
+
+
+def _slot_indices(copies: Sequence[PageCopy], page_size: int) -> tuple[torch.Tensor, ...]:
+    src: list[int] = []
+    dst: list[int] = []
+    for c in copies:
+        src.extend(range(c.src * page_size, c.src * page_size + c.num_slots))
+        dst.extend(range(c.dst * page_size, c.dst * page_size + c.num_slots))
+    return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
