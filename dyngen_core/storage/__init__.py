@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.storage.base import KVStorage
 from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.storage.quant import MODE_BITS, QuantStorage
 
 StorageFactory = Callable[
     [ModelConfig, int, int, torch.dtype, Sequence[torch.device]], KVStorage
@@ -17,6 +19,7 @@ StorageFactory = Callable[
 # Mode name -> constructor taking (config, num_pages, page_size, dtype, layer_devices).
 STORAGE_MODES: dict[str, StorageFactory] = {
     "fp16": FP16Storage,
+    **{mode: partial(QuantStorage, mode=mode) for mode in MODE_BITS},
 }
 
 
@@ -37,4 +40,4 @@ def make_storage(mode: str, config: ModelConfig, num_pages: int, page_size: int,
     return factory(config, num_pages, page_size, dtype, layer_devices)
 
 
-__all__ = ["FP16Storage", "KVStorage", "STORAGE_MODES", "make_storage"]
+__all__ = ["FP16Storage", "KVStorage", "QuantStorage", "STORAGE_MODES", "make_storage"]

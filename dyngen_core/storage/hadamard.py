@@ -1,0 +1,82 @@
+"""The fixed orthogonal rotation applied to keys and values before they are quantized.
+
+A rotation ``R = H_n · diag(s) / sqrt(n)`` (``H_n`` the Sylvester Hadamard matrix, ``s`` a fixed
+±1 sign pattern) spreads an outlier channel evenly over ``n`` values, so the per-group scale is
+set by the typical magnitude rather than by one channel. ``R`` is orthogonal: ``R⁻¹ = Rᵀ =
+diag(s) · H_n / sqrt(n)``, and since attention only needs dot products, a kernel may work in the
+rotated space (rotate q, un-rotate the output) without un-rotating each cached row.
+
+The transform is computed as a fast Walsh-Hadamard butterfly (stage ``h = 1, 2, 4, ...``: pairs
+``(a, b)`` at distance ``h`` become ``(a + b, a - b)``) in float32, then scaled by ``1/sqrt(n)``.
+The native CUDA kernels run the very same additions in the same order, so both paths round
+identically and the torch code is an exact oracle for them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# The sign pattern comes from a fixed integer hash, not from a random generator, so it is the
+# same on every machine, torch version and device. 256 covers every supported head_dim.
+MAX_ROTATION_SIZE = 256
+
+
+def rotation_signs(n: int) -> torch.Tensor:
+    """The fixed ±1 float32 sign pattern of length ``n`` (a power of two, at most 256)."""
+    if n <= 0 or n & (n - 1) or n > MAX_ROTATION_SIZE:
+        raise ValueError(f"rotation size {n} must be a power of two in 1..{MAX_ROTATION_SIZE}")
+    signs = [1.0 if _hash_bit(i) else -1.0 for i in range(n)]
+    return torch.tensor(signs, dtype=torch.float32)
+
+
+def _hash_bit(i: int) -> int:
+    # splitmix64 finalizer: a well-mixed bit per index, fixed forever.
+    z = (i + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 1
+
+
+def walsh_hadamard(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Unnormalized fast Walsh-Hadamard transform over consecutive blocks of ``n`` values of
+    the last dimension (``x.shape[-1]`` must be a multiple of ``n``, a power of two)."""
+    shape = x.shape
+    blocks = x.reshape(-1, shape[-1] // n, n)
+    h = 1
+    while h < n:
+        pairs = blocks.reshape(blocks.shape[0], blocks.shape[1], n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        blocks = torch.stack((a + b, a - b), dim=-2).reshape(blocks.shape)
+        h *= 2
+    return blocks.reshape(shape)
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Apply ``R`` to each block of ``len(signs)`` values of the last dimension, in float32."""
+    n = signs.shape[0]
+    x32 = x.to(torch.float32) * _tile(signs, x.shape[-1]).to(x.device)
+    return walsh_hadamard(x32, n) * _inv_sqrt(n)
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Apply ``R⁻¹`` (the inverse of `rotate`) to float32 ``y``."""
+    n = signs.shape[0]
+    return walsh_hadamard(y, n) * _inv_sqrt(n) * _tile(signs, y.shape[-1]).to(y.device)
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """The normalized rotation ``R`` as an explicit [n, n] float32 matrix (``rotate(x) = x @ Rᵀ``);
+    for tests and for kernels that prefer a matmul."""
+    signs = rotation_signs(n)
+    return rotate(torch.eye(n), signs).T.contiguous()
+
+
+def _tile(signs: torch.Tensor, width: int) -> torch.Tensor:
+    return signs.repeat(width // signs.shape[0])
+
+
+def _inv_sqrt(n: int) -> float:
+    # float32 constant, the same value the CUDA kernel receives as an argument.
+    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))

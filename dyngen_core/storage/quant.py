@@ -1,0 +1,194 @@
+"""Quantized KV storage: the "q8", "q6" and "q4" cache modes.
+
+Per layer, on that layer's device, four tensors indexed by page (format in `qformat`):
+
+    key_codes, value_codes    [num_pages, page_size, num_kv_heads, packed_bytes]  int8 / uint8
+    key_scales, value_scales  [num_pages, page_size, num_kv_heads, head_dim / 32] float16
+
+Rows are quantized as they are written (`write`) and dequantized only for the pages a step
+references (`gather`). On CUDA, the native kernels of csrc/ do the work when they could be built
+(`native.load_native`); otherwise, and on CPU, the torch reference codec does.
+
+Bits per mode (keys, values): q8 = (8, 8), q6 = (6, 6), q4 = (4, 4): about 1.88x, 2.46x and
+3.56x the tokens of a 16-bit cache in the same memory. q6 packs 6-bit codes rather than keeping
+keys at 8 bits and values at 4 (the same bytes): measured on the demo model, 6/6 gives the lower
+KL divergence (see BENCHMARKS.md and benchmarks/cache_quality.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dyngen_core.config import ModelConfig
+from dyngen_core.plan import PageCopy
+from dyngen_core.storage import native
+from dyngen_core.storage.hadamard import rotation_signs
+from dyngen_core.storage.qformat import (
+    GROUP_SIZE,
+    QuantFormat,
+    check_head_dim,
+    dequantize,
+    quantize,
+)
+
+MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantLayer:
+    """The page tensors of one layer (what a kernel reading quantized pages directly needs)."""
+
+    key_codes: torch.Tensor
+    key_scales: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.key_codes, self.key_scales, self.value_codes, self.value_scales)
+
+
+class QuantStorage:
+    """Paged, quantized key/value storage for every layer of one model (a `KVStorage`).
+
+    Args:
+        config: the model's shape (num_layers, num_kv_heads, head_dim; head_dim must be a
+            multiple of 32).
+        num_pages: pages per layer.
+        page_size: slots per page.
+        dtype: the compute dtype `gather` returns (the model dtype).
+        layer_devices: the device of each layer, ``config.num_layers`` entries.
+        mode: "q8", "q6" or "q4".
+        bits: (key bits, value bits) overriding the mode's default pair; for measurements.
+        use_native: use the csrc/ CUDA kernels for layers on CUDA when they build (False forces
+            the torch reference everywhere).
+    """
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 layer_devices: Sequence[torch.device | str], mode: str = "q4", *,
+                 bits: tuple[int, int] | None = None, use_native: bool = True) -> None:
+        if mode not in MODE_BITS:
+            raise ValueError(f"quantized cache mode {mode!r} is unknown; use one of "
+                             f"{tuple(MODE_BITS)} (or 'fp16' for the unquantized storage)")
+        if len(layer_devices) != config.num_layers:
+            raise ValueError(f"layer_devices has {len(layer_devices)} entries; the model has "
+                             f"{config.num_layers} layers")
+        check_head_dim(config.head_dim)
+        self.mode = mode
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dtype = dtype
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        key_bits, value_bits = bits or MODE_BITS[mode]
+        self.key_format = QuantFormat(key_bits)
+        self.value_format = QuantFormat(value_bits)
+        self.devices = [torch.device(d) for d in layer_devices]
+        self.layers = [self._allocate(device) for device in self.devices]
+        self._signs = {d: rotation_signs(GROUP_SIZE).to(d) for d in set(self.devices)}
+        wants_native = use_native and any(d.type == "cuda" for d in self.devices)
+        self._native = native.load_native() if wants_native else None
+
+    def _allocate(self, device: torch.device) -> QuantLayer:
+        rows = (self.num_pages, self.page_size, self.num_kv_heads)
+        groups = self.head_dim // GROUP_SIZE
+
+        def codes(fmt: QuantFormat) -> torch.Tensor:
+            shape = (*rows, fmt.packed_bytes(self.head_dim))
+            return torch.zeros(shape, dtype=fmt.code_dtype, device=device)
+
+        def scales() -> torch.Tensor:
+            return torch.zeros((*rows, groups), dtype=torch.float16, device=device)
+
+        return QuantLayer(codes(self.key_format), scales(), codes(self.value_format), scales())
+
+    def _kernels(self, layer: int) -> native.NativeKernels | None:
+        return self._native if self.devices[layer].type == "cuda" else None
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Quantize key/value rows [T, num_kv_heads, head_dim] and store them at the flat
+        slots ``slot_mapping`` [T] (page * page_size + offset)."""
+        pages = self.layers[layer]
+        signs = self._signs[self.devices[layer]]
+        kernels = self._kernels(layer)
+        if kernels is not None:
+            kernels.quantize_write(key, value, slot_mapping, pages.key_codes, pages.key_scales,
+                                   pages.value_codes, pages.value_scales, signs,
+                                   self.key_format.bits, self.value_format.bits)
+            return
+        slots = slot_mapping.to(torch.int64)
+        for rows, codes, scales, fmt in (
+            (key, pages.key_codes, pages.key_scales, self.key_format),
+            (value, pages.value_codes, pages.value_scales, self.value_format),
+        ):
+            packed, row_scales = quantize(rows, fmt, signs)
+            codes.view(-1, *codes.shape[2:]).index_copy_(0, slots, packed)
+            scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, row_scales)
+
+    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of the pages in ``page_table`` [B, P], each
+        [B, P * page_size, num_kv_heads, head_dim] in the compute dtype."""
+        pages = self.layers[layer]
+        signs = self._signs[self.devices[layer]]
+        kernels = self._kernels(layer)
+        out_shape = (page_table.shape[0], page_table.shape[1] * self.page_size,
+                     self.num_kv_heads, self.head_dim)
+        results = []
+        for codes, scales, fmt in (
+            (pages.key_codes, pages.key_scales, self.key_format),
+            (pages.value_codes, pages.value_scales, self.value_format),
+        ):
+            if kernels is not None:
+                out = torch.empty(out_shape, dtype=self.dtype, device=codes.device)
+                kernels.dequantize_gather(codes, scales, page_table, signs, fmt.bits, out)
+            else:
+                index = page_table.to(device=codes.device, dtype=torch.int64)
+                rows = dequantize(codes[index], scales[index], fmt, signs, self.dtype)
+                out = rows.reshape(out_shape)
+            results.append(out)
+        return results[0], results[1]
+
+    def copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` (codes and
+        scales, keys and values), in every layer, in the order given."""
+        copies = [c for c in copies if c.src != c.dst and c.num_slots > 0]
+        for c in copies:
+            self._check_copy(c)
+        if not copies:
+            return
+        by_kernels: dict[torch.device, list[torch.Tensor]] = {}
+        for layer, pages in enumerate(self.layers):
+            if self._kernels(layer) is not None:
+                by_kernels.setdefault(self.devices[layer], []).extend(pages.tensors())
+                continue
+            for c in copies:
+                for tensor in pages.tensors():
+                    tensor[c.dst, : c.num_slots].copy_(tensor[c.src, : c.num_slots])
+        for tensors in by_kernels.values():
+            assert self._native is not None
+            self._native.copy_pages(tensors, copies)
+
+    def _check_copy(self, copy: PageCopy) -> None:
+        for page in (copy.src, copy.dst):
+            if not 0 <= page < self.num_pages:
+                raise IndexError(f"page copy {copy} names page {page}; the storage holds pages "
+                                 f"0..{self.num_pages - 1}")
+        if copy.num_slots > self.page_size:
+            raise ValueError(f"page copy {copy} copies {copy.num_slots} slots; a page holds "
+                             f"{self.page_size}")
+
+    def nbytes(self) -> int:
+        """Bytes held by the page tensors (codes and scales of every layer)."""
+        return sum(t.numel() * t.element_size() for p in self.layers for t in p.tensors())
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes over all layers (keys and values, codes and scales)."""
+        per_head = (self.key_format.bytes_per_row(self.head_dim)
+                    + self.value_format.bytes_per_row(self.head_dim))
+        return len(self.layers) * self.num_kv_heads * per_head
