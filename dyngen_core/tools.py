@@ -1,0 +1,248 @@
+"""Tool calling for every front end: tool specs, tool_choice, the prompt, the output format and
+the constraint that forces calls. The parser that reads calls out of model output (whole or
+streamed) lives in `dyngen_core.tool_parser` and is re-exported here.
+
+Framework-neutral and pure Python (no torch, no LangChain, no LlamaIndex): the adapters convert
+their own tool and message types to the plain dicts used here.
+
+Output format. A model calls tools by answering with a JSON list, and nothing else::
+
+    [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+This is what `tool_calls_schema` enforces by constrained decoding (tool_choice "required" or a
+tool name) and what `fallback_messages` writes for past calls. The parser also reads the formats
+that models trained on native tool templates produce by themselves: a single
+``{"name": ..., "arguments"|"parameters": ...}`` object and ``<tool_call>{...}</tool_call>``
+blocks (Hermes, Qwen), with text around them kept as content.
+
+Templates. When a model's chat template handles ``tools`` (it reads a ``tools`` variable), the
+adapters pass the tools and HF-style messages to it. Otherwise `fallback_messages` is the
+documented fallback: a system message lists the tools and the format above, past calls are
+written in that format, and tool results become user messages.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dyngen_core.tool_parser import (
+    InvalidToolCall,
+    ToolCall,
+    ToolCallParser,
+    ToolStreamDelta,
+    call_dict,
+    new_call_id,
+    parse_tool_calls,
+)
+
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool the model may call: its name, what it does, and the JSON schema of its arguments
+    (an object schema)."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object"})
+
+    @classmethod
+    def from_dict(cls, tool: Mapping[str, Any]) -> ToolSpec:
+        """Read an OpenAI-style tool: ``{"type": "function", "function": {...}}`` or the bare
+        ``{"name", "description", "parameters"}`` function dict."""
+        function = tool.get("function", tool)
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tool needs a non-empty 'name'; got {dict(tool)!r}")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        return cls(name, str(function.get("description") or ""), parameters)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``{"type": "function", "function": {...}}`` form chat templates expect."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description,
+            "parameters": dict(self.parameters)}}
+
+
+# ---- tool choice -----------------------------------------------------------------------------
+
+
+def normalize_tool_choice(tool_choice: Any, tools: Sequence[ToolSpec]) -> str:
+    """Map a tool_choice to "auto", "none", "required" or the name of one of ``tools``.
+
+    Accepted: None/"auto", "none", "any"/"required"/True, a tool name, or
+    ``{"type": "function", "function": {"name": ...}}`` / ``{"name": ...}``.
+    """
+    if isinstance(tool_choice, Mapping):
+        tool_choice = tool_choice.get("function", tool_choice).get("name")
+    if tool_choice is None or tool_choice == "auto":
+        return "auto"
+    if tool_choice is False or tool_choice == "none":
+        return "none"
+    if tool_choice is True or tool_choice in ("any", "required"):
+        if not tools:
+            raise ValueError(f"tool_choice={tool_choice!r} needs at least one tool")
+        return "required"
+    names = [t.name for t in tools]
+    if tool_choice not in names:
+        raise ValueError(
+            f"tool_choice={tool_choice!r} is not one of the bound tools {names}; pass a tool "
+            "name, 'auto', 'none', 'any' or 'required'"
+        )
+    return str(tool_choice)
+
+
+# ---- prompt and history (the fallback for templates without tools support) -------------------
+
+
+def template_supports_tools(template: str | None) -> bool:
+    """Whether a chat template renders tools itself (it reads the ``tools`` variable)."""
+    return bool(template) and bool(_TOOLS_VARIABLE.search(template or ""))
+
+
+def render_tools_prompt(tools: Sequence[ToolSpec], tool_choice: str = "auto") -> str:
+    """The system text that tells a model without native tool support how to call ``tools``.
+
+    tool_choice: a normalized choice (see `normalize_tool_choice`); "required" and a tool name
+    add a sentence saying a call is expected.
+    """
+    listing = "\n".join(
+        json.dumps({"name": t.name, "description": t.description,
+                    "parameters": t.parameters}, ensure_ascii=False)
+        for t in tools
+    )
+    rule = {
+        "auto": "If a tool helps, call it; otherwise answer normally.",
+        "required": "You must call at least one tool.",
+    }.get(tool_choice, f"You must call the tool {tool_choice!r}.")
+    return (
+        f"You can call these tools:\n{listing}\n\n"
+        "To call tools, answer with only a JSON list of calls, for example:\n"
+        '[{"name": "tool_name", "arguments": {"argument": "value"}}]\n'
+        f"The results come back in the next message. {rule}"
+    )
+
+
+def format_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
+    """Calls (dicts with ``name`` and ``arguments``) written in the output format."""
+    return json.dumps([{"name": c["name"], "arguments": c.get("arguments") or {}}
+                       for c in calls], ensure_ascii=False)
+
+
+def fallback_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[ToolSpec] = (),
+    tool_choice: str = "auto",
+) -> list[dict[str, Any]]:
+    """Rewrite HF-style chat messages for a template that knows nothing of tools.
+
+    An assistant message's ``tool_calls`` (``[{"id", "function": {"name", "arguments"}}]``) are
+    appended to its content in the output format; consecutive ``tool`` messages become one user
+    message listing each result; with ``tools`` (and tool_choice not "none") the tools prompt is
+    added to the first system message, or becomes one.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            line = f"Result of tool call {message.get('tool_call_id') or ''} " \
+                   f"({message.get('name') or 'tool'}): {message.get('content') or ''}"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + line
+            else:
+                out.append({"role": "user", "content": line, "_tool_results": True})
+            continue
+        plain = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
+        calls = message.get("tool_calls") or []
+        if calls:
+            written = format_tool_calls([call_dict(c) for c in calls])
+            text = plain.get("content") or ""
+            plain["content"] = f"{text}\n{written}" if text else written
+        out.append(plain)
+    for message in out:
+        message.pop("_tool_results", None)
+    if tools and tool_choice != "none":
+        prompt = render_tools_prompt(tools, tool_choice)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+# ---- the constraint ----------------------------------------------------------------------------
+
+
+def tool_calls_schema(
+    tools: Sequence[ToolSpec], tool_choice: str, parallel: bool = True
+) -> dict[str, Any] | None:
+    """The JSON schema that forces a tool call, or None when nothing is forced.
+
+    tool_choice "required": a list of one or more calls of any of ``tools`` (exactly one unless
+    ``parallel``); a tool name: exactly one call of that tool; "auto"/"none": None. Argument
+    schemas have their local ``$ref``s inlined and, where they leave it open, no extra keys.
+    """
+    if tool_choice in ("auto", "none"):
+        return None
+    chosen = [t for t in tools if tool_choice == "required" or t.name == tool_choice]
+    items = [_call_schema(t) for t in chosen]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+        "minItems": 1,
+    }
+    if not parallel or tool_choice != "required":
+        schema["maxItems"] = 1
+    return schema
+
+
+def _call_schema(tool: ToolSpec) -> dict[str, Any]:
+    arguments = inline_refs(dict(tool.parameters))
+    arguments.pop("title", None)
+    arguments.setdefault("type", "object")
+    arguments.setdefault("properties", {})
+    arguments.setdefault("additionalProperties", False)
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def inline_refs(schema: dict[str, Any], max_depth: int = 32) -> dict[str, Any]:
+    """Replace local ``{"$ref": "#/$defs/X"}`` (or ``#/definitions/X``) by the definition, so the
+    schema can be nested inside another one. Recursive schemas raise ValueError."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+
+    def resolve(node: Any, depth: int) -> Any:
+        if depth > max_depth:
+            raise ValueError("the schema is recursive (a $ref refers to itself); it cannot be "
+                             "inlined into a tool-call constraint")
+        if isinstance(node, list):
+            return [resolve(n, depth) for n in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.split("/")[-1] in defs:
+            rest = {k: v for k, v in node.items() if k != "$ref"}
+            return {**resolve(defs[ref.split("/")[-1]], depth + 1), **resolve(rest, depth)}
+        return {k: resolve(v, depth) for k, v in node.items() if k not in ("$defs", "definitions")}
+
+    resolved: dict[str, Any] = resolve(schema, 0)
+    return resolved
+
+
+
+
+__all__ = [
+    "InvalidToolCall", "ToolCall", "ToolCallParser", "ToolSpec", "ToolStreamDelta",
+    "fallback_messages", "format_tool_calls", "inline_refs", "new_call_id",
+    "normalize_tool_choice", "parse_tool_calls", "render_tools_prompt",
+    "template_supports_tools", "tool_calls_schema",
+]
