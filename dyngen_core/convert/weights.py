@@ -1,0 +1,124 @@
+"""GGUF tensors to Hugging Face Llama tensors, written to one safetensors file as they come.
+
+llama.cpp renames tensors (``blk.0.attn_q.weight``), quantizes them, and permutes the rows of the
+q and k projections so that rotary embedding pairs adjacent dimensions instead of the two halves
+of each head. Here each tensor is dequantized with `gguf.quants`, its q/k permutation undone, cast
+to the output dtype and streamed into the file, so converting never holds more than one
+dequantized tensor in memory. numpy only, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dyngen_core.errors import ConversionError
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# safetensors dtype name and numpy cast for each output dtype.
+OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face Llama name of a GGUF tensor name."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ConversionError(
+            f"GGUF tensor {gguf_name!r} has no Llama counterpart; only plain llama-architecture "
+            "files (no MoE, no rope_freqs) can be converted"
+        )
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its convert script's ``permute``) for a projection
+    with ``num_heads`` heads: rows go back from interleaved pairs to per-head halves."""
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ConversionError(
+            f"a q/k projection with {rows} rows cannot hold {num_heads} rotary heads"
+        )
+    half = rows // num_heads // 2
+    per_head = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(weight.shape))
+
+
+def cast(array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array`` (float32) as the bytes of ``dtype``: float32, float16 or bfloat16 (round to
+    nearest even, returned as uint16 since numpy has no bfloat16)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if dtype == "float32":
+        return array
+    if dtype == "float16":
+        return array.astype(np.float16)
+    if dtype == "bfloat16":
+        bits = array.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return rounded.astype(np.uint16)
+    raise ConversionError(f"output dtype {dtype!r} is unknown; use one of {list(OUTPUT_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One output tensor: its name, shape, and a function producing its float32 values."""
+
+    name: str
+    shape: tuple[int, ...]
+    load: Callable[[], np.ndarray]
+
+
+def write_safetensors(
+    path: Path,
+    sources: list[TensorSource],
+    dtype: str,
+    progress: Callable[[Iterable[TensorSource]], Iterable[TensorSource]] = iter,
+) -> None:
+    """Write ``sources`` to a safetensors file at ``path``, one tensor in memory at a time."""
+    width = 4 if dtype == "float32" else 2
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for source in sources:
+        size = width * int(np.prod(source.shape, dtype=np.int64))
+        header[source.name] = {
+            "dtype": OUTPUT_DTYPES[dtype], "shape": list(source.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for source in progress(sources):
+            values = source.load()
+            if tuple(values.shape) != source.shape:
+                raise ConversionError(
+                    f"tensor {source.name} dequantized to shape {values.shape}, "
+                    f"expected {source.shape}"
+                )
+            f.write(cast(values, dtype).tobytes())

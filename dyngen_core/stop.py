@@ -1,0 +1,194 @@
+"""When a job's text must end or be taken back: stop tokens, stop strings, banned strings.
+
+`StopMatcher` ends a job on a stop token or a stop string. Text that could be the start of a stop
+string is held back until it is known not to be one, and a matched stop string (with everything
+after it) is never emitted. `BannedStringMatcher` finds banned strings, case-insensitively, and
+holds back text while one may be starting, so the generator can rewind to where it began and
+sample something else. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from dyngen_core.errors import JobError
+
+
+class StopResult(NamedTuple):
+    """What `StopMatcher.feed_text` releases: ``text`` is safe to emit now; ``stop_string`` is
+    the stop string that matched (the job ends; nothing after ``text`` is ever emitted)."""
+
+    text: str
+    stop_string: str | None
+
+
+class BanResult(NamedTuple):
+    """What `BannedStringMatcher.feed_text` releases: ``text`` is safe to emit now; on a match,
+    ``banned`` is the banned string and ``offset`` the character offset (counted over all text
+    fed so far, emitted or held) where it starts."""
+
+    text: str
+    banned: str | None = None
+    offset: int | None = None
+
+
+def _checked(strings: Iterable[str], what: str) -> tuple[str, ...]:
+    out = tuple(strings)
+    for s in out:
+        if not isinstance(s, str) or not s:
+            raise JobError(f"{what} must be non-empty strings, got {s!r}")
+    return out
+
+
+class _PrefixIndex:
+    """Finds the longest end of a text that is a proper prefix of one of ``strings``."""
+
+    def __init__(self, strings: tuple[str, ...]) -> None:
+        self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
+        self._longest = max((len(s) - 1 for s in strings), default=0)
+
+    def held_length(self, text: str) -> int:
+        for k in range(min(self._longest, len(text)), 0, -1):
+            if text[-k:] in self._prefixes:
+                return k
+        return 0
+
+
+class StopMatcher:
+    """Stop conditions of one job.
+
+    stop_token_ids: ids that end the job when sampled (they never become text).
+    stop_strings: strings that end the job when they appear in its text.
+    """
+
+    def __init__(
+        self, stop_token_ids: Iterable[int] = (), stop_strings: Iterable[str] = ()
+    ) -> None:
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.stop_strings = _checked(stop_strings, "stop strings")
+        self._index = _PrefixIndex(self.stop_strings)
+        self._held = ""
+        self.matched: str | None = None
+
+    @property
+    def held_text(self) -> str:
+        """Text held back because it may be the start of a stop string."""
+        return self._held
+
+    def feed_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a stop token."""
+        return token_id in self.stop_token_ids
+
+    def feed_text(self, text: str) -> StopResult:
+        """Add newly decoded text; returns what may be emitted and the stop string if one matched.
+        After a match, further text is ignored."""
+        if self.matched is not None:
+            return StopResult("", self.matched)
+        if not self.stop_strings:
+            return StopResult(text, None)
+        buffer = self._held + text
+        at, found = _earliest(buffer, self.stop_strings)
+        if found is not None:
+            self._held = ""
+            self.matched = found
+            return StopResult(buffer[:at], found)
+        keep = self._index.held_length(buffer)
+        self._held = buffer[len(buffer) - keep :]
+        return StopResult(buffer[: len(buffer) - keep], None)
+
+    def flush(self) -> str:
+        """Release the held text (the job ended another way). Empty after a stop-string match."""
+        held, self._held = self._held, ""
+        return held
+
+
+def _earliest(text: str, strings: tuple[str, ...]) -> tuple[int, str | None]:
+    best_at, best = len(text), None
+    for s in strings:
+        at = text.find(s, 0, best_at + len(s))
+        if at != -1 and at < best_at:
+            best_at, best = at, s
+    return best_at, best
+
+
+def _fold(text: str) -> str:
+    """Lower case, one character for one, so offsets in the folded text are offsets in ``text``."""
+    lowered = text.lower()
+    if len(lowered) == len(text):
+        return lowered
+    # A few characters lower to two ("İ"); keep those as they are.
+    return "".join(c.lower() if len(c.lower()) == 1 else c for c in text)
+
+
+class BannedStringMatcher:
+    """Banned strings of one job, matched case-insensitively.
+
+    banned: strings the job's text must never contain. Use `find` and `safe_prefix_length` on a
+    text the caller holds, or let the matcher hold the text with `feed_text`, `rewind`, `flush`.
+    """
+
+    def __init__(self, banned: Iterable[str]) -> None:
+        self.banned = _checked(banned, "banned strings")
+        self._folded = tuple(_fold(s) for s in self.banned)
+        self._index = _PrefixIndex(self._folded)
+        self._held = ""
+        self._emitted = 0
+
+    def find(self, text: str) -> int | None:
+        """Offset in ``text`` where the earliest banned string starts, or None."""
+        at, found = _earliest(_fold(text), self._folded)
+        return None if found is None else at
+
+    def find_banned(self, text: str) -> tuple[int, str] | None:
+        """Like `find`, with the banned string (as given) that matched."""
+        at, found = _earliest(_fold(text), self._folded)
+        return None if found is None else (at, self.banned[self._folded.index(found)])
+
+    def safe_prefix_length(self, text: str) -> int:
+        """Length of the start of ``text`` that no banned string can reach: before a full match,
+        and before an end that may still grow into one."""
+        folded = _fold(text)
+        at, found = _earliest(folded, self._folded)
+        if found is not None:
+            return at
+        return len(text) - self._index.held_length(folded)
+
+    @property
+    def held_text(self) -> str:
+        """Text fed with `feed_text` and not released yet."""
+        return self._held
+
+    @property
+    def held_offset(self) -> int:
+        """Offset of the held text's first character in all text fed so far."""
+        return self._emitted
+
+    def feed_text(self, text: str) -> BanResult:
+        """Add decoded text; returns what may be emitted, and the banned string and its start
+        offset on a match (the matched text stays held until `rewind`)."""
+        self._held += text
+        match = self.find_banned(self._held)
+        if match is not None:
+            at, banned = match
+            released = self._release(at)
+            return BanResult(released, banned, self._emitted)
+        return BanResult(self._release(self.safe_prefix_length(self._held)))
+
+    def rewind(self, offset: int) -> None:
+        """Drop held text from ``offset`` (counted over all text fed) on, after the generator
+        took back the tokens that produced it."""
+        if offset < self._emitted:
+            raise JobError(
+                f"cannot rewind to offset {offset}: text up to {self._emitted} was already emitted"
+            )
+        self._held = self._held[: offset - self._emitted]
+
+    def flush(self) -> str:
+        """Release all held text (the job ended)."""
+        return self._release(len(self._held))
+
+    def _release(self, length: int) -> str:
+        out, self._held = self._held[:length], self._held[length:]
+        self._emitted += length
+        return out
