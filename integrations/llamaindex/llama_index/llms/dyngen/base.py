@@ -1,0 +1,309 @@
+"""`DynGenLLM`: a LlamaIndex `FunctionCallingLLM` on dyngen's shared job queue.
+
+Every call — sync, async, streaming, from any thread — becomes one `Job` submitted to the
+process-wide `BackgroundGenerator` for the model folder (`shared_generator`), so concurrent
+calls from a query engine batch together and prompts that share a prefix share cache pages.
+Async methods await the job's handle and never block the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dyngen_core import BackgroundGenerator, EngineOptions, JobHandle, shared_generator
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+
+from llama_index.llms.dyngen.chat import ChatTurn, prepare_turn
+from llama_index.llms.dyngen.params import build_job, take_call_options
+from llama_index.llms.dyngen.streams import (
+    aiter_chunks,
+    await_final,
+    iter_chunks,
+    metrics,
+    wait_final,
+)
+from llama_index.llms.dyngen.tool_calling import (
+    prepare_tools_kwargs,
+    tool_selections,
+    validate_tool_response,
+)
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
+_ENGINE_FIELDS = tuple(EngineOptions.model_fields)
+
+
+class DynGenLLM(FunctionCallingLLM):
+    """A local model served by dyngen's dynamic-batching engine.
+
+    Args:
+        model_dir: folder of a Hugging Face Llama-family model (config.json, safetensors,
+            tokenizer.json); `dyngen fetch-demo-model` gives a small one.
+        max_tokens: most tokens generated per call (LlamaIndex's ``num_output``).
+        temperature, top_p, top_k, min_p, repetition_penalty: sampling; None keeps the model's
+            generation_config.json default. temperature 0 is greedy.
+        seed: makes sampling reproducible, whatever else shares the batch.
+        stop: strings that end generation (the model's end-of-turn tokens always do).
+        context_window: report a smaller window to LlamaIndex than the model and cache allow
+            (it decides how much retrieved text to pack into one prompt).
+        engine_options: an `EngineOptions`; or give its fields directly (cache_tokens,
+            cache_mode, device, dtype, max_batch_size, max_chunk_size, attention_backend,
+            dedup, prompt_cache). LLMs on the same folder with the same engine options share
+            one engine — with each other and with dyngen's LangChain classes.
+
+    Every generation field can be overridden per call as a keyword argument, as can
+    ``constraint`` (a JSON schema dict, pydantic class, regex or choices; see
+    `dyngen_core.constraints`), ``banned_strings`` and ``min_tokens``.
+    """
+
+    model_dir: str = Field(description="Folder of the model (config.json, weights, tokenizer).")
+    max_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
+    # Ranges are checked by SamplerSettings at construction, with the engine's own messages.
+    temperature: float | None = Field(default=None, description="0 is greedy.")
+    top_p: float | None = Field(default=None, description="Nucleus mass (0 or 1 = off).")
+    top_k: int | None = Field(default=None, description="Keep the k likeliest (0 = off).")
+    min_p: float | None = Field(default=None, description="Relative probability floor.")
+    repetition_penalty: float | None = Field(default=None, description="> 1 discourages.")
+    seed: int | None = Field(default=None)
+    stop: list[str] = Field(default_factory=list, description="Strings that end generation.")
+    context_window: int | None = Field(default=None, gt=0)
+    engine_options: EngineOptions = Field(default_factory=EngineOptions, exclude=True)
+
+    _engine: BackgroundGenerator = PrivateAttr()
+    _metadata: LLMMetadata = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_engine_options(cls, data: Any) -> Any:
+        """Accept EngineOptions fields as top-level keywords; EngineOptions validates them."""
+        if not isinstance(data, dict):
+            return data
+        flat = {k: data.pop(k) for k in _ENGINE_FIELDS if k in data}
+        if flat:
+            if data.get("engine_options") is not None:
+                raise ValueError(
+                    f"give engine options either as engine_options=EngineOptions(...) or as "
+                    f"keywords ({', '.join(sorted(flat))}), not both"
+                )
+            data["engine_options"] = EngineOptions(**flat)
+        return data
+
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**data)
+        folder = Path(self.model_dir)
+        self._engine = shared_generator(folder, engine_options=self.engine_options)
+        generator = self._engine.generator
+        self._metadata = LLMMetadata(
+            context_window=self.context_window or _usable_window(generator),
+            num_output=self.max_tokens,
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=folder.resolve().name,
+        )
+        # Fail here, not at the first call, on sampling values the engine refuses.
+        build_job([0], self._fields({}), stop_token_ids=(), model_defaults=self._model_defaults)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "DynGenLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return self._metadata
+
+    @property
+    def engine(self) -> BackgroundGenerator:
+        """The shared `BackgroundGenerator` this LLM submits to (for stats or direct jobs)."""
+        return self._engine
+
+    # ---- completion ------------------------------------------------------------------------
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        final = wait_final(self._submit_text(prompt, formatted, kwargs, "complete"))
+        return CompletionResponse(text=final["full_completion"], raw=metrics(final))
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        handle = self._submit_text(prompt, formatted, kwargs, "stream_complete")
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for delta, result in iter_chunks(handle):
+                text += delta
+                raw = metrics(result) if result["eos"] else None
+                yield CompletionResponse(text=text, delta=delta, raw=raw)
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        final = await await_final(self._submit_text(prompt, formatted, kwargs, "acomplete"))
+        return CompletionResponse(text=final["full_completion"], raw=metrics(final))
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        handle = self._submit_text(prompt, formatted, kwargs, "astream_complete")
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for delta, result in aiter_chunks(handle):
+                text += delta
+                raw = metrics(result) if result["eos"] else None
+                yield CompletionResponse(text=text, delta=delta, raw=raw)
+
+        return gen()
+
+    # ---- chat ------------------------------------------------------------------------------
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        turn, handle = self._submit_chat(messages, kwargs, "chat")
+        final = wait_final(handle)
+        return turn.response(final["full_completion"], raw=metrics(final))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        turn, handle = self._submit_chat(messages, kwargs, "stream_chat")
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for delta, result in iter_chunks(handle):
+                text += delta
+                raw = metrics(result) if result["eos"] else None
+                yield turn.response(text, delta=delta, raw=raw, final=result["eos"])
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        turn, handle = self._submit_chat(messages, kwargs, "achat")
+        final = await await_final(handle)
+        return turn.response(final["full_completion"], raw=metrics(final))
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        turn, handle = self._submit_chat(messages, kwargs, "astream_chat")
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for delta, result in aiter_chunks(handle):
+                text += delta
+                raw = metrics(result) if result["eos"] else None
+                yield turn.response(text, delta=delta, raw=raw, final=result["eos"])
+
+        return gen()
+
+    # ---- tools -----------------------------------------------------------------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Chat keyword arguments for a tool-calling turn.
+
+        tool_required (or tool_choice "required"): the reply must be a tool call; tool_choice
+        may also name one tool, or be "none". The call is then enforced by constrained
+        decoding, so its arguments always match the tool's schema.
+        allow_parallel_tool_calls: let one reply hold several calls.
+        """
+        return prepare_tools_kwargs(
+            tools, user_msg, chat_history,
+            allow_parallel_tool_calls=allow_parallel_tool_calls,
+            tool_required=tool_required, tool_choice=tool_choice, extra=kwargs,
+        )
+
+    def _validate_chat_with_tools_response(
+        self,
+        response: ChatResponse,
+        tools: Sequence[BaseTool],
+        allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        return validate_tool_response(response, allow_parallel_tool_calls)
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The tool calls in a response, also a partial one from a stream (calls still being
+        written come back with the arguments written so far)."""
+        return tool_selections(response, error_on_no_tool_call)
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    @property
+    def _model_defaults(self) -> dict[str, Any]:
+        return dict(self._engine.generator.model.config.generation_defaults)
+
+    def _fields(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        fields = {
+            "max_tokens": self.max_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+            "stop": list(self.stop),
+        }
+        fields.update(overrides)
+        return fields
+
+    def _submit_text(
+        self, prompt: str, formatted: bool, kwargs: dict[str, Any], method: str
+    ) -> JobHandle:
+        fields = self._fields(take_call_options(dict(kwargs), method))
+        text = prompt if formatted else self.completion_to_prompt(prompt)
+        tokenizer = self._engine.tokenizer
+        add_bos = bool(tokenizer.add_bos_token and tokenizer.bos_token_id is not None)
+        ids = tokenizer.encode(text, add_bos=add_bos)
+        return self._submit(ids, fields, constraint=None)
+
+    def _submit_chat(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], method: str
+    ) -> tuple[ChatTurn, JobHandle]:
+        kwargs = dict(kwargs)
+        turn = prepare_turn(self._engine.tokenizer, messages, kwargs, self.messages_to_prompt)
+        fields = self._fields(take_call_options(kwargs, method))
+        return turn, self._submit(turn.input_ids, fields, constraint=turn.constraint)
+
+    def _submit(self, ids: list[int], fields: dict[str, Any], constraint: Any) -> JobHandle:
+        job = build_job(
+            ids, fields, stop_token_ids=self._engine.tokenizer.eos_token_ids,
+            model_defaults=self._model_defaults, constraint=constraint,
+        )
+        return self._engine.submit(job)
+
+
+def _usable_window(generator: Any) -> int:
+    """The longest prompt plus output one job can hold: the model's trained length, bounded by
+    the cache (a job that does not fit in the whole cache is refused)."""
+    model_window = int(generator.model.config.max_position_embeddings)
+    return min(model_window, int(generator.cache.max_tokens))

@@ -1,0 +1,80 @@
+"""One chat turn: the prompt ids to submit, the constraint to decode under, and how to read
+the reply back into a LlamaIndex `ChatResponse` (text, or text plus tool calls).
+
+The prompt goes through the model's own chat template. A turn with tools is rendered,
+constrained and parsed by `dyngen_core.tools` (shared with the LangChain adapter), through
+`ToolTurn`; this module only adapts LlamaIndex objects to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
+
+from llama_index.llms.dyngen.messages import assistant_message, to_template_messages
+from llama_index.llms.dyngen.tool_calling import ToolTurn
+
+TOOL_KEYS = ("tools", "tool_choice", "tool_required", "allow_parallel_tool_calls")
+
+
+@dataclass
+class ChatTurn:
+    """A prepared chat call. ``response`` is called once per streamed chunk (with the text so
+    far) or once at the end; it keeps what it showed so that ``delta`` is the new content."""
+
+    input_ids: list[int]
+    constraint: Any = None
+    tools: ToolTurn | None = None
+    _shown: str = field(default="", repr=False)
+
+    def response(
+        self, text: str, *, delta: str | None = None, raw: Any = None, final: bool = True
+    ) -> ChatResponse:
+        """The assistant reply for generated ``text`` (all of it so far)."""
+        if self.tools is None:
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            return ChatResponse(message=message, delta=delta, raw=raw)
+        content, calls = self.tools.parse(text, final=final)
+        message = assistant_message(content, calls)
+        if delta is not None:
+            # Stream the reply's prose, not the tool-call markup the model writes around it.
+            delta = content[len(self._shown):] if content.startswith(self._shown) else content
+        self._shown = content
+        return ChatResponse(message=message, delta=delta, raw=raw)
+
+
+def prepare_turn(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    kwargs: dict[str, Any],
+    messages_to_prompt: Callable[[Sequence[ChatMessage]], str],
+) -> ChatTurn:
+    """Build the prompt for ``messages``; pops the tool keywords out of ``kwargs``.
+
+    Without a chat template in the model folder, LlamaIndex's ``messages_to_prompt`` renders
+    the conversation as plain text (tools then need a template and are refused).
+    """
+    tool_args = {k: kwargs.pop(k) for k in TOOL_KEYS if k in kwargs}
+    if not messages:
+        raise ValueError("chat needs at least one message")
+    chat = to_template_messages(messages)
+    tools = ToolTurn.from_kwargs(tool_args)
+    if tools is not None or _has_tool_traffic(chat):
+        turn_tools = tools or ToolTurn.history_only()
+        text = turn_tools.render(tokenizer, chat)
+        ids = tokenizer.encode(text, encode_special_tokens=True)
+        return ChatTurn(ids, constraint=turn_tools.constraint(tokenizer), tools=tools)
+    if tokenizer.has_chat_template:
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        return ChatTurn(tokenizer.encode(text, encode_special_tokens=True))
+    add_bos = bool(tokenizer.add_bos_token and tokenizer.bos_token_id is not None)
+    return ChatTurn(tokenizer.encode(messages_to_prompt(messages), add_bos=add_bos))
+
+
+def _has_tool_traffic(chat: list[dict[str, Any]]) -> bool:
+    # Earlier tool calls and results must be rendered the way tools are, even on a turn that
+    # offers no tools, or a template without tool support would silently drop them.
+    return any(m.get("tool_calls") or m["role"] == "tool" for m in chat)
