@@ -1,0 +1,210 @@
+"""Token masks for constraints, from llguidance (CPU, Rust; no torch).
+
+`ConstraintCompiler` is built once per tokenizer (it wraps llguidance's view of the
+vocabulary, ~0.5 s for 50k tokens) and compiles each job's `Constraint` into a
+`ConstraintMatcher`: the job's own parser state. Masks are packed bitmasks (int32, bit
+``i % 32`` of word ``i // 32`` = token ``i`` allowed), the layout the sampler unpacks on the
+device. `ConstraintCompiler.fill_bitmasks` computes a batch of masks on llguidance's thread
+pool with the GIL released, so the generator can run it on a helper thread while the model's
+forward runs.
+
+Why llguidance: it compiles JSON schemas, regexes and Lark grammars in about a millisecond,
+computes a mask in tens of microseconds, enforces JSON (string escapes, numeric bounds) exactly,
+rolls back, and installs as one 3 MB wheel with no dependencies (xgrammar needs torch, triton
+and transformers; outlines-core has no grammars and ignores numeric bounds).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from dyngen_core.constraints.spec import Constraint, as_constraint
+from dyngen_core.errors import JobError
+
+
+class TokenizerLike(Protocol):
+    """What `ConstraintCompiler.from_tokenizer` reads (dyngen's `Tokenizer` fits)."""
+
+    @property
+    def backend(self) -> Any: ...
+
+    eos_token_ids: tuple[int, ...]
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise JobError(
+            "constrained decoding needs the llguidance package: pip install llguidance"
+        ) from exc
+    return llguidance
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one packed mask row."""
+    return (vocab_size + 31) // 32
+
+
+def bitmask_to_bool(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Packed int32 row(s) to bool ``[..., vocab_size]``."""
+    as_bytes = np.ascontiguousarray(words, dtype=np.int32).view(np.uint8)
+    bits = np.unpackbits(as_bytes, axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
+class ConstraintMatcher:
+    """One job's constraint state: which tokens may come next, fed the tokens that came.
+
+    Built by `ConstraintCompiler.matcher`. ``vocab_size`` is the logits width its masks cover.
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """Write the next-token mask into ``out``: a packed int32 row of `mask_words` words,
+        or a bool row of ``vocab_size``."""
+        if out.dtype == np.bool_:
+            out[...] = self.allowed_mask()[: out.shape[-1]]
+            return
+        if out.dtype != np.int32 or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError("fill_mask needs a contiguous int32 or bool numpy row")
+        if out.size < mask_words(self.vocab_size):
+            raise ValueError(f"a mask row needs {mask_words(self.vocab_size)} int32 words")
+        self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+    def bitmask(self) -> np.ndarray:
+        """The next-token mask, packed int32 ``[mask_words]``."""
+        row = np.zeros(mask_words(self.vocab_size), dtype=np.int32)
+        self.fill_mask(row)
+        return row
+
+    def allowed_mask(self) -> np.ndarray:
+        """The next-token mask as bool ``[vocab_size]``."""
+        return bitmask_to_bool(self.bitmask(), self.vocab_size)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one generated token. False when the constraint forbids it (the matcher
+        is then in an error state: see `error`)."""
+        return bool(self._matcher.consume_token(int(token_id)))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` accepted tokens (banned-string rewinds, rejected
+        drafts)."""
+        if num_tokens > 0 and not self._matcher.rollback(num_tokens):
+            raise JobError(f"the constraint cannot roll back {num_tokens} tokens: {self.error}")
+
+    def is_terminated(self) -> bool:
+        """True when nothing but EOS may follow: the output is complete (or an EOS was
+        accepted, or the matcher failed). The generator ends the job here."""
+        return bool(self._matcher.is_stopped())
+
+    def is_accepting(self) -> bool:
+        """True when the output so far is a complete match (EOS would be allowed). A job that
+        hits max_new_tokens while this is False did not satisfy its constraint."""
+        return bool(self._matcher.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed, or None."""
+        return str(self._matcher.get_error()) if self._matcher.is_error() else None
+
+
+class ConstraintCompiler:
+    """Compiles constraints for one tokenizer.
+
+    tokenizer_json: the tokenizer's ``tokenizer.json`` text.
+    eos_token_ids: the ids that end generation (allowed once the output is complete).
+    vocab_size: the logits width (may exceed the tokenizer's size; extra ids are never allowed).
+    """
+
+    def __init__(self, tokenizer_json: str, eos_token_ids: Iterable[int], vocab_size: int) -> None:
+        eos = list(dict.fromkeys(int(t) for t in eos_token_ids))
+        if not eos:
+            raise JobError("constrained decoding needs at least one EOS token id")
+        self.vocab_size = vocab_size
+        self._llg = _llguidance()
+        self._tokenizer = self._llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        self._executor: Any = None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: TokenizerLike, vocab_size: int) -> ConstraintCompiler:
+        """From a dyngen `Tokenizer` (its backend's JSON and its EOS ids)."""
+        return cls(tokenizer.backend.to_str(), tokenizer.eos_token_ids, vocab_size)
+
+    def grammar(self, constraint: Any) -> str:
+        """llguidance's grammar text for a constraint (anything `as_constraint` takes);
+        raises `JobError` with the engine's message when it is invalid."""
+        spec = as_constraint(constraint)
+        text = self._grammar_text(spec)
+        problem = self._llg.LLMatcher.validate_grammar(text, self._tokenizer)
+        if problem and not problem.startswith("WARNING"):
+            raise JobError(f"invalid {spec.kind} constraint: {problem.strip()}")
+        return str(text)
+
+    def matcher(self, constraint: Any) -> ConstraintMatcher:
+        """A fresh `ConstraintMatcher` for one job."""
+        text = self.grammar(constraint)
+        matcher = self._llg.LLMatcher(self._tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise JobError(f"invalid constraint: {matcher.get_error()}")
+        return ConstraintMatcher(matcher, self.vocab_size)
+
+    def new_bitmask(self, rows: int) -> np.ndarray:
+        """A zeroed packed-mask array ``[rows, mask_words]`` for `fill_bitmasks`."""
+        return np.zeros((rows, mask_words(self.vocab_size)), dtype=np.int32)
+
+    def fill_bitmasks(
+        self, matchers: Sequence[ConstraintMatcher | None], bitmask: np.ndarray
+    ) -> None:
+        """Row ``i`` of ``bitmask`` gets ``matchers[i]``'s mask (None rows are left as they
+        are), computed in parallel with the GIL released."""
+        if bitmask.dtype != np.int32 or not bitmask.flags["C_CONTIGUOUS"] or bitmask.ndim != 2:
+            raise ValueError("bitmask must be a contiguous int32 [rows, words] array")
+        if bitmask.shape[1] < mask_words(self.vocab_size):
+            raise ValueError(f"bitmask rows need {mask_words(self.vocab_size)} words")
+        work = [(m._matcher, i) for i, m in enumerate(matchers) if m is not None]
+        if not work:
+            return
+        if self._executor is None:
+            self._executor = self._llg.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(
+            work, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+
+    def _grammar_text(self, spec: Constraint) -> str:
+        lm = self._llg.LLMatcher
+        if spec.kind == "json_schema":
+            options: dict[str, Any] = {"whitespace_flexible": spec.flexible_whitespace}
+            if not spec.flexible_whitespace:
+                options.update(item_separator=", ", key_separator=": ")
+            try:
+                return str(lm.grammar_from_json_schema(json.loads(spec.source), defaults=options))
+            except ValueError as exc:
+                raise JobError(f"invalid JSON schema constraint: {exc}") from exc
+        if spec.kind == "regex":
+            return str(lm.grammar_from_regex(spec.source))
+        if spec.kind == "choice":
+            return str(lm.grammar_from_regex("|".join(_literal(c) for c in spec.choices)))
+        if spec.syntax == "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            return str(lm.grammar_from_lark(gbnf_to_lark(spec.source)))
+        return str(lm.grammar_from_lark(spec.source))
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly ``text`` (every non-alphanumeric character hex-escaped)."""
+    return "(" + "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}"
+                         for c in text) + ")"
+
+
+def build_matcher(constraint: Any, tokenizer: TokenizerLike, vocab_size: int) -> ConstraintMatcher:
+    """One-off convenience: compile ``constraint`` for ``tokenizer``. This rebuilds the
+    vocabulary view each call; a generator should keep one `ConstraintCompiler` instead."""
+    return ConstraintCompiler.from_tokenizer(tokenizer, vocab_size).matcher(constraint)

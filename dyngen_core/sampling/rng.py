@@ -1,0 +1,75 @@
+"""Counter-based random numbers: a draw depends only on ``(seed, counter, token id)``.
+
+Why: a job's output must not depend on which other jobs share its batch, and per-row
+``torch.Generator`` objects cannot be batched. So each row gets a 64-bit key from its
+``(seed, counter)`` on the host (splitmix64, exact Python integers), split into two 32-bit words
+``a``, ``b``; on the device every token id ``t`` is hashed as ``mix(mix(t + a) ^ b)`` where
+``mix`` is a two-round xor-shift-multiply integer hash ("lowbias32"-style, constants from the
+hash-prospector search, both below 2**31 so that every product of a 32-bit value stays below
+2**63: int64 arithmetic never overflows, on any backend). The top 24 bits give a uniform
+``u`` in (0, 1); the Gumbel-max trick ``argmax(logit + -log(-log u))`` then draws a token
+exactly from ``softmax(logits)`` with no sort, cumsum or normalisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+_M1 = 0x21F0AAAD
+_M2 = 0x735A2D97
+
+
+def splitmix64(x: int) -> int:
+    """One splitmix64 output for state ``x`` (host, exact)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, counter: int) -> tuple[int, int]:
+    """The two 32-bit words keying the draw number ``counter`` of a job seeded ``seed``."""
+    k = splitmix64(splitmix64(seed & _MASK64) ^ (counter & _MASK64))
+    return k & _MASK32, k >> 32
+
+
+def host_uniform(seed: int, counter: int, stream: int) -> float:
+    """A uniform in (0, 1) for per-row decisions taken on the host (e.g. whether XTC fires);
+    ``stream`` separates independent decisions of the same draw."""
+    a, b = row_key(seed, counter)
+    h = _mix32_int(_mix32_int((stream + a) & _MASK32) ^ b)
+    return ((h >> 8) + 0.5) / float(1 << 24)
+
+
+def _mix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * _M1) & _MASK32
+    x ^= x >> 15
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 15)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """In-place two-round hash of int64 values in [0, 2**32)."""
+    x ^= x >> 16
+    x.mul_(_M1).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(_M2).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
+
+
+def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise, float32 ``[rows, n]``.
+
+    keys: int64 ``[rows, 2]`` (the words from `row_key`), on the device.
+    token_ids: int64 ``[n]`` or ``[rows, n]``: the token each column stands for.
+    """
+    a = keys[:, :1]
+    b = keys[:, 1:]
+    h = _mix32((token_ids + a).bitwise_and_(_MASK32))
+    h = _mix32(h.bitwise_xor_(b))
+    u = (h >> 8).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
+    return u.log_().neg_().log_().neg_()

@@ -1,0 +1,147 @@
+"""The batched sampler: logits rows in, one token per row out, all on the logits' device.
+
+Stage order (fixed; a stage runs only on the rows whose settings use it, and is skipped
+entirely when no row does; see `SamplerSettings.active_stages`):
+
+ 1. bias: token_bias added; banned_tokens and tokens the constraint mask (``allowed_tokens``)
+    forbids set to ``-inf``; logit columns past ``vocab_size`` removed.
+ 2. penalties: repetition / frequency / presence, with range and decay (`penalties`).
+ 3. dry: DRY (match search on the host, one scatter on the device).
+    Greedy rows (temperature 0 or top_k 1) stop here and take the argmax.
+ 4. temperature (unless temperature_last), or dynamic temperature.
+ 5. top_k  6. top_p  7. min_p  8. typical  9. tfs  10. top_a
+11. xtc (its per-row coin flip is drawn on the host from the row's seed and counter)
+12. temperature_last
+13. mirostat v2 (the job's ``mu`` comes from its `SamplerState`, updated after the draw)
+14. draw: Gumbel-max with counter-based noise (`rng`): a job's tokens depend only on its seed
+    and counter, never on its neighbours in the batch.
+
+Only the sampled ids (and the chosen tokens' probabilities when a row needs them) cross to the
+host, in one transfer; top-k lists and raw logits cost one more transfer each, only when asked.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
+from dyngen_core.sampling.edits import apply_edits
+from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
+from dyngen_core.sampling.rng import row_key
+from dyngen_core.sampling.rows import Row, expand_rows
+from dyngen_core.sampling.shaping import candidate_bound, shape_distribution
+from dyngen_core.sampling.vocab import VocabTables
+
+
+class Sampler:
+    """Samples one token per logits row on the logits' device.
+
+    vocab_size: number of real tokens; logits columns past it are never sampled.
+    device: where the logits live (the small tensors the sampler builds go there).
+    token_pieces: the text of every token id, used for DRY's string sequence breakers and to
+        find newline tokens (which XTC never removes). Needed only when a job uses DRY with
+        string breakers (the default breakers are strings).
+    eos_token_ids: tokens XTC never removes.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: str | torch.device = "cpu",
+        *,
+        token_pieces: Sequence[str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._vocab = VocabTables(vocab_size, token_pieces, eos_token_ids)
+        self._seeds = random.Random()
+
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+    ) -> list[SampleResult]:
+        """Sample every request's rows and update mirostat states.
+
+        logits: ``[rows, width]`` with ``width >= vocab_size``, ``requests[i].num_rows`` rows per
+            request in request order, on ``device``; any float dtype; not modified.
+        Raises `SamplingError` (naming the requests) when a row has no allowed token left.
+        """
+        rows = expand_rows(requests, self._seeds)
+        if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits must be [{len(rows)}, >= {self.vocab_size}] (one row per request row); "
+                f"got {tuple(logits.shape)}"
+            )
+        x = logits.to(torch.float32, copy=True)
+        if x.shape[1] > self.vocab_size:
+            x[:, self.vocab_size:] = float("-inf")
+        apply_edits(x, rows, requests, self._vocab)
+        shape_distribution(x, rows, requests, self._vocab)
+        sampled = [i for i, r in enumerate(rows) if not r.settings.is_greedy]
+        choice = choose(
+            x,
+            [r.settings.is_greedy for r in rows],
+            [row_key(r.seed, r.counter) for r in rows],
+            candidate_bound([rows[i].settings for i in sampled], self.vocab_size),
+        )
+        return self._report(x, logits, choice, rows, requests)
+
+    def _report(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        choice: torch.Tensor,
+        rows: list[Row],
+        requests: Sequence[SampleRequest],
+    ) -> list[SampleResult]:
+        prob_rows = [i for i, r in enumerate(rows) if r.settings.mirostat
+                     or requests[r.request].return_probs]
+        ids, valid, probs = fetch_choices(x, choice, prob_rows)
+        dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
+        if dead:
+            raise SamplingError(
+                f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
+                "constraint mask removed every token); fail those jobs", dead)
+        starts = [i for i, r in enumerate(rows) if r.offset == 0]
+        results = []
+        for req, start in zip(requests, starts, strict=True):
+            span = range(start, start + req.num_rows)
+            result = SampleResult(token_ids=[ids[i] for i in span])
+            if req.return_probs:
+                result.token_probs = torch.tensor([probs[i] for i in span], dtype=torch.float32)
+            if req.settings.mirostat:
+                req.state.record_token(req.settings, probs[start])
+            results.append(result)
+        self._attach_extras(x, logits, rows, requests, starts, results)
+        return results
+
+    def _attach_extras(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        rows: list[Row],
+        requests: Sequence[SampleRequest],
+        starts: list[int],
+        results: list[SampleResult],
+    ) -> None:
+        top = [i for i, r in enumerate(rows) if requests[r.request].return_top_tokens > 0]
+        if top:
+            k = max(requests[rows[i].request].return_top_tokens for i in top)
+            tokens, probs = fetch_top_k(x, top, k)
+            where = {row: n for n, row in enumerate(top)}
+            for req, start, result in zip(requests, starts, results, strict=True):
+                if req.return_top_tokens > 0:
+                    sel = [where[start + j] for j in range(req.num_rows)]
+                    result.top_k_tokens = tokens[sel, : req.return_top_tokens]
+                    result.top_k_probs = probs[sel, : req.return_top_tokens]
+        raw = [i for i, r in enumerate(rows) if requests[r.request].return_logits]
+        if raw:
+            index = torch.tensor(raw, dtype=torch.int64, device=logits.device)
+            host = logits.index_select(0, index).to(torch.float32).cpu()
+            where = {row: n for n, row in enumerate(raw)}
+            for req, start, result in zip(requests, starts, results, strict=True):
+                if req.return_logits:
+                    result.logits = host[[where[start + j] for j in range(req.num_rows)]]
