@@ -1,0 +1,181 @@
+"""Triton kernels of the paged attention backend (`triton_paged` launches them).
+
+One program serves one block of query rows of one sequence against one KV head: the rows are
+``BLOCK_Q`` tokens x ``G_PAD`` query heads of that KV head's group (GQA), so a decode program
+reads each key and value of the group once for all its query heads. A third grid axis splits the
+context ("split-K", flash-decoding): each split writes a partial result with its log-sum-exp and
+`combine_splits_kernel` merges them.
+
+Pages are read in place through the page table, in one of two layouts:
+
+- float pages (``K_BITS == 0``): [num_pages, page_size, num_kv_heads, head_dim] in fp16/bf16/fp32;
+- quantized pages (``K_BITS`` in 4, 6, 8): codes [num_pages, page_size, num_kv_heads, packed]
+  (bytes; value ``d`` starts at bit ``d * bits`` of its row, little-endian) and float16 scales
+  [num_pages, page_size, num_kv_heads, head_dim / 32], in the group-rotated space of
+  `storage.hadamard`. Since the rotation ``R`` is orthogonal, ``q . k = (q R^T) . k'`` and
+  ``sum p v = (sum p v') R``: the kernel rotates q once and un-rotates the output once instead
+  of un-rotating every cached row.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ROTATION_GROUP = 32
+
+
+@triton.jit
+def _rotate_rows(x, rot, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """x [BLOCK_M, HEAD_PAD] float32 times ``rot`` [32, 32] in each group of 32 columns."""
+    groups = tl.reshape(x, (BLOCK_M * (HEAD_PAD // 32), 32))
+    out = tl.dot(groups, rot, input_precision="ieee")
+    return tl.reshape(out, (BLOCK_M, HEAD_PAD))
+
+
+@triton.jit
+def _load_rows(base_ptr, scale_ptr, row_off, scale_off, mask, dims,
+               BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows [BLOCK_N, HEAD_PAD] of a page tensor as float32 (dequantized when BITS > 0); columns
+    past HEAD_DIM read as 0. row_off / scale_off [BLOCK_N, 1]: element offsets of each row in
+    the codes / scales tensor."""
+    mask = mask & (dims < HEAD_DIM)[None, :]
+    if BITS == 0:
+        return tl.load(base_ptr + row_off + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    bit = dims * BITS
+    byte = (bit // 8)[None, :]
+    shift = (bit % 8)[None, :]
+    lo = tl.load(base_ptr + row_off + byte, mask=mask, other=0).to(tl.int32)
+    if BITS == 8:
+        code = tl.where(lo >= 128, lo - 256, lo)
+    elif BITS == 4:
+        code = ((lo >> shift) & 15) - 8
+    else:
+        # A 6-bit code may straddle two bytes; the second byte is needed only for shifts 4 and
+        # 6, which never fall in a row's last byte, so masking past the row's end is exact.
+        needs_hi = (byte + 1) < (HEAD_DIM * BITS // 8)
+        hi = tl.load(base_ptr + row_off + byte + 1, mask=mask & needs_hi, other=0).to(tl.int32)
+        code = (((lo | (hi << 8)) >> shift) & 63) - 32
+    scale = tl.load(scale_ptr + scale_off + (dims // 32)[None, :], mask=mask, other=0.0)
+    return code.to(tl.float32) * scale.to(tl.float32)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, stride_qt, stride_qh,
+    k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    rot_ptr,
+    page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
+    block_seq_ptr, block_first_ptr,
+    out_ptr, stride_ot, stride_oh,
+    part_out_ptr, part_lse_ptr,
+    scale_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
+    else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``."""
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = block
+        first = block * 0
+    else:
+        seq = tl.load(block_seq_ptr + block)
+        first = tl.load(block_first_ptr + block)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    ctx = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // G_PAD
+    head_in_group = rows % G_PAD
+    row_valid = (token < q_len) & (head_in_group < G) & (rows < BLOCK_Q * G_PAD)
+    head = kv_head * G + head_in_group
+    position = ctx - q_len + token
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q = q.to(tl.float32)
+    if K_BITS > 0:
+        r32 = tl.arange(0, 32)
+        rot_t = tl.load(rot_ptr + r32[None, :] * 32 + r32[:, None])  # R^T
+        q = _rotate_rows(q, rot_t, BLOCK_M, HEAD_PAD)
+    q = (q * scale_log2).to(q_ptr.dtype.element_ty)
+
+    last_token = tl.minimum(first + BLOCK_Q, q_len)
+    kv_end = ctx - q_len + last_token
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, kv_end)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_valid = keys < kv_hi
+        page = tl.load(table_row + keys // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = (keys % PAGE_SIZE).to(tl.int64)
+        kmask = key_valid[:, None]
+        k_off = (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None]
+        ks_off = (page * stride_ksp + slot * stride_kss + kv_head * stride_ksh)[:, None]
+        k = _load_rows(k_ptr, ks_ptr, k_off, ks_off, kmask, dims, K_BITS, HEAD_DIM)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+        visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None]
+        vs_off = (page * stride_vsp + slot * stride_vss + kv_head * stride_vsh)[:, None]
+        v = _load_rows(v_ptr, vs_ptr, v_off, vs_off, kmask, dims, V_BITS, HEAD_DIM)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if V_BITS > 0:
+        r32b = tl.arange(0, 32)
+        rot = tl.load(rot_ptr + r32b[:, None] * 32 + r32b[None, :])
+        acc = _rotate_rows(acc, rot, BLOCK_M, HEAD_PAD)
+    out_token = (q_start + token).to(tl.int64)
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + (out_token * stride_ot + head * stride_oh)[:, None] + dims[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        # Partials: [T, H, NUM_SPLITS, HEAD_PAD] and log2-sum-exp [T, H, NUM_SPLITS].
+        part_row = (out_token * tl.num_programs(1) * G + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+                          num_heads, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Grid (tokens, heads): merge the split partials of one query row into the output."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    row = (token * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - top)
+    parts = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_PAD + dims[None, :],
+                    mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)

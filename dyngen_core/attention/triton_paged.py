@@ -1,0 +1,200 @@
+"""The Triton paged-attention backend: reads fp16/bf16 or quantized (q8/q6/q4) pages in place.
+
+`TritonPagedBackend.attend` writes the step's keys and values through the storage, then launches
+`triton_kernels.paged_attention_kernel` over the page table: no gather of whole pages, no
+dequantized copy of the cache. Decode-only batches take a launch whose shape depends on the batch
+size alone (one program per sequence and KV head, the context split into a fixed number of
+parts merged by a second kernel), so it can be captured in a CUDA graph and replayed with new
+page tables and context lengths. Batches with prefill chunks map query blocks to sequences with a
+small table built once per forward on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.triton_kernels import (
+    ROTATION_GROUP,
+    combine_splits_kernel,
+    paged_attention_kernel,
+)
+from dyngen_core.storage.base import KVStorage
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PageOperands:
+    """What the kernel reads for one layer: page tensors (codes as uint8 when quantized), their
+    float16 scales (None for float pages) and the code widths (0 for float pages)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None
+    value_scales: torch.Tensor | None
+    key_bits: int
+    value_bits: int
+
+
+def page_operands(storage: KVStorage, layer: int) -> PageOperands:
+    """The page tensors of ``layer`` for the storage modes dyngen ships (fp16 and q8/q6/q4)."""
+    if storage.mode == "fp16":
+        return PageOperands(storage.keys[layer], storage.values[layer],  # type: ignore[attr-defined]
+                            None, None, 0, 0)
+    pages = storage.layers[layer]  # type: ignore[attr-defined]
+    return PageOperands(
+        pages.key_codes.view(torch.uint8), pages.value_codes.view(torch.uint8),
+        pages.key_scales, pages.value_scales,
+        storage.key_format.bits, storage.value_format.bits,  # type: ignore[attr-defined]
+    )
+
+
+@dataclass(frozen=True)
+class _QueryBlocks:
+    """Query blocks of a batch with prefill chunks: block i is sequence ``seq[i]`` from its
+    query token ``first[i]``."""
+
+    seq: torch.Tensor
+    first: torch.Tensor
+
+
+class TritonPagedBackend:
+    """Paged attention in Triton over any dyngen storage mode (CUDA, or the Triton interpreter).
+
+    block_n: keys per inner-loop step.
+    prefill_rows: query rows (tokens x heads of a KV group) per prefill program.
+    max_splits: most parts the context of a decode is split into.
+    programs_per_sm: decode programs aimed for per multiprocessor when choosing the split count.
+    num_warps: warps per program.
+    """
+
+    name = "triton"
+
+    def __init__(self, *, block_n: int = 64, prefill_rows: int = 64, max_splits: int = 32,
+                 programs_per_sm: int = 4, num_warps: int = 4) -> None:
+        self.block_n = block_n
+        self.prefill_rows = prefill_rows
+        self.max_splits = max_splits
+        self.programs_per_sm = programs_per_sm
+        self.num_warps = num_warps
+        self._blocks: tuple[ForwardBatch, int, _QueryBlocks] | None = None
+        self._rotations: dict[torch.device, torch.Tensor] = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
+        storage.write(layer, k, v, batch.slot_mapping)
+        return self.attend_cached(layer, q, storage, batch, scale)
+
+    def attend_cached(self, layer: int, q: torch.Tensor, storage: KVStorage,
+                      batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Attention of q [T, H, D] over the pages already in storage (keys written)."""
+        ops = page_operands(storage, layer)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = ops.keys.shape[2]
+        group = num_heads // num_kv_heads
+        group_pad = triton_next_pow2(group)
+        head_pad = max(triton_next_pow2(head_dim), ROTATION_GROUP if ops.key_bits else 16)
+        out = torch.empty_like(q)
+        if batch.is_decode_only:
+            rows, block_q, grid0 = max(16, group_pad), 1, batch.num_seqs
+            splits = self._decode_splits(batch.num_seqs * num_kv_heads, q.device)
+            blocks = None
+        else:
+            rows = max(self.prefill_rows, group_pad)
+            block_q, splits = rows // group_pad, 1
+            blocks = self._query_blocks(batch, block_q, q.device)
+            grid0 = int(blocks.seq.shape[0])
+        parts, lse = _split_buffers(num_tokens, num_heads, splits, head_pad, q.device)
+        ks, vs = ops.key_scales, ops.value_scales
+        rotation = self._rotation(q.device) if ops.key_bits or ops.value_bits else q
+        grid = (grid0, num_kv_heads, splits)
+        paged_attention_kernel[grid](
+            q, q.stride(0), q.stride(1),
+            ops.keys, ops.values, *ops.keys.stride()[:3], *ops.values.stride()[:3],
+            ks if ks is not None else ops.keys, vs if vs is not None else ops.values,
+            *_strides3(ks), *_strides3(vs),
+            rotation,
+            batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
+            blocks.seq if blocks is not None else batch.query_start,
+            blocks.first if blocks is not None else batch.query_start,
+            out, out.stride(0), out.stride(1),
+            parts, lse,
+            scale * LOG2_E,
+            G=group, G_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=self.block_n,
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, PAGE_SIZE=batch.page_size,
+            K_BITS=ops.key_bits, V_BITS=ops.value_bits, NUM_SPLITS=splits,
+            DECODE=blocks is None, num_warps=self.num_warps,
+        )
+        if splits > 1:
+            combine_splits_kernel[(num_tokens, num_heads)](
+                parts, lse, out, out.stride(0), out.stride(1), num_heads,
+                NUM_SPLITS=splits, SPLITS_PAD=triton_next_pow2(splits), HEAD_DIM=head_dim,
+                HEAD_PAD=head_pad, num_warps=4,
+            )
+        return out
+
+    def _decode_splits(self, programs: int, device: torch.device) -> int:
+        """Split count from the batch shape only (never from context lengths), so a captured
+        graph stays valid for every context length."""
+        sms = _multiprocessors(device)
+        wanted = -(-self.programs_per_sm * sms // programs)
+        return max(1, min(self.max_splits, wanted))
+
+    def _query_blocks(self, batch: ForwardBatch, block_q: int,
+                      device: torch.device) -> _QueryBlocks:
+        cached = self._blocks
+        if cached is not None and cached[0] is batch and cached[1] == block_q:
+            return cached[2]
+        seq: list[int] = []
+        first: list[int] = []
+        for index, qlen in enumerate(batch.query_lens_host):
+            starts = range(0, qlen, block_q)
+            seq.extend([index] * len(starts))
+            first.extend(starts)
+        blocks = _QueryBlocks(_to_device(seq, device), _to_device(first, device))
+        self._blocks = (batch, block_q, blocks)
+        return blocks
+
+    def _rotation(self, device: torch.device) -> torch.Tensor:
+        """The storage's 32x32 rotation R (row-major float32) on ``device``."""
+        if device not in self._rotations:
+            from dyngen_core.storage.hadamard import hadamard_matrix
+
+            self._rotations[device] = hadamard_matrix(ROTATION_GROUP).to(device).contiguous()
+        return self._rotations[device]
+
+
+def triton_next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _split_buffers(tokens: int, heads: int, splits: int, head_pad: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if splits == 1:
+        empty = torch.empty(1, dtype=torch.float32, device=device)
+        return empty, empty
+    parts = torch.empty(tokens, heads, splits, head_pad, dtype=torch.float32, device=device)
+    lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
+    return parts, lse
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4  # the Triton interpreter on the CPU: a few splits still exercise the merge
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=torch.int32)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

@@ -1,0 +1,213 @@
+"""Decode through CUDA graphs: one graph per batch-size bucket, replayed with new metadata.
+
+A decode step (every slice one sampled token, no drafts) runs the same kernels every time; only
+the token ids, positions, slots, context lengths and page tables change. `DecodeGraphs` captures
+the model's forward once per bucket (1, 2, 4, 8, 16, 24, 32, ... up to the largest batch) over
+static input buffers, and for each step copies the step's metadata into those buffers (one
+pinned host staging area, two copies) and replays the smallest bucket that holds the batch.
+
+Rows of a bucket beyond the batch repeat the batch's last sequence (same token, position, slot
+and pages), so they write the very same key/value into the same slot and need no spare page;
+their logits are dropped.
+
+Capture runs the forward a few times to warm up, which writes keys/values to slot 0 of page 0:
+build the graphs before the cache holds data (the generator does it at construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dyngen_core.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.models import Model
+from dyngen_core.plan import StepPlan
+from dyngen_core.storage.base import KVStorage
+
+GRAPH_BACKENDS = ("triton", "flash")
+StepFunction = Callable[[ForwardBatch], torch.Tensor]
+
+
+def default_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 32, every 16 up to 128, every 32 beyond (nano-vllm's
+    spacing, a little denser): padding wastes at most ~1/8 of a large batch."""
+    sizes = [1, 2, 4, 8]
+    step_sizes = ((32, 8), (128, 16), (1 << 30, 32))
+    size = 8
+    for limit, step in step_sizes:
+        while size + step <= min(limit, max_batch_size):
+            size += step
+            sizes.append(size)
+    if sizes[-1] < max_batch_size:
+        sizes.append(max_batch_size)
+    return [s for s in sizes if s <= max_batch_size]
+
+
+@dataclass
+class _StaticInputs:
+    """The device buffers every graph reads, and their pinned host staging twins.
+
+    longs [3, B]: input_ids, positions, slot_mapping rows. ints: B context lengths, then the
+    page table [B, width], flat, so a bucket's lengths and page rows are one contiguous prefix.
+    """
+
+    longs: torch.Tensor
+    ints: torch.Tensor
+    query_start: torch.Tensor  # [B + 1] = arange: one query token per sequence
+    logits_indices: torch.Tensor  # [B] = arange
+    host_longs: torch.Tensor
+    host_ints: torch.Tensor
+    copied: torch.cuda.Event
+    capacity: int
+    width: int
+
+    def page_table(self, ints: torch.Tensor) -> torch.Tensor:
+        return ints[self.capacity:].view(self.capacity, self.width)
+
+    def batch(self, size: int, page_size: int) -> ForwardBatch:
+        """The ForwardBatch of a bucket: views of the first ``size`` rows."""
+        return ForwardBatch(
+            input_ids=self.longs[0, :size], positions=self.longs[1, :size],
+            slot_mapping=self.longs[2, :size], query_start=self.query_start[:size + 1],
+            context_lens=self.ints[:size], page_table=self.page_table(self.ints)[:size],
+            logits_indices=self.logits_indices[:size],
+            query_lens_host=[1] * size, context_lens_host=[1] * size, page_size=page_size,
+        )
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward for one model, storage and attention backend.
+
+    model: the Model (its ``forward(batch, storage, backend)`` is captured).
+    storage: the cache's KVStorage.
+    backend: an attention backend whose decode launch depends on the batch size alone
+        ("triton", "flash"); the sdpa backend reads host-side lengths and cannot be captured.
+    page_size: the cache's slots per page.
+    max_context: the longest sequence (prompt + generated) a graphed decode may hold; it sets
+        the width of the static page table.
+    max_batch_size: the largest bucket.
+    buckets: explicit bucket sizes (sorted, ascending); default `default_buckets`.
+    compile_model: run the forward through ``torch.compile`` before capturing, which fuses the
+        small element-wise kernels of norms, rotary and activations.
+    """
+
+    def __init__(self, model: Model, storage: KVStorage, backend: AttentionBackend,
+                 *, page_size: int, max_context: int, max_batch_size: int = 256,
+                 buckets: Sequence[int] | None = None, compile_model: bool = False) -> None:
+        if backend.name not in GRAPH_BACKENDS:
+            raise ValueError(f"CUDA graphs need a capturable attention backend "
+                             f"({', '.join(GRAPH_BACKENDS)}); got {backend.name!r}")
+        device = torch.device(model.device)
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a model on CUDA; this one is on {device}")
+        self.model, self.storage, self.backend = model, storage, backend
+        self.page_size = page_size
+        self.width = -(-max_context // page_size)
+        self.buckets = sorted(buckets or default_buckets(max_batch_size))
+        self.device = device
+        self._step: StepFunction = self._make_step(compile_model)
+        self._inputs = self._allocate(self.buckets[-1])
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def can_run(self, plan: StepPlan) -> bool:
+        """True for plans of decodes only (one token, sampled, no drafts) that fit a bucket."""
+        slices = plan.slices
+        if not slices or len(slices) > self.buckets[-1]:
+            return False
+        return all(len(s.token_ids) == 1 and s.sample and not s.draft_ids
+                   and s.end_pos <= self.width * self.page_size for s in slices)
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Replay the smallest bucket holding the plan; float32 logits [len(slices), vocab].
+
+        The logits are a view of the graph's output buffer: read them before the next `run`.
+        """
+        size = len(plan.slices)
+        bucket = next(b for b in self.buckets if b >= size)
+        self._stage(plan, bucket)
+        self._graphs[bucket].replay()
+        return self._outputs[bucket][:size]
+
+    def _make_step(self, compile_model: bool) -> StepFunction:
+        model, storage, backend = self.model, self.storage, self.backend
+
+        def step(batch: ForwardBatch) -> torch.Tensor:
+            return model(batch, storage, backend)
+
+        return torch.compile(step, dynamic=False) if compile_model else step
+
+    def _allocate(self, size: int) -> _StaticInputs:
+        device = self.device
+        host_longs = torch.zeros(3, size, dtype=torch.int64).pin_memory()
+        host_ints = torch.zeros(size * (1 + self.width), dtype=torch.int32).pin_memory()
+        host_ints[:size] = 1  # every warm-up row sees one slot: slot 0 of page 0
+        inputs = _StaticInputs(
+            longs=host_longs.to(device), ints=host_ints.to(device),
+            query_start=torch.arange(size + 1, dtype=torch.int32, device=device),
+            logits_indices=torch.arange(size, dtype=torch.int64, device=device),
+            host_longs=host_longs, host_ints=host_ints, copied=torch.cuda.Event(),
+            capacity=size, width=self.width,
+        )
+        inputs.copied.record()
+        return inputs
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+            batch = self._inputs.batch(size, self.page_size)
+            for _ in range(3):
+                self._step(batch)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._step(batch)
+            pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _stage(self, plan: StepPlan, bucket: int) -> None:
+        """Fill the pinned staging buffers and copy them into the static device inputs."""
+        inputs = self._inputs
+        inputs.copied.synchronize()  # the previous step's copy has read the staging buffers
+        longs = inputs.host_longs.numpy()
+        ints = inputs.host_ints.numpy()
+        tables = inputs.page_table(inputs.host_ints).numpy()
+        page_size = self.page_size
+        for row, piece in enumerate(plan.slices):
+            pos = piece.start_pos
+            pages_used = pos // page_size + 1
+            longs[0, row] = piece.token_ids[0]
+            longs[1, row] = pos
+            longs[2, row] = piece.page_table[pos // page_size] * page_size + pos % page_size
+            ints[row] = pos + 1
+            tables[row, :pages_used] = piece.page_table[:pages_used]
+        size = len(plan.slices)
+        if bucket > size:
+            longs[:, size:bucket] = longs[:, size - 1:size]
+            ints[size:bucket] = ints[size - 1]
+            tables[size:bucket] = tables[size - 1]
+        used = inputs.capacity + bucket * inputs.width
+        inputs.longs.copy_(inputs.host_longs, non_blocking=True)
+        inputs.ints[:used].copy_(inputs.host_ints[:used], non_blocking=True)
+        inputs.copied.record()
+
+
+def decode_graphs_for(model: Model, storage: KVStorage, backend: AttentionBackend,
+                      *, page_size: int, max_context: int, max_batch_size: int,
+                      compile_model: bool = False) -> DecodeGraphs | None:
+    """`DecodeGraphs` when the model is on CUDA and the backend can be captured, else None.
+
+    Arguments as in `DecodeGraphs`.
+    """
+    if model.device.type != "cuda" or backend.name not in GRAPH_BACKENDS:
+        return None
+    return DecodeGraphs(model, storage, backend, page_size=page_size, max_context=max_context,
+                        max_batch_size=max_batch_size, compile_model=compile_model)
+
+
+__all__ = ["DecodeGraphs", "decode_graphs_for", "default_buckets"]

@@ -1,0 +1,56 @@
+"""Fixtures of the GPU tests: the device they run on, and a tiny random model on it.
+
+Every test module here sets ``pytestmark = pytest.mark.gpu``. They run on CUDA; without CUDA
+they are skipped, except that ``TRITON_INTERPRET=1`` runs the Triton kernels on the CPU through
+Triton's interpreter (slow, small shapes only) so kernel logic can be checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+
+def interpreter_mode() -> bool:
+    """True when Triton kernels run on the CPU through Triton's interpreter."""
+    return (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+            and importlib.util.find_spec("triton") is not None)
+
+
+def _let_interpreter_index_scalars() -> None:
+    """Triton 3.6's interpreter turns scalars into 1-element arrays and calls ``int()`` on them
+    for ``range``; numpy >= 2.4 refuses that, so read the single element explicitly."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreter_mode():
+    _let_interpreter_index_scalars()
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """CUDA when present; the CPU under the Triton interpreter; else the test is skipped."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if interpreter_mode():
+        return torch.device("cpu")
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed, for kernel logic)")
+
+
+@pytest.fixture(scope="session")
+def cuda_device() -> torch.device:
+    """CUDA only (CUDA graphs, the generator on the GPU); skipped elsewhere."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return torch.device("cuda", torch.cuda.current_device())
