@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,11 +20,29 @@ class BackendEntry:
     supports: Callable[[torch.device], bool]
 
 
+def _cuda_with(package: str) -> Callable[[torch.device], bool]:
+    return lambda device: device.type == "cuda" and importlib.util.find_spec(package) is not None
+
+
+def _triton_backend() -> AttentionBackend:
+    from dyngen_core.attention.triton_paged import TritonPagedBackend
+
+    return TritonPagedBackend()
+
+
+def _flash_backend() -> AttentionBackend:
+    from dyngen_core.attention.flash import FlashBackend
+
+    return FlashBackend()
+
+
 BACKENDS: dict[str, BackendEntry] = {
+    "flash": BackendEntry(_flash_backend, _cuda_with("flash_attn")),
+    "triton": BackendEntry(_triton_backend, _cuda_with("triton")),
     "sdpa": BackendEntry(SdpaBackend, lambda device: True),
 }
 # "auto" takes the first backend of this order that supports the device.
-AUTO_ORDER: tuple[str, ...] = ("sdpa",)
+AUTO_ORDER: tuple[str, ...] = ("flash", "triton", "sdpa")
 
 
 def get_backend(name: str = "auto", device: str | torch.device | None = None) -> AttentionBackend:
