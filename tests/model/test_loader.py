@@ -1,0 +1,192 @@
+"""Model.load: every error it promises (type and message), sharded and tied checkpoints,
+dtype and device choices."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dyngen_core.attention import SdpaBackend
+from dyngen_core.cache import Cache
+from dyngen_core.errors import ModelFolderError, UnsupportedArchitectureError, WeightsError
+from dyngen_core.forward import build_forward_batch
+from dyngen_core.models import Model
+from dyngen_core.plan import SequenceSlice, StepPlan
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def llama_copy(tiny_llama_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny Llama folder, free to break."""
+    return Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+
+
+def edit_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    tensors = load_file(folder / WEIGHTS)
+    edit(tensors)
+    save_file(tensors, folder / WEIGHTS)
+
+
+def edit_config(folder: Path, **changes: object) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def logits_of(model: Model, ids: list[int]) -> torch.Tensor:
+    cache = Cache(model, max_tokens=256)
+    batch = build_forward_batch(StepPlan([SequenceSlice(0, ids, 0, [0], True)]), 256,
+                                model.device)
+    return model.forward(batch, cache.storage, SdpaBackend())
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(ModelFolderError, match="does not exist"):
+        Model.load(tmp_path / "nowhere")
+
+
+def test_missing_config(llama_copy: Path) -> None:
+    (llama_copy / "config.json").unlink()
+    with pytest.raises(ModelFolderError, match=r"config\.json'? is missing"):
+        Model.load(llama_copy)
+
+
+def test_unsupported_architecture(llama_copy: Path) -> None:
+    edit_config(llama_copy, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel") as info:
+        Model.load(llama_copy)
+    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                      "Qwen3ForCausalLM"):
+        assert supported in str(info.value)
+
+
+def test_unsupported_rope_scaling(llama_copy: Path) -> None:
+    edit_config(llama_copy, rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(UnsupportedArchitectureError, match="'longrope'.*supported: default"):
+        Model.load(llama_copy)
+
+
+def test_no_weights(llama_copy: Path) -> None:
+    (llama_copy / WEIGHTS).unlink()
+    with pytest.raises(ModelFolderError, match=r"no \.safetensors weights"):
+        Model.load(llama_copy)
+    (llama_copy / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ModelFolderError, match="pytorch_model.bin: pickled weights"):
+        Model.load(llama_copy)
+
+
+def test_missing_tensor(llama_copy: Path) -> None:
+    edit_weights(llama_copy, lambda t: t.pop("model.layers.1.self_attn.v_proj.weight"))
+    with pytest.raises(WeightsError, match="lacks 1 tensor.*'model.layers.1.self_attn.v_proj"):
+        Model.load(llama_copy)
+
+
+def test_missing_lm_head_suggests_tying(llama_copy: Path) -> None:
+    edit_weights(llama_copy, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(WeightsError, match="'lm_head.weight'.*tie_word_embeddings"):
+        Model.load(llama_copy)
+
+
+def test_unexpected_tensor(llama_copy: Path) -> None:
+    def add(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(128)
+
+    edit_weights(llama_copy, add)
+    with pytest.raises(WeightsError, match="does not use: 'model.layers.0.mlp.gate_proj.bias'"):
+        Model.load(llama_copy)
+
+
+def test_wrong_shape(llama_copy: Path) -> None:
+    def shrink(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+
+    edit_weights(llama_copy, shrink)
+    message = (r"'model.layers.0.self_attn.k_proj.weight' in model.safetensors has shape "
+               r"\[16, 64\] but config.json implies \[32, 64\]")
+    with pytest.raises(WeightsError, match=message):
+        Model.load(llama_copy)
+
+
+def test_corrupt_header(llama_copy: Path) -> None:
+    data = (llama_copy / WEIGHTS).read_bytes()
+    (llama_copy / WEIGHTS).write_bytes(data[:8] + b"{not json" + data[17:])
+    with pytest.raises(WeightsError, match="model.safetensors' is not a readable safetensors"):
+        Model.load(llama_copy)
+
+
+def test_truncated_file(llama_copy: Path) -> None:
+    data = (llama_copy / WEIGHTS).read_bytes()
+    (llama_copy / WEIGHTS).write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match="corrupt or truncated"):
+        Model.load(llama_copy)
+
+
+def test_sharded_equals_single_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, safe_serialization=True, max_shard_size="100KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    assert (sharded / "model.safetensors.index.json").is_file()
+    single, split = Model.load(tiny_llama_dir), Model.load(sharded)
+    split_params = dict(split.named_parameters())
+    for name, param in single.named_parameters():
+        assert torch.equal(param, split_params[name]), name
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(ModelFolderError, match=f"missing.*'{shard.name}'"):
+        Model.load(sharded)
+
+
+def test_tied_embeddings(tiny_model_dirs: Callable[[str], Path], tmp_path: Path) -> None:
+    tied_dir = tiny_model_dirs("qwen2")
+    model = Model.load(tied_dir)
+    assert model.config.tie_word_embeddings
+    assert model.lm_head_weight is model.embed_weight
+    # A tied checkpoint that still carries an lm_head copy loads too (the copy is ignored).
+    copy = Path(shutil.copytree(tied_dir, tmp_path / "with_head"))
+    edit_weights(copy, lambda t: t.update({"lm_head.weight": torch.zeros(512, 64)}))
+    reloaded = Model.load(copy)
+    assert torch.equal(reloaded.lm_head_weight, model.embed_weight)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.float16])
+def test_half_precision_load(tiny_llama_dir: Path, dtype: str | torch.dtype) -> None:
+    expected = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    model = Model.load(tiny_llama_dir, dtype=dtype)
+    assert model.dtype == expected
+    assert {p.dtype for p in model.parameters()} == {expected}
+    ids = list(range(20, 60))
+    half, full = logits_of(model, ids), logits_of(Model.load(tiny_llama_dir), ids)
+    assert half.dtype == torch.float32
+    assert (half - full).abs().max().item() < 0.1
+
+
+def test_auto_dtype_and_device_on_cpu(llama_copy: Path) -> None:
+    edit_config(llama_copy, dtype="bfloat16")
+    model = Model.load(llama_copy, device="auto", dtype="auto")
+    if not torch.cuda.is_available():
+        assert (model.device, model.dtype) == (torch.device("cpu"), torch.float32)
+    assert model.layer_devices == [model.device] * model.config.num_layers
+    assert model.model_dir == llama_copy
+    with pytest.raises(ValueError, match="dtype 'float8' is unknown"):
+        Model.load(llama_copy, dtype="float8")
+
+
+def test_progress_bar_counts_bytes(tiny_llama_dir: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from tqdm import tqdm
+
+    model = Model.load(tiny_llama_dir, progress=True)
+    err = capsys.readouterr().err
+    size = tqdm.format_sizeof(sum(p.numel() * 4 for p in model.parameters()))  # float32 file
+    assert f"Loading {tiny_llama_dir.name}" in err
+    assert "100%" in err and f"{size}/{size}" in err
