@@ -19,8 +19,10 @@ from transformers import AutoModelForCausalLM
 
 from dyngen_core.attention import SdpaBackend, get_backend
 from dyngen_core.cache import Cache
+from dyngen_core.config import ModelConfig
 from dyngen_core.forward import build_forward_batch
 from dyngen_core.models import Model
+from dyngen_core.models.rope import RotaryEmbedding
 from dyngen_core.plan import PageCopy, SequenceSlice, StepPlan
 
 PROMPT_LENGTHS = (5, 37, 300)
@@ -191,6 +193,30 @@ def test_cache_geometry_and_memory(tiny_llama_dir: Path) -> None:
     assert cache.nbytes() == 2 * config.num_layers * per_layer
     with pytest.raises(ValueError, match="cache mode 'bogus'"):
         Cache(model, max_tokens=1000, mode="bogus")
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 512},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "mscale": 1.0,
+     "mscale_all_dim": 0.5, "beta_fast": 16},
+], ids=["default", "linear", "llama3", "yarn", "yarn-mscale"])
+def test_rotary_tables_match_transformers(scaling: dict[str, Any] | None) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64,
+                            rope_theta=500000.0, max_position_embeddings=8192,
+                            rope_scaling=scaling)
+    raw = {**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    rotary = RotaryEmbedding(ModelConfig.from_dict(raw), torch.device("cpu"))
+    positions = torch.tensor([0, 1, 17, 511, 1500, 4000, 8191])
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    ref_cos, ref_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1), positions[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
 
 
 def test_get_backend() -> None:
