@@ -18,8 +18,9 @@ from typing import Protocol
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of context taken from the prompt; a few is enough to fix a leading space.
 PROMPT_CONTEXT_TOKENS = 4
-# A UTF-8 character spans at most 4 bytes, each at least one token. Past this many pending tokens a
-# trailing U+FFFD is a real replacement character (invalid bytes), not an unfinished one.
+# A UTF-8 character spans at most 4 bytes, each at least one token, so an unfinished one spans at
+# most 3 tokens. Past MAX_PENDING_TOKENS pending tokens, text before it is released even when
+# invalid bytes (real U+FFFD) keep the end unfinished, which bounds the window.
 MAX_PENDING_TOKENS = 8
 UNFINISHED_CHAR_TOKENS = 3
 
@@ -49,12 +50,12 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._decode_special = not skip_special_tokens
-        context = list(prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:]
+        tail = list(prompt_ids or [])[-2 * PROMPT_CONTEXT_TOKENS :]
+        start, self._read_text = self._clean_start(tail, len(tail) - PROMPT_CONTEXT_TOKENS, len(tail))
         # _window holds the tokens since the last emission, preceded by context tokens; the first
         # _read of them are the context, already emitted (or the prompt's).
-        self._window: list[int] = context
-        self._read = len(context)
-        self._read_text = self._decode(context) if context else ""
+        self._window: list[int] = tail[start:]
+        self._read = len(self._window)
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; returns the text they complete (possibly empty)."""
@@ -69,9 +70,15 @@ class IncrementalDetokenizer:
             return self._emit(text, len(self._window))
         if pending < MAX_PENDING_TOKENS:
             return ""  # an unfinished character: wait for its next byte
-        # So many tokens without a finished character means invalid bytes (real U+FFFD). An
-        # unfinished character needs at most 3 more bytes, so only the last 3 tokens stay pending.
-        cut = len(self._window) - UNFINISHED_CHAR_TOKENS
+        # Many tokens and still no finished end: release all but the unfinished character.
+        # It has at most 3 bytes, so it starts in one of the last 3 tokens.
+        end = len(self._window)
+        for cut in range(end - 1, max(end - 1 - UNFINISHED_CHAR_TOKENS, self._read), -1):
+            head = self._decode(self._window[:cut])
+            if not head.endswith(REPLACEMENT_CHAR):
+                return self._emit(head, cut)
+        # Invalid bytes come right before it: they are real U+FFFD, release them too.
+        cut = end - UNFINISHED_CHAR_TOKENS
         return self._emit(self._decode(self._window[:cut]), cut)
 
     def flush(self) -> str:
@@ -84,11 +91,22 @@ class IncrementalDetokenizer:
         """Return ``text`` past the already-read part and make window[:upto] read."""
         new_text = text[_common_prefix_length(text, self._read_text) :]
         # The tokens just read become the context of the next window.
-        old_read = self._read
-        self._window = self._window[old_read:]
-        self._read = upto - old_read
-        self._read_text = self._decode(self._window[: self._read])
+        start, self._read_text = self._clean_start(self._window, self._read, upto)
+        self._window = self._window[start:]
+        self._read = upto - start
         return new_text
+
+    def _clean_start(self, ids: list[int], start: int, upto: int) -> tuple[int, str]:
+        """Move ``start`` back until ``ids[start:upto]`` does not begin inside a character, and
+        return it with that text. ByteFallback decoders turn a whole run of byte tokens into
+        U+FFFD when it starts mid-character, so a window must never start there."""
+        start = max(start, 0)
+        floor = max(start - UNFINISHED_CHAR_TOKENS, 0)  # a character spans at most 4 tokens
+        text = self._decode(ids[start:upto]) if start < upto else ""
+        while start > floor and text.startswith(REPLACEMENT_CHAR):
+            start -= 1
+            text = self._decode(ids[start:upto])
+        return start, text
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, decode_special_tokens=self._decode_special)

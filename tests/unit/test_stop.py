@@ -1,0 +1,161 @@
+"""StopMatcher and BannedStringMatcher: held-back text, cuts at matches, offsets, no text lost."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dyngen_core.errors import JobError
+from dyngen_core.stop import BannedStringMatcher, StopMatcher, StopResult
+
+
+def feed_all(matcher: StopMatcher, chunks: list[str]) -> tuple[list[str], str | None]:
+    out, matched = [], None
+    for chunk in chunks:
+        result = matcher.feed_text(chunk)
+        out.append(result.text)
+        if result.stop_string is not None:
+            matched = result.stop_string
+            break
+    else:
+        out.append(matcher.flush())
+    return out, matched
+
+
+def test_stop_tokens() -> None:
+    matcher = StopMatcher({2, 7}, [])
+    assert matcher.feed_token(2) and matcher.feed_token(7)
+    assert not matcher.feed_token(3)
+
+
+def test_partial_match_is_held_then_cut_at_the_full_match() -> None:
+    matcher = StopMatcher(set(), ["</answer>"])
+    assert matcher.feed_text("The answer is 4") == StopResult("The answer is 4", None)
+    assert matcher.feed_text(".</ans") == StopResult(".", None)
+    assert matcher.held_text == "</ans"
+    assert matcher.feed_text("wer> and more") == StopResult("", "</answer>")
+    assert matcher.flush() == ""  # the stop string and what follows are never emitted
+    assert matcher.feed_text("later") == StopResult("", "</answer>")
+
+
+def test_stop_string_spanning_many_chunks() -> None:
+    chunks = ["Hello", "\n", "User", ":", " hi"]
+    out, matched = feed_all(StopMatcher(set(), ["\nUser:"]), chunks)
+    assert matched == "\nUser:" and "".join(out) == "Hello"
+    assert out[:4] == ["Hello", "", "", ""]
+
+
+def test_false_partial_match_is_released() -> None:
+    matcher = StopMatcher(set(), ["\n\n"])
+    assert matcher.feed_text("line one\n") == StopResult("line one", None)
+    assert matcher.feed_text("line two") == StopResult("\nline two", None)
+    assert matcher.feed_text("\n") == StopResult("", None)
+    assert matcher.flush() == "\n"
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    matcher = StopMatcher(set(), ["STOP", "ab"])
+    assert matcher.feed_text("xxabSTOP") == StopResult("xx", "ab")
+    other = StopMatcher(set(), ["abc", "bc"])
+    assert other.feed_text("zabc") == StopResult("z", "abc")
+
+
+def test_match_inside_one_chunk_and_no_stop_strings() -> None:
+    assert StopMatcher(set(), ["\n"]).feed_text("a\nb") == StopResult("a", "\n")
+    assert StopMatcher(set(), []).feed_text("anything") == StopResult("anything", None)
+
+
+def test_empty_stop_string_is_refused() -> None:
+    with pytest.raises(JobError, match="non-empty"):
+        StopMatcher(set(), ["ok", ""])
+
+
+STOPS = st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4), min_size=1, max_size=3)
+TEXT = st.text(alphabet="abc\n", max_size=40)
+
+
+def cut_points(text: str) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(0, len(text)), max_size=8).map(sorted)
+
+
+def chunked(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), stops=STOPS, text=TEXT)
+def test_stop_output_is_text_up_to_the_first_stop_string(
+    data: st.DataObject, stops: list[str], text: str
+) -> None:
+    chunks = chunked(text, data.draw(cut_points(text)))
+    out, matched = feed_all(StopMatcher(set(), stops), chunks)
+    firsts = [(text.find(s), s) for s in stops if s in text]
+    if firsts:
+        at = min(i for i, _ in firsts)
+        assert matched is not None and text.find(matched) == at
+        assert "".join(out) == text[:at]
+    else:
+        assert matched is None and "".join(out) == text
+
+
+def test_banned_find_is_case_insensitive_with_offsets() -> None:
+    banned = BannedStringMatcher(["Badword", "ÉCOLE"])
+    assert banned.find("this has a BADWORD in it") == 11
+    assert banned.find_banned("une école") == (4, "ÉCOLE")
+    assert banned.find("clean text") is None
+
+
+def test_banned_safe_prefix_holds_partial_matches() -> None:
+    banned = BannedStringMatcher(["secret"])
+    assert banned.safe_prefix_length("the SEC") == 4
+    assert banned.safe_prefix_length("the sector") == len("the sector")
+    assert banned.safe_prefix_length("a Secret b") == 2
+
+
+def test_banned_offsets_survive_characters_that_lower_to_two() -> None:
+    # "İ".lower() is two characters; offsets must still index the original text.
+    banned = BannedStringMatcher(["bad"])
+    assert banned.find("İİ bad") == 3
+
+
+def test_banned_feed_rewind_flush() -> None:
+    banned = BannedStringMatcher(["forbidden"])
+    assert banned.feed_text("This is ").text == "This is "
+    first = banned.feed_text("FORBID")
+    assert first.text == "" and first.banned is None and banned.held_text == "FORBID"
+    hit = banned.feed_text("DEN fruit")
+    assert hit.banned == "forbidden" and hit.offset == len("This is ") and hit.text == ""
+    banned.rewind(hit.offset)
+    assert banned.held_text == ""
+    assert banned.feed_text("an apple").text == "an apple"
+    assert banned.feed_text(" forb").text == " "
+    assert banned.held_offset == len("This is an apple ")
+    assert banned.flush() == "forb"
+    with pytest.raises(JobError, match="already emitted"):
+        banned.rewind(0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), words=STOPS, text=TEXT)
+def test_banned_stream_reports_the_first_match_offset(
+    data: st.DataObject, words: list[str], text: str
+) -> None:
+    text = "".join(c.upper() if i % 3 == 0 else c for i, c in enumerate(text))
+    matcher = BannedStringMatcher(words)
+    emitted, hit = [], None
+    for chunk in chunked(text, data.draw(cut_points(text))):
+        result = matcher.feed_text(chunk)
+        emitted.append(result.text)
+        if result.banned is not None:
+            hit = result
+            break
+    lowered = text.lower()
+    firsts = [lowered.find(w.lower()) for w in words if w.lower() in lowered]
+    if firsts:
+        assert hit is not None and hit.offset == min(firsts)
+        assert "".join(emitted) == text[: hit.offset]  # nothing of the match was released
+    else:
+        assert hit is None
+        assert "".join(emitted) + matcher.flush() == text
