@@ -13,17 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dyngen_core.active_job import ActiveJob
 from dyngen_core.attention import get_backend
 from dyngen_core.cache import Cache
 from dyngen_core.config import SchedulerConfig
-from dyngen_core.errors import JobError
+from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.generate import run_generate
 from dyngen_core.job import Job
 from dyngen_core.models import Model
 from dyngen_core.plan import SampledTokens, StepOutcome, StepPlan
 from dyngen_core.results import EosReason, GeneratorStats, Result
 from dyngen_core.runner import ModelRunner
-from dyngen_core.sampling_bridge import ActiveJob, SamplingBridge
+from dyngen_core.sampling_bridge import SamplingBridge
 from dyngen_core.scheduler import Scheduler
 from dyngen_core.settings import SamplerSettings
 from dyngen_core.tokenizer import Tokenizer
@@ -107,6 +108,7 @@ class DynamicGenerator:
                 raise TypeError(f"enqueue takes Job objects; got {type(j).__name__}")
             if j.job_id is not None:
                 raise JobError(f"{j!r} was already enqueued; build a new Job to run it again")
+            self.check_fits(j)
         added: list[int] = []
         try:
             for j in jobs:
@@ -125,6 +127,20 @@ class DynamicGenerator:
                 j.job_id = None
             raise
 
+    def check_fits(self, job: Job) -> None:
+        """Raise JobTooLargeError if ``job`` could never fit in the cache, even alone.
+
+        Reads only the cache's fixed size, so any thread may call it."""
+        page_size = self.cache.page_size
+        needed = -(-(len(job.input_ids) + job.max_new_tokens) // page_size)
+        if needed > self.cache.num_pages:
+            raise JobTooLargeError(
+                f"{job!r} needs {needed} pages ({len(job.input_ids)} prompt + "
+                f"{job.max_new_tokens} new tokens) but the whole cache holds "
+                f"{self.cache.num_pages} pages ({self.cache.num_pages * page_size} tokens); "
+                "build a larger Cache (max_tokens) or shorten the prompt / max_new_tokens"
+            )
+
     def num_remaining_jobs(self) -> int:
         """Jobs queued or running, plus final results not yet returned by `iterate`."""
         return len(self._active) + len(self._finished_results)
@@ -134,8 +150,8 @@ class DynamicGenerator:
         `iterate` returns its final result with eos_reason "cancelled"."""
         if job.job_id is None or job.job_id not in self._active:
             return
-        self._end_job(job.job_id, EosReason.CANCELLED, text=self._active[job.job_id].stream
-                      .cancel_text())
+        text = self._active[job.job_id].stream.cancel_text()
+        self._end_job(job.job_id, EosReason.CANCELLED, chunk={"text": text})
 
     def clear_queue(self) -> None:
         """Cancel every job, queued or running (no results are returned for them)."""
@@ -192,7 +208,7 @@ class DynamicGenerator:
         if not sampling or logits is None:
             return StepOutcome()
         active = [self._active[s.job_id] for s in sampling]
-        sampled = self._bridge.sample(logits, active, self._scheduler)
+        sampled = self._bridge.sample(logits, active)
         return StepOutcome({a.job_id: tokens for a, tokens in zip(active, sampled)})
 
     def _emit(self, job_id: int, sampled_now: bool, tokens: SampledTokens | None) -> list[Result]:
@@ -216,22 +232,24 @@ class DynamicGenerator:
             return out
         active.on_token(tokens.token_ids[0])
         eos = update.eos_reason or active.constraint_end()
-        out.append(active.result("streaming", text=update.text, token_ids=update.token_ids,
-                                 **active.extras(tokens)))
-        if eos is not None:
-            self._end_job(job_id, eos)
+        chunk = dict(text=update.text, token_ids=update.token_ids, **active.extras(tokens))
+        if eos is None:
+            out.append(active.result("streaming", **chunk))
+        else:
+            self._end_job(job_id, eos, chunk=chunk)
         return out
 
-    def _end_job(self, job_id: int, reason: EosReason, *, text: str = "",
+    def _end_job(self, job_id: int, reason: EosReason, *, chunk: dict[str, Any] | None = None,
                  error: BaseException | None = None) -> None:
+        """Free the job's pages now and queue its final result (carrying the last chunk)."""
         active = self._active.pop(job_id)
         seq = self._scheduler.sequence(job_id)
         cached_tokens = seq.num_cached_tokens if seq is not None else 0
         self._scheduler.finish(job_id)
         active.job.finished = True
         self._finished_results.append(
-            active.final_result(reason, text=text, error=error, cached_tokens=cached_tokens,
-                                page_size=self.cache.page_size)
+            active.final_result(reason, chunk=chunk or {"text": ""}, error=error,
+                                cached_tokens=cached_tokens, page_size=self.cache.page_size)
         )
 
     def _take_finished(self) -> list[Result]:

@@ -63,7 +63,8 @@ class Job:
         max_new_tokens: most tokens to generate (at least 1).
         min_new_tokens: stop tokens and stop strings are ignored until this many were generated.
         stop_conditions: token ids and strings that end the job; a matched string is cut from
-            the text, a stop token never appears as text.
+            the text, a stop token never appears as text. None (the default) means the model's
+            end-of-sequence ids; [] means none (only max_new_tokens ends the job).
         gen_settings: a `SamplerSettings`; None uses the model's generation_config.json defaults.
         identifier: any object, echoed in every result of this job.
         seed: makes sampling reproducible regardless of which other jobs share the batch.
@@ -109,6 +110,7 @@ class Job:
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
         self.stop_token_ids, self.stop_strings = split_stop_conditions(stop_conditions)
+        self.uses_default_stops = stop_conditions is None
         self.gen_settings = gen_settings
         self.identifier = identifier
         self.seed = seed

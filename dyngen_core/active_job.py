@@ -1,0 +1,115 @@
+"""`ActiveJob`: the generator's record of one queued or running job.
+
+It holds what the generator needs beyond the scheduler's sequence state: the job's text stream,
+resolved sampling settings, seed and sampler state, the constraint matcher, tokens banned at a
+position after a banned-string rewind, and timings. It also formats the job's results.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dyngen_core.job import Job
+from dyngen_core.plan import SampledTokens
+from dyngen_core.results import EosReason, Result
+from dyngen_core.settings import SamplerSettings, SamplerState
+from dyngen_core.streaming import JobStream
+
+
+@dataclass
+class ActiveJob:
+    """Per-job generator state (see module docstring)."""
+
+    job: Job
+    stream: JobStream
+    settings: SamplerSettings
+    seed: int
+    matcher: Any = None
+    state: SamplerState = field(default_factory=SamplerState)
+    history: list[int] = field(default_factory=list)
+    draws: int = 0
+    banned_at: dict[int, set[int]] = field(default_factory=dict)
+    time_enqueued: float = field(default_factory=time.perf_counter)
+    time_started: float | None = None
+    time_first_token: float | None = None
+
+    @property
+    def job_id(self) -> int:
+        assert self.job.job_id is not None
+        return self.job.job_id
+
+    @property
+    def needs_history(self) -> bool:
+        return bool(self.settings.active_stages() & {"penalties", "dry"})
+
+    def banned_now(self) -> set[int]:
+        """Token ids forbidden at the next position (banned-string rewinds, min_new_tokens)."""
+        banned = set(self.banned_at.get(len(self.job.new_token_ids), ()))
+        if len(self.job.new_token_ids) < self.job.min_new_tokens:
+            banned |= self.stream.stop_token_ids
+        return banned
+
+    def on_token(self, token_id: int) -> None:
+        self.history.append(token_id)
+        if self.matcher is not None:
+            self.matcher.accept(token_id)
+
+    def on_rewind(self, num_tokens: int, banned_token_id: int | None) -> None:
+        """Drop the last ``num_tokens`` accepted tokens (the stream already dropped them)."""
+        # The token that triggered the rewind was never passed to on_token.
+        undo = num_tokens - 1
+        if undo > 0:
+            del self.history[-undo:]
+        self.state.rollback(undo)
+        if self.matcher is not None and undo > 0:
+            self.matcher.rollback(undo)
+        if banned_token_id is not None:
+            self.banned_at.setdefault(len(self.job.new_token_ids), set()).add(banned_token_id)
+
+    def constraint_end(self) -> EosReason | None:
+        if self.matcher is not None and self.matcher.is_terminated():
+            return EosReason.STOP_TOKEN
+        return None
+
+    def result(self, stage: str, **data: Any) -> Result:
+        return Result(job=self.job, identifier=self.job.identifier, stage=stage, eos=False, **data)
+
+    def extras(self, tokens: SampledTokens) -> dict[str, Any]:
+        """The per-token tensors the job asked for."""
+        out: dict[str, Any] = {}
+        if self.job.return_probs:
+            out["token_probs"] = tokens.probs
+        if self.job.return_top_tokens:
+            out["top_k_tokens"] = tokens.top_k_tokens
+            out["top_k_probs"] = tokens.top_k_probs
+        if self.job.return_logits:
+            out["logits"] = tokens.logits
+        return out
+
+    def final_result(self, reason: EosReason, *, chunk: dict[str, Any],
+                     error: BaseException | None, cached_tokens: int, page_size: int,
+                     accepted: int = 0, rejected: int = 0) -> Result:
+        """The job's last result: its last text chunk plus the end-of-job metrics."""
+        now = time.perf_counter()
+        started = self.time_started if self.time_started is not None else now
+        first = self.time_first_token if self.time_first_token is not None else now
+        data: dict[str, Any] = {"token_ids": [], **chunk}
+        data.update(
+            eos_reason=reason,
+            full_completion=self.stream.completion,
+            new_tokens=len(self.job.new_token_ids),
+            prompt_tokens=len(self.job.input_ids),
+            cached_tokens=cached_tokens,
+            cached_pages=cached_tokens // page_size,
+            time_enqueued=started - self.time_enqueued,
+            time_prefill=first - started,
+            time_generate=now - first,
+            accepted_draft_tokens=accepted,
+            rejected_draft_tokens=rejected,
+        )
+        if error is not None:
+            data["error"] = error
+        return Result(job=self.job, identifier=self.job.identifier, stage="streaming", eos=True,
+                      **data)
