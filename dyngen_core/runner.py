@@ -2,7 +2,8 @@
 
 It owns nothing of the scheduler's: it executes the plan's page copies, builds the forward
 metadata, runs one forward over every slice, and hands back float32 logits for the sample rows in
-slice order (``1 + len(draft_ids)`` rows per sampling slice).
+slice order (``1 + len(draft_ids)`` rows per sampling slice). On CUDA with a capturable attention
+backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`) instead of an eager forward.
 """
 
 from __future__ import annotations
@@ -12,17 +13,31 @@ import torch
 from dyngen_core.attention.base import AttentionBackend
 from dyngen_core.cache import Cache
 from dyngen_core.forward import build_forward_batch
+from dyngen_core.graphs import decode_graphs_for
 from dyngen_core.models import Model
 from dyngen_core.plan import StepPlan
 
 
 class ModelRunner:
-    """Executes plans for one model over one cache with one attention backend."""
+    """Executes plans for one model over one cache with one attention backend.
 
-    def __init__(self, model: Model, cache: Cache, backend: AttentionBackend) -> None:
+    cuda_graphs: capture decode CUDA graphs when the model is on CUDA and the backend allows it
+        (captured here, while the cache is still empty).
+    max_batch_size: the largest decode batch a graph is captured for.
+    compile_decode: run the captured decode forward through torch.compile (slower start).
+    """
+
+    def __init__(self, model: Model, cache: Cache, backend: AttentionBackend, *,
+                 cuda_graphs: bool = True, max_batch_size: int = 256,
+                 compile_decode: bool = False) -> None:
         self.model = model
         self.cache = cache
         self.backend = backend
+        max_context = min(model.config.max_position_embeddings, cache.max_tokens)
+        self.graphs = decode_graphs_for(
+            model, cache.storage, backend, page_size=cache.page_size, max_context=max_context,
+            max_batch_size=max_batch_size, compile_model=compile_decode,
+        ) if cuda_graphs else None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
@@ -31,6 +46,8 @@ class ModelRunner:
             self.cache.storage.copy_pages(plan.copies)
         if not plan.slices:
             return None
+        if self.graphs is not None and self.graphs.can_run(plan):
+            return self.graphs.run(plan)
         batch = build_forward_batch(plan, self.cache.page_size, self.model.device)
         logits = self.model.forward(batch, self.cache.storage, self.backend)
         return logits if logits.shape[0] else None
