@@ -8,11 +8,10 @@ Async methods await the job's handle and never block the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from dyngen_core import BackgroundGenerator, EngineOptions, JobHandle, shared_generator
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -23,13 +22,15 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-
+from llama_index.core.program.utils import FlexibleModel
+from llama_index.core.prompts.base import BasePromptTemplate
+from llama_index.core.types import PydanticProgramMode
 from llama_index.llms.dyngen.chat import ChatTurn, prepare_turn
-from llama_index.llms.dyngen.params import build_job, take_call_options
+from llama_index.llms.dyngen.params import take_call_options
 from llama_index.llms.dyngen.streams import (
     aiter_chunks,
     await_final,
@@ -37,16 +38,27 @@ from llama_index.llms.dyngen.streams import (
     metrics,
     wait_final,
 )
+from llama_index.llms.dyngen.structured import (
+    astream_objects,
+    parse_final,
+    schema_messages,
+    stream_objects,
+    structured_kwargs,
+)
+from llama_index.llms.dyngen.submit import JobSubmitter
 from llama_index.llms.dyngen.tool_calling import (
     prepare_tools_kwargs,
     tool_selections,
     validate_tool_response,
 )
 
+from dyngen_core import BackgroundGenerator, EngineOptions, JobHandle, shared_generator
+
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
 _ENGINE_FIELDS = tuple(EngineOptions.model_fields)
+Model = TypeVar("Model", bound=BaseModel)
 
 
 class DynGenLLM(FunctionCallingLLM):
@@ -86,6 +98,7 @@ class DynGenLLM(FunctionCallingLLM):
     engine_options: EngineOptions = Field(default_factory=EngineOptions, exclude=True)
 
     _engine: BackgroundGenerator = PrivateAttr()
+    _jobs: JobSubmitter = PrivateAttr()
     _metadata: LLMMetadata = PrivateAttr()
 
     @model_validator(mode="before")
@@ -108,16 +121,15 @@ class DynGenLLM(FunctionCallingLLM):
         super().__init__(**data)
         folder = Path(self.model_dir)
         self._engine = shared_generator(folder, engine_options=self.engine_options)
-        generator = self._engine.generator
+        self._jobs = JobSubmitter(self._engine)
         self._metadata = LLMMetadata(
-            context_window=self.context_window or _usable_window(generator),
+            context_window=self.context_window or self._jobs.usable_window,
             num_output=self.max_tokens,
             is_chat_model=True,
             is_function_calling_model=True,
             model_name=folder.resolve().name,
         )
-        # Fail here, not at the first call, on sampling values the engine refuses.
-        build_job([0], self._fields({}), stop_token_ids=(), model_defaults=self._model_defaults)
+        self._jobs.check(self._fields({}, "__init__"))
 
     @classmethod
     def class_name(cls) -> str:
@@ -126,6 +138,11 @@ class DynGenLLM(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return self._metadata
+
+    def tokenize(self, text: str) -> list[int]:
+        """The model's token ids for ``text``; ``Settings.tokenizer = llm.tokenize`` makes
+        LlamaIndex count tokens (chunking, prompt packing) the way this model does."""
+        return list(self._jobs.tokenizer.encode(text))
 
     @property
     def engine(self) -> BackgroundGenerator:
@@ -260,50 +277,88 @@ class DynGenLLM(FunctionCallingLLM):
         written come back with the arguments written so far)."""
         return tool_selections(response, error_on_no_tool_call)
 
+    # ---- structured output -----------------------------------------------------------------
+
+    def structured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> Model:
+        """An ``output_cls`` object decoded under its JSON schema (constrained decoding).
+
+        Other ``pydantic_program_mode`` values than DEFAULT take LlamaIndex's own route."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        messages = self._structured_messages(output_cls, prompt, prompt_args)
+        response = self.chat(messages, **structured_kwargs(output_cls, llm_kwargs))
+        return parse_final(response, output_cls)
+
+    async def astructured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> Model:
+        """Async `structured_predict`."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astructured_predict(
+                output_cls, prompt, llm_kwargs, **prompt_args)
+        messages = self._structured_messages(output_cls, prompt, prompt_args)
+        response = await self.achat(messages, **structured_kwargs(output_cls, llm_kwargs))
+        return parse_final(response, output_cls)
+
+    def stream_structured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> Generator[Model | FlexibleModel, None, None]:
+        """Partial objects (every field optional) as the reply streams, then the object."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().stream_structured_predict(
+                output_cls, prompt, llm_kwargs, **prompt_args)
+        messages = self._structured_messages(output_cls, prompt, prompt_args)
+        responses = self.stream_chat(messages, **structured_kwargs(output_cls, llm_kwargs))
+        return stream_objects(responses, output_cls)
+
+    async def astream_structured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any,
+    ) -> AsyncGenerator[Model | FlexibleModel, None]:
+        """Async `stream_structured_predict`."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astream_structured_predict(
+                output_cls, prompt, llm_kwargs, **prompt_args)
+        messages = self._structured_messages(output_cls, prompt, prompt_args)
+        responses = await self.astream_chat(
+            messages, **structured_kwargs(output_cls, llm_kwargs))
+        return astream_objects(responses, output_cls)
+
+    def _structured_messages(
+        self, output_cls: type[BaseModel], prompt: BasePromptTemplate, args: dict[str, Any]
+    ) -> list[ChatMessage]:
+        messages = self._extend_messages(prompt.format_messages(llm=self, **args))
+        return schema_messages(messages, output_cls)
+
     # ---- helpers ---------------------------------------------------------------------------
 
-    @property
-    def _model_defaults(self) -> dict[str, Any]:
-        return dict(self._engine.generator.model.config.generation_defaults)
-
-    def _fields(self, overrides: dict[str, Any]) -> dict[str, Any]:
+    def _fields(self, kwargs: dict[str, Any], method: str) -> dict[str, Any]:
+        """The LLM's generation fields overridden by the call's keywords (unknown ones raise)."""
         fields = {
             "max_tokens": self.max_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty, "seed": self.seed,
             "stop": list(self.stop),
         }
-        fields.update(overrides)
+        fields.update(take_call_options(kwargs, method))
         return fields
 
     def _submit_text(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any], method: str
     ) -> JobHandle:
-        fields = self._fields(take_call_options(dict(kwargs), method))
-        text = prompt if formatted else self.completion_to_prompt(prompt)
-        tokenizer = self._engine.tokenizer
-        add_bos = bool(tokenizer.add_bos_token and tokenizer.bos_token_id is not None)
-        ids = tokenizer.encode(text, add_bos=add_bos)
-        return self._submit(ids, fields, constraint=None)
+        to_prompt = self.completion_to_prompt
+        text = prompt if formatted or to_prompt is None else to_prompt(prompt)
+        return self._jobs.text(text, self._fields(dict(kwargs), method))
 
     def _submit_chat(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], method: str
     ) -> tuple[ChatTurn, JobHandle]:
         kwargs = dict(kwargs)
-        turn = prepare_turn(self._engine.tokenizer, messages, kwargs, self.messages_to_prompt)
-        fields = self._fields(take_call_options(kwargs, method))
-        return turn, self._submit(turn.input_ids, fields, constraint=turn.constraint)
-
-    def _submit(self, ids: list[int], fields: dict[str, Any], constraint: Any) -> JobHandle:
-        job = build_job(
-            ids, fields, stop_token_ids=self._engine.tokenizer.eos_token_ids,
-            model_defaults=self._model_defaults, constraint=constraint,
-        )
-        return self._engine.submit(job)
-
-
-def _usable_window(generator: Any) -> int:
-    """The longest prompt plus output one job can hold: the model's trained length, bounded by
-    the cache (a job that does not fit in the whole cache is refused)."""
-    model_window = int(generator.model.config.max_position_embeddings)
-    return min(model_window, int(generator.cache.max_tokens))
+        turn = prepare_turn(self._jobs.tokenizer, messages, kwargs, self.messages_to_prompt)
+        handle = self._jobs.ids(turn.input_ids, self._fields(kwargs, method), turn.constraint)
+        return turn, handle

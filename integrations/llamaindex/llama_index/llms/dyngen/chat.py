@@ -2,7 +2,7 @@
 the reply back into a LlamaIndex `ChatResponse` (text, or text plus tool calls).
 
 The prompt goes through the model's own chat template. A turn with tools is rendered,
-constrained and parsed by `dyngen_core.tools` (shared with the LangChain adapter), through
+constrained and parsed by `dyngen_core.tools` (shared with the LangChain adapter) through
 `ToolTurn`; this module only adapts LlamaIndex objects to it.
 """
 
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
-
 from llama_index.llms.dyngen.messages import assistant_message, to_template_messages
 from llama_index.llms.dyngen.tool_calling import ToolTurn
 
@@ -37,11 +36,15 @@ class ChatTurn:
         if self.tools is None:
             message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
             return ChatResponse(message=message, delta=delta, raw=raw)
-        content, calls = self.tools.parse(text, final=final)
+        content, calls, invalid = self.tools.parse(text, final=final)
         message = assistant_message(content, calls)
+        if invalid:
+            message.additional_kwargs["invalid_tool_calls"] = [
+                {"id": bad.id, "text": bad.text, "error": bad.error} for bad in invalid
+            ]
         if delta is not None:
-            # Stream the reply's prose, not the tool-call markup the model writes around it.
-            delta = content[len(self._shown):] if content.startswith(self._shown) else content
+            # Stream the reply's prose, not the tool-call JSON the model writes.
+            delta = _new_part(self._shown, content)
         self._shown = content
         return ChatResponse(message=message, delta=delta, raw=raw)
 
@@ -66,7 +69,7 @@ def prepare_turn(
         turn_tools = tools or ToolTurn.history_only()
         text = turn_tools.render(tokenizer, chat)
         ids = tokenizer.encode(text, encode_special_tokens=True)
-        return ChatTurn(ids, constraint=turn_tools.constraint(tokenizer), tools=tools)
+        return ChatTurn(ids, constraint=turn_tools.constraint(), tools=tools)
     if tokenizer.has_chat_template:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
         return ChatTurn(tokenizer.encode(text, encode_special_tokens=True))
@@ -78,3 +81,10 @@ def _has_tool_traffic(chat: list[dict[str, Any]]) -> bool:
     # Earlier tool calls and results must be rendered the way tools are, even on a turn that
     # offers no tools, or a template without tool support would silently drop them.
     return any(m.get("tool_calls") or m["role"] == "tool" for m in chat)
+
+
+def _new_part(shown: str, content: str) -> str:
+    if content.startswith(shown):
+        return content[len(shown):]
+    # The final content is stripped of whitespace the stream already showed.
+    return "" if shown.startswith(content) else content

@@ -30,8 +30,19 @@ _ROLE_ALIASES = {
 
 
 def to_template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Convert a conversation to template dicts (text only; images and audio are refused)."""
-    return [_to_template_message(message) for message in messages]
+    """Convert a conversation to template dicts (text only; images and audio are refused).
+
+    A tool result that names only its call id gets the tool's name from that call, since
+    templates and the tools fallback show results by tool name.
+    """
+    out = [_to_template_message(message) for message in messages]
+    names = {c["id"]: c["function"]["name"] for m in out for c in m.get("tool_calls", [])}
+    for message in out:
+        if message["role"] == "tool" and "name" not in message:
+            name = names.get(message.get("tool_call_id"))
+            if name is not None:
+                message["name"] = name
+    return out
 
 
 def _to_template_message(message: ChatMessage) -> dict[str, Any]:
@@ -74,11 +85,15 @@ def tool_calls_of(message: ChatMessage) -> list[dict[str, Any]]:
     if calls:
         return calls
     for raw in message.additional_kwargs.get("tool_calls") or []:
-        function = raw.get("function", raw) if isinstance(raw, dict) else getattr(raw, "function")
-        get = function.get if isinstance(function, dict) else lambda k: getattr(function, k, None)
-        raw_id = raw.get("id") if isinstance(raw, dict) else getattr(raw, "id", None)
-        calls.append(_openai_call(raw_id, get("name"), get("arguments")))
+        # Dicts (OpenAI JSON) or objects (OpenAI SDK types) from other integrations' histories.
+        function = _field(raw, "function") or raw
+        calls.append(_openai_call(
+            _field(raw, "id"), _field(function, "name"), _field(function, "arguments")))
     return calls
+
+
+def _field(value: Any, name: str) -> Any:
+    return value.get(name) if isinstance(value, dict) else getattr(value, name, None)
 
 
 def _openai_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:

@@ -8,23 +8,24 @@ of this module is LlamaIndex glue.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
 from llama_index.core.llms.llm import ToolSelection
-
-from llama_index.llms.dyngen import tool_format
 from llama_index.llms.dyngen.messages import assistant_message, tool_calls_of
+
+from dyngen_core.tools import (
+    ToolCallParser,
+    ToolSpec,
+    fallback_messages,
+    normalize_tool_choice,
+    template_supports_tools,
+    tool_calls_schema,
+)
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
-
-# tool_choice values LlamaIndex integrations accept for "must call some tool".
-_REQUIRED_WORDS = frozenset({"required", "any"})
-
 
 def tool_schema(tool: BaseTool) -> dict[str, Any]:
     """The OpenAI-form schema of a LlamaIndex tool, under the tool's own name (agents look
@@ -59,90 +60,82 @@ def prepare_tools_kwargs(
     }
 
 
-def resolve_tool_choice(choice: str | dict[str, Any] | None, required: bool) -> str:
-    """One word for what the turn allows: "auto", "none", "required", or a tool's name.
-
-    Accepts LlamaIndex's and OpenAI's spellings: "any"/"required", or
-    ``{"type": "function", "function": {"name": ...}}``.
-    """
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") or choice.get("name")
-        if not name:
-            raise ValueError(f"tool_choice {choice!r} names no tool; expected "
-                             "{'type': 'function', 'function': {'name': ...}}")
-        return str(name)
-    if choice is None or choice == "auto":
-        return "required" if required else "auto"
-    if choice in _REQUIRED_WORDS:
+def resolve_tool_choice(choice: str | dict[str, Any] | None, required: bool) -> Any:
+    """LlamaIndex's tool_required folded into tool_choice (which wins when it names a tool or
+    says "none"); `dyngen_core.tools.normalize_tool_choice` reads the result."""
+    if required and (choice is None or choice == "auto"):
         return "required"
-    return str(choice)
+    return choice
 
 
-@dataclass
 class ToolTurn:
     """A chat turn that offers tools (or replays earlier tool traffic without offering any).
 
-    schemas: OpenAI-form tool schemas. choice: "auto", "none", "required" or a tool name.
+    Rendering, the forcing constraint and the output format are `dyngen_core.tools`', shared
+    with the LangChain adapter. One `ToolTurn` serves one reply: when streamed, it reads the
+    reply incrementally, so each call keeps one id across the partial responses.
+
+    tools: tool schemas (OpenAI form). choice: any tool_choice `normalize_tool_choice` reads.
     parallel: whether one reply may hold several calls.
     """
 
-    schemas: list[dict[str, Any]]
-    choice: str = "auto"
-    parallel: bool = False
-    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    def __init__(self, tools: Sequence[dict[str, Any]], choice: Any = "auto",
+                 parallel: bool = False) -> None:
+        self.specs = [ToolSpec.from_dict(t) for t in tools]
+        self.choice = normalize_tool_choice(choice, self.specs)
+        self.parallel = parallel
+        self._parser = ToolCallParser()
+        self._fed = 0
+        self._content = ""
 
     @classmethod
     def from_kwargs(cls, args: dict[str, Any]) -> ToolTurn | None:
-        """From chat's tool keywords (tools, tool_choice, tool_required, parallel flag)."""
+        """From chat's tool keywords (tools, tool_choice, tool_required, parallel flag);
+        None when no tools are offered."""
         tools = args.get("tools")
         if not tools:
             return None
         schemas = [t if isinstance(t, dict) else tool_schema(t) for t in tools]
         choice = resolve_tool_choice(args.get("tool_choice"), bool(args.get("tool_required")))
-        names = {s["function"]["name"] for s in schemas}
-        if choice not in ("auto", "none", "required") and choice not in names:
-            raise ValueError(f"tool_choice {choice!r} is not one of the tools {sorted(names)}")
         return cls(schemas, choice, bool(args.get("allow_parallel_tool_calls", False)))
 
     @classmethod
     def history_only(cls) -> ToolTurn:
         return cls([], "none")
 
-    @property
-    def forced(self) -> bool:
-        return self.choice not in ("auto", "none")
-
-    def _offered(self) -> list[dict[str, Any]]:
-        if self.choice in ("auto", "none", "required"):
-            return self.schemas
-        return [s for s in self.schemas if s["function"]["name"] == self.choice]
-
     def render(self, tokenizer: Any, chat: list[dict[str, Any]]) -> str:
-        """The prompt text; a forced call also gets the call's opening written for the model."""
-        text = tool_format.render(tokenizer, chat, self.schemas if self.choice != "none" else [])
-        return text + tool_format.CALL_OPEN if self.forced else text
+        """The prompt text: through the template when it handles tools, else the fallback."""
+        if not tokenizer.has_chat_template:
+            raise ValueError(
+                "tool calling needs a chat template, and this model folder has none; add "
+                "chat_template to tokenizer_config.json"
+            )
+        offered = self.specs if self.choice != "none" else []
+        if template_supports_tools(tokenizer.chat_template):
+            tools = [spec.as_dict() for spec in offered] or None
+            return str(tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                     tools=tools))
+        messages = fallback_messages(chat, offered, self.choice)
+        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def constraint(self, tokenizer: Any) -> Any:
-        """The constraint for the reply: the schema of a call (or a list of calls) when one is
-        required, else None (free text that may or may not contain calls)."""
-        if not self.forced:
-            return None
-        return tool_format.calls_schema(self._offered(), self.parallel)
+    def constraint(self) -> dict[str, Any] | None:
+        """The JSON schema forcing the call(s) when tool_choice demands one, else None."""
+        return tool_calls_schema(self.specs, self.choice, parallel=self.parallel)
 
-    def parse(self, text: str, *, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        """(prose, OpenAI-form calls) in ``text``; a partial call yields its arguments so far."""
+    def parse(self, text: str, *, final: bool) -> tuple[str, list[dict[str, Any]], list[Any]]:
+        """(content, OpenAI-form calls, invalid calls) of the reply so far (``text`` is all of
+        it). A call appears once its JSON is complete; held text is released at the end."""
         if self.choice == "none":
-            return text, []
-        if self.forced:
-            text = tool_format.CALL_OPEN + text
-        prose, calls = tool_format.parse(text, partial=not final)
-        return prose, [_with_id(call, self.turn_id, i) for i, call in enumerate(calls)]
-
-
-def _with_id(call: dict[str, Any], turn_id: str, index: int) -> dict[str, Any]:
-    # Stable per position within a turn, so the partial responses of one stream name a call
-    # the same way; unique across turns, so results pair with the right call in memory.
-    return call if call.get("id") else {**call, "id": f"call_{turn_id}_{index}"}
+            return text, [], []
+        delta = self._parser.push(text[self._fed:])
+        self._fed = len(text)
+        self._content += delta.content
+        if final:
+            self._content += self._parser.finish().content
+        calls = [{"id": c.id, "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in self._parser.calls]
+        return self._content.strip() if final else self._content, calls, self._parser.invalid
 
 
 def tool_selections(response: ChatResponse, error_on_no_tool_call: bool) -> list[ToolSelection]:

@@ -1,0 +1,49 @@
+"""`JobSubmitter`: prompt text or chat-turn ids plus generation fields, as jobs on one engine.
+
+Submitting only hands the job to the engine thread (`BackgroundGenerator.submit` never waits
+for a step), so it is safe inside ``async def``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_index.llms.dyngen.params import build_job
+
+from dyngen_core import BackgroundGenerator, JobHandle
+
+
+class JobSubmitter:
+    """Builds and submits jobs for one shared engine.
+
+    engine: the `BackgroundGenerator` (from `shared_generator`) that runs them.
+    """
+
+    def __init__(self, engine: BackgroundGenerator) -> None:
+        self.engine = engine
+        self.tokenizer: Any = engine.tokenizer
+        generator: Any = engine.generator
+        self._model_defaults = dict(generator.model.config.generation_defaults)
+        # The longest prompt plus output one job can hold: the model's trained length, bounded
+        # by the cache (a job that does not fit in the whole cache is refused).
+        self.usable_window = min(int(generator.model.config.max_position_embeddings),
+                                 int(generator.cache.max_tokens))
+
+    def check(self, fields: dict[str, Any]) -> None:
+        """Raise now on generation fields the engine would refuse (e.g. temperature < 0)."""
+        self._job([0], fields, None)
+
+    def text(self, text: str, fields: dict[str, Any]) -> JobHandle:
+        """Submit a raw-text completion (BOS added when the model's tokenizer asks for it)."""
+        add_bos = bool(self.tokenizer.add_bos_token and self.tokenizer.bos_token_id is not None)
+        return self.ids(self.tokenizer.encode(text, add_bos=add_bos), fields)
+
+    def ids(self, input_ids: list[int], fields: dict[str, Any], constraint: Any = None
+            ) -> JobHandle:
+        """Submit prompt token ids; ``constraint`` (tools, structured output) wins over a
+        per-call one in ``fields``."""
+        return self.engine.submit(self._job(input_ids, fields, constraint))
+
+    def _job(self, input_ids: list[int], fields: dict[str, Any], constraint: Any) -> Any:
+        return build_job(input_ids, fields, stop_token_ids=self.tokenizer.eos_token_ids,
+                         model_defaults=self._model_defaults, constraint=constraint)

@@ -1,0 +1,196 @@
+"""Adapter logic that needs no model: options, message conversion, tool turns, parsing."""
+
+from __future__ import annotations
+
+import pytest
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ImageBlock,
+    MessageRole,
+    ToolCallBlock,
+)
+from pydantic import BaseModel, ValidationError
+
+from llama_index.llms.dyngen import DynGenLLM
+from llama_index.llms.dyngen.chat import ChatTurn
+from llama_index.llms.dyngen.messages import assistant_message, to_template_messages
+from llama_index.llms.dyngen.params import take_call_options
+from llama_index.llms.dyngen.structured import parse_final, parse_partial, schema_messages
+from llama_index.llms.dyngen.tool_calling import (
+    ToolTurn,
+    resolve_tool_choice,
+    tool_selections,
+    validate_tool_response,
+)
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two ints",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                      "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_engine_options_are_validated_by_engine_options_before_any_load() -> None:
+    # The folder does not exist: the error must be about the option, raised before loading.
+    with pytest.raises(ValidationError, match="cache_mode"):
+        DynGenLLM(model_dir="/nonexistent", cache_mode="q5")
+    with pytest.raises(ValidationError, match="cache_tokens"):
+        DynGenLLM(model_dir="/nonexistent", cache_tokens=1)
+    with pytest.raises(ValidationError, match="not both"):
+        from dyngen_core import EngineOptions
+        DynGenLLM(model_dir="/nonexistent", engine_options=EngineOptions(), dedup=False)
+
+
+def test_a_missing_model_folder_is_a_clear_error() -> None:
+    from dyngen_core.errors import ModelFolderError
+
+    with pytest.raises(ModelFolderError, match="does not exist"):
+        DynGenLLM(model_dir="/nonexistent/model", cache_tokens=512)
+
+
+def test_per_call_options_refuse_unknown_keywords() -> None:
+    kwargs = {"max_tokens": 3, "temperature": 0.5, "constraint": ["a", "b"]}
+    assert take_call_options(dict(kwargs), "complete") == kwargs
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['temprature'\]"):
+        take_call_options({"temprature": 0.1}, "chat")
+
+
+def test_messages_become_template_dicts_with_tool_calls_and_named_results() -> None:
+    call = ToolCallBlock(tool_call_id="c1", tool_name="add", tool_kwargs={"a": 1, "b": 2})
+    legacy = {"id": "c2", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        ChatMessage(role=MessageRole.DEVELOPER, content="Be brief."),
+        ChatMessage(role="user", content="1+2 and Oslo?"),
+        ChatMessage(role="assistant", blocks=[call]),
+        ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [legacy]}),
+        ChatMessage(role="tool", content="3", additional_kwargs={"tool_call_id": "c1"}),
+        ChatMessage(role="tool", content="rain", additional_kwargs={"tool_call_id": "c2"}),
+    ]
+    out = to_template_messages(messages)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "assistant", "tool",
+                                        "tool"]
+    assert out[2]["tool_calls"] == [{"id": "c1", "type": "function",
+                                     "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+    assert out[3]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert (out[4]["name"], out[5]["name"]) == ("add", "get_weather")
+    assert out[4]["tool_call_id"] == "c1" and out[4]["content"] == "3"
+
+
+def test_non_text_content_is_refused_with_a_clear_error() -> None:
+    image = ImageBlock(url="http://example.invalid/cat.png")
+    with pytest.raises(ValueError, match="text only.*ImageBlock"):
+        to_template_messages([ChatMessage(role="user", blocks=[image])])
+
+
+def test_assistant_message_round_trips_tool_calls() -> None:
+    calls = [{"id": "x", "type": "function", "function": {"name": "add",
+                                                          "arguments": {"a": 1, "b": 2}}}]
+    message = assistant_message("", calls)
+    assert to_template_messages([message])[0]["tool_calls"] == calls
+    assert message.additional_kwargs["tool_calls"] == calls
+
+
+@pytest.mark.parametrize(("choice", "required", "expected"), [
+    (None, False, "auto"), (None, True, "required"), ("auto", True, "required"),
+    ("any", False, "required"), ("none", True, "none"), ("add", True, "add"),
+    ({"type": "function", "function": {"name": "add"}}, False, "add"),
+])
+def test_tool_choice_and_tool_required_fold_into_one_choice(
+    choice: object, required: bool, expected: str
+) -> None:
+    turn = ToolTurn.from_kwargs({"tools": [ADD, WEATHER],
+                                 "tool_choice": resolve_tool_choice(choice, required)})  # type: ignore[arg-type]
+    assert turn is not None and turn.choice == expected
+
+
+def test_forced_choices_get_a_constraint_and_auto_gets_none() -> None:
+    parallel = ToolTurn([ADD, WEATHER], "required", parallel=True).constraint()
+    assert parallel is not None and "maxItems" not in parallel
+    single = ToolTurn([ADD, WEATHER], "required", parallel=False).constraint()
+    assert single is not None and single["maxItems"] == 1
+    named = ToolTurn([ADD, WEATHER], "get_weather").constraint()
+    assert named is not None and named["items"]["properties"]["name"] == {"const": "get_weather"}
+    assert ToolTurn([ADD], "auto").constraint() is None
+    with pytest.raises(ValueError, match="not one of the bound tools"):
+        ToolTurn([ADD], "multiply")
+
+
+def _stream(turn: ChatTurn, text: str, step: int) -> list[ChatResponse]:
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    out, so_far = [], ""
+    for i, piece in enumerate(pieces):
+        so_far += piece
+        out.append(turn.response(so_far, delta=piece, final=i == len(pieces) - 1))
+    return out
+
+
+def test_streamed_tool_calls_keep_one_id_and_partial_responses_never_raise() -> None:
+    text = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, ' \
+           '{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    turn = ChatTurn([1], tools=ToolTurn([ADD, WEATHER], "required", parallel=True))
+    responses = _stream(turn, text, step=3)
+    seen = [tool_selections(r, error_on_no_tool_call=False) for r in responses]
+    counts = [len(s) for s in seen]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 2
+    first_ids = {s[0].tool_id for s in seen if s}
+    assert len(first_ids) == 1  # the first call kept its id across partial responses
+    final = seen[-1]
+    assert [(c.tool_name, c.tool_kwargs) for c in final] == [
+        ("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]
+    assert all(r.delta == "" for r in responses)  # the call JSON is not streamed as prose
+
+
+def test_prose_streams_as_deltas_and_hermes_blocks_are_read_in_auto_mode() -> None:
+    text = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}' \
+           '</tool_call>'
+    turn = ChatTurn([1], tools=ToolTurn([WEATHER], "auto"))
+    responses = _stream(turn, text, step=4)
+    assert "".join(r.delta or "" for r in responses).strip() == "Let me check."
+    assert responses[-1].message.content == "Let me check."
+    calls = tool_selections(responses[-1], error_on_no_tool_call=True)
+    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("get_weather", {"city": "Rome"})]
+
+
+def test_no_tool_call_raises_only_when_asked_and_cut_calls_are_reported() -> None:
+    plain = ChatTurn([1], tools=ToolTurn([ADD], "auto")).response("Just text.")
+    assert tool_selections(plain, error_on_no_tool_call=False) == []
+    with pytest.raises(ValueError, match="expected at least one tool call"):
+        tool_selections(plain, error_on_no_tool_call=True)
+    cut = ChatTurn([1], tools=ToolTurn([ADD], "required")).response('[{"name": "add", "argu')
+    assert "ended inside" in cut.message.additional_kwargs["invalid_tool_calls"][0]["error"]
+
+
+def test_tool_choice_none_reads_no_calls() -> None:
+    turn = ChatTurn([1], tools=ToolTurn([ADD], "none"))
+    reply = turn.response('[{"name": "add", "arguments": {"a": 1, "b": 2}}]')
+    assert tool_selections(reply, error_on_no_tool_call=False) == []
+
+
+def test_single_call_validation_keeps_the_first_call() -> None:
+    calls = [{"id": str(i), "type": "function", "function": {"name": "add", "arguments": {}}}
+             for i in range(2)]
+    response = ChatResponse(message=assistant_message("", calls))
+    assert len(tool_selections(validate_tool_response(response, False), True)) == 1
+    assert len(tool_selections(validate_tool_response(response, True), True)) == 2
+
+
+class City(BaseModel):
+    name: str
+    population: int
+
+
+def test_structured_helpers_state_the_schema_and_parse_partial_and_final() -> None:
+    messages = schema_messages([ChatMessage(role="user", content="Paris?")], City)
+    assert '"population"' in (messages[-1].content or "") and len(messages) == 1
+    partial = parse_partial('{"name": "Paris", "popul', City)
+    assert partial is not None and partial.model_dump() == {"name": "Paris", "population": None}
+    assert parse_partial("[1, 2", City) is None
+    done = ChatResponse(message=ChatMessage(role="assistant",
+                                            content='{"name": "Paris", "population": 2}'))
+    assert parse_final(done, City) == City(name="Paris", population=2)
+    cut = ChatResponse(message=ChatMessage(role="assistant", content='{"name": "Pa'),
+                       raw={"eos_reason": "max_new_tokens"})
+    with pytest.raises(ValueError, match="raise max_tokens"):
+        parse_final(cut, City)
