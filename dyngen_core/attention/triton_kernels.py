@@ -74,10 +74,11 @@ def paged_attention_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
-    else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``."""
+    else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
+    DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,7 +130,7 @@ def paged_attention_kernel(
         k_off = (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None]
         ks_off = (page * stride_ksp + slot * stride_kss + kv_head * stride_ksh)[:, None]
         k = _load_rows(k_ptr, ks_ptr, k_off, ks_off, kmask, dims, K_BITS, HEAD_DIM)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -139,7 +140,8 @@ def paged_attention_kernel(
         v_off = (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None]
         vs_off = (page * stride_vsp + slot * stride_vss + kv_head * stride_vsh)[:, None]
         v = _load_rows(v_ptr, vs_ptr, v_off, vs_off, kmask, dims, V_BITS, HEAD_DIM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
         m_i = m_new
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

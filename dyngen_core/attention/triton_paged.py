@@ -128,6 +128,7 @@ class TritonPagedBackend:
             HEAD_DIM=head_dim, HEAD_PAD=head_pad, PAGE_SIZE=batch.page_size,
             K_BITS=ops.key_bits, V_BITS=ops.value_bits, NUM_SPLITS=splits,
             DECODE=blocks is None, num_warps=self.num_warps,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         if splits > 1:
             combine_splits_kernel[(num_tokens, num_heads)](

@@ -1,0 +1,86 @@
+"""Decode through CUDA graphs gives the logits of the eager forward, step after step.
+
+A tiny random Llama runs on CUDA with the Triton backend. Sequences are prefilled eagerly, then
+decoded for several steps: each step runs once through `DecodeGraphs` (bucket padding included,
+page boundaries crossed) and once eagerly over the same plan, and the logits must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dyngen_core import Cache, Model
+from dyngen_core.attention import get_backend
+from dyngen_core.forward import build_forward_batch
+from dyngen_core.graphs import DecodeGraphs, default_buckets
+from dyngen_core.plan import SequenceSlice, StepPlan
+from dyngen_core.runner import ModelRunner
+from tests.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.gpu
+PAGE = 16
+
+
+def test_default_buckets_cover_every_batch_size() -> None:
+    buckets = default_buckets(256)
+    assert buckets[0] == 1 and buckets[-1] == 256 and buckets == sorted(set(buckets))
+    padding = [(b2 - b1 - 1) / b2 for b1, b2 in zip(buckets, buckets[1:], strict=False) if b1 >= 8]
+    assert max(padding) < 0.2
+    assert default_buckets(5)[-1] == 5
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory: pytest.TempPathFactory, cuda_device: torch.device) -> Model:
+    folder = write_tiny_model(tmp_path_factory.mktemp("graphs"), "llama", seed=7,
+                              hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    return Model.load(folder, device=cuda_device, dtype="float32")
+
+
+def _eager_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
+    batch = build_forward_batch(plan, runner.cache.page_size, runner.model.device)
+    return runner.model.forward(batch, runner.cache.storage, runner.backend)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q4"])
+def test_graph_decode_equals_eager(gpu_model: Model, mode: str) -> None:
+    cache = Cache(gpu_model, max_tokens=64 * PAGE, mode=mode, page_size=PAGE)
+    runner = ModelRunner(gpu_model, cache, get_backend("triton", gpu_model.device),
+                         max_batch_size=8)
+    assert isinstance(runner.graphs, DecodeGraphs)
+    prompt_lens = [3, 14, 30]  # 3 sequences: the bucket of 4 pads one row
+    tables = [[1 + 5 * i + p for p in range(5)] for i in range(len(prompt_lens))]
+    tokens = [[(7 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate(prompt_lens)]
+    prefill = StepPlan([SequenceSlice(i, tokens[i], 0, tables[i], sample=True)
+                        for i in range(len(prompt_lens))])
+    first = runner.run(prefill)
+    assert first is not None
+    for i in range(len(prompt_lens)):
+        tokens[i].append(int(first[i].argmax()))
+    for step in range(6):  # crosses page boundaries (16, 32) for the longer sequences
+        plan = StepPlan([SequenceSlice(i, [tokens[i][-1]], len(tokens[i]) - 1, tables[i], True)
+                         for i in range(len(prompt_lens))])
+        assert runner.graphs.can_run(plan)
+        graphed = runner.run(plan)
+        assert graphed is not None
+        graphed = graphed.clone()
+        eager = _eager_logits(runner, plan)
+        assert graphed.shape == eager.shape == (3, gpu_model.config.vocab_size)
+        assert torch.allclose(graphed, eager, rtol=1e-3, atol=1e-3), (step, mode)
+        for i in range(len(prompt_lens)):
+            tokens[i].append(int(eager[i].argmax()))
+
+
+def test_plans_a_graph_cannot_serve_run_eagerly(gpu_model: Model) -> None:
+    cache = Cache(gpu_model, max_tokens=16 * PAGE, page_size=PAGE)
+    runner = ModelRunner(gpu_model, cache, get_backend("triton", gpu_model.device),
+                         max_batch_size=2)
+    assert runner.graphs is not None
+    three = StepPlan([SequenceSlice(i, [5], 0, [i + 1], True) for i in range(3)])
+    prefill = StepPlan([SequenceSlice(0, [5, 6], 0, [1], True)])
+    drafts = StepPlan([SequenceSlice(0, [5], 2, [1], True, draft_ids=[6])])
+    assert not runner.graphs.can_run(three)
+    assert not runner.graphs.can_run(prefill)
+    assert not runner.graphs.can_run(drafts)
+    logits = runner.run(three)
+    assert logits is not None and logits.shape[0] == 3
