@@ -1,0 +1,380 @@
+"""`Scheduler`: admission, chunked prefill, decode, preemption and fairness over the page pool.
+
+One step is ``plan = schedule()`` -> the runner computes it -> ``apply(plan, outcome)``. Pure
+Python; the scheduler owns every job's `Sequence` and the `PagePool`, and knows no tensors.
+
+- Running jobs come first, oldest first: a job whose prefill is done gets one decode slice (its
+  last token, plus room for its drafts); a job still prefilling gets the next chunk. Prompt tokens
+  per step are capped by ``max_chunk_size`` over all jobs; decodes come on top.
+- Pages are allocated on demand, for the positions a slice writes. When none are left the newest
+  running job is preempted: its pages go back to the pool (full ones keep their hashes, so its
+  recompute is mostly cache hits) and it re-enters the queue at the front. No job is admitted in
+  a step that preempted.
+- Admission is FIFO up to ``max_batch_size`` running jobs. A job is admitted when the pages its
+  whole prefill still needs fit (keeping a small watermark while others run); prefix pages come
+  from the cache or running jobs (see `dyngen_core.scheduling.prefix`, which also explains how
+  jobs sharing a prefix with a job still prefilling wait for it instead of recomputing it). A
+  waiting job passed over ``max_skips`` times blocks later jobs until it fits.
+- When pages fill they are registered (hashed); an identical page already held is used instead
+  (dedup of generated pages). Finished jobs release pages tail-first, so the LRU evicts suffixes
+  before prefixes.
+- Defragmentation is planned when the queue is empty (every ``DEFRAG_INTERVAL`` steps, or on
+  `defragment()`); its page copies lead the next plan's ``copies``, so the runner only ever runs
+  plans.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from itertools import islice
+
+from dyngen_core.config import CacheConfig, SchedulerConfig
+from dyngen_core.errors import JobError
+from dyngen_core.pages.defrag import plan_defrag
+from dyngen_core.pages.pool import PagePool
+from dyngen_core.plan import PageCopy, SequenceSlice, StepOutcome, StepPlan
+from dyngen_core.scheduling.bookkeeping import (
+    check_fits,
+    check_sequences,
+    make_writable,
+    register_full_pages,
+    release_pages,
+    sampled_tokens,
+)
+from dyngen_core.scheduling.prefix import InflightIndex, PrefixMatch, match_prefix
+from dyngen_core.scheduling.sequence import (
+    SchedulerStats,
+    Sequence,
+    SequenceStatus,
+    SequenceView,
+)
+
+DEFRAG_INTERVAL = 64
+ADMISSION_LOOKAHEAD = 64
+WATERMARK_FRACTION = 0.01
+
+RUNNING, WAITING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED
+
+
+@dataclass
+class _Step:
+    budget: int
+    copies: list[PageCopy]
+    slices: dict[int, SequenceSlice] = field(default_factory=dict)
+    preempted: bool = False
+
+
+class Scheduler:
+    """Decides what each step computes and keeps every job's pages.
+
+    cache: the cache's size and page size (``cache.num_pages`` pages).
+    config: batch size, chunk size, fairness and the dedup / prompt cache / defrag switches.
+        ``dedup=False``: no page is shared with or copied from a running job, and filled pages
+        are not folded into identical ones. ``prompt_cache=False``: released pages drop their
+        records, so nothing outlives its job. ``defrag=False``: no automatic defragmentation.
+    """
+
+    def __init__(self, cache: CacheConfig, config: SchedulerConfig | None = None) -> None:
+        self.cache_config = cache
+        self.config = config or SchedulerConfig()
+        self.page_size = cache.page_size
+        self.pool = PagePool(cache.num_pages, cache.page_size,
+                             keep_cached=self.config.prompt_cache)
+        self._jobs: dict[int, Sequence] = {}
+        self._waiting: deque[Sequence] = deque()
+        self._running: dict[int, Sequence] = {}  # admission order: the last one is the newest
+        self._inflight = InflightIndex()
+        self._pending_copies: list[PageCopy] = []
+        self._arrivals = self._steps = self._preemptions = 0
+        self._prefill_computed = self._prefill_reused = 0
+
+    @property
+    def _registering(self) -> bool:
+        return self.config.dedup or self.config.prompt_cache
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    def add(self, job_id: int, prompt_ids: SequenceOf[int], max_new_tokens: int, *,
+            num_draft_tokens: int = 0) -> None:
+        """Queue a job. ``num_draft_tokens``: speculative tokens each decode may carry (room for
+        them is allocated; the caller fills ``SequenceSlice.draft_ids`` up to that many).
+
+        Raises JobTooLargeError if the job could never fit in the whole cache, JobError for a
+        duplicate id, an empty prompt or negative counts."""
+        if job_id in self._jobs:
+            raise JobError(f"job id {job_id} is already queued or running; use a new id")
+        tokens = [int(t) for t in prompt_ids]
+        if not tokens:
+            raise JobError(f"job {job_id} has an empty prompt; pass at least one token id")
+        if max_new_tokens < 0 or num_draft_tokens < 0:
+            raise JobError(f"job {job_id}: max_new_tokens ({max_new_tokens}) and "
+                           f"num_draft_tokens ({num_draft_tokens}) must be >= 0")
+        check_fits(job_id, len(tokens) + max_new_tokens + num_draft_tokens, self.pool,
+                   f"{len(tokens)} prompt + {max_new_tokens} new + {num_draft_tokens} draft")
+        seq = Sequence(job_id, tokens, len(tokens), max_new_tokens, num_draft_tokens,
+                       arrival=self._arrivals)
+        self._arrivals += 1
+        self._jobs[job_id] = seq
+        self._waiting.append(seq)
+
+    def finish(self, job_id: int) -> bool:
+        """Remove a job (waiting or running); its pages are released at once, tail-first.
+        Returns False if the id is unknown (already finished or never added)."""
+        seq = self._jobs.pop(job_id, None)
+        if seq is None:
+            return False
+        if seq.status is RUNNING:
+            self._leave_running(seq)
+        else:
+            self._waiting.remove(seq)
+        seq.status = FINISHED
+        return True
+
+    def cancel(self, job_id: int) -> bool:
+        """Same as `finish`: stop a waiting or running job and release its pages now."""
+        return self.finish(job_id)
+
+    def clear(self) -> None:
+        """Cancel every job; the prompt cache keeps what finished jobs left."""
+        for job_id in reversed(list(self._jobs)):
+            self.finish(job_id)
+
+    def rewind(self, job_id: int, num_tokens: int) -> None:
+        """Drop a job's last ``num_tokens`` generated tokens (never prompt tokens). Pages past
+        the new end are released; a kept page the job shares is given up and recomputed."""
+        seq = self._require(job_id)
+        n = min(num_tokens, seq.num_generated)
+        if n <= 0:
+            return
+        del seq.token_ids[-n:]
+        ps = self.page_size
+        del seq.page_hashes[seq.num_tokens // ps:]
+        seq.prefill_end = min(seq.prefill_end, seq.num_tokens)
+        if seq.status is not RUNNING:
+            return
+        self._inflight.remove(seq)
+        seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+        keep = (seq.num_tokens - 1) // ps + 1
+        for page in reversed(seq.page_table[keep:]):
+            self.pool.release(page)
+        del seq.page_table[keep:]
+        if len(seq.page_table) == keep:
+            make_writable(seq, self.pool, keep - 1)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step (see the module docstring for the policy)."""
+        self._steps += 1
+        if self.config.defrag and not self._waiting and self._steps % DEFRAG_INTERVAL == 0:
+            self.defragment()
+        step = _Step(budget=self.config.max_chunk_size, copies=self._pending_copies)
+        self._pending_copies = []
+        for seq in list(self._running.values()):
+            if seq.status is not RUNNING:
+                continue  # preempted earlier in this step
+            if seq.num_pending == 1:
+                self._schedule_decode(seq, step)
+            elif step.budget > 0:
+                self._schedule_prefill(seq, step)
+        if not step.preempted:
+            self._admit(step)
+        return StepPlan(slices=list(step.slices.values()), copies=step.copies)
+
+    def apply(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Advance every job in ``plan`` by what ``outcome`` says was computed and sampled.
+        Slices of jobs finished or cancelled since `schedule` are ignored."""
+        for sl in plan.slices:
+            seq = self._running.get(sl.job_id)
+            if seq is None:
+                continue
+            if sl.start_pos != seq.num_computed:
+                raise RuntimeError(
+                    f"plan slice of job {sl.job_id} starts at {sl.start_pos} but the job has "
+                    f"{seq.num_computed} tokens computed; apply each plan once, in order")
+            accepted, new_tokens = sampled_tokens(sl, outcome)
+            fed_end = sl.start_pos + len(sl.token_ids)
+            self._prefill_computed += max(0, min(fed_end, seq.prefill_end) - sl.start_pos)
+            old = seq.num_computed
+            seq.num_computed = fed_end + accepted
+            seq.token_ids.extend(new_tokens)
+            if self._registering:
+                register_full_pages(seq, self.pool, old, seq.num_computed,
+                                    fold=self.config.dedup)
+            if sl.start_pos < seq.prefill_end:
+                self._after_prefill_slice(seq)
+
+    def defragment(self) -> int:
+        """Compact and order the used pages if fragmentation is worth it (see
+        `dyngen_core.pages.defrag`). Page tables and the pool are relabelled now; the page copies
+        lead the next plan's ``copies`` (do not run them separately). Call between `apply` and
+        `schedule`. Returns the number of page copies queued."""
+        running = list(self._running.values())
+        plan = plan_defrag([s.page_table for s in running], self.pool.cached_pages(),
+                           self.pool.num_pages, self.page_size)
+        if plan is None:
+            return 0
+        self.pool.remap(plan.mapping)
+        for seq in running:
+            seq.page_table = [plan.mapping.get(p, p) for p in seq.page_table]
+        self._pending_copies.extend(plan.copies)
+        return len(plan.copies)
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def sequence(self, job_id: int) -> SequenceView | None:
+        """A read-only view of a job's state, or None for an unknown (finished) job."""
+        seq = self._jobs.get(job_id)
+        return None if seq is None else SequenceView(seq)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.pool
+        return SchedulerStats(
+            pages_total=pool.num_pages, pages_referenced=pool.num_referenced,
+            pages_cached=pool.num_cached, pages_free=pool.num_free,
+            prefill_tokens_computed=self._prefill_computed,
+            prefill_tokens_reused=self._prefill_reused,
+            jobs_active=len(self._running), jobs_pending=len(self._waiting),
+            preemptions=self._preemptions,
+        )
+
+    def check_invariant(self) -> None:
+        """Raise AssertionError unless the page invariant of DESIGN.md §4 holds, together with
+        the sequences' own consistency (see `check_sequences`)."""
+        self.pool.check_invariant(s.page_table for s in self._running.values())
+        check_sequences(self._jobs, self._waiting, self._running, self.pool)
+
+    # ---- internals: running jobs --------------------------------------------------------------
+
+    def _schedule_decode(self, seq: Sequence, step: _Step) -> None:
+        start = seq.num_tokens - 1
+        if self._ensure_pages(seq, start + 1 + seq.num_draft_tokens, step):
+            step.slices[seq.job_id] = SequenceSlice(seq.job_id, [seq.token_ids[-1]], start,
+                                                    list(seq.page_table), True)
+
+    def _schedule_prefill(self, seq: Sequence, step: _Step) -> None:
+        start = seq.num_computed
+        end = min(seq.num_tokens, start + step.budget)
+        if self._ensure_pages(seq, end, step):
+            step.budget -= end - start
+            step.slices[seq.job_id] = SequenceSlice(seq.job_id, seq.token_ids[start:end], start,
+                                                    list(seq.page_table), end == seq.num_tokens)
+
+    def _ensure_pages(self, seq: Sequence, end_pos: int, step: _Step) -> bool:
+        """Give ``seq`` pages up to position ``end_pos``, preempting the newest running jobs
+        while none are left; False if ``seq`` itself was preempted."""
+        need = -(-end_pos // self.page_size) - len(seq.page_table)
+        while need > self.pool.free_count():
+            victim = next(reversed(self._running.values()))
+            self._preempt(victim)
+            step.slices.pop(victim.job_id, None)
+            step.preempted = True
+            if victim is seq:
+                return False
+        for _ in range(need):
+            seq.page_table.append(self.pool.allocate())
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._leave_running(seq)
+        seq.status = WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self._preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _leave_running(self, seq: Sequence) -> None:
+        release_pages(seq, self.pool, record=self.config.prompt_cache)
+        del self._running[seq.job_id]
+        self._inflight.remove(seq)
+
+    def _after_prefill_slice(self, seq: Sequence) -> None:
+        """Record the partly computed last page so others can copy it; leave the in-flight index
+        once the prefill is done."""
+        ps, nc = self.page_size, seq.num_computed
+        if self.config.dedup and nc % ps:
+            k = nc // ps
+            page = seq.page_table[k]
+            if self.pool.ref_count(page) == 1 and self.pool.page_hash(page) is None:
+                self.pool.record_partial(page, seq.parent_hash(k, ps), seq.token_ids[k * ps:nc])
+        if seq.num_pending <= 1:
+            self._inflight.remove(seq)
+
+    # ---- internals: admission -----------------------------------------------------------------
+
+    def _admit(self, step: _Step) -> None:
+        admitted = 0
+        passed: list[tuple[Sequence, int]] = []
+        lookahead = max(ADMISSION_LOOKAHEAD, self.config.max_batch_size)
+        for seq in list(islice(self._waiting, lookahead)):
+            if len(self._running) >= self.config.max_batch_size or step.budget <= 0:
+                break
+            match = self._match(seq)
+            if match is None:
+                continue  # deferred: a running job is computing its prefix
+            if self._try_admit(seq, match, step):
+                admitted += 1
+                continue
+            passed.append((seq, admitted))
+            if seq.num_skips >= self.config.max_skips:
+                break  # fairness: nobody overtakes a job skipped this often
+        for seq, admitted_before in passed:
+            if admitted > admitted_before:
+                seq.num_skips += 1
+
+    def _match(self, seq: Sequence) -> PrefixMatch | None:
+        if not self._registering:
+            return PrefixMatch([], None, 0, self.page_size)
+        inflight = self._inflight if self.config.dedup else None
+        return match_prefix(seq, self.pool, inflight, share_running=self.config.dedup)
+
+    def _try_admit(self, seq: Sequence, match: PrefixMatch, step: _Step) -> bool:
+        pool, ps = self.pool, self.page_size
+        cached_hits = sum(1 for p in match.hit_pages if pool.ref_count(p) == 0)
+        src_cached = match.copy_src is not None and pool.ref_count(match.copy_src) == 0
+        need = (-(-seq.num_tokens // ps) - len(match.hit_pages) + cached_hits + src_cached)
+        watermark = max(1, int(pool.num_pages * WATERMARK_FRACTION)) if self._running else 0
+        if need > pool.free_count() - watermark:
+            return False
+        for page in match.hit_pages:
+            pool.ref(page)
+        seq.page_table = list(match.hit_pages)
+        if match.copy_src is not None:
+            pool.ref(match.copy_src)  # so allocating the copy's page cannot evict its source
+            dst = pool.allocate()
+            pool.release(match.copy_src)
+            step.copies.append(PageCopy(match.copy_src, dst, match.copy_len))
+            seq.page_table.append(dst)
+        self._waiting.remove(seq)
+        self._start_running(seq, match.reused_tokens)
+        self._schedule_prefill(seq, step)
+        return True
+
+    def _start_running(self, seq: Sequence, reused: int) -> None:
+        seq.status = RUNNING
+        seq.num_computed = reused
+        seq.prefill_end = seq.num_tokens
+        if not seq.admitted:
+            seq.admitted = True
+            seq.num_cached_tokens = min(reused, seq.prompt_len)
+        self._prefill_reused += reused
+        self._running[seq.job_id] = seq
+        if self.config.dedup:
+            self._inflight.add(seq, self.page_size)
+
+    def _require(self, job_id: int) -> Sequence:
+        seq = self._jobs.get(job_id)
+        if seq is None:
+            raise KeyError(f"job {job_id} is not queued or running (finished, cancelled or "
+                           "never added)")
+        return seq
