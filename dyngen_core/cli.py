@@ -66,7 +66,7 @@ def _run_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-# Subcommand name -> Command. generate, chat and bench are registered by their own modules.
+# Subcommand name -> Command. generate, chat and bench live in cli_run (they need the engine).
 COMMANDS: dict[str, Command] = {
     "convert-gguf": Command(
         "convert a llama-architecture GGUF file to a Hugging Face folder",
@@ -85,7 +85,11 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
         prog="dyngen", description="dyngen: a dynamic-batching LLM inference engine"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, command in (COMMANDS if commands is None else commands).items():
+    if commands is None:
+        from dyngen_core.cli_run import RUN_COMMANDS
+
+        commands = {**COMMANDS, **RUN_COMMANDS}
+    for name, command in commands.items():
         sub = subparsers.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub)
         sub.set_defaults(_run=command.run)
