@@ -175,7 +175,7 @@ class Scheduler:
         for seq in list(self._running.values()):
             if seq.status is not RUNNING:
                 continue  # preempted earlier in this step
-            if seq.num_pending == 1:
+            if len(seq.token_ids) - seq.num_computed == 1:
                 self._schedule_decode(seq, step)
             elif step.budget > 0:
                 self._schedule_prefill(seq, step)
@@ -186,24 +186,25 @@ class Scheduler:
     def apply(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """Advance every job in ``plan`` by what ``outcome`` says was computed and sampled.
         Slices of jobs finished or cancelled since `schedule` are ignored."""
+        ps, running, registering = self.page_size, self._running, self._registering
         for sl in plan.slices:
-            seq = self._running.get(sl.job_id)
+            seq = running.get(sl.job_id)
             if seq is None:
                 continue
-            if sl.start_pos != seq.num_computed:
+            start = sl.start_pos
+            if start != seq.num_computed:
                 raise RuntimeError(
-                    f"plan slice of job {sl.job_id} starts at {sl.start_pos} but the job has "
+                    f"plan slice of job {sl.job_id} starts at {start} but the job has "
                     f"{seq.num_computed} tokens computed; apply each plan once, in order")
             accepted, new_tokens = sampled_tokens(sl, outcome)
-            fed_end = sl.start_pos + len(sl.token_ids)
-            self._prefill_computed += max(0, min(fed_end, seq.prefill_end) - sl.start_pos)
-            old = seq.num_computed
+            fed_end = start + len(sl.token_ids)
             seq.num_computed = fed_end + accepted
             seq.token_ids.extend(new_tokens)
-            if self._registering:
-                register_full_pages(seq, self.pool, old, seq.num_computed,
+            if registering and seq.num_computed // ps > start // ps:
+                register_full_pages(seq, self.pool, start, seq.num_computed,
                                     fold=self.config.dedup)
-            if sl.start_pos < seq.prefill_end:
+            if start < seq.prefill_end:
+                self._prefill_computed += min(fed_end, seq.prefill_end) - start
                 self._after_prefill_slice(seq)
 
     def defragment(self) -> int:
@@ -257,8 +258,10 @@ class Scheduler:
     # ---- internals: running jobs --------------------------------------------------------------
 
     def _schedule_decode(self, seq: Sequence, step: _Step) -> None:
-        start = seq.num_tokens - 1
-        if self._ensure_pages(seq, start + 1 + seq.num_draft_tokens, step):
+        start = len(seq.token_ids) - 1
+        last_page = (start + seq.num_draft_tokens) // self.page_size
+        if last_page < len(seq.page_table) or self._ensure_pages(
+                seq, start + 1 + seq.num_draft_tokens, step):
             step.slices[seq.job_id] = SequenceSlice(seq.job_id, [seq.token_ids[-1]], start,
                                                     list(seq.page_table), True)
 

@@ -29,6 +29,9 @@ def sampled_tokens(sl: SequenceSlice, outcome: StepOutcome) -> tuple[int, list[i
     if not sl.sample:
         return 0, []
     sampled = outcome.sampled.get(sl.job_id)
+    if sampled is not None and not sl.draft_ids and not sampled.num_draft_accepted \
+            and len(sampled.token_ids) == 1:
+        return 0, sampled.token_ids  # the common case: one decode token
     if sampled is None:
         raise ValueError(f"the outcome has no sampled tokens for job {sl.job_id}, whose slice "
                          "asked for sampling")
