@@ -104,11 +104,17 @@ class StopMatcher:
 
 
 def _earliest(text: str, strings: tuple[str, ...]) -> tuple[int, str | None]:
-    best_at, best = len(text), None
+    """The first of ``strings`` to be complete in ``text`` read left to right (the earliest end;
+    on a tie the longest, which starts first), and where it starts. Streaming the text in any
+    chunks finds the same match."""
+    best_end, best_at, best = len(text) + 1, len(text), None
     for s in strings:
-        at = text.find(s, 0, best_at + len(s))
-        if at != -1 and at < best_at:
-            best_at, best = at, s
+        at = text.find(s, 0, best_end)
+        if at == -1:
+            continue
+        end = at + len(s)
+        if end < best_end or end == best_end and at < best_at:
+            best_end, best_at, best = end, at, s
     return best_at, best
 
 
@@ -136,7 +142,7 @@ class BannedStringMatcher:
         self._emitted = 0
 
     def find(self, text: str) -> int | None:
-        """Offset in ``text`` where the earliest banned string starts, or None."""
+        """Offset in ``text`` where the first banned string to complete starts, or None."""
         at, found = _earliest(_fold(text), self._folded)
         return None if found is None else at
 

@@ -54,11 +54,14 @@ def test_false_partial_match_is_released() -> None:
     assert matcher.flush() == "\n"
 
 
-def test_earliest_of_several_stop_strings_wins() -> None:
+def test_first_stop_string_to_complete_wins() -> None:
     matcher = StopMatcher(set(), ["STOP", "ab"])
     assert matcher.feed_text("xxabSTOP") == StopResult("xx", "ab")
-    other = StopMatcher(set(), ["abc", "bc"])
-    assert other.feed_text("zabc") == StopResult("z", "abc")
+    tie = StopMatcher(set(), ["bc", "abc"])  # both end at the same character: the longer wins
+    assert tie.feed_text("zabc") == StopResult("z", "abc")
+    # "\n" completes before "a\na" does, whether the text comes at once or char by char.
+    assert StopMatcher(set(), ["a\na", "\n"]).feed_text("a\na") == StopResult("a", "\n")
+    assert feed_all(StopMatcher(set(), ["a\na", "\n"]), list("a\na")) == (["", "a"], "\n")
 
 
 def test_match_inside_one_chunk_and_no_stop_strings() -> None:
@@ -84,6 +87,16 @@ def chunked(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
+def first_completed(text: str, strings: list[str]) -> tuple[int, str] | None:
+    """Reference: read ``text`` one character at a time; the first strings to end win, the
+    longest of them first."""
+    for end in range(1, len(text) + 1):
+        done = sorted((s for s in strings if text[:end].endswith(s)), key=len, reverse=True)
+        if done:
+            return end - len(done[0]), done[0]
+    return None
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), stops=STOPS, text=TEXT)
 def test_stop_output_is_text_up_to_the_first_stop_string(
@@ -91,11 +104,9 @@ def test_stop_output_is_text_up_to_the_first_stop_string(
 ) -> None:
     chunks = chunked(text, data.draw(cut_points(text)))
     out, matched = feed_all(StopMatcher(set(), stops), chunks)
-    firsts = [(text.find(s), s) for s in stops if s in text]
-    if firsts:
-        at = min(i for i, _ in firsts)
-        assert matched is not None and text.find(matched) == at
-        assert "".join(out) == text[:at]
+    first = first_completed(text, stops)
+    if first is not None:
+        assert matched == first[1] and "".join(out) == text[: first[0]]
     else:
         assert matched is None and "".join(out) == text
 
@@ -151,10 +162,9 @@ def test_banned_stream_reports_the_first_match_offset(
         if result.banned is not None:
             hit = result
             break
-    lowered = text.lower()
-    firsts = [lowered.find(w.lower()) for w in words if w.lower() in lowered]
-    if firsts:
-        assert hit is not None and hit.offset == min(firsts)
+    first = first_completed(text.lower(), [w.lower() for w in words])
+    if first is not None:
+        assert hit is not None and hit.offset == first[0]
         assert "".join(emitted) == text[: hit.offset]  # nothing of the match was released
     else:
         assert hit is None
