@@ -39,7 +39,9 @@ class IncrementalDetokenizer:
     prompt_ids: tokens before the first `add`; their last few are context only, so a generated
         first token keeps its leading space. Without them, the chunks concatenate to exactly
         ``tokenizer.decode(all added ids)``; with them, to ``decode(prompt + added)`` minus
-        ``decode(prompt)``.
+        ``decode(prompt)``. (Exact whenever the ids spell valid UTF-8, and for byte-level BPE
+        always; where a ByteFallback decoder meets invalid bytes, U+FFFD may be placed
+        differently, since that decoder replaces a whole run of byte tokens at once.)
     """
 
     def __init__(
