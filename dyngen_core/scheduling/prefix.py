@@ -10,8 +10,9 @@ Dedup among jobs admitted close together (the same step, or while the first is s
 prefilling): pages enter the pool's index only once computed, so a running job's not-yet-computed
 prompt pages are listed in an `InflightIndex`. A waiting job whose next missing page would be
 computed by a running job (whole page, or a longer partial match than the cache offers) is
-*deferred*: it stays in the queue, uncounted as a skip, and is admitted once those pages are in
-the pool — so 64 jobs sharing a document prefill it once, and the rest share or copy it.
+*deferred* (when waiting saves at least MIN_PARTIAL_MATCH tokens over what the cache offers
+now): it stays in the queue, uncounted as a skip, and is admitted once those pages are in the
+pool — so 64 jobs sharing a document prefill it once, and the rest share or copy it.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def match_prefix(seq: Sequence, pool: PagePool, inflight: InflightIndex | None, 
     src, n = pool.find_partial(parent, page_tokens, include_referenced=share_running)
     if inflight is not None:
         pending = inflight.best_match(parent, k, page_tokens, ps)
-        if pending > n and pending >= MIN_PARTIAL_MATCH:
+        if pending >= n + MIN_PARTIAL_MATCH:  # waiting must save real work, not a token or two
             return None
     n = min(n, limit - k * ps)
     if src is None or n < MIN_PARTIAL_MATCH:

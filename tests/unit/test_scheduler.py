@@ -151,6 +151,21 @@ def test_dedup_of_shared_1024_token_prefix() -> None:
     assert e.run_until_done({j: n for j, (_, n) in jobs.items()}) == solo_outputs(jobs)
 
 
+def test_unaligned_shared_document_is_prefilled_once() -> None:
+    e = engine(64, page_size=256)
+    doc = tokens(1000, 42)  # three full pages, then 232 document tokens in the fourth
+    jobs = {j: (doc + tokens(20, 1000 + j), 3) for j in range(16)}
+    for j, (prompt, n) in jobs.items():
+        e.add(j, prompt, n)
+    e.step()
+    assert e.s.num_waiting == 15  # they wait for the first job's pages rather than recompute
+    plan = e.step()
+    assert e.s.num_waiting == 0
+    assert sorted(c.num_slots for c in plan.copies) == [232] * 15  # the document's tail, copied
+    assert e.s.stats().prefill_tokens_computed == 1020 + 15 * 20
+    assert e.run_until_done({j: n for j, (_, n) in jobs.items()}) == solo_outputs(jobs)
+
+
 def test_dedup_off_computes_every_prompt() -> None:
     e = engine(64, page_size=256, dedup=False, max_chunk_size=4096)
     doc = tokens(1024, 99)
