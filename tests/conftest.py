@@ -55,3 +55,7 @@ def tiny_model_dir(tiny_arch: str, tiny_model_dirs: Callable[[str], Path]) -> Pa
 def tiny_llama_dir(tiny_model_dirs: Callable[[str], Path]) -> Path:
     """The shared tiny Llama model folder."""
     return tiny_model_dirs("llama")
+
+
+# The real demo model (SmolLM2-135M-Instruct), fetched and converted once per machine.
+from tests.conftest_demo import demo_gguf_file, demo_model_dir  # noqa: E402, F401
