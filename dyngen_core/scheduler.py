@@ -207,14 +207,15 @@ class Scheduler:
                 self._prefill_computed += min(fed_end, seq.prefill_end) - start
                 self._after_prefill_slice(seq)
 
-    def defragment(self) -> int:
+    def defragment(self, *, max_moves: int | None = None) -> int:
         """Compact and order the used pages if fragmentation is worth it (see
-        `dyngen_core.pages.defrag`). Page tables and the pool are relabelled now; the page copies
-        lead the next plan's ``copies`` (do not run them separately). Call between `apply` and
-        `schedule`. Returns the number of page copies queued."""
+        `dyngen_core.pages.defrag`; ``max_moves`` caps the pages moved, None for its default).
+        Page tables and the pool are relabelled now; the page copies lead the next plan's
+        ``copies`` (do not run them separately). Call between `apply` and `schedule`. Returns
+        the number of page copies queued."""
         running = list(self._running.values())
         plan = plan_defrag([s.page_table for s in running], self.pool.cached_pages(),
-                           self.pool.num_pages, self.page_size)
+                           self.pool.num_pages, self.page_size, max_moves=max_moves)
         if plan is None:
             return 0
         self.pool.remap(plan.mapping)

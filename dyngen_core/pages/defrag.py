@@ -6,12 +6,16 @@ cached pages follow, keeping their id when it already lies in the cached range a
 gaps otherwise; free pages end up at the top.
 
 Why: a job whose pages are consecutive ascending ids is one long run of memory, so paged
-attention streams it without jumping around and gather-based backends read wide slices; keeping
-used pages low leaves the free pages in one block. Each move copies one whole page in every
-layer, so the planner only moves when it is worth it: when the *fragmentation* — breaks in the
-running page tables (neighbours that are not consecutive ids) plus used pages lying above the
-used range — reaches ``min_fraction`` of the used pages. Cycles in the permutation go through a
-temporary page, which needs at least one free page; with none, nothing is planned.
+attention streams it without jumping around and gather-based backends can read slices instead of
+gathering; keeping used pages low leaves the free pages in one block. The gain is modest and each
+move copies one whole page in every layer, so a plan is made only when both hold:
+- fragmentation — breaks in the running page tables (neighbours that are not consecutive ids)
+  plus used pages lying above the used range — is at least ``min_fraction`` of the used pages;
+- the moves fit in ``max_moves`` (default: 1/16 of the cache). Many running jobs that grew in
+  step with one another interleave their pages completely; reordering them would copy the whole
+  cache, so that layout is left alone until jobs finish and the rest is cheap to compact.
+Cycles in the permutation go through a temporary page, which needs at least one free page; with
+none, nothing is planned.
 
 The caller (the scheduler) relabels the pool and the page tables with ``mapping`` and hands the
 copies to the runner, which executes them in order before the next forward.
@@ -26,6 +30,7 @@ from itertools import pairwise
 from dyngen_core.plan import PageCopy
 
 DEFAULT_MIN_FRACTION = 0.25
+MOVES_FRACTION_OF_CACHE = 1 / 16
 MIN_USED_PAGES = 4
 
 
@@ -49,13 +54,16 @@ def fragmentation(page_tables: Sequence[Sequence[int]], cached_pages: Sequence[i
 
 def plan_defrag(page_tables: Sequence[Sequence[int]], cached_pages: Sequence[int],
                 num_pages: int, page_size: int, *,
-                min_fraction: float = DEFAULT_MIN_FRACTION) -> DefragPlan | None:
+                min_fraction: float = DEFAULT_MIN_FRACTION,
+                max_moves: int | None = None) -> DefragPlan | None:
     """Plan the moves that compact and order the used pages, or None when not worth it.
 
     page_tables: the running jobs' page tables, oldest job first.
     cached_pages: unreferenced pages holding data (any order).
     num_pages, page_size: the cache's shape (copies move ``page_size`` slots).
     min_fraction: run only when fragmentation >= this fraction of the used pages.
+    max_moves: most pages moved in one plan (None: 1/16 of the cache, at least MIN_USED_PAGES);
+        a layout needing more is left alone.
     """
     referenced = _referenced_order(page_tables)
     used = len(referenced) + len(cached_pages)
@@ -64,6 +72,10 @@ def plan_defrag(page_tables: Sequence[Sequence[int]], cached_pages: Sequence[int
     if fragmentation(page_tables, cached_pages) < min_fraction * used:
         return None
     mapping = _target_mapping(referenced, cached_pages)
+    if max_moves is None:
+        max_moves = max(MIN_USED_PAGES, int(num_pages * MOVES_FRACTION_OF_CACHE))
+    if len(mapping) > max_moves:
+        return None
     copies = _copies_for(mapping, temp_page=used, page_size=page_size)
     return DefragPlan(copies=copies, mapping=mapping)
 

@@ -79,7 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def defragment(self) -> None:
-        moved = self.e.s.defragment()
+        moved = self.e.s.defragment(max_moves=self.e.s.pool.num_pages)
         plan = self.e.step()  # the copies lead this plan; the cache is checked after it
         assert len(plan.copies) >= moved
         self._finish_done()

@@ -187,7 +187,7 @@ def apply_copies(contents: dict[int, str], copies) -> dict[int, str]:
 ])
 def test_defrag_moves_contents_and_compacts(tables, cached) -> None:
     contents = {p: f"data{p}" for t in tables for p in t} | {p: f"data{p}" for p in cached}
-    plan = plan_defrag(tables, cached, num_pages=10, page_size=PS)
+    plan = plan_defrag(tables, cached, num_pages=10, page_size=PS, max_moves=10)
     assert plan is not None
     moved = apply_copies(contents, plan.copies)
     for old, text in contents.items():
@@ -202,3 +202,6 @@ def test_defrag_skips_tidy_or_full_layouts() -> None:
     assert plan_defrag([[0, 1, 2], [3, 4]], [5], num_pages=10, page_size=PS) is None
     assert plan_defrag([[3, 2, 1, 0]], [], num_pages=4, page_size=PS) is None  # no free page
     assert plan_defrag([[1, 0]], [], num_pages=8, page_size=PS) is None  # too small to bother
+    scattered = [[9, 7, 5, 3, 1]]
+    assert plan_defrag(scattered, [], num_pages=16, page_size=PS, max_moves=3) is None  # too dear
+    assert plan_defrag(scattered, [], num_pages=16, page_size=PS, max_moves=5) is not None
