@@ -1,8 +1,10 @@
 """The final draw, and what crosses back to the host.
 
 Greedy rows take the argmax of their edited logits. Other rows take
-``argmax(logit + gumbel(seed, counter, token))`` (`dyngen_core.sampling.rng`), over the top-k
-candidates only when every such row has a top_k (the noise of a token is the same either way).
+``argmax(logit + gumbel(seed, counter, token))`` (`dyngen_core.sampling.rng`) over their
+candidates: the noise of a token does not depend on which other tokens are looked at, so the
+draw may be restricted to a superset of the surviving tokens (the top-k when every row has a
+top_k; on the CPU, where a host sync is free, the largest number of surviving tokens).
 """
 
 from __future__ import annotations
@@ -14,6 +16,23 @@ import torch
 from dyngen_core.sampling.rng import gumbel_noise
 
 
+def _rows_of(x: torch.Tensor, rows: Sequence[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    if len(rows) == x.shape[0]:
+        return None, x
+    index = torch.tensor(list(rows), dtype=torch.int64, device=x.device)
+    return index, x.index_select(0, index)
+
+
+def _candidates(sub: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, token ids) of a superset of every row's surviving tokens."""
+    width = sub.shape[1]
+    if sub.device.type == "cpu" and bound == width:
+        bound = max(int(torch.isfinite(sub).sum(-1).max()), 1)
+    if bound < width // 2:
+        return torch.topk(sub, bound, dim=-1)
+    return sub, torch.arange(width, device=sub.device).expand_as(sub)
+
+
 def choose(
     x: torch.Tensor,
     greedy: Sequence[bool],
@@ -23,42 +42,40 @@ def choose(
     """Chosen token per row, int64 ``[rows]`` on the device.
 
     keys: each row's `row_key` words (used by non-greedy rows only).
-    candidate_bound: most candidates any non-greedy row has (the vocab size when unknown).
+    candidate_bound: most candidates any non-greedy row can have (the width when unknown).
     """
-    device = x.device
-    choice = torch.empty(x.shape[0], dtype=torch.int64, device=device)
     greedy_rows = [i for i, g in enumerate(greedy) if g]
     sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    if not sampled_rows:
+        return x.argmax(-1)
+    choice = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     if greedy_rows:
-        index = torch.tensor(greedy_rows, dtype=torch.int64, device=device)
-        choice.index_copy_(0, index, x.index_select(0, index).argmax(-1))
-    if sampled_rows:
-        index = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
-        sub = x.index_select(0, index)
-        row_keys = torch.tensor([keys[i] for i in sampled_rows], dtype=torch.int64,
-                                device=device)
-        if candidate_bound < x.shape[1]:
-            values, tokens = torch.topk(sub, candidate_bound, dim=-1)
-        else:
-            values = sub
-            tokens = torch.arange(x.shape[1], device=device).expand_as(sub)
-        pick = (values + gumbel_noise(row_keys, tokens)).argmax(-1, keepdim=True)
-        choice.index_copy_(0, index, tokens.gather(1, pick).squeeze(1))
+        index, sub = _rows_of(x, greedy_rows)
+        assert index is not None
+        choice.index_copy_(0, index, sub.argmax(-1))
+    index, sub = _rows_of(x, sampled_rows)
+    row_keys = torch.tensor([keys[i] for i in sampled_rows], dtype=torch.int64, device=x.device)
+    values, tokens = _candidates(sub, candidate_bound)
+    pick = (values + gumbel_noise(row_keys, tokens)).argmax(-1, keepdim=True)
+    picked = tokens.gather(1, pick).squeeze(1)
+    if index is None:
+        return picked
+    choice.index_copy_(0, index, picked)
     return choice
 
 
 def fetch_choices(
     x: torch.Tensor, choice: torch.Tensor, prob_rows: Sequence[int]
 ) -> tuple[list[int], list[bool], dict[int, float]]:
-    """One device-to-host transfer: the chosen ids, whether each row had any allowed token,
-    and the chosen tokens' probabilities for ``prob_rows``."""
-    ok = torch.isfinite(x.amax(-1)).to(torch.float64)
-    parts = [choice.to(torch.float64), ok]
+    """One device-to-host transfer: the chosen ids, whether each row had any allowed token
+    (its chosen logit is finite), and the chosen tokens' probabilities for ``prob_rows``."""
+    chosen_logit = x.gather(1, choice.unsqueeze(1)).squeeze(1)
+    parts = [choice.to(torch.float64), torch.isfinite(chosen_logit).to(torch.float64)]
     if prob_rows:
-        index = torch.tensor(list(prob_rows), dtype=torch.int64, device=x.device)
-        probs = torch.softmax(x.index_select(0, index), dim=-1)
-        parts.append(probs.gather(1, choice.index_select(0, index).unsqueeze(1)).squeeze(1)
-                     .to(torch.float64))
+        index, sub = _rows_of(x, prob_rows)
+        chosen = choice if index is None else choice.index_select(0, index)
+        probs = torch.softmax(sub, dim=-1)
+        parts.append(probs.gather(1, chosen.unsqueeze(1)).squeeze(1).to(torch.float64))
     flat = torch.cat(parts).tolist()
     n = x.shape[0]
     ids = [int(v) for v in flat[:n]]
@@ -69,8 +86,8 @@ def fetch_choices(
 def fetch_top_k(x: torch.Tensor, rows: Sequence[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k token ids (int64) and probabilities (float32) of ``rows``, on the CPU, in one
     transfer."""
-    index = torch.tensor(list(rows), dtype=torch.int64, device=x.device)
-    probs = torch.softmax(x.index_select(0, index), dim=-1)
+    _, sub = _rows_of(x, rows)
+    probs = torch.softmax(sub, dim=-1)
     values, tokens = torch.topk(probs, min(k, x.shape[1]), dim=-1)
     packed = torch.cat([tokens.to(torch.float64), values.to(torch.float64)], dim=1).cpu()
     width = values.shape[1]

@@ -1,9 +1,9 @@
 """Distribution-shaping stages over logits rows (removed tokens are ``-inf``).
 
 Each function takes the logits of the rows that use the stage, ``x`` ``[rows, vocab]``, and its
-per-row parameters as ``[rows, 1]`` tensors, and returns the new logits. Truncation filters
-only ever remove tokens, always keep the most likely one, and keep every token tied with the
-cut-off (so results never depend on how a sort breaks ties). Definitions:
+per-row parameters as ``[rows, 1]`` tensors, and edits ``x`` in place (returning it).
+Truncation filters only ever remove tokens, always keep the most likely one, and keep every
+token tied with the cut-off (so results never depend on how a sort breaks ties). Definitions:
 
 - temperature: ``x / T``. Dynamic temperature: ``T = min + (max - min) * (H / log n) ** exp``,
   H the entropy of ``softmax(x)`` over its n candidates (ExLlamaV2).
@@ -34,19 +34,27 @@ def _probs(x: torch.Tensor) -> torch.Tensor:
 
 
 def _drop(x: torch.Tensor, remove: torch.Tensor) -> torch.Tensor:
-    return x.masked_fill(remove, _NEG_INF)
+    return x.masked_fill_(remove, _NEG_INF)
+
+
+def candidate_bound(x: torch.Tensor, bound: int) -> int:
+    """A bound on any row's surviving tokens: ``bound`` when it is known (top_k ran); on the
+    CPU, where a host sync is free, the largest count of finite logits."""
+    if bound >= x.shape[-1] and x.device.type == "cpu":
+        return max(int(torch.isfinite(x).sum(-1).max()), 1)
+    return bound
 
 
 def descending(values: torch.Tensor, bound: int) -> torch.Tensor:
-    """The ``bound`` largest values per row, largest first (a top-k when it can be cheaper
-    than a full sort)."""
-    if bound < values.shape[-1]:
+    """The ``bound`` largest values per row, largest first (a top-k when it is cheaper than a
+    full sort)."""
+    if bound < values.shape[-1] // 4:
         return torch.topk(values, bound, dim=-1, sorted=True).values
-    return torch.sort(values, dim=-1, descending=True).values
+    return torch.sort(values, dim=-1, descending=True).values[:, :bound]
 
 
 def temperature(x: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
-    return x / temp
+    return x.div_(temp)
 
 
 def dynamic_temperature(
@@ -59,7 +67,7 @@ def dynamic_temperature(
     max_entropy = candidates.log().clamp_min(1e-6)
     normalized = (entropy / max_entropy).clamp(0.0, 1.0)
     temp = min_temp + (max_temp - min_temp) * normalized.pow(exponent)
-    return x / temp.clamp_min(1e-4)
+    return x.div_(temp.clamp_min(1e-4))
 
 
 def top_k(x: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -72,6 +80,11 @@ def top_k(x: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
 def top_p(x: torch.Tensor, p_target: torch.Tensor, bound: int) -> torch.Tensor:
     """bound: an upper bound on any row's candidate count (vocab size when unknown)."""
     p = _probs(x)
+    if bound >= x.shape[-1] and x.device.type == "cpu":
+        # A token with p < (1 - top_p) / vocab always has more than top_p of the mass ahead
+        # of it, so it is cut: only the rest need sorting (a host sync, free on the CPU).
+        floor = (1.0 - p_target) / x.shape[-1]
+        bound = max(int((p >= floor).sum(-1).max()), 1)
     sorted_p = descending(p, bound)
     before = sorted_p.cumsum(-1) - sorted_p
     keep = (before < p_target).sum(-1, keepdim=True).clamp_min(1)
@@ -90,20 +103,27 @@ def top_a(x: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     return _drop(x, (p < ratio * p_max * p_max) & (p < p_max))
 
 
-def typical(x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+def typical(x: torch.Tensor, mass: torch.Tensor, bound: int) -> torch.Tensor:
+    """bound: an upper bound on any row's candidate count (only those are sorted)."""
     logp = torch.log_softmax(x, dim=-1)
     p = logp.exp()
     entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1, keepdim=True)
-    deviation = (-logp - entropy).abs()
-    sorted_dev, order = torch.sort(deviation, dim=-1)
+    deviation = (-logp - entropy).abs()  # inf for removed tokens
+    bound = candidate_bound(x, bound)
+    if bound < x.shape[-1] // 4:
+        candidates = torch.topk(x, bound, dim=-1).indices
+        sorted_dev, order = torch.sort(deviation.gather(1, candidates), dim=-1)
+        order = candidates.gather(1, order)
+    else:
+        sorted_dev, order = torch.sort(deviation, dim=-1)
     cumulative = p.gather(1, order).cumsum(-1)
-    last = (cumulative < mass).sum(-1, keepdim=True).clamp_max(x.shape[-1] - 1)
+    last = (cumulative < mass).sum(-1, keepdim=True).clamp_max(sorted_dev.shape[-1] - 1)
     return _drop(x, deviation > sorted_dev.gather(1, last))
 
 
 def tail_free(x: torch.Tensor, z: torch.Tensor, bound: int) -> torch.Tensor:
     p = _probs(x)
-    sorted_p = descending(p, bound)
+    sorted_p = descending(p, candidate_bound(x, bound))
     n = (sorted_p > 0).sum(-1, keepdim=True)
     if sorted_p.shape[-1] < 3:
         return x

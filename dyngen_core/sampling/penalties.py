@@ -1,12 +1,14 @@
 """History-based logit edits: repetition / frequency / presence penalties, and DRY.
 
-Penalties (ExLlamaV2 semantics, batched on the device): walking back from the newest history
+Penalties (ExLlamaV2 semantics): walking back from the newest history
 token, the first ``range`` tokens get the full penalties and the next ``decay`` tokens a penalty
 fading linearly to neutral (at backward offset ``j``: ``p(j) = p0 + (neutral - p0) *
 max(0, j - range) / decay``). A token present in that window has its logit divided (if
 positive) or multiplied (if not) by the repetition penalty, and the presence penalty subtracted,
 both at the value of its most recent occurrence; the frequency penalty is subtracted once per
-occurrence, each at its own offset's value.
+occurrence, each at its own offset's value. The per-token terms come from the window on the
+host (the history is there; a window holds a few hundred distinct tokens), and are applied on the
+device with one gather and one scatter of only those (row, token) pairs.
 
 DRY (the original algorithm of koboldcpp / text-generation-webui): for every earlier
 occurrence of the history's last token, extend the match backwards while the tokens agree (no
@@ -26,8 +28,6 @@ import torch
 
 from dyngen_core.settings import SamplerSettings
 
-_FAR = 1 << 40  # "no occurrence": larger than any backward offset
-
 
 def penalty_window(settings: SamplerSettings) -> int | None:
     """How many newest history tokens the penalties read (None = all)."""
@@ -36,48 +36,52 @@ def penalty_window(settings: SamplerSettings) -> int | None:
     return settings.token_repetition_range + settings.token_repetition_decay
 
 
+def penalty_terms(
+    history: Sequence[int], settings: SamplerSettings, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For one row: ``(token_ids, repetition, presence, frequency)`` per distinct token of the
+    penalty window (host, numpy): the multiplicative penalty and presence penalty at the
+    token's newest occurrence, and the summed frequency penalty."""
+    window = penalty_window(settings)
+    ids = np.asarray(history[len(history) - window:] if window is not None else history,
+                     dtype=np.int64)
+    offsets = np.arange(len(ids) - 1, -1, -1, dtype=np.float64)
+    inside = (ids >= 0) & (ids < vocab_size)
+    ids, offsets = ids[inside], offsets[inside]
+    tokens, inverse = np.unique(ids, return_inverse=True)
+    newest = np.full(len(tokens), np.inf)
+    np.minimum.at(newest, inverse, offsets)
+    sustain = settings.token_repetition_range if settings.token_repetition_range > 0 else np.inf
+    per_step = 1.0 / settings.token_repetition_decay if settings.token_repetition_decay else 0.0
+
+    def faded(offset: np.ndarray) -> np.ndarray:
+        return np.clip(np.maximum(offset - sustain, 0.0) * per_step, 0.0, 1.0)
+
+    rep0 = settings.token_repetition_penalty
+    repetition = rep0 + (1.0 - rep0) * faded(newest)
+    presence = settings.token_presence_penalty * (1.0 - faded(newest))
+    frequency = np.zeros(len(tokens))
+    np.add.at(frequency, inverse, settings.token_frequency_penalty * (1.0 - faded(offsets)))
+    return tokens, repetition, presence, frequency
+
+
 def apply_penalties(
     x: torch.Tensor, histories: Sequence[Sequence[int]], settings: Sequence[SamplerSettings]
 ) -> torch.Tensor:
     """Apply repetition / frequency / presence penalties to logits ``x`` ``[rows, vocab]`` in
-    place; row ``i`` uses ``histories[i]`` and ``settings[i]``."""
-    rows, vocab = x.shape
-    device = x.device
-    windows = []
-    for hist, s in zip(histories, settings, strict=True):
-        w = penalty_window(s)
-        windows.append(list(hist) if w is None else list(hist[len(hist) - w:] if w else []))
-    width = max((len(w) for w in windows), default=0)
-    if width == 0:
+    place; row ``i`` uses ``histories[i]`` and ``settings[i]``. Only the (row, token) pairs of
+    the windows are touched: one host-to-device copy, one gather, one scatter."""
+    parts = [penalty_terms(h, s, x.shape[1])
+             for h, s in zip(histories, settings, strict=True)]
+    rows = np.concatenate([np.full(len(p[0]), i) for i, p in enumerate(parts)])
+    if len(rows) == 0:
         return x
-    padded = [[vocab] * (width - len(w)) + w for w in windows]
-    ids = torch.tensor(padded, dtype=torch.int64, device=device).clamp_(0, vocab)
-    offsets = torch.arange(width - 1, -1, -1, device=device).expand(rows, width)
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-    sustain = column([s.token_repetition_range if s.token_repetition_range > 0 else _FAR
-                      for s in settings])
-    fade = column([1.0 / s.token_repetition_decay if s.token_repetition_decay else 0.0
-                   for s in settings])
-    rep0 = column([s.token_repetition_penalty for s in settings])
-    freq0 = column([s.token_frequency_penalty for s in settings])
-    pres0 = column([s.token_presence_penalty for s in settings])
-
-    newest = torch.full((rows, vocab + 1), _FAR, dtype=torch.int64, device=device)
-    newest.scatter_reduce_(1, ids, offsets, reduce="amin")
-    newest = newest[:, :vocab]
-    present = newest < _FAR
-    faded_newest = ((newest.float() - sustain).clamp_min_(0) * fade).clamp_max_(1.0)
-    rep = rep0 + (1.0 - rep0) * faded_newest
-    pres = pres0 * (1.0 - faded_newest)
-    faded_each = ((offsets.float() - sustain).clamp_min_(0) * fade).clamp_max_(1.0)
-    freq_each = freq0 * (1.0 - faded_each)
-    freq = torch.zeros((rows, vocab + 1), dtype=torch.float32, device=device)
-    freq.scatter_add_(1, ids, freq_each)
-    penalized = torch.where(x > 0, x / rep, x * rep) - pres
-    x.copy_(torch.where(present, penalized, x) - freq[:, :vocab])
+    table = np.stack([rows, *(np.concatenate([p[k] for p in parts]) for k in range(4))])
+    terms = torch.from_numpy(table).to(x.device)
+    index = (terms[0].long(), terms[1].long())
+    rep, pres, freq = (terms[k].to(torch.float32) for k in (2, 3, 4))
+    values = x[index]
+    x[index] = torch.where(values > 0, values / rep, values * rep) - pres - freq
     return x
 
 

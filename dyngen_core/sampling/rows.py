@@ -58,7 +58,9 @@ def on_rows(
     if not picked:
         return
     if len(picked) == x.shape[0]:
-        x.copy_(fn(x))
+        out = fn(x)
+        if out is not x:
+            x.copy_(out)
         return
     index = torch.tensor(list(picked), dtype=torch.int64, device=x.device)
     x.index_copy_(0, index, fn(x.index_select(0, index)))

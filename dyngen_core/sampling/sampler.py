@@ -75,8 +75,12 @@ class Sampler:
                 f"logits must be [{len(rows)}, >= {self.vocab_size}] (one row per request row); "
                 f"got {tuple(logits.shape)}"
             )
-        x = logits.to(torch.float32, copy=True)
-        if x.shape[1] > self.vocab_size:
+        wider = logits.shape[1] > self.vocab_size
+        edited = wider or any(r.stages for r in rows) or any(
+            q.allowed_tokens is not None for q in requests)
+        # Stages edit x in place; without any, the caller's logits can be read directly.
+        x = logits.to(torch.float32, copy=edited)
+        if wider:
             x[:, self.vocab_size:] = float("-inf")
         apply_edits(x, rows, requests, self._vocab)
         shape_distribution(x, rows, requests, self._vocab)

@@ -1,5 +1,6 @@
 """Stages 4-13: temperature and the truncation filters, XTC, mirostat (see `filters` for the
-definitions). Greedy rows never reach these stages (their settings switch them off)."""
+definitions). Greedy rows never reach these stages (their settings switch them off). Ties at the
+k-th logit are kept by top_k but may be cut when rows are compacted to their top_k columns."""
 
 from __future__ import annotations
 
@@ -27,35 +28,76 @@ def candidate_bound(settings: Sequence[SamplerSettings], vocab_size: int) -> int
     return vocab_size
 
 
+_TAIL = frozenset({"top_p", "min_p", "typical", "tfs", "top_a", "xtc", "temperature_last",
+                   "mirostat"})
+
+
 def shape_distribution(
     x: torch.Tensor, rows: Sequence[Row], requests: Sequence[SampleRequest], vocab: VocabTables
 ) -> None:
-    """Stages 4-13 in place on logits ``x``."""
+    """Stages 4-13 in place on logits ``x``.
+
+    When every row that uses a stage after top_k has a top_k, those rows are cut down to their
+    ``max(top_k)`` best columns for the remaining stages (each then costs O(k), not O(vocab)),
+    and written back afterwards.
+    """
+    _temperature(x, rows, "temperature")
+    picked = rows_using(rows, "top_k")
+    ks = [rows[i].settings.top_k for i in picked]
+    on_rows(x, picked, lambda sub: filters.top_k(
+        sub, column(ks, x.device, torch.int64), max(ks)))
+    tail = [i for i, r in enumerate(rows) if r.stages & _TAIL]
+    if not tail:
+        return
+    bound = candidate_bound([rows[i].settings for i in tail], vocab.vocab_size)
+    if bound >= x.shape[1] // 4:
+        _shape_tail(x, list(rows), requests, vocab, None)
+        return
+
+    def compact_tail(sub: torch.Tensor) -> torch.Tensor:
+        values, token_ids = torch.topk(sub, bound, dim=-1)
+        _shape_tail(values, [rows[i] for i in tail], requests, vocab, token_ids)
+        return sub.fill_(float("-inf")).scatter_(1, token_ids, values)
+
+    on_rows(x, tail, compact_tail)
+
+
+def _shape_tail(
+    x: torch.Tensor,
+    rows: list[Row],
+    requests: Sequence[SampleRequest],
+    vocab: VocabTables,
+    token_ids: torch.Tensor | None,
+) -> None:
+    """Stages 6-13 on ``x``, whose columns are ``token_ids`` (None: the whole vocabulary)."""
     dev = x.device
-    size = vocab.vocab_size
+    width = x.shape[1]
 
     def stage(name: str, fn: StageFn, picked: list[int] | None = None) -> None:
         chosen = rows_using(rows, name) if picked is None else picked
         settings = [rows[i].settings for i in chosen]
         on_rows(x, chosen, lambda sub: fn(sub, settings))
 
-    def col(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return column(values, dev, dtype)
+    def col(values: list[float]) -> torch.Tensor:
+        return column(values, dev)
 
-    _temperature(x, rows, "temperature")
-    stage("top_k", lambda sub, ss: filters.top_k(
-        sub, col([s.top_k for s in ss], torch.int64), max(s.top_k for s in ss)))
     stage("top_p", lambda sub, ss: filters.top_p(
-        sub, col([s.top_p for s in ss]), candidate_bound(ss, size)))
+        sub, col([s.top_p for s in ss]), candidate_bound(ss, width)))
     stage("min_p", lambda sub, ss: filters.min_p(sub, col([s.min_p for s in ss])))
-    stage("typical", lambda sub, ss: filters.typical(sub, col([s.typical for s in ss])))
+    stage("typical", lambda sub, ss: filters.typical(
+        sub, col([s.typical for s in ss]), candidate_bound(ss, width)))
     stage("tfs", lambda sub, ss: filters.tail_free(
-        sub, col([s.tfs for s in ss]), candidate_bound(ss, size)))
+        sub, col([s.tfs for s in ss]), candidate_bound(ss, width)))
     stage("top_a", lambda sub, ss: filters.top_a(sub, col([s.top_a for s in ss])))
     fired = [i for i in rows_using(rows, "xtc") if host_uniform(
         rows[i].seed, rows[i].counter, _XTC_STREAM) < rows[i].settings.xtc_probability]
-    stage("xtc", lambda sub, ss: filters.xtc(
-        sub, col([s.xtc_threshold for s in ss]), vocab.xtc_protected(dev)), fired)
+    if fired:
+        protected = vocab.xtc_protected(dev)
+        if token_ids is not None:
+            index = torch.tensor(fired, dtype=torch.int64, device=dev)
+            protected = protected[token_ids.index_select(0, index)]
+        thresholds = col([rows[i].settings.xtc_threshold for i in fired])
+        on_rows(x, fired, lambda sub: filters.xtc(sub, thresholds, protected))
     _temperature(x, rows, "temperature_last")
     mirostat_rows = rows_using(rows, "mirostat")
     mus = [requests[rows[i].request].state.current_mu(rows[i].settings) for i in mirostat_rows]

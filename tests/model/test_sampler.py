@@ -124,6 +124,30 @@ def test_tail_free_matches_reference(z: float) -> None:
     np.testing.assert_allclose(final_distribution(SamplerSettings(tfs=z)), expected, atol=1e-6)
 
 
+WIDE = torch.cat([LOGITS, torch.full((56,), math.log(1e-4))])  # 64 columns, 8 that matter
+
+
+@pytest.mark.parametrize(
+    ("settings", "kept"),
+    [
+        (SamplerSettings(top_k=8, top_p=0.45), [6, 7]),
+        (SamplerSettings(top_k=8, min_p=0.4), [4, 5, 6, 7]),
+        (SamplerSettings(top_k=8, typical=0.5), reference_typical(P, 0.5)),
+        (SamplerSettings(top_k=8, tfs=0.6), reference_tail_free(P, 0.6)),
+        (SamplerSettings(top_k=8, top_a=1.0), [3, 4, 5, 6, 7]),
+        (SamplerSettings(top_k=8, xtc_probability=1.0, xtc_threshold=0.15),
+         [0, 1, 2, 3, 4, 5, 7]),
+        (SamplerSettings(top_k=8, mirostat=True, mirostat_tau=1.5), [5, 6, 7]),
+    ],
+)
+def test_stages_after_top_k_on_compacted_rows(settings: SamplerSettings,
+                                              kept: list[int]) -> None:
+    """top_k 8 of 64 columns: later stages run on the 8 compacted columns."""
+    got = final_distribution(settings, Sampler(64, eos_token_ids=[7]), logits=WIDE)
+    np.testing.assert_allclose(got[:V], keep(kept), atol=1e-6)
+    assert not got[V:].any()
+
+
 def test_temperature_scales_logits() -> None:
     expected = np.array(P) ** 2 / (np.array(P) ** 2).sum()
     np.testing.assert_allclose(final_distribution(SamplerSettings(temperature=0.5)), expected,
