@@ -24,6 +24,8 @@ class FP16Storage:
 
     Tensors start zeroed: padded page-table entries and masked slots are read by batched
     attention, and garbage such as NaN in them would leak through a zero attention weight.
+    Writes and copies run in inference mode, so storage made inside or outside
+    ``torch.inference_mode`` can be updated from either.
     """
 
     mode = "fp16"
@@ -40,6 +42,7 @@ class FP16Storage:
         self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
         self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
 
+    @torch.inference_mode()
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Store key/value rows [T, num_kv_heads, head_dim] at flat slots [T]."""
@@ -54,6 +57,7 @@ class FP16Storage:
         pages = page_table.to(keys.device, dtype=torch.long, non_blocking=True)
         return keys[pages].flatten(1, 2), values[pages].flatten(1, 2)
 
+    @torch.inference_mode()
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy slot ranges between pages in every layer, in order.
 
