@@ -1,0 +1,127 @@
+"""Batch-1 decode: a 512-token prompt, 256 new tokens, dyngen vs transformers' eager generate.
+
+Prints tok/s for: dyngen's generator (end to end, and its decode phase alone), the bare decode
+step replayed from a CUDA graph (eager kernels, and torch.compile'd), and transformers'
+``generate``. The memory roofline is the weight bytes one step reads over the device-to-device
+copy bandwidth measured in the same run; the target is >= 80 % of it.
+
+    python benchmarks/decode_batch1.py [--layers 32] [--new-tokens 256] [--no-compile] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import (
+    add_common_args,
+    bench_config,
+    copy_bandwidth,
+    device_name,
+    free_memory,
+    hf_model,
+    make_generator,
+    random_model,
+    random_prompts,
+    report,
+    run_jobs,
+    synchronize,
+    weight_bytes,
+    word_tokenizer,
+)
+
+from dyngen_core import Cache
+from dyngen_core.attention import get_backend
+from dyngen_core.graphs import DecodeGraphs
+from dyngen_core.plan import SequenceSlice, StepPlan
+
+PROMPT = 512
+
+
+def graph_step_seconds(model, compile_model: bool, context: int, steps: int = 50) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per replay of a batch-1 decode graph at ``context`` tokens (fresh fp16 cache)."""
+    cache = Cache(model, max_tokens=4096, mode="fp16")
+    backend = get_backend("triton", model.device)
+    graphs = DecodeGraphs(model, cache.storage, backend, page_size=cache.page_size,
+                          max_context=4096, buckets=[1], compile_model=compile_model)
+    pages = list(range(1, 1 + -(-context // cache.page_size)))
+    plan = StepPlan([SequenceSlice(0, [1234], context - 1, pages, sample=True)])
+    for _ in range(5):
+        graphs.run(plan)
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graphs.run(plan)
+    synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    del graphs, cache
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = bench_config(args)
+    bandwidth = copy_bandwidth(device)
+    model = random_model(config, device)
+    step_bytes = weight_bytes(model)
+    roofline_tps = bandwidth / step_bytes
+    common = {"device": device_name(), "layers": config["num_hidden_layers"],
+              "copy_GBps": bandwidth / 1e9, "weight_GB": step_bytes / 1e9,
+              "roofline_tok_s": roofline_tps}
+    report("decode_batch1.roofline", **common)
+
+    tokenizer = word_tokenizer(config["vocab_size"])
+    generator = make_generator(model, tokenizer, cache_tokens=8192)
+    prompt = random_prompts(1, PROMPT, config["vocab_size"], seed=1)
+    run_jobs(generator, prompt, 8)  # warm-up: compiles the prefill kernels
+    run = run_jobs(generator, random_prompts(1, PROMPT, config["vocab_size"], 2),
+                   args.new_tokens)
+    dyngen_tps = run.tok_s
+    report("decode_batch1.dyngen_generator", tok_s=dyngen_tps, decode_tok_s=run.decode_tok_s,
+           new_tokens=run.new_tokens, wall_s=run.wall,
+           roofline_fraction=run.decode_tok_s / roofline_tps, **common)
+    del generator
+    free_memory()
+
+    context = PROMPT + args.new_tokens // 2
+    variants = [False] if args.no_compile else [False, True]
+    if device.type != "cuda":
+        variants = []
+    for compiled in variants:
+        try:
+            seconds = graph_step_seconds(model, compiled, context)
+        except Exception as exc:  # report and go on: the other figures still count
+            report("decode_batch1.graph_step", compiled=compiled, error=repr(exc)[:500])
+            continue
+        report("decode_batch1.graph_step", compiled=compiled, context=context,
+               step_ms=seconds * 1e3, tok_s=1 / seconds,
+               roofline_fraction=(1 / seconds) / roofline_tps, **common)
+
+    if args.no_hf:
+        return
+    del model
+    free_memory()
+    hf = hf_model(config, device, attn="sdpa")
+    ids = torch.tensor(prompt, device=device)
+    hf.generate(ids, max_new_tokens=8, do_sample=False)
+    synchronize()
+    start = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                      do_sample=False)
+    synchronize()
+    hf_wall = time.perf_counter() - start
+    hf_tokens = int(out.shape[1] - PROMPT)
+    hf_tps = hf_tokens / hf_wall
+    report("decode_batch1.transformers_generate", tok_s=hf_tps, new_tokens=hf_tokens,
+           wall_s=hf_wall, dyngen_over_transformers=dyngen_tps / hf_tps, **common)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
+# Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke decode long host
+#        throughput shared. Logs and JSON lines go to $OUT (default ./bench_out).
+# Every phase runs under its own time limit so one hang cannot eat the whole run.
+set -u
+OUT=${OUT:-./bench_out}
+mkdir -p "$OUT"
+export DYNGEN_BENCH_OUT="$OUT/bench.jsonl" PYTHONUNBUFFERED=1 MAX_JOBS=16
+PY=${PY:-python3}
+run() {  # run LIMIT LOG CMD...
+  local limit=$1 log=$2; shift 2
+  echo "=== $(date +%T) $*" | tee -a "$OUT/$log"
+  timeout "$limit" "$@" 2>&1 | grep -v '^\[transformers\]' | tee -a "$OUT/$log"
+  echo "=== exit ${PIPESTATUS[0]} after $SECONDS s" | tee -a "$OUT/$log"
+}
+for phase in "$@"; do
+  case $phase in
+    env) run 60 env.log bash -c "nvidia-smi -L; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
+    tests) run 300 tests.log $PY -m pytest -q -p no:cacheprovider -rs tests/gpu ;;
+    smoke)
+      run 60 smoke.log $PY benchmarks/decode_batch1.py --small --new-tokens 16 --no-hf
+      run 60 smoke.log $PY benchmarks/long_context.py --small --context 2048 --batches 1,4 --steps 3
+      run 60 smoke.log $PY benchmarks/throughput.py --small --prompts 8 --engines dyngen
+      run 90 smoke.log $PY benchmarks/shared_document.py --small --questions 4 --skip-off --no-hf ;;
+    decode) run 240 bench.log $PY benchmarks/decode_batch1.py ;;
+    long) run 150 bench.log $PY benchmarks/long_context.py ;;
+    host) run 90 bench.log $PY benchmarks/host_overhead.py ;;
+    throughput) run 300 bench.log $PY benchmarks/throughput.py ;;
+    shared) run 300 bench.log $PY benchmarks/shared_document.py ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done

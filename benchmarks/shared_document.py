@@ -1,0 +1,105 @@
+"""One 8,000-token document, 64 different ~30-token questions, 128 new tokens each.
+
+Wall time and prefill tokens with dedup (and the prompt cache) on, with both off, and for the
+same 64 jobs without the document; then transformers' static batched ``generate`` on the full
+prompts (in batches of ``--hf-batch``). Target: with dedup, <= 1.3x the time of the jobs
+without the document.
+
+    python benchmarks/shared_document.py [--layers 32] [--questions 64] [--skip-off] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+from _common import (
+    add_common_args,
+    bench_config,
+    device_name,
+    free_memory,
+    hf_model,
+    make_generator,
+    random_model,
+    random_prompts,
+    report,
+    run_jobs,
+    synchronize,
+    word_tokenizer,
+)
+
+DOCUMENT, QUESTION, NEW = 8000, 30, 128
+
+
+def run_case(name: str, model: Any, tokenizer: Any, prompts: list[list[int]],
+             **options: Any) -> float:
+    tokens = sum(len(p) for p in prompts) + len(prompts) * NEW + 4096
+    generator = make_generator(model, tokenizer, cache_tokens=tokens, max_batch_size=len(prompts),
+                               max_chunk_size=16384, **options)
+    run_jobs(generator, [p[-64:] for p in prompts[:2]], 4)  # warm-up, other prefixes
+    before = generator.stats()
+    run = run_jobs(generator, prompts, NEW)
+    stats = generator.stats()
+    report(f"shared_document.dyngen_{name}", wall_s=run.wall, tok_s=run.tok_s,
+           prefill_tokens_computed=stats.prefill_tokens_computed - before.prefill_tokens_computed,
+           prefill_tokens_reused=stats.prefill_tokens_reused - before.prefill_tokens_reused)
+    del generator
+    free_memory()
+    return run.wall
+
+
+def run_transformers(config: dict[str, Any], prompts: list[list[int]], batch: int,
+                     device: torch.device) -> float:
+    hf = hf_model(config, device, attn="sdpa")
+    hf.generate(torch.tensor(prompts[:1], device=device)[:, -64:], max_new_tokens=4,
+                do_sample=False)
+    synchronize()
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[first:first + batch], device=device)
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                    min_new_tokens=NEW, do_sample=False)
+    synchronize()
+    wall = time.perf_counter() - start
+    report("shared_document.transformers_static_generate", wall_s=wall, batch=batch,
+           prefill_tokens_computed=sum(len(p) for p in prompts))
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--questions", type=int, default=64)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--skip-off", action="store_true", help="skip the dedup-off run")
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = bench_config(args)
+    vocab = config["vocab_size"]
+    document = random_prompts(1, DOCUMENT, vocab, seed=5)[0]
+    questions = random_prompts(args.questions, QUESTION, vocab, seed=6)
+    with_document = [document + q for q in questions]
+    model = random_model(config, device)
+    tokenizer = word_tokenizer(vocab)
+    report("shared_document.setup", device=device_name(), layers=config["num_hidden_layers"],
+           questions=args.questions, document_tokens=DOCUMENT, question_tokens=QUESTION)
+    alone = run_case("no_document", model, tokenizer, questions)
+    dedup = run_case("dedup_on", model, tokenizer, with_document)
+    report("shared_document.dedup_over_no_document", ratio=dedup / alone, target=1.3)
+    if not args.skip_off:
+        off = run_case("dedup_off", model, tokenizer, with_document, dedup=False,
+                       prompt_cache=False)
+        report("shared_document.off_over_on", ratio=off / dedup)
+    if args.no_hf:
+        return
+    del model
+    free_memory()
+    hf_wall = run_transformers(config, with_document, args.hf_batch, device)
+    report("shared_document.transformers_over_dyngen_dedup", ratio=hf_wall / dedup)
+
+
+if __name__ == "__main__":
+    main()
