@@ -38,7 +38,8 @@ def run_case(name: str, model: Any, tokenizer: Any, prompts: list[list[int]],
     tokens = sum(len(p) for p in prompts) + len(prompts) * NEW + 4096
     generator = make_generator(model, tokenizer, cache_tokens=tokens, max_batch_size=len(prompts),
                                max_chunk_size=16384, **options)
-    run_jobs(generator, [p[-64:] for p in prompts[:2]], 4)  # warm-up, other prefixes
+    warm = random_prompts(2, 64, model.config.vocab_size, seed=99)  # shares nothing with prompts
+    run_jobs(generator, warm, 4)
     before = generator.stats()
     run = run_jobs(generator, prompts, NEW)
     stats = generator.stats()
