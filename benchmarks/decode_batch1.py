@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 from _common import (
@@ -91,37 +92,43 @@ def main() -> None:
     free_memory()
 
     context = PROMPT + args.new_tokens // 2
-    variants = [False] if args.no_compile else [False, True]
-    if device.type != "cuda":
-        variants = []
-    for compiled in variants:
-        try:
-            seconds = graph_step_seconds(model, compiled, context)
-        except Exception as exc:  # report and go on: the other figures still count
-            report("decode_batch1.graph_step", compiled=compiled, error=repr(exc)[:500])
-            continue
-        report("decode_batch1.graph_step", compiled=compiled, context=context,
-               step_ms=seconds * 1e3, tok_s=1 / seconds,
-               roofline_fraction=(1 / seconds) / roofline_tps, **common)
+    if device.type == "cuda":
+        graph_step(model, False, context, common, roofline_tps)
+    if not args.no_hf:
+        hf_tps = transformers_tps(config, prompt, args.new_tokens, device)
+        report("decode_batch1.transformers_generate", tok_s=hf_tps,
+               dyngen_over_transformers=dyngen_tps / hf_tps, **common)
+    if device.type == "cuda" and not args.no_compile:  # last: compiling takes a while
+        graph_step(model, True, context, common, roofline_tps)
 
-    if args.no_hf:
+
+def graph_step(model, compiled: bool, context: int, common: dict[str, Any],  # type: ignore[no-untyped-def]
+               roofline_tps: float) -> None:
+    try:
+        seconds = graph_step_seconds(model, compiled, context)
+    except Exception as exc:  # report and go on: the other figures still count
+        report("decode_batch1.graph_step", compiled=compiled, error=repr(exc)[:500])
         return
-    del model
-    free_memory()
+    report("decode_batch1.graph_step", compiled=compiled, context=context,
+           step_ms=seconds * 1e3, tok_s=1 / seconds,
+           roofline_fraction=(1 / seconds) / roofline_tps, **common)
+
+
+def transformers_tps(config: dict[str, Any], prompt: list[list[int]], new_tokens: int,
+                     device: torch.device) -> float:
+    """transformers' generate (sdpa attention, dynamic cache), greedy, lengths forced."""
     hf = hf_model(config, device, attn="sdpa")
     ids = torch.tensor(prompt, device=device)
     hf.generate(ids, max_new_tokens=8, do_sample=False)
     synchronize()
     start = time.perf_counter()
-    out = hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                      do_sample=False)
+    out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     synchronize()
-    hf_wall = time.perf_counter() - start
-    hf_tokens = int(out.shape[1] - PROMPT)
-    hf_tps = hf_tokens / hf_wall
-    report("decode_batch1.transformers_generate", tok_s=hf_tps, new_tokens=hf_tokens,
-           wall_s=hf_wall, dyngen_over_transformers=dyngen_tps / hf_tps, **common)
-
+    tokens = int(out.shape[1] - PROMPT)
+    tps = tokens / (time.perf_counter() - start)
+    del hf
+    free_memory()
+    return tps
 
 if __name__ == "__main__":
     main()
