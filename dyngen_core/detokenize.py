@@ -53,7 +53,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._decode_special = not skip_special_tokens
         tail = list(prompt_ids or [])[-2 * PROMPT_CONTEXT_TOKENS :]
-        start, self._read_text = self._clean_start(tail, len(tail) - PROMPT_CONTEXT_TOKENS, len(tail))
+        first = len(tail) - PROMPT_CONTEXT_TOKENS
+        start, self._read_text = self._clean_start(tail, first, len(tail))
         # _window holds the tokens since the last emission, preceded by context tokens; the first
         # _read of them are the context, already emitted (or the prompt's).
         self._window: list[int] = tail[start:]
