@@ -102,7 +102,7 @@ class ActiveJob:
             new_tokens=len(self.job.new_token_ids),
             prompt_tokens=len(self.job.input_ids),
             cached_tokens=cached_tokens,
-            cached_pages=cached_tokens // page_size,
+            cached_pages=-(-cached_tokens // page_size),
             time_enqueued=started - self.time_enqueued,
             time_prefill=first - started,
             time_generate=now - first,

@@ -221,7 +221,7 @@ class DynamicGenerator:
         if not sampled_now or tokens is None:
             seq = self._scheduler.sequence(job_id)
             out.append(active.result("prefill", prefill_progress=seq.num_computed,
-                                     prefill_total=len(seq.token_ids)))
+                                     prefill_total=seq.num_tokens))
             return out
         if active.time_first_token is None:
             active.time_first_token = now
