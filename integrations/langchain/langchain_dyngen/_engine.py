@@ -1,0 +1,84 @@
+"""Which engine a model object talks to, and how its constructor arguments are checked.
+
+Engine options are `dyngen_core.EngineOptions` fields, defined once in the core and shared with
+the LlamaIndex adapter. They may be given flat (``ChatDynGen(model_dir=..., cache_tokens=4096)``)
+or as ``engine_options=EngineOptions(...)``; either way EngineOptions validates them. The engine
+itself is `shared_generator(model_dir, engine_options=...)`: one per folder and options in the
+process, so every object pointed at the same folder shares one model, cache and job queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dyngen_core import EngineOptions
+from dyngen_core.errors import ModelFolderError
+
+if TYPE_CHECKING:
+    from dyngen_core import BackgroundGenerator
+
+ENGINE_OPTION_NAMES: frozenset[str] = frozenset(EngineOptions.model_fields)
+
+
+def gather_engine_options(data: dict[str, Any]) -> dict[str, Any]:
+    """Move flat EngineOptions fields in constructor ``data`` into ``data["engine_options"]``
+    (merged over an ``engine_options`` given as an object or dict)."""
+    flat = {name: data.pop(name) for name in list(data) if name in ENGINE_OPTION_NAMES}
+    given = data.get("engine_options")
+    if not flat and (given is None or isinstance(given, EngineOptions)):
+        return data
+    if isinstance(given, EngineOptions):
+        base = given.model_dump(exclude_unset=True)
+    elif isinstance(given, Mapping):
+        base = dict(given)
+    elif given is None:
+        base = {}
+    else:
+        raise TypeError(
+            f"engine_options must be an EngineOptions or a dict; got {type(given).__name__}"
+        )
+    data["engine_options"] = EngineOptions(**{**base, **flat})
+    return data
+
+
+def reject_unknown_arguments(
+    class_name: str, data: Mapping[str, Any], accepted: Iterable[str]
+) -> None:
+    """Raise TypeError naming constructor arguments the class does not take (a misspelt
+    ``temprature`` would otherwise be dropped without a word)."""
+    known = set(accepted)
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        raise TypeError(
+            f"{class_name} got unexpected argument(s) {unknown}. Generation fields, LangChain "
+            f"fields and engine options are accepted: {', '.join(sorted(known))}"
+        )
+
+
+def check_model_dir(model_dir: str | Path) -> str:
+    """The folder as a string, after checking it holds a model (``config.json``)."""
+    folder = Path(model_dir).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(
+            f"{str(folder)!r} is not a model folder (no config.json). Pass the folder of a "
+            "Hugging Face Llama-family model; `dyngen fetch-demo-model` prints the demo one's"
+        )
+    return str(folder)
+
+
+def engine_for(model_dir: str, options: EngineOptions) -> BackgroundGenerator:
+    """The process-wide engine for this folder and options (loaded on first use)."""
+    # Imported here: the engine pulls in torch, which constructing a model object does not need.
+    from dyngen_core import shared_generator
+
+    return shared_generator(model_dir, engine_options=options)
+
+
+def model_name_for(model_dir: str, model_name: str | None, override: str | None) -> str:
+    """The name reported as ``model_name``: a per-call ``model`` folder as given, else the
+    ``model_name`` field, else the folder's name."""
+    if override is not None:
+        return override
+    return model_name or Path(model_dir).name

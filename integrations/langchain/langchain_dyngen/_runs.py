@@ -1,0 +1,134 @@
+"""Reading a job's results from LangChain code: sync or async, with cancellation and timeout.
+
+Whatever ends the reading early — the caller breaking out of a stream, an exception, a
+cancelled asyncio task, the timeout — cancels the job, so its pages go back to the cache at
+once instead of after max_tokens more tokens. Also the LangChain views of a final result:
+usage metadata, finish reason, response metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.messages.ai import UsageMetadata
+
+from dyngen_core import Result
+
+if TYPE_CHECKING:
+    from dyngen_core import JobHandle
+
+# eos_reason -> OpenAI-style finish_reason (what LangChain users and tools look for).
+_FINISH_REASONS = {
+    "stop_token": "stop",
+    "stop_string": "stop",
+    "max_new_tokens": "length",
+    "constraint_incomplete": "length",
+    "cancelled": "cancelled",
+}
+
+
+class _Deadline:
+    """Cancels a handle when ``timeout`` seconds pass; remembers whether it did."""
+
+    def __init__(self, handle: JobHandle) -> None:
+        self.handle = handle
+        self.fired = False
+
+    def fire(self) -> None:
+        self.fired = True
+        self.handle.cancel()
+
+    def check(self, result: Result, timeout: float | None) -> None:
+        if self.fired and result["eos"] and str(result["eos_reason"]) == "cancelled":
+            raise TimeoutError(
+                f"generation did not finish within timeout={timeout} s; the job was cancelled "
+                "(raise `timeout` or lower `max_tokens`)"
+            )
+
+
+def iterate_results(handle: JobHandle, timeout: float | None = None) -> Iterator[Result]:
+    """The job's results as they come. The timeout counts from this call; the job is
+    cancelled if the caller stops reading early."""
+    deadline = _Deadline(handle)
+    timer = threading.Timer(timeout, deadline.fire) if timeout else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+
+    def results() -> Iterator[Result]:
+        try:
+            for result in handle:
+                deadline.check(result, timeout)
+                raise_for_error(result)
+                yield result
+        finally:
+            if timer is not None:
+                timer.cancel()
+            handle.cancel()
+
+    return results()
+
+
+def aiterate_results(handle: JobHandle, timeout: float | None = None) -> AsyncIterator[Result]:
+    """`iterate_results` for an event loop (call it from a coroutine): waits without blocking
+    the loop."""
+    deadline = _Deadline(handle)
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(timeout, deadline.fire) if timeout else None
+
+    async def results() -> AsyncIterator[Result]:
+        try:
+            async for result in handle:
+                deadline.check(result, timeout)
+                raise_for_error(result)
+                yield result
+        finally:
+            if timer is not None:
+                timer.cancel()
+            handle.cancel()
+
+    return results()
+
+
+def raise_for_error(result: Result) -> None:
+    """Raise the engine's error when a job failed (eos_reason "error")."""
+    if result["eos"] and str(result["eos_reason"]) == "error":
+        error = result.get("error")
+        if isinstance(error, BaseException):
+            raise error
+        raise RuntimeError(f"the dyngen engine failed this job: {error!r}")
+
+
+def usage_metadata(result: Result) -> UsageMetadata:
+    """Token counts of a final result; ``input_token_details.cache_read`` counts the prompt
+    tokens served from the prefix cache (shared or cached pages) instead of prefilled."""
+    prompt, new = int(result["prompt_tokens"]), int(result["new_tokens"])
+    return UsageMetadata(
+        input_tokens=prompt,
+        output_tokens=new,
+        total_tokens=prompt + new,
+        input_token_details={"cache_read": int(result["cached_tokens"])},
+    )
+
+
+def finish_reason(result: Result, called_tools: bool = False) -> str:
+    """``"tool_calls"`` when the output was tool calls, else "stop", "length" or "cancelled"."""
+    if called_tools:
+        return "tool_calls"
+    reason = str(result["eos_reason"])
+    return _FINISH_REASONS.get(reason, reason)
+
+
+def response_metadata(
+    result: Result, model_name: str, called_tools: bool = False
+) -> dict[str, Any]:
+    """``finish_reason``, ``model_name`` and dyngen's own ``eos_reason`` for a final result."""
+    return {
+        "finish_reason": finish_reason(result, called_tools),
+        "model_name": model_name,
+        "model_provider": "dyngen",
+        "eos_reason": str(result["eos_reason"]),
+    }
