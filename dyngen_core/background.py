@@ -98,12 +98,12 @@ class BackgroundGenerator:
                     self.generator.cancel(job)
                 results = self.generator.iterate()
             for result in results:
-                handle = self._handles.get(result["job"].job_id)
-                if handle is None:
+                owner = self._handles.get(result["job"].job_id)
+                if owner is None:
                     continue
                 if result["eos"]:
                     del self._handles[result["job"].job_id]
-                handle._push(result)
+                owner._push(result)
 
     def _admit(self, incoming: list[tuple[Job, JobHandle]]) -> None:
         for job, handle in incoming:

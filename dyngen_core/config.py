@@ -53,7 +53,9 @@ class ModelConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
         """Build from a parsed config.json (and optionally generation_config.json)."""
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -58,7 +58,7 @@ def run_generate(
     `BackgroundGenerator` to mix generate-style calls with other work.
     """
     single = isinstance(prompt, str)
-    prompts = [prompt] if single else list(prompt)
+    prompts: list[str] = [prompt] if isinstance(prompt, str) else list(prompt)
     settings = _per_prompt_settings(gen_settings, len(prompts))
     if generator.num_remaining_jobs():
         raise JobError(

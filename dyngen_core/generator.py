@@ -220,6 +220,7 @@ class DynamicGenerator:
             out.append(active.result("started"))
         if not sampled_now or tokens is None:
             seq = self._scheduler.sequence(job_id)
+            assert seq is not None
             out.append(active.result("prefill", prefill_progress=seq.num_computed,
                                      prefill_total=seq.num_tokens))
             return out

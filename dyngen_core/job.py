@@ -12,6 +12,7 @@ from typing import Any
 
 from dyngen_core.errors import JobError
 
+
 def as_token_list(input_ids: Any) -> list[int]:
     """Accept a list of ints or a 1-D / (1, n) tensor or array; return a list of ints."""
     if hasattr(input_ids, "tolist"):

@@ -57,7 +57,9 @@ class Result(Mapping[str, Any]):
         try:
             return self._data[key]
         except KeyError:
-            raise AttributeError(f"result has no {key!r} at stage {self._data.get('stage')!r}")
+            raise AttributeError(
+                f"result has no {key!r} at stage {self._data.get('stage')!r}"
+            ) from None
 
     def __repr__(self) -> str:
         shown = {k: v for k, v in self._data.items() if k != "job"}

@@ -40,7 +40,8 @@ class SamplingBridge:
             eos_token_ids=sorted(self.eos_token_ids),
         )
 
-    def activate(self, job: Job, default_settings: SamplerSettings, fallback_seed: int) -> ActiveJob:
+    def activate(self, job: Job, default_settings: SamplerSettings,
+                 fallback_seed: int) -> ActiveJob:
         """Validate a job's sampling options and build its generator record."""
         settings = job.gen_settings if job.gen_settings is not None else default_settings
         if not isinstance(settings, SamplerSettings):

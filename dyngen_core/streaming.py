@@ -68,9 +68,9 @@ class JobStream:
             return update
         text = self.detok.add([token_id])
         if self.banned is not None:
-            update = self._check_banned(token_id, text)
-            if update is not None:
-                return update
+            rewind = self._check_banned(token_id, text)
+            if rewind is not None:
+                return rewind
             text = self._release_banned_safe()
         update = StreamUpdate(token_ids=[token_id])
         if can_stop and job.stop_strings:

