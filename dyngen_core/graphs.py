@@ -32,7 +32,7 @@ StepFunction = Callable[[ForwardBatch], torch.Tensor]
 
 def default_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, every 16 up to 128, every 32 beyond, and
-    ``max_batch_size`` itself: above 8, padding fills less than a fifth of a bucket."""
+    ``max_batch_size`` itself: above 32, padding fills less than a fifth of a bucket."""
     sizes = [1, 2, 4, 8]
     step_sizes = ((64, 8), (128, 16), (1 << 30, 32))
     size = 8
@@ -106,6 +106,7 @@ class DecodeGraphs:
         self.width = -(-max_context // page_size)
         self.buckets = sorted(buckets or default_buckets(max_batch_size))
         self.device = device
+        self.compiled = compile_model
         self._step: StepFunction = self._make_step(compile_model)
         self._inputs = self._allocate(self.buckets[-1])
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -133,11 +134,23 @@ class DecodeGraphs:
 
     def _make_step(self, compile_model: bool) -> StepFunction:
         model, storage, backend = self.model, self.storage, self.backend
+        if not compile_model:
+            def step(batch: ForwardBatch) -> torch.Tensor:
+                return model(batch, storage, backend)
 
-        def step(batch: ForwardBatch) -> torch.Tensor:
-            return model(batch, storage, backend)
+            return step
+        # torch.compile fails on regions that enter inference_mode (pytorch#169477), so the
+        # compiled step calls the model's own methods undecorated, under no_grad; attention
+        # stays eager (a graph break per layer costs nothing once captured in a CUDA graph).
+        hidden_fn = _undecorated(type(model).forward_hidden)
+        logits_fn = _undecorated(type(model).compute_logits)
+        eager_attention = _EagerAttention(backend)
 
-        return torch.compile(step, dynamic=False) if compile_model else step
+        def compiled_step(batch: ForwardBatch) -> torch.Tensor:
+            hidden = hidden_fn(model, batch, storage, eager_attention)
+            return logits_fn(model, hidden.index_select(0, batch.logits_indices))
+
+        return torch.compile(compiled_step, dynamic=False)
 
     def _allocate(self, size: int) -> _StaticInputs:
         device = self.device
@@ -154,8 +167,12 @@ class DecodeGraphs:
         inputs.copied.record()
         return inputs
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
+        grad_mode = torch.no_grad() if self.compiled else torch.inference_mode()
+        with grad_mode:
+            self._capture_buckets()
+
+    def _capture_buckets(self) -> None:
         pool = None
         for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             batch = self._inputs.batch(size, self.page_size)
@@ -194,6 +211,24 @@ class DecodeGraphs:
         inputs.longs.copy_(inputs.host_longs, non_blocking=True)
         inputs.ints[:used].copy_(inputs.host_ints[:used], non_blocking=True)
         inputs.copied.record()
+
+
+class _EagerAttention:
+    """Forwards to an attention backend outside torch.compile (its kernels run as they are)."""
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    @torch.compiler.disable
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        return self.inner.attend(layer, q, k, v, storage, batch, scale)
+
+
+def _undecorated(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The function under a decorator that kept ``__wrapped__`` (torch.inference_mode does)."""
+    return getattr(function, "__wrapped__", function)
 
 
 def decode_graphs_for(model: Model, storage: KVStorage, backend: AttentionBackend,

@@ -10,7 +10,8 @@ Pages are read in place through the page table, in one of two layouts:
 
 - float pages (``K_BITS == 0``): [num_pages, page_size, num_kv_heads, head_dim] in fp16/bf16/fp32;
 - quantized pages (``K_BITS`` in 4, 6, 8): codes [num_pages, page_size, num_kv_heads, packed]
-  (bytes; value ``d`` starts at bit ``d * bits`` of its row, little-endian) and float16 scales
+  (value ``d`` starts at bit ``d * bits`` of its row, little-endian; 4- and 8-bit rows are read
+  as int32 words, 6-bit rows as bytes) and float16 scales
   [num_pages, page_size, num_kv_heads, head_dim / 32], in the group-rotated space of
   `storage.hadamard`. Since the rotation ``R`` is orthogonal, ``q . k = (q R^T) . k'`` and
   ``sum p v = (sum p v') R``: the kernel rotates q once and un-rotates the output once instead
@@ -35,29 +36,54 @@ def _rotate_rows(x, rot, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 @triton.jit
 def _load_rows(base_ptr, scale_ptr, row_off, scale_off, mask, dims,
-               BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+               BITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     """Rows [BLOCK_N, HEAD_PAD] of a page tensor as float32 (dequantized when BITS > 0); columns
     past HEAD_DIM read as 0. row_off / scale_off [BLOCK_N, 1]: element offsets of each row in
-    the codes / scales tensor."""
-    mask = mask & (dims < HEAD_DIM)[None, :]
+    the page tensor (int32 words for 4- and 8-bit codes, bytes for 6-bit) / scales tensor."""
     if BITS == 0:
-        return tl.load(base_ptr + row_off + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    bit = dims * BITS
+        col_mask = mask & (dims < HEAD_DIM)[None, :]
+        return tl.load(base_ptr + row_off + dims[None, :], mask=col_mask, other=0.0).to(tl.float32)
+    if BITS == 6:
+        code = _load_codes6(base_ptr, row_off, mask & (dims < HEAD_DIM)[None, :], dims, HEAD_DIM)
+    else:
+        code = _load_word_codes(base_ptr, row_off, mask, BITS, HEAD_DIM, HEAD_PAD, BLOCK_N)
+    groups = tl.arange(0, HEAD_PAD // 32)
+    scale = tl.load(scale_ptr + scale_off + groups[None, :],
+                    mask=mask & (groups < HEAD_DIM // 32)[None, :], other=0.0).to(tl.float32)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, HEAD_PAD // 32, 32)),
+                       (BLOCK_N, HEAD_PAD))
+    return code.to(tl.float32) * scale
+
+
+@triton.jit
+def _load_word_codes(word_ptr, row_off, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Signed 4- or 8-bit codes [BLOCK_N, HEAD_PAD] read as whole int32 words (wide loads),
+    unpacked in registers: value d sits at bit ``(d % per_word) * BITS`` of word d // per_word."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    words_idx = tl.arange(0, HEAD_PAD // PER_WORD)
+    word_mask = mask & (words_idx < HEAD_DIM // PER_WORD)[None, :]
+    words = tl.load(word_ptr + row_off + words_idx[None, :], mask=word_mask, other=0)
+    shifts = tl.arange(0, PER_WORD) * BITS
+    unsigned = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    unsigned = tl.reshape(unsigned, (BLOCK_N, HEAD_PAD))
+    if BITS == 8:
+        return tl.where(unsigned >= 128, unsigned - 256, unsigned)
+    return unsigned - 8
+
+
+@triton.jit
+def _load_codes6(byte_ptr, row_off, mask, dims, HEAD_DIM: tl.constexpr):
+    """Signed 6-bit codes: value d starts at bit 6d of its row, maybe straddling two bytes; the
+    second byte is needed only for shifts 4 and 6, never in a row's last byte."""
+    bit = dims * 6
     byte = (bit // 8)[None, :]
     shift = (bit % 8)[None, :]
-    lo = tl.load(base_ptr + row_off + byte, mask=mask, other=0).to(tl.int32)
-    if BITS == 8:
-        code = tl.where(lo >= 128, lo - 256, lo)
-    elif BITS == 4:
-        code = ((lo >> shift) & 15) - 8
-    else:
-        # A 6-bit code may straddle two bytes; the second byte is needed only for shifts 4 and
-        # 6, which never fall in a row's last byte, so masking past the row's end is exact.
-        needs_hi = (byte + 1) < (HEAD_DIM * BITS // 8)
-        hi = tl.load(base_ptr + row_off + byte + 1, mask=mask & needs_hi, other=0).to(tl.int32)
-        code = (((lo | (hi << 8)) >> shift) & 63) - 32
-    scale = tl.load(scale_ptr + scale_off + (dims // 32)[None, :], mask=mask, other=0.0)
-    return code.to(tl.float32) * scale.to(tl.float32)
+    lo = tl.load(byte_ptr + row_off + byte, mask=mask, other=0).to(tl.int32)
+    needs_hi = (byte + 1) < (HEAD_DIM * 6 // 8)
+    hi = tl.load(byte_ptr + row_off + byte + 1, mask=mask & needs_hi, other=0).to(tl.int32)
+    return (((lo | (hi << 8)) >> shift) & 63) - 32
 
 
 @triton.jit
@@ -129,7 +155,8 @@ def paged_attention_kernel(
         kmask = key_valid[:, None]
         k_off = (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None]
         ks_off = (page * stride_ksp + slot * stride_kss + kv_head * stride_ksh)[:, None]
-        k = _load_rows(k_ptr, ks_ptr, k_off, ks_off, kmask, dims, K_BITS, HEAD_DIM)
+        k = _load_rows(k_ptr, ks_ptr, k_off, ks_off, kmask, dims, K_BITS, HEAD_DIM, HEAD_PAD,
+                       BLOCK_N)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -139,7 +166,8 @@ def paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None]
         vs_off = (page * stride_vsp + slot * stride_vss + kv_head * stride_vsh)[:, None]
-        v = _load_rows(v_ptr, vs_ptr, v_off, vs_off, kmask, dims, V_BITS, HEAD_DIM)
+        v = _load_rows(v_ptr, vs_ptr, v_off, vs_off, kmask, dims, V_BITS, HEAD_DIM, HEAD_PAD,
+                       BLOCK_N)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=DOT_PRECISION)
         m_i = m_new

@@ -28,8 +28,8 @@ LOG2_E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class PageOperands:
-    """What the kernel reads for one layer: page tensors (codes as uint8 when quantized), their
-    float16 scales (None for float pages) and the code widths (0 for float pages)."""
+    """What the kernel reads for one layer: page tensors (codes as int32 words, or bytes for
+    6-bit codes), their float16 scales (None for float pages) and the code widths (0: float)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -45,11 +45,17 @@ def page_operands(storage: KVStorage, layer: int) -> PageOperands:
         return PageOperands(storage.keys[layer], storage.values[layer],  # type: ignore[attr-defined]
                             None, None, 0, 0)
     pages = storage.layers[layer]  # type: ignore[attr-defined]
-    return PageOperands(
-        pages.key_codes.view(torch.uint8), pages.value_codes.view(torch.uint8),
-        pages.key_scales, pages.value_scales,
-        storage.key_format.bits, storage.value_format.bits,  # type: ignore[attr-defined]
-    )
+    key_bits = storage.key_format.bits  # type: ignore[attr-defined]
+    value_bits = storage.value_format.bits  # type: ignore[attr-defined]
+    return PageOperands(_code_view(pages.key_codes, key_bits),
+                        _code_view(pages.value_codes, value_bits),
+                        pages.key_scales, pages.value_scales, key_bits, value_bits)
+
+
+def _code_view(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """4- and 8-bit codes as int32 words (the kernel loads whole words), 6-bit ones as bytes."""
+    as_bytes = codes.view(torch.uint8)
+    return as_bytes if bits == 6 else as_bytes.view(torch.int32)
 
 
 @dataclass(frozen=True)

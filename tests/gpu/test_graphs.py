@@ -25,7 +25,7 @@ PAGE = 16
 def test_default_buckets_cover_every_batch_size() -> None:
     buckets = default_buckets(256)
     assert buckets[0] == 1 and buckets[-1] == 256 and buckets == sorted(set(buckets))
-    padding = [(b2 - b1 - 1) / b2 for b1, b2 in zip(buckets, buckets[1:], strict=False) if b1 >= 8]
+    padding = [(b2 - b1 - 1) / b2 for b1, b2 in zip(buckets, buckets[1:], strict=False) if b1 >= 32]
     assert max(padding) < 0.2
     assert default_buckets(5)[-1] == 5
 
