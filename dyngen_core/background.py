@@ -12,10 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dyngen_core.cache import Cache
 from dyngen_core.generator import DynamicGenerator
 from dyngen_core.handle import JobHandle
 from dyngen_core.job import Job
+from dyngen_core.models import Model
 from dyngen_core.options import EngineOptions
+from dyngen_core.tokenizer import Tokenizer
 
 
 class BackgroundGenerator:
@@ -120,22 +123,26 @@ class BackgroundGenerator:
 
 
 class _SharedGenerators:
-    """The process's registry of background generators, keyed by folder and options."""
+    """The process's registry of background generators, keyed by folder and options.
+
+    Models are shared too, keyed by folder, device and dtype: two engines over the same weights
+    (say, different cache sizes) load them once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[tuple[str, EngineOptions], BackgroundGenerator] = {}
+        self._models: dict[tuple[str, str, str], Model] = {}
 
     def get(self, model_dir: str | Path, options: EngineOptions) -> BackgroundGenerator:
-        key = (str(Path(model_dir).resolve()), options)
+        folder = str(Path(model_dir).resolve())
+        key = (folder, options)
         with self._lock:
             if key not in self._by_key:
-                generator = DynamicGenerator.from_model_dir(
-                    model_dir,
-                    cache_tokens=options.cache_tokens,
-                    cache_mode=options.cache_mode,
-                    device=None if options.device == "auto" else options.device,
-                    dtype=None if options.dtype == "auto" else options.dtype,
+                model = self._model(folder, options)
+                generator = DynamicGenerator(
+                    model=model,
+                    cache=Cache(model, max_tokens=options.cache_tokens, mode=options.cache_mode),
+                    tokenizer=Tokenizer.from_model_dir(folder),
                     max_batch_size=options.max_batch_size,
                     max_chunk_size=options.max_chunk_size,
                     dedup=options.dedup,
@@ -144,6 +151,16 @@ class _SharedGenerators:
                 )
                 self._by_key[key] = BackgroundGenerator(generator)
             return self._by_key[key]
+
+    def _model(self, folder: str, options: EngineOptions) -> Model:
+        key = (folder, options.device, options.dtype)
+        if key not in self._models:
+            self._models[key] = Model.load(
+                folder,
+                device=None if options.device == "auto" else options.device,
+                dtype=None if options.dtype == "auto" else options.dtype,
+            )
+        return self._models[key]
 
 
 _REGISTRY = _SharedGenerators()
