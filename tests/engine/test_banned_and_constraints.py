@@ -1,0 +1,44 @@
+"""Banned strings never reach the output; the job rewinds and samples something else."""
+
+from __future__ import annotations
+
+from dyngen_core import Job, SamplerSettings
+
+
+def _run(generator, jobs):
+    generator.enqueue(jobs)
+    texts = {j.identifier: "" for j in jobs}
+    finals = {}
+    while generator.num_remaining_jobs():
+        for r in generator.iterate():
+            texts[r["identifier"]] += r.get("text", "")
+            if r["eos"]:
+                finals[r["identifier"]] = r
+    return texts, finals
+
+
+def test_banned_strings_never_appear_over_seeded_samples(make_generator):
+    generator = make_generator()
+    settings = SamplerSettings(temperature=1.0)
+    prompt = generator.tokenizer.encode("the quick brown fox")
+    free_jobs = [Job(input_ids=prompt, max_new_tokens=24, stop_conditions=[],
+                     gen_settings=settings, seed=s, identifier=s) for s in range(12)]
+    free, _ = _run(generator, free_jobs)
+    # Ban the most common two-character piece the model actually produces.
+    counts: dict[str, int] = {}
+    for text in free.values():
+        for i in range(len(text) - 1):
+            piece = text[i:i + 2]
+            if piece.strip() and "\ufffd" not in piece:
+                counts[piece] = counts.get(piece, 0) + 1
+    banned = max(counts, key=counts.__getitem__)
+    assert sum(banned.lower() in t.lower() for t in free.values()) >= 2
+    jobs = [Job(input_ids=prompt, max_new_tokens=24, stop_conditions=[], gen_settings=settings,
+                seed=s, identifier=s, banned_strings=[banned.upper()]) for s in range(12)]
+    texts, finals = _run(generator, jobs)
+    for s in range(12):
+        assert banned.lower() not in texts[s].lower()
+        assert banned.lower() not in generator.tokenizer.decode(jobs[s].new_token_ids).lower()
+        assert texts[s] == finals[s]["full_completion"]
+        assert finals[s]["new_tokens"] == len(jobs[s].new_token_ids)
+    generator.check_invariant()
