@@ -199,6 +199,11 @@ class SamplerSettings(BaseModel):
                 )
         return value
 
+    def __hash__(self) -> int:
+        # Frozen settings are hashable (usable as dict keys) although token_bias is a dict.
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in self.__dict__.values()))
+
     # ---- derived facts ----------------------------------------------------------------------
 
     @property

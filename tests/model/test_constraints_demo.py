@@ -29,9 +29,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
     },
     "array with optional fields": {
-        "type": "array", "minItems": 1, "maxItems": 3,
+        "type": "array", "minItems": 1, "maxItems": 2,
         "items": {"type": "object", "additionalProperties": False, "required": ["animal"],
-                  "properties": {"animal": {"type": "string", "maxLength": 12},
+                  "properties": {"animal": {"type": "string", "maxLength": 8},
                                  "legs": {"type": "integer", "minimum": 0, "maximum": 8},
                                  "wild": {"type": "boolean"}}},
     },

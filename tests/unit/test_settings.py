@@ -64,6 +64,13 @@ def test_settings_are_frozen() -> None:
         settings.temperature = 0.2
 
 
+def test_settings_are_hashable_and_compare_by_value() -> None:
+    a = SamplerSettings(token_bias={3: 1.0, 1: -2.0}, top_p=0.9)
+    b = SamplerSettings(token_bias={1: -2.0, 3: 1.0}, top_p=0.9)
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, SamplerSettings()}) == 2
+
+
 def test_defaults_are_neutral() -> None:
     settings = SamplerSettings()
     assert settings.active_stages() == frozenset()
