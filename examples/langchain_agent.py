@@ -1,0 +1,83 @@
+"""A tool-calling agent with LangChain on dyngen: the model calls several tools in one turn.
+
+    python examples/langchain_agent.py [MODEL_DIR] [--auto]
+
+The agent loop is plain LangChain: the model (with tools bound) answers; each tool call in the
+answer runs — all of one turn's calls concurrently — and the results go back as ToolMessages
+until the model answers in text. Tool calls are parsed into ``AIMessage.tool_calls`` with ids.
+
+The demo model has 135M parameters and decides poorly on its own, so by default the first turn
+forces tool calls (tool_choice="any", enforced by constrained decoding) and the turn after the
+results asks for text (tool_choice="none"); a worked example in the history shows it how to
+ask for several calls at once. With a capable model pass ``--auto`` and the model decides.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from _demo import model_dir
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_dyngen import ChatDynGen
+
+WEATHER = {"Paris": "sunny, 24 °C", "Tokyo": "rainy, 18 °C", "Oslo": "snowing, -3 °C",
+           "Lima": "cloudy, 19 °C", "Cairo": "clear, 31 °C"}
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Get the current weather in a city."""
+    return WEATHER.get(city.strip(), "unknown")
+
+
+# A worked example: one question about two cities, answered with two calls in one turn.
+EXAMPLE: list[BaseMessage] = [
+    HumanMessage("What is the weather in Lima and in Cairo?"),
+    AIMessage("", tool_calls=[
+        {"name": "get_weather", "args": {"city": "Lima"}, "id": "call_ex1"},
+        {"name": "get_weather", "args": {"city": "Cairo"}, "id": "call_ex2"}]),
+    ToolMessage(WEATHER["Lima"], tool_call_id="call_ex1"),
+    ToolMessage(WEATHER["Cairo"], tool_call_id="call_ex2"),
+    AIMessage(f"Lima is {WEATHER['Lima']} and Cairo is {WEATHER['Cairo']}."),
+]
+
+
+def run_tools(message: AIMessage) -> list[ToolMessage]:
+    """Run every call of one turn concurrently; results keep the calls' order and ids."""
+    tools = {"get_weather": get_weather}
+    with ThreadPoolExecutor() as pool:
+        return list(pool.map(lambda call: tools[call["name"]].invoke(call), message.tool_calls))
+
+
+def main() -> None:
+    auto = "--auto" in sys.argv
+    if auto:
+        sys.argv.remove("--auto")
+    chat = ChatDynGen(model_dir=str(model_dir()), temperature=0, max_tokens=80,
+                      cache_tokens=8192)
+    question = "What is the weather in Paris, in Tokyo and in Oslo?"
+    messages: list[BaseMessage] = [*EXAMPLE, HumanMessage(question)]
+    print(f"User: {question}")
+    for turn in range(4):
+        choice = "auto" if auto else ("any" if turn == 0 else "none")
+        reply = chat.bind_tools([get_weather], tool_choice=choice).invoke(messages)
+        assert isinstance(reply, AIMessage)
+        messages.append(reply)
+        if not reply.tool_calls:
+            print(f"Assistant: {reply.text.strip()}")
+            break
+        calls = ", ".join(f"{c['name']}({c['args']}) [{c['id']}]" for c in reply.tool_calls)
+        print(f"Assistant calls {len(reply.tool_calls)} tool(s) at once: {calls}")
+        results = run_tools(reply)
+        for result in results:
+            print(f"  tool {result.tool_call_id} -> {result.content}")
+        messages.extend(results)
+    usage = reply.usage_metadata or {}
+    print(f"(last turn: {usage.get('input_tokens')} prompt tokens, "
+          f"{usage.get('input_token_details', {}).get('cache_read')} of them from the cache)")
+
+
+if __name__ == "__main__":
+    main()
