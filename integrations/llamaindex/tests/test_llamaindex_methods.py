@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler
 from llama_index.core.llms import ChatMessage
-
 from llama_index.llms.dyngen import DynGenLLM
 
 pytestmark = pytest.mark.demo

@@ -10,8 +10,6 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from pydantic import BaseModel, ValidationError
-
 from llama_index.llms.dyngen import DynGenLLM
 from llama_index.llms.dyngen.chat import ChatTurn
 from llama_index.llms.dyngen.messages import assistant_message, to_template_messages
@@ -23,6 +21,7 @@ from llama_index.llms.dyngen.tool_calling import (
     tool_selections,
     validate_tool_response,
 )
+from pydantic import BaseModel, ValidationError
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two ints",
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
@@ -37,9 +36,18 @@ def test_engine_options_are_validated_by_engine_options_before_any_load() -> Non
         DynGenLLM(model_dir="/nonexistent", cache_mode="q5")
     with pytest.raises(ValidationError, match="cache_tokens"):
         DynGenLLM(model_dir="/nonexistent", cache_tokens=1)
-    with pytest.raises(ValidationError, match="not both"):
-        from dyngen_core import EngineOptions
-        DynGenLLM(model_dir="/nonexistent", engine_options=EngineOptions(), dedup=False)
+    with pytest.raises(ValidationError, match="max_batch_size"):
+        DynGenLLM(model_dir="/nonexistent", engine_options={"max_batch_size": 0})
+
+
+def test_flat_engine_options_win_over_an_engine_options_object() -> None:
+    from dyngen_core import EngineOptions
+
+    data = DynGenLLM._gather_engine_options(
+        {"model_dir": "m", "engine_options": EngineOptions(cache_tokens=512, dedup=False),
+         "dedup": True})
+    assert data["engine_options"] == EngineOptions(cache_tokens=512, dedup=True)
+    assert "dedup" not in data
 
 
 def test_a_missing_model_folder_is_a_clear_error() -> None:
@@ -112,7 +120,9 @@ def test_forced_choices_get_a_constraint_and_auto_gets_none() -> None:
     assert single is not None and single["maxItems"] == 1
     named = ToolTurn([ADD, WEATHER], "get_weather").constraint()
     assert named is not None and named["items"]["properties"]["name"] == {"const": "get_weather"}
-    assert ToolTurn([ADD], "auto").constraint() is None
+    auto = ToolTurn([ADD], "auto").constraint()
+    assert auto.kind == "grammar" and '"const": "add"' in auto.source
+    assert ToolTurn([ADD], "none").constraint() is None
     with pytest.raises(ValueError, match="not one of the bound tools"):
         ToolTurn([ADD], "multiply")
 
@@ -160,6 +170,8 @@ def test_no_tool_call_raises_only_when_asked_and_cut_calls_are_reported() -> Non
         tool_selections(plain, error_on_no_tool_call=True)
     cut = ChatTurn([1], tools=ToolTurn([ADD], "required")).response('[{"name": "add", "argu')
     assert "ended inside" in cut.message.additional_kwargs["invalid_tool_calls"][0]["error"]
+    with pytest.raises(ValueError, match="could not be read: the output ended inside"):
+        tool_selections(cut, error_on_no_tool_call=True)
 
 
 def test_tool_choice_none_reads_no_calls() -> None:

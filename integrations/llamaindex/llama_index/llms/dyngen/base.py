@@ -74,10 +74,11 @@ class DynGenLLM(FunctionCallingLLM):
         stop: strings that end generation (the model's end-of-turn tokens always do).
         context_window: report a smaller window to LlamaIndex than the model and cache allow
             (it decides how much retrieved text to pack into one prompt).
-        engine_options: an `EngineOptions`; or give its fields directly (cache_tokens,
-            cache_mode, device, dtype, max_batch_size, max_chunk_size, attention_backend,
-            dedup, prompt_cache). LLMs on the same folder with the same engine options share
-            one engine — with each other and with dyngen's LangChain classes.
+        engine_options: an `EngineOptions` (or dict); or give its fields directly
+            (cache_tokens, cache_mode, device, dtype, max_batch_size, max_chunk_size,
+            attention_backend, dedup, prompt_cache), which win over ``engine_options``.
+            LLMs on the same folder with the same engine options share one engine — with
+            each other and with dyngen's LangChain classes.
 
     Every generation field can be overridden per call as a keyword argument, as can
     ``constraint`` (a JSON schema dict, pydantic class, regex or choices; see
@@ -104,17 +105,17 @@ class DynGenLLM(FunctionCallingLLM):
     @model_validator(mode="before")
     @classmethod
     def _gather_engine_options(cls, data: Any) -> Any:
-        """Accept EngineOptions fields as top-level keywords; EngineOptions validates them."""
+        """Accept EngineOptions fields as top-level keywords, over any ``engine_options``
+        given (an EngineOptions or a dict); EngineOptions validates them, as in LangChain."""
         if not isinstance(data, dict):
             return data
         flat = {k: data.pop(k) for k in _ENGINE_FIELDS if k in data}
-        if flat:
-            if data.get("engine_options") is not None:
-                raise ValueError(
-                    f"give engine options either as engine_options=EngineOptions(...) or as "
-                    f"keywords ({', '.join(sorted(flat))}), not both"
-                )
-            data["engine_options"] = EngineOptions(**flat)
+        given = data.get("engine_options")
+        if not flat and not isinstance(given, dict):
+            return data
+        if isinstance(given, EngineOptions):
+            given = given.model_dump(exclude_unset=True)
+        data["engine_options"] = EngineOptions(**{**(given or {}), **flat})
         return data
 
     def __init__(self, **data: Any) -> None:

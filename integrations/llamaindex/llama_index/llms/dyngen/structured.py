@@ -73,11 +73,14 @@ def parse_partial(text: str, output_cls: type[BaseModel]) -> FlexibleModel | Non
 def stream_objects(
     responses: Iterator[ChatResponse], output_cls: type[Model]
 ) -> Iterator[Model | FlexibleModel]:
-    """Partial objects while the reply streams, then the validated object."""
+    """Partial objects while the reply streams (each one differing from the last), then the
+    validated object."""
     last: ChatResponse | None = None
+    shown: FlexibleModel | None = None
     for last in responses:
         partial = parse_partial(last.message.content or "", output_cls)
-        if partial is not None and last.raw is None:
+        if partial is not None and last.raw is None and partial != shown:
+            shown = partial
             yield partial
     if last is not None:
         yield parse_final(last, output_cls)
@@ -88,9 +91,11 @@ async def astream_objects(
 ) -> AsyncIterator[Model | FlexibleModel]:
     """Async form of `stream_objects`."""
     last: ChatResponse | None = None
+    shown: FlexibleModel | None = None
     async for last in responses:
         partial = parse_partial(last.message.content or "", output_cls)
-        if partial is not None and last.raw is None:
+        if partial is not None and last.raw is None and partial != shown:
+            shown = partial
             yield partial
     if last is not None:
         yield parse_final(last, output_cls)
@@ -102,5 +107,22 @@ def structured_kwargs(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | 
     kwargs = dict(llm_kwargs or {})
     for key in ("tools", "tool_choice", "tool_required", "allow_parallel_tool_calls"):
         kwargs.pop(key, None)  # programs pass these; the schema replaces any tool route
-    kwargs["constraint"] = output_cls
+    kwargs["constraint"] = closed_schema(output_cls.model_json_schema())
     return kwargs
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that leaves it open.
+
+    pydantic's schemas allow extra keys by default; under constraint a small model then keeps
+    inventing fields until max_tokens cuts the JSON off. Validation still uses the class, so
+    a model configured with ``extra="allow"`` loses nothing it needs.
+    """
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_schema(value) for key, value in schema.items()}
+    if out.get("type") == "object" and "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out

@@ -8,6 +8,7 @@ of this module is LlamaIndex glue.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageR
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.llms.dyngen.messages import assistant_message, tool_calls_of
 
+from dyngen_core.constraints import Constraint
 from dyngen_core.tools import (
     ToolCallParser,
     ToolSpec,
@@ -26,6 +28,13 @@ from dyngen_core.tools import (
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
+
+# "auto": a call list under the tools' schemas, or text not starting like JSON (Lark, as
+# llguidance reads it; %json embeds a JSON schema).
+_AUTO_GRAMMAR = """start: calls | text
+calls: %json {schema}
+text: /[^\\[{{\\s][\\s\\S]*/
+"""
 
 def tool_schema(tool: BaseTool) -> dict[str, Any]:
     """The OpenAI-form schema of a LlamaIndex tool, under the tool's own name (agents look
@@ -118,8 +127,17 @@ class ToolTurn:
         messages = fallback_messages(chat, offered, self.choice)
         return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def constraint(self) -> dict[str, Any] | None:
-        """The JSON schema forcing the call(s) when tool_choice demands one, else None."""
+    def constraint(self) -> Any:
+        """The constraint for the reply.
+
+        A forced choice ("required" or a tool name): the JSON schema of the call list. "auto":
+        a grammar allowing either that call list or text that does not start with ``[``/``{``
+        — the parser reads such a start as a call, so a call the model chooses to make is
+        always well-formed and matches its tool's schema. "none": no constraint.
+        """
+        if self.choice == "auto" and self.specs:
+            schema = tool_calls_schema(self.specs, "required", parallel=self.parallel)
+            return Constraint.grammar(_AUTO_GRAMMAR.format(schema=json.dumps(schema)))
         return tool_calls_schema(self.specs, self.choice, parallel=self.parallel)
 
     def parse(self, text: str, *, final: bool) -> tuple[str, list[dict[str, Any]], list[Any]]:
@@ -142,6 +160,12 @@ def tool_selections(response: ChatResponse, error_on_no_tool_call: bool) -> list
     """`ToolSelection`s from a (possibly partial, streamed) response's tool calls."""
     calls = tool_calls_of(response.message)
     if not calls and error_on_no_tool_call:
+        invalid = response.message.additional_kwargs.get("invalid_tool_calls")
+        if invalid:
+            raise ValueError(
+                f"the model's tool call could not be read: {invalid[0]['error']}; "
+                f"its output: {invalid[0]['text'][:200]!r}"
+            )
         raise ValueError(
             f"expected at least one tool call in the response, got none; the model replied: "
             f"{(response.message.content or '')[:200]!r} (pass tool_required=True to enforce one)"
