@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dyngen_core.errors import JobError
 from dyngen_core.job import Job
 from dyngen_core.plan import SampledTokens
 from dyngen_core.results import EosReason, Result
@@ -51,10 +52,12 @@ class ActiveJob:
             banned |= self.stream.stop_token_ids
         return banned
 
-    def on_token(self, token_id: int) -> None:
+    def on_token(self, token_id: int) -> Exception | None:
+        """Account an accepted token; returns an error if the constraint rejects it."""
         self.history.append(token_id)
-        if self.matcher is not None:
-            self.matcher.accept(token_id)
+        if self.matcher is not None and not self.matcher.accept(token_id):
+            return JobError(f"the constraint rejected token {token_id}: {self.matcher.error}")
+        return None
 
     def on_rewind(self, num_tokens: int, banned_token_id: int | None) -> None:
         """Drop the last ``num_tokens`` accepted tokens (the stream already dropped them)."""
@@ -68,10 +71,17 @@ class ActiveJob:
         if banned_token_id is not None:
             self.banned_at.setdefault(len(self.job.new_token_ids), set()).add(banned_token_id)
 
-    def constraint_end(self) -> EosReason | None:
-        if self.matcher is not None and self.matcher.is_terminated():
+    def end_reason(self, stream_reason: EosReason | None) -> EosReason | None:
+        """The job's end after a token, the constraint considered: a complete constraint (only
+        EOS may follow) ends the job as a stop; reaching max_new_tokens before the constraint
+        is satisfied ends it as "constraint_incomplete"."""
+        if self.matcher is None:
+            return stream_reason
+        if stream_reason is EosReason.MAX_NEW_TOKENS and not self.matcher.is_accepting():
+            return EosReason.CONSTRAINT_INCOMPLETE
+        if stream_reason is None and self.matcher.is_terminated():
             return EosReason.STOP_TOKEN
-        return None
+        return stream_reason
 
     def result(self, stage: str, **data: Any) -> Result:
         return Result(job=self.job, identifier=self.job.identifier, stage=stage, eos=False, **data)

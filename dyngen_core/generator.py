@@ -203,13 +203,19 @@ class DynamicGenerator:
         return results + self._take_finished()
 
     def _run_and_sample(self, plan: StepPlan) -> StepOutcome:
-        logits = self._runner.run(plan)
         sampling = [s for s in plan.slices if s.sample]
+        active = [self._active[s.job_id] for s in sampling]
+        masks = self._bridge.start_masks(active)  # grammar masks overlap the forward
+        logits = self._runner.run(plan)
         if not sampling or logits is None:
             return StepOutcome()
-        active = [self._active[s.job_id] for s in sampling]
-        sampled = self._bridge.sample(logits, active)
-        return StepOutcome({a.job_id: tokens for a, tokens in zip(active, sampled)})
+        outcome = StepOutcome()
+        for job_id, sampled in self._bridge.sample(logits, active, masks).items():
+            if isinstance(sampled, Exception):
+                self._end_job(job_id, EosReason.ERROR, error=sampled)
+            else:
+                outcome.sampled[job_id] = sampled
+        return outcome
 
     def _emit(self, job_id: int, sampled_now: bool, tokens: SampledTokens | None) -> list[Result]:
         active = self._active[job_id]
@@ -231,13 +237,13 @@ class DynamicGenerator:
             self._scheduler.rewind(job_id, update.rewind)
             active.on_rewind(update.rewind, update.banned_token_id)
             return out
-        active.on_token(tokens.token_ids[0])
-        eos = update.eos_reason or active.constraint_end()
+        error = active.on_token(tokens.token_ids[0])
+        eos = EosReason.ERROR if error else active.end_reason(update.eos_reason)
         chunk = dict(text=update.text, token_ids=update.token_ids, **active.extras(tokens))
         if eos is None:
             out.append(active.result("streaming", **chunk))
         else:
-            self._end_job(job_id, eos, chunk=chunk)
+            self._end_job(job_id, eos, chunk=chunk, error=error)
         return out
 
     def _end_job(self, job_id: int, reason: EosReason, *, chunk: dict[str, Any] | None = None,

@@ -8,16 +8,19 @@ positions), and turns the sampler's results into the plan's `SampledTokens`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
 
 from dyngen_core.active_job import ActiveJob
+from dyngen_core.constraints.engine import ConstraintCompiler, mask_words
 from dyngen_core.errors import JobError
 from dyngen_core.job import Job
 from dyngen_core.models import Model
 from dyngen_core.plan import SampledTokens
-from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.sampling.request import SampleRequest, SamplingError
 from dyngen_core.sampling.sampler import Sampler
 from dyngen_core.settings import SamplerSettings
 from dyngen_core.streaming import JobStream
@@ -33,6 +36,8 @@ class SamplingBridge:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(
             model.config.eos_token_ids
         )
+        self._constraint_compiler: ConstraintCompiler | None = None
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="dyngen-masks")
         self.sampler = Sampler(
             self.vocab_size,
             model.device,
@@ -50,34 +55,63 @@ class SamplingBridge:
             )
         settings.check_token_ids(self.vocab_size)
         stops = self.eos_token_ids if job.uses_default_stops else job.stop_token_ids
-        matcher = None
-        if job.constraint is not None:
-            from dyngen_core.constraints import build_matcher
-
-            matcher = build_matcher(job.constraint, self.tokenizer, self.vocab_size)
         return ActiveJob(
             job=job,
             stream=JobStream(job, self.tokenizer, frozenset(stops)),
             settings=settings,
             seed=job.seed if job.seed is not None else fallback_seed,
-            matcher=matcher,
+            matcher=None if job.constraint is None else self._compiler().matcher(job.constraint),
             history=list(job.input_ids),
         )
 
-    def sample(self, logits: torch.Tensor, active: Sequence[ActiveJob]) -> list[SampledTokens]:
-        """Sample one token for each active job (logits rows in the same order)."""
-        requests = [self._request(a) for a in active]
-        results = self.sampler.sample(logits, requests)
-        out = []
-        for a, r in zip(active, results):
+    def _compiler(self) -> ConstraintCompiler:
+        # Built on first use: it indexes the whole vocabulary once for every later job.
+        if self._constraint_compiler is None:
+            self._constraint_compiler = ConstraintCompiler.from_tokenizer(
+                self.tokenizer, self.vocab_size
+            )
+        return self._constraint_compiler
+
+    def start_masks(self, active: Sequence[ActiveJob]) -> Future[np.ndarray] | None:
+        """Start computing the constrained jobs' token masks on a helper thread, so the grammar
+        engine (which releases the GIL) works while the forward runs."""
+        matchers = [a.matcher for a in active]
+        if all(m is None for m in matchers):
+            return None
+        compiler = self._compiler()
+        bitmask = compiler.new_bitmask(len(active))
+        return self._mask_thread.submit(_fill, compiler, matchers, bitmask)
+
+    def sample(self, logits: torch.Tensor, active: Sequence[ActiveJob],
+               masks: Future[np.ndarray] | None = None) -> dict[int, SampledTokens | Exception]:
+        """Sample one token for each active job (logits rows in the same order). A job whose
+        row cannot be sampled (every token masked out) gets an exception instead."""
+        bitmask = masks.result() if masks is not None else None
+        requests = [self._request(a, None if bitmask is None else bitmask[i])
+                    for i, a in enumerate(active)]
+        rows = list(range(len(active)))
+        failed: dict[int, Exception] = {}
+        while rows:
+            try:
+                results = self.sampler.sample(logits[rows], [requests[i] for i in rows])
+                break
+            except SamplingError as exc:
+                bad = {rows[i] for i in exc.request_indices}
+                failed.update({active[i].job_id: exc for i in bad})
+                rows = [i for i in rows if i not in bad]
+        else:
+            results = []
+        out: dict[int, SampledTokens | Exception] = dict(failed)
+        for i, r in zip(rows, results):
+            a = active[i]
             a.draws += 1
-            out.append(SampledTokens(
+            out[a.job_id] = SampledTokens(
                 job_id=a.job_id, token_ids=list(r.token_ids), probs=r.token_probs,
                 top_k_tokens=r.top_k_tokens, top_k_probs=r.top_k_probs, logits=r.logits,
-            ))
+            )
         return out
 
-    def _request(self, a: ActiveJob) -> SampleRequest:
+    def _request(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> SampleRequest:
         job = a.job
         return SampleRequest(
             settings=a.settings,
@@ -85,24 +119,32 @@ class SamplingBridge:
             counter=a.draws,
             history=a.history if a.needs_history else (),
             state=a.state,
-            allowed_tokens=self._allowed(a),
+            allowed_tokens=self._allowed(a, constraint_mask),
             return_probs=job.return_probs,
             return_top_tokens=job.return_top_tokens,
             return_logits=job.return_logits,
         )
 
-    def _allowed(self, a: ActiveJob) -> np.ndarray | None:
+    def _allowed(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> np.ndarray | None:
+        """The job's packed allowed-token bitmask: its constraint's, minus tokens banned at
+        this position (banned-string rewinds, stop tokens before min_new_tokens)."""
         banned = a.banned_now()
-        if a.matcher is None and not banned:
+        if constraint_mask is None and not banned:
             return None
-        if a.matcher is not None:
-            mask = a.matcher.allowed_mask()
+        if constraint_mask is None:
+            # Bits past vocab_size may stay set: the sampler never samples those columns.
+            mask = np.full(mask_words(self.vocab_size), -1, dtype=np.int32)
         else:
-            mask = np.ones(self.vocab_size, dtype=bool)
-        if banned:
-            mask = mask.copy()
-            mask[list(banned)] = False
+            mask = constraint_mask.copy()
+        words = mask.view(np.uint32)
+        for t in banned:
+            words[t >> 5] &= ~np.uint32(1 << (t & 31))
         return mask
+
+
+def _fill(compiler: ConstraintCompiler, matchers: list[Any], bitmask: np.ndarray) -> np.ndarray:
+    compiler.fill_bitmasks(matchers, bitmask)
+    return bitmask
 
 
 def _token_pieces(tokenizer: Tokenizer, vocab_size: int) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dyngen_core import Job, SamplerSettings
 
 
@@ -42,3 +44,52 @@ def test_banned_strings_never_appear_over_seeded_samples(make_generator):
         assert texts[s] == finals[s]["full_completion"]
         assert finals[s]["new_tokens"] == len(jobs[s].new_token_ids)
     generator.check_invariant()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_constraint_always_validates(make_generator):
+    import json
+
+    import jsonschema
+
+    generator = make_generator()
+    prompt = generator.tokenizer.encode("person:")
+    jobs = [Job(input_ids=prompt, max_new_tokens=80, gen_settings=SamplerSettings(temperature=1.0),
+                seed=s, identifier=s, constraint=SCHEMA) for s in range(6)]
+    texts, finals = _run(generator, jobs)
+    for s in range(6):
+        assert finals[s]["eos_reason"] == "stop_token", finals[s]
+        jsonschema.validate(json.loads(texts[s]), SCHEMA)
+
+
+def test_choice_and_regex_constraints(make_generator):
+    import re
+
+    generator = make_generator()
+    prompt = generator.tokenizer.encode("pick:")
+    choices = ["yes", "no", "maybe later"]
+    jobs = [Job(input_ids=prompt, max_new_tokens=20, gen_settings=SamplerSettings(temperature=1.0),
+                seed=s, identifier=s, constraint=choices) for s in range(5)]
+    jobs += [Job(input_ids=prompt, max_new_tokens=20, gen_settings=SamplerSettings(temperature=1.0),
+                 seed=s, identifier=10 + s, constraint=re.compile(r"[0-9]{3}-[a-c]{2}"))
+             for s in range(5)]
+    texts, _ = _run(generator, jobs)
+    assert all(texts[s] in choices for s in range(5))
+    assert all(re.fullmatch(r"[0-9]{3}-[a-c]{2}", texts[10 + s]) for s in range(5))
+
+
+def test_constraint_that_cannot_finish_reports_incomplete(make_generator):
+    generator = make_generator()
+    job = Job(input_ids=generator.tokenizer.encode("x"), max_new_tokens=3,
+              gen_settings=SamplerSettings.greedy(), constraint=re.compile(r"[a-z]{20}"))
+    _, finals = _run(generator, [job])
+    assert finals[None]["eos_reason"] == "constraint_incomplete"
