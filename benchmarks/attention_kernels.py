@@ -65,7 +65,7 @@ def main() -> None:
             batch = build_forward_batch(plan, 256, device)
             q = torch.randn(batch_size, heads, head_dim, device=device, dtype=torch.bfloat16)
             for block_n, warps in VARIANTS:
-                backend = TritonPagedBackend(block_n=block_n, num_warps=warps)
+                backend = TritonPagedBackend(block_n=block_n, decode_warps=warps)
                 seconds = cuda_seconds(lambda b=backend, q=q, s=storage, fb=batch: b.attend_cached(
                     0, q, s, fb, head_dim**-0.5))
                 read = batch_size * args.context * per_token

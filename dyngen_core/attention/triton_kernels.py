@@ -38,22 +38,26 @@ def _rotate_rows(x, rot, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
 def _load_rows(base_ptr, scale_ptr, row_off, scale_off, mask, dims,
                BITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    """Rows [BLOCK_N, HEAD_PAD] of a page tensor as float32 (dequantized when BITS > 0); columns
-    past HEAD_DIM read as 0. row_off / scale_off [BLOCK_N, 1]: element offsets of each row in
-    the page tensor (int32 words for 4- and 8-bit codes, bytes for 6-bit) / scales tensor."""
+    """Rows [BLOCK_N, HEAD_PAD] of a page tensor: as stored for float pages, dequantized to
+    float32 otherwise; columns past HEAD_DIM read as 0. row_off / scale_off [BLOCK_N, 1]:
+    element offsets of each row in the page tensor (int32 words for 4- and 8-bit codes, bytes
+    for 6-bit) / in the scales tensor."""
     if BITS == 0:
         col_mask = mask & (dims < HEAD_DIM)[None, :]
-        return tl.load(base_ptr + row_off + dims[None, :], mask=col_mask, other=0.0).to(tl.float32)
-    if BITS == 6:
-        code = _load_codes6(base_ptr, row_off, mask & (dims < HEAD_DIM)[None, :], dims, HEAD_DIM)
+        rows = tl.load(base_ptr + row_off + dims[None, :], mask=col_mask, other=0.0)
     else:
-        code = _load_word_codes(base_ptr, row_off, mask, BITS, HEAD_DIM, HEAD_PAD, BLOCK_N)
-    groups = tl.arange(0, HEAD_PAD // 32)
-    scale = tl.load(scale_ptr + scale_off + groups[None, :],
-                    mask=mask & (groups < HEAD_DIM // 32)[None, :], other=0.0).to(tl.float32)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, HEAD_PAD // 32, 32)),
-                       (BLOCK_N, HEAD_PAD))
-    return code.to(tl.float32) * scale
+        if BITS == 6:
+            code = _load_codes6(base_ptr, row_off, mask & (dims < HEAD_DIM)[None, :], dims,
+                                HEAD_DIM)
+        else:
+            code = _load_word_codes(base_ptr, row_off, mask, BITS, HEAD_DIM, HEAD_PAD, BLOCK_N)
+        groups = tl.arange(0, HEAD_PAD // 32)
+        scale = tl.load(scale_ptr + scale_off + groups[None, :],
+                        mask=mask & (groups < HEAD_DIM // 32)[None, :], other=0.0)
+        scale = tl.reshape(tl.broadcast_to(scale.to(tl.float32)[:, :, None],
+                                           (BLOCK_N, HEAD_PAD // 32, 32)), (BLOCK_N, HEAD_PAD))
+        rows = code.to(tl.float32) * scale
+    return rows
 
 
 @triton.jit
@@ -69,8 +73,10 @@ def _load_word_codes(word_ptr, row_off, mask, BITS: tl.constexpr, HEAD_DIM: tl.c
     unsigned = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
     unsigned = tl.reshape(unsigned, (BLOCK_N, HEAD_PAD))
     if BITS == 8:
-        return tl.where(unsigned >= 128, unsigned - 256, unsigned)
-    return unsigned - 8
+        code = tl.where(unsigned >= 128, unsigned - 256, unsigned)
+    else:
+        code = unsigned - 8
+    return code
 
 
 @triton.jit
