@@ -9,6 +9,11 @@ then quantized with one float16 scale per group:
     code  = clamp(round_half_even(v / scale), -2**(bits-1), 2**(bits-1) - 1)
             (0 when scale == 0)
 
+Why these choices (measured on the demo model's real keys, 4 bits, KL of the attention
+probabilities averaged over layers): rotating each group of 32 gives 2.2e-2, rotating the whole
+head_dim (64) 2.6e-2, no rotation 5.5e-2. Groups of 32 also work for any head_dim that is a
+multiple of 32, and are five warp shuffles in CUDA. The fixed signs cost nothing on these keys
+and stop a constant offset across a group from collapsing into one huge rotated value.
 Using the signed extreme (llama.cpp's Q4_0 trick) gives all 2**bits levels to a symmetric format
 at no extra storage: for 4 bits it cuts the round-trip error by ~11% against ``max|v| / 7``.
 

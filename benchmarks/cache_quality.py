@@ -1,0 +1,206 @@
+"""Cache quality: how much the quantized cache modes (q8 / q6 / q4) change a model's predictions.
+
+Over a few thousand tokens of varied text (prose, code, legal text, tables; all from the Python
+standard library, so it runs offline), each sequence is prefilled in chunks through the real
+runtime (`Model.forward` with the sdpa backend, which writes every key/value to the storage and
+reads them back from it) once per cache mode. For every position it compares the next-token
+distribution with the unquantized cache's: mean KL(unquantized || quantized), and the perplexity
+of each mode on the text. It also reports how many tokens one GiB of each cache holds.
+
+    python benchmarks/cache_quality.py                     # the demo model (fetched if needed)
+    python benchmarks/cache_quality.py --model-dir DIR --seq-len 512 --sequences 2
+
+``--split-q6`` adds the alternative q6 layout (keys at 8 bits, values at 4: the same bytes as
+6/6) to show why q6 packs 6-bit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import dataclasses
+import importlib
+import inspect
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dyngen_core.attention import get_backend
+from dyngen_core.attention.base import AttentionBackend
+from dyngen_core.config import ModelConfig
+from dyngen_core.forward import build_forward_batch
+from dyngen_core.models import Model
+from dyngen_core.plan import SequenceSlice, StepPlan
+from dyngen_core.storage import make_storage
+from dyngen_core.storage.base import KVStorage
+from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.tokenizer import Tokenizer
+
+GIB = 1 << 30
+DOC_MODULES = ("argparse", "difflib", "heapq", "contextlib", "functools", "itertools",
+               "collections", "pickle", "logging", "unittest")
+CODE_MODULES = ("json.decoder", "textwrap", "bisect", "heapq")
+
+
+@dataclasses.dataclass
+class Variant:
+    """One cache configuration: a mode, or a mode with explicit (key, value) bits."""
+
+    name: str
+    mode: str
+    bits: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass
+class Totals:
+    """Running sums for one variant."""
+
+    kl_sum: float = 0.0
+    kl_max: float = 0.0
+    positions: int = 0
+    nll_sum: float = 0.0
+    predicted: int = 0
+    top1_agree: int = 0
+
+
+def corpus() -> dict[str, str]:
+    """Varied text available on any machine: docs prose, code, legal text, tables."""
+    docs = "\n\n".join(inspect.getdoc(importlib.import_module(m)) or "" for m in DOC_MODULES)
+    code = "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in CODE_MODULES)
+    license_path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    legal = license_path.read_text(encoding="utf-8") if license_path.is_file() else docs[::-1]
+    tables = calendar.TextCalendar().formatyear(2025) + "\n" + calendar.HTMLCalendar(
+    ).formatmonth(2025, 3)
+    return {"docs": docs, "code": code, "legal": legal, "tables": tables}
+
+
+def storage_for(model: Model, variant: Variant, num_pages: int, page_size: int) -> KVStorage:
+    if variant.bits is None:
+        return make_storage(variant.mode, model.config, num_pages, page_size, model.dtype,
+                            model.layer_devices)
+    return QuantStorage(model.config, num_pages, page_size, model.dtype, model.layer_devices,
+                        variant.mode, bits=variant.bits)
+
+
+def chunk_logits(model: Model, storage: KVStorage, backend: AttentionBackend,
+                 ids: list[int], start: int, page_size: int) -> torch.Tensor:
+    """Float32 logits of every position of ``ids`` (fed at ``start``), with the earlier
+    positions already in ``storage`` (pages 0, 1, 2, ... in order)."""
+    end = start + len(ids)
+    pages = list(range(-(-end // page_size)))
+    plan = StepPlan(slices=[SequenceSlice(job_id=0, token_ids=ids, start_pos=start,
+                                          page_table=pages, sample=True)])
+    batch = build_forward_batch(plan, page_size, model.device)
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(len(ids),
+                                                                   device=model.device))
+    return model.forward(batch, storage, backend)
+
+
+def evaluate(model: Model, sequences: Sequence[list[int]], variants: Sequence[Variant],
+             chunk: int, page_size: int) -> dict[str, Totals]:
+    """Run every sequence through every variant; KL is against the first variant."""
+    totals = {v.name: Totals() for v in variants}
+    backend = get_backend("sdpa", model.device)
+    for ids in sequences:
+        num_pages = -(-len(ids) // page_size)
+        storages = {v.name: storage_for(model, v, num_pages, page_size) for v in variants}
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            targets = torch.tensor(ids[start + 1:start + 1 + len(piece)])
+            reference: torch.Tensor | None = None
+            for variant in variants:
+                logits = chunk_logits(model, storages[variant.name], backend, piece, start,
+                                      page_size)
+                logp = F.log_softmax(logits.float(), dim=-1).cpu()
+                reference = logp if reference is None else reference
+                _accumulate(totals[variant.name], reference, logp, targets)
+    return totals
+
+
+def _accumulate(total: Totals, ref: torch.Tensor, logp: torch.Tensor,
+                targets: torch.Tensor) -> None:
+    kl = (ref.exp() * (ref - logp)).sum(-1).clamp_min(0)
+    total.kl_sum += float(kl.sum())
+    total.kl_max = max(total.kl_max, float(kl.max()))
+    total.positions += kl.numel()
+    total.top1_agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
+    n = targets.numel()
+    if n:
+        total.nll_sum += float(-logp[:n].gather(1, targets[:, None]).sum())
+        total.predicted += n
+
+
+def tokens_per_gib(config: ModelConfig, variant: Variant, page_size: int) -> float:
+    """Tokens one GiB holds, with 16-bit activations for the unquantized mode."""
+    cpu = [torch.device("cpu")] * config.num_layers
+    if variant.bits is None:
+        storage = make_storage(variant.mode, config, 1, page_size, torch.bfloat16, cpu)
+    else:
+        storage = QuantStorage(config, 1, page_size, torch.bfloat16, cpu, variant.mode,
+                               bits=variant.bits)
+    return GIB * page_size / storage.nbytes()
+
+
+def report(totals: dict[str, Totals], variants: Sequence[Variant], config: ModelConfig,
+           page_size: int) -> str:
+    base_tokens = tokens_per_gib(config, variants[0], page_size)
+    lines = ["| cache | mean KL | max KL | top-1 agree | perplexity | tokens/GiB | vs fp16 |",
+             "|---|---|---|---|---|---|---|"]
+    for variant in variants:
+        t = totals[variant.name]
+        ppl = torch.tensor(t.nll_sum / max(t.predicted, 1)).exp().item()
+        per_gib = tokens_per_gib(config, variant, page_size)
+        lines.append(f"| {variant.name} | {t.kl_sum / max(t.positions, 1):.2e} | "
+                     f"{t.kl_max:.2e} | {100 * t.top1_agree / max(t.positions, 1):.2f}% | "
+                     f"{ppl:.4f} | {per_gib:,.0f} | {per_gib / base_tokens:.2f}x |")
+    return "\n".join(lines)
+
+
+def load_model_dir(explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    from dyngen_core.convert.demo import fetch_demo_model
+
+    return fetch_demo_model(progress=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", help="model folder (default: the demo model)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
+    parser.add_argument("--sequences", type=int, default=4, help="sequences (one per text)")
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
+    parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--dtype", default=None, help="model dtype (default: auto)")
+    parser.add_argument("--split-q6", action="store_true",
+                        help="also run q6 as 8-bit keys + 4-bit values")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model_dir = load_model_dir(args.model_dir)
+    model = Model.load(model_dir, dtype=args.dtype)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    texts = list(corpus().items())[: args.sequences]
+    sequences = [tokenizer.encode(text, add_bos=True)[: args.seq_len] for _, text in texts]
+    variants = [Variant("fp16", "fp16"), Variant("q8", "q8"), Variant("q6", "q6"),
+                Variant("q4", "q4")]
+    if args.split_q6:
+        variants.insert(3, Variant("q6 (k8/v4)", "q6", (8, 4)))
+    started = time.perf_counter()
+    totals = evaluate(model, sequences, variants, args.chunk, args.page_size)
+    tokens = sum(len(s) for s in sequences)
+    print(f"model: {model_dir.name} ({model.dtype}, {model.device}); "
+          f"{tokens} tokens in {len(sequences)} sequences ({', '.join(n for n, _ in texts)}), "
+          f"chunks of {args.chunk}; {time.perf_counter() - started:.0f} s")
+    print("KL divergence is against the unquantized cache ('fp16' = the model's dtype); "
+          "tokens/GiB counts 16-bit activations for fp16.")
+    print(report(totals, variants, model.config, args.page_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
