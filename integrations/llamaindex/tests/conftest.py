@@ -6,8 +6,6 @@ and allocates the cache once (`shared_generator` hands back the same engine).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,31 +31,33 @@ def llm(demo_model_dir: Path) -> Any:
     return DynGenLLM(model_dir=str(demo_model_dir), max_tokens=6, temperature=0.0, **ENGINE)
 
 
-class EngineWatcher:
-    """Polls an engine's stats from a thread and keeps the most jobs seen in it at once
-    (running plus waiting), so a test can assert how far a workload fanned out."""
+class ConcurrencyProbe:
+    """Wraps an engine's ``submit`` / ``submit_many`` and keeps the most jobs that were in the
+    engine at once: at each submission, the submitted jobs whose handles have not finished.
+    Counts, not timing: a job cannot finish before it was submitted."""
 
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self._stop = threading.Event()
+    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.handles: list[Any] = []
         self.most_jobs = 0
-        self._thread = threading.Thread(target=self._poll, daemon=True)
+        submit, submit_many = engine.submit, engine.submit_many
 
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            stats = self._engine.stats()
-            self.most_jobs = max(self.most_jobs, stats.jobs_active + stats.jobs_pending)
-            self._stop.wait(0.001)
+        def probed_submit(job: Any) -> Any:
+            return self._record([submit(job)])[0]
 
-    def __enter__(self) -> EngineWatcher:
-        self._thread.start()
-        return self
+        def probed_submit_many(jobs: Any) -> Any:
+            return self._record(list(submit_many(jobs)))
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        monkeypatch.setattr(engine, "submit", probed_submit)
+        monkeypatch.setattr(engine, "submit_many", probed_submit_many)
+
+    def _record(self, handles: list[Any]) -> list[Any]:
+        self.handles += handles
+        live = sum(not h.done for h in self.handles)
+        self.most_jobs = max(self.most_jobs, live)
+        return handles
 
 
 @pytest.fixture()
-def watch() -> Iterator[type[EngineWatcher]]:
-    yield EngineWatcher
+def probe(llm: Any, monkeypatch: pytest.MonkeyPatch) -> ConcurrencyProbe:
+    """Counts concurrent jobs on the run's shared engine during one test."""
+    return ConcurrencyProbe(llm.engine, monkeypatch)

@@ -3,7 +3,8 @@
 Every call — sync, async, streaming, from any thread — becomes one `Job` submitted to the
 process-wide `BackgroundGenerator` for the model folder (`shared_generator`), so concurrent
 calls from a query engine batch together and prompts that share a prefix share cache pages.
-Async methods await the job's handle and never block the event loop.
+Async methods hand their jobs over off the event loop (grouped per loop iteration, see
+`gate`) and await the job's handle: they never block the event loop.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from llama_index.llms.dyngen.chat import ChatTurn, prepare_turn
 from llama_index.llms.dyngen.params import take_call_options
-from llama_index.llms.dyngen.streams import (
-    aiter_chunks,
-    await_final,
-    iter_chunks,
-    metrics,
-    wait_final,
+from llama_index.llms.dyngen.responses import (
+    achat_stream,
+    acompletion_stream,
+    chat_stream,
+    completion_stream,
 )
+from llama_index.llms.dyngen.streams import await_final, metrics, wait_final
 from llama_index.llms.dyngen.structured import (
     astream_objects,
     parse_final,
@@ -45,7 +46,7 @@ from llama_index.llms.dyngen.structured import (
     stream_objects,
     structured_kwargs,
 )
-from llama_index.llms.dyngen.submit import JobSubmitter
+from llama_index.llms.dyngen.submit import JobSubmitter, gather_engine_options
 from llama_index.llms.dyngen.tool_calling import (
     prepare_tools_kwargs,
     tool_selections,
@@ -57,7 +58,6 @@ from dyngen_core import BackgroundGenerator, EngineOptions, JobHandle, shared_ge
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
-_ENGINE_FIELDS = tuple(EngineOptions.model_fields)
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -105,18 +105,7 @@ class DynGenLLM(FunctionCallingLLM):
     @model_validator(mode="before")
     @classmethod
     def _gather_engine_options(cls, data: Any) -> Any:
-        """Accept EngineOptions fields as top-level keywords, over any ``engine_options``
-        given (an EngineOptions or a dict); EngineOptions validates them, as in LangChain."""
-        if not isinstance(data, dict):
-            return data
-        flat = {k: data.pop(k) for k in _ENGINE_FIELDS if k in data}
-        given = data.get("engine_options")
-        if not flat and not isinstance(given, dict):
-            return data
-        if isinstance(given, EngineOptions):
-            given = given.model_dump(exclude_unset=True)
-        data["engine_options"] = EngineOptions(**{**(given or {}), **flat})
-        return data
+        return gather_engine_options(data)
 
     def __init__(self, **data: Any) -> None:
         super().__init__(**data)
@@ -161,38 +150,22 @@ class DynGenLLM(FunctionCallingLLM):
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
-        handle = self._submit_text(prompt, formatted, kwargs, "stream_complete")
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            for delta, result in iter_chunks(handle):
-                text += delta
-                raw = metrics(result) if result["eos"] else None
-                yield CompletionResponse(text=text, delta=delta, raw=raw)
-
-        return gen()
+        return completion_stream(self._submit_text(prompt, formatted, kwargs, "stream_complete"))
 
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        final = await await_final(self._submit_text(prompt, formatted, kwargs, "acomplete"))
+        handle = await self._asubmit_text(prompt, formatted, kwargs, "acomplete")
+        final = await await_final(handle)
         return CompletionResponse(text=final["full_completion"], raw=metrics(final))
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        handle = self._submit_text(prompt, formatted, kwargs, "astream_complete")
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async for delta, result in aiter_chunks(handle):
-                text += delta
-                raw = metrics(result) if result["eos"] else None
-                yield CompletionResponse(text=text, delta=delta, raw=raw)
-
-        return gen()
+        handle = await self._asubmit_text(prompt, formatted, kwargs, "astream_complete")
+        return acompletion_stream(handle)
 
     # ---- chat ------------------------------------------------------------------------------
 
@@ -204,20 +177,11 @@ class DynGenLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        turn, handle = self._submit_chat(messages, kwargs, "stream_chat")
-
-        def gen() -> ChatResponseGen:
-            text = ""
-            for delta, result in iter_chunks(handle):
-                text += delta
-                raw = metrics(result) if result["eos"] else None
-                yield turn.response(text, delta=delta, raw=raw, final=result["eos"])
-
-        return gen()
+        return chat_stream(*self._submit_chat(messages, kwargs, "stream_chat"))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        turn, handle = self._submit_chat(messages, kwargs, "achat")
+        turn, handle = await self._asubmit_chat(messages, kwargs, "achat")
         final = await await_final(handle)
         return turn.response(final["full_completion"], raw=metrics(final))
 
@@ -225,16 +189,7 @@ class DynGenLLM(FunctionCallingLLM):
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        turn, handle = self._submit_chat(messages, kwargs, "astream_chat")
-
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            async for delta, result in aiter_chunks(handle):
-                text += delta
-                raw = metrics(result) if result["eos"] else None
-                yield turn.response(text, delta=delta, raw=raw, final=result["eos"])
-
-        return gen()
+        return achat_stream(*await self._asubmit_chat(messages, kwargs, "astream_chat"))
 
     # ---- tools -----------------------------------------------------------------------------
 
@@ -349,17 +304,37 @@ class DynGenLLM(FunctionCallingLLM):
         fields.update(take_call_options(kwargs, method))
         return fields
 
+    def _text_ids(self, prompt: str, formatted: bool) -> list[int]:
+        to_prompt = self.completion_to_prompt
+        text = prompt if formatted or to_prompt is None else to_prompt(prompt)
+        return self._jobs.text_ids(text)
+
     def _submit_text(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any], method: str
     ) -> JobHandle:
-        to_prompt = self.completion_to_prompt
-        text = prompt if formatted or to_prompt is None else to_prompt(prompt)
-        return self._jobs.text(text, self._fields(dict(kwargs), method))
+        fields = self._fields(dict(kwargs), method)
+        return self._jobs.submit(self._text_ids(prompt, formatted), fields)
+
+    async def _asubmit_text(
+        self, prompt: str, formatted: bool, kwargs: dict[str, Any], method: str
+    ) -> JobHandle:
+        fields = self._fields(dict(kwargs), method)
+        return await self._jobs.asubmit(self._text_ids(prompt, formatted), fields)
+
+    def _chat_turn(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], method: str
+                   ) -> tuple[ChatTurn, dict[str, Any]]:
+        kwargs = dict(kwargs)
+        turn = prepare_turn(self._jobs.tokenizer, messages, kwargs, self.messages_to_prompt)
+        return turn, self._fields(kwargs, method)
 
     def _submit_chat(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], method: str
     ) -> tuple[ChatTurn, JobHandle]:
-        kwargs = dict(kwargs)
-        turn = prepare_turn(self._jobs.tokenizer, messages, kwargs, self.messages_to_prompt)
-        handle = self._jobs.ids(turn.input_ids, self._fields(kwargs, method), turn.constraint)
-        return turn, handle
+        turn, fields = self._chat_turn(messages, kwargs, method)
+        return turn, self._jobs.submit(turn.input_ids, fields, turn.constraint)
+
+    async def _asubmit_chat(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], method: str
+    ) -> tuple[ChatTurn, JobHandle]:
+        turn, fields = self._chat_turn(messages, kwargs, method)
+        return turn, await self._jobs.asubmit(turn.input_ids, fields, turn.constraint)

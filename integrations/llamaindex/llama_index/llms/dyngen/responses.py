@@ -1,0 +1,52 @@
+"""A job's handle as LlamaIndex responses: streamed `CompletionResponse`s and `ChatResponse`s
+(``text`` so far, ``delta`` new), the last one carrying the job's metrics in ``raw``."""
+
+from __future__ import annotations
+
+from llama_index.core.base.llms.types import (
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+)
+from llama_index.llms.dyngen.chat import ChatTurn
+from llama_index.llms.dyngen.streams import aiter_chunks, iter_chunks, metrics
+
+from dyngen_core import JobHandle
+
+
+def completion_stream(handle: JobHandle) -> CompletionResponseGen:
+    """Completion chunks; closing the generator early cancels the job."""
+    text = ""
+    for delta, result in iter_chunks(handle):
+        text += delta
+        yield CompletionResponse(text=text, delta=delta,
+                                 raw=metrics(result) if result["eos"] else None)
+
+
+async def acompletion_stream(handle: JobHandle) -> CompletionResponseAsyncGen:
+    """Async `completion_stream`."""
+    text = ""
+    async for delta, result in aiter_chunks(handle):
+        text += delta
+        yield CompletionResponse(text=text, delta=delta,
+                                 raw=metrics(result) if result["eos"] else None)
+
+
+def chat_stream(turn: ChatTurn, handle: JobHandle) -> ChatResponseGen:
+    """Chat chunks (with the tool calls read so far); closing early cancels the job."""
+    text = ""
+    for delta, result in iter_chunks(handle):
+        text += delta
+        yield turn.response(text, delta=delta, final=result["eos"],
+                            raw=metrics(result) if result["eos"] else None)
+
+
+async def achat_stream(turn: ChatTurn, handle: JobHandle) -> ChatResponseAsyncGen:
+    """Async `chat_stream`."""
+    text = ""
+    async for delta, result in aiter_chunks(handle):
+        text += delta
+        yield turn.response(text, delta=delta, final=result["eos"],
+                            raw=metrics(result) if result["eos"] else None)
