@@ -30,7 +30,7 @@ def schema_messages(
     The constraint alone guarantees the form; stating the schema lets the model know what each
     field is for, so the values make sense.
     """
-    note = _INSTRUCTION.format(schema=json.dumps(output_cls.model_json_schema()))
+    note = _INSTRUCTION.format(schema=json.dumps(_untitled(output_cls.model_json_schema())))
     out = list(messages)
     if out and out[-1].role == MessageRole.USER:
         last = out[-1]
@@ -40,6 +40,17 @@ def schema_messages(
     else:
         out.append(ChatMessage(role=MessageRole.USER, content=note))
     return out
+
+
+def _untitled(schema: Any) -> Any:
+    # pydantic titles ("Place" for `place`) say nothing new, and small models copy them as
+    # the values.
+    if isinstance(schema, list):
+        return [_untitled(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: _untitled(v) for k, v in schema.items()
+            if not (k == "title" and isinstance(v, str))}
 
 
 def parse_final(response: ChatResponse, output_cls: type[Model]) -> Model:
