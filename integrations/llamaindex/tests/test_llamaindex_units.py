@@ -122,7 +122,8 @@ def test_forced_choices_get_a_constraint_and_auto_gets_none() -> None:
     assert named is not None and named["items"]["properties"]["name"] == {"const": "get_weather"}
     auto = ToolTurn([ADD], "auto").constraint()
     assert auto.kind == "grammar" and '"const": "add"' in auto.source
-    assert ToolTurn([ADD], "none").constraint() is None
+    assert ToolTurn([ADD], "none").constraint().kind == "regex"  # text only: no call possible
+    assert ToolTurn.history_only().constraint() is None
     with pytest.raises(ValueError, match="not one of the bound tools"):
         ToolTurn([ADD], "multiply")
 
@@ -206,3 +207,54 @@ def test_structured_helpers_state_the_schema_and_parse_partial_and_final() -> No
                        raw={"eos_reason": "max_new_tokens"})
     with pytest.raises(ValueError, match="raise max_tokens"):
         parse_final(cut, City)
+
+
+# A Hermes-style template that renders tools itself (as Qwen's and Hermes' do).
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HISTORY = [
+    ChatMessage(role="user", content="1+2?"),
+    ChatMessage(role="assistant", blocks=[ToolCallBlock(tool_call_id="c1", tool_name="add",
+                                                        tool_kwargs={"a": 1, "b": 2})]),
+    ChatMessage(role="tool", content="3", additional_kwargs={"tool_call_id": "c1"}),
+]
+
+
+def _tokenizer(template: str | None = None) -> object:
+    from dyngen_core import Tokenizer
+    from dyngen_core.convert.demo import default_demo_dir, is_complete
+
+    folder = default_demo_dir()
+    if not is_complete(folder):
+        pytest.skip("the demo model is fetched by the demo-model tests")
+    tokenizer = Tokenizer.from_model_dir(folder)
+    if template is None:
+        return tokenizer
+    return Tokenizer(tokenizer.backend, special_tokens=tokenizer.special_tokens,
+                     eos_token_ids=tokenizer.eos_token_ids, chat_template=template)
+
+
+def test_a_template_with_tool_support_renders_tools_and_calls_itself() -> None:
+    text = ToolTurn([ADD], "auto").render(_tokenizer(NATIVE_TEMPLATE),
+                                          to_template_messages(HISTORY))
+    assert '<tools>{"type": "function", "function": {"name": "add"' in text
+    assert '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' in text
+    assert "<|im_start|>tool\n3<|im_end|>" in text and "You can call these tools" not in text
+
+
+def test_a_template_without_tool_support_gets_the_fallback() -> None:
+    chatml = _tokenizer()
+    offered = ToolTurn([ADD], "required").render(chatml, to_template_messages(HISTORY))
+    assert "You can call these tools" in offered
+    # Every tool_choice lists the tools in the same words: agent turns share the prefix.
+    for choice in ("auto", "none", "add"):
+        assert ToolTurn([ADD], choice).render(chatml, to_template_messages(HISTORY)) == offered
+    assert '[{"name": "add", "arguments": {"a": 1, "b": 2}}]' in offered
+    assert "Result of tool call c1 (add): 3" in offered
+    replay = ToolTurn.history_only().render(chatml, to_template_messages(HISTORY))
+    assert "Result of tool call c1 (add): 3" in replay and "You can call" not in replay

@@ -8,7 +8,6 @@ of this module is LlamaIndex glue.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,25 +15,18 @@ from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageR
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.llms.dyngen.messages import assistant_message, tool_calls_of
 
-from dyngen_core.constraints import Constraint
 from dyngen_core.tools import (
     ToolCallParser,
     ToolSpec,
     fallback_messages,
     normalize_tool_choice,
     template_supports_tools,
-    tool_calls_schema,
+    tool_choice_constraint,
 )
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
-# "auto": a call list under the tools' schemas, or text not starting like JSON (Lark, as
-# llguidance reads it; %json embeds a JSON schema).
-_AUTO_GRAMMAR = """start: calls | text
-calls: %json {schema}
-text: /[^\\[{{\\s][\\s\\S]*/
-"""
 
 def tool_schema(tool: BaseTool) -> dict[str, Any]:
     """The OpenAI-form schema of a LlamaIndex tool, under the tool's own name (agents look
@@ -113,32 +105,28 @@ class ToolTurn:
         return cls([], "none")
 
     def render(self, tokenizer: Any, chat: list[dict[str, Any]]) -> str:
-        """The prompt text: through the template when it handles tools, else the fallback."""
+        """The prompt text: through the template when it handles tools, else the fallback.
+
+        The tools are listed whatever tool_choice is ("none" is enforced by the constraint),
+        so the turns of an agent loop keep one prompt prefix, shared in the cache.
+        """
         if not tokenizer.has_chat_template:
             raise ValueError(
                 "tool calling needs a chat template, and this model folder has none; add "
                 "chat_template to tokenizer_config.json"
             )
-        offered = self.specs if self.choice != "none" else []
         if template_supports_tools(tokenizer.chat_template):
-            tools = [spec.as_dict() for spec in offered] or None
+            tools = [spec.as_dict() for spec in self.specs] or None
             return str(tokenizer.apply_chat_template(chat, add_generation_prompt=True,
                                                      tools=tools))
-        messages = fallback_messages(chat, offered, self.choice)
+        messages = fallback_messages(chat, self.specs, "auto" if self.specs else "none")
         return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
     def constraint(self) -> Any:
-        """The constraint for the reply.
-
-        A forced choice ("required" or a tool name): the JSON schema of the call list. "auto":
-        a grammar allowing either that call list or text that does not start with ``[``/``{``
-        — the parser reads such a start as a call, so a call the model chooses to make is
-        always well-formed and matches its tool's schema. "none": no constraint.
-        """
-        if self.choice == "auto" and self.specs:
-            schema = tool_calls_schema(self.specs, "required", parallel=self.parallel)
-            return Constraint.grammar(_AUTO_GRAMMAR.format(schema=json.dumps(schema)))
-        return tool_calls_schema(self.specs, self.choice, parallel=self.parallel)
+        """What enforces tool_choice (`dyngen_core.tools.tool_choice_constraint`): a forced
+        choice gets the call list's schema; "auto" a grammar allowing that call list or plain
+        text, so a call the model makes always matches its tool's schema; "none" text only."""
+        return tool_choice_constraint(self.specs, self.choice, parallel=self.parallel)
 
     def parse(self, text: str, *, final: bool) -> tuple[str, list[dict[str, Any]], list[Any]]:
         """(content, OpenAI-form calls, invalid calls) of the reply so far (``text`` is all of
