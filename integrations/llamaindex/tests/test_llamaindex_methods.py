@@ -28,6 +28,8 @@ def test_metadata_comes_from_the_model_and_the_cache(llm: DynGenLLM) -> None:
                         engine_options=llm.engine_options)
     assert smaller.metadata.context_window == 1024 and smaller.metadata.num_output == 3
     assert smaller.engine is llm.engine  # same folder and options: the same engine
+    # A serialized LLM comes back on the same engine (engine options travel with it).
+    assert DynGenLLM.from_dict(llm.to_dict()).engine is llm.engine
 
 
 def test_complete_and_stream_complete_agree(llm: DynGenLLM) -> None:

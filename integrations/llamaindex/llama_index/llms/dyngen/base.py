@@ -96,7 +96,7 @@ class DynGenLLM(FunctionCallingLLM):
     seed: int | None = Field(default=None)
     stop: list[str] = Field(default_factory=list, description="Strings that end generation.")
     context_window: int | None = Field(default=None, gt=0)
-    engine_options: EngineOptions = Field(default_factory=EngineOptions, exclude=True)
+    engine_options: EngineOptions = Field(default_factory=EngineOptions)
 
     _engine: BackgroundGenerator = PrivateAttr()
     _jobs: JobSubmitter = PrivateAttr()
