@@ -56,15 +56,18 @@ def _submit_one(engine: BackgroundGenerator, job: Job) -> JobHandle | Exception:
 
 def _deliver(group: list[tuple[Job, asyncio.Future[JobHandle]]],
              done: asyncio.Future[list[JobHandle | Exception]]) -> None:
-    if done.exception() is not None:
-        outcomes: list[Any] = [done.exception()] * len(group)
+    if done.cancelled():  # the loop is shutting down: nobody waits for these jobs
+        outcomes: list[Any] = [asyncio.CancelledError()] * len(group)
+    elif done.exception() is not None:
+        outcomes = [done.exception()] * len(group)
     else:
         outcomes = done.result()
     for (_, future), outcome in zip(group, outcomes):
+        failed = isinstance(outcome, BaseException)
         if future.cancelled():
-            if isinstance(outcome, JobHandle):
+            if not failed:
                 outcome.cancel()  # its caller is gone: free the pages at once
-        elif isinstance(outcome, BaseException):
+        elif failed:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
