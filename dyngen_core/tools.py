@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dyngen_core.constraints.spec import Constraint
 from dyngen_core.tool_parser import (
     InvalidToolCall,
     ToolCall,
@@ -105,26 +106,24 @@ def template_supports_tools(template: str | None) -> bool:
     return bool(template) and bool(_TOOLS_VARIABLE.search(template or ""))
 
 
-def render_tools_prompt(tools: Sequence[ToolSpec], tool_choice: str = "auto") -> str:
+def render_tools_prompt(tools: Sequence[ToolSpec]) -> str:
     """The system text that tells a model without native tool support how to call ``tools``.
 
-    tool_choice: a normalized choice (see `normalize_tool_choice`); "required" and a tool name
-    add a sentence saying a call is expected.
+    It does not depend on tool_choice (constrained decoding enforces forced calls, and calls
+    are not read under "none"), so the turns of an agent loop that change tool_choice share the
+    whole prompt prefix in the cache.
     """
     listing = "\n".join(
         json.dumps({"name": t.name, "description": t.description,
                     "parameters": t.parameters}, ensure_ascii=False)
         for t in tools
     )
-    rule = {
-        "auto": "If a tool helps, call it; otherwise answer normally.",
-        "required": "You must call at least one tool.",
-    }.get(tool_choice, f"You must call the tool {tool_choice!r}.")
     return (
         f"You can call these tools:\n{listing}\n\n"
         "To call tools, answer with only a JSON list of calls, for example:\n"
         '[{"name": "tool_name", "arguments": {"argument": "value"}}]\n'
-        f"The results come back in the next message. {rule}"
+        "The results come back in the next message. If a tool helps, call it; otherwise "
+        "answer normally."
     )
 
 
@@ -143,8 +142,12 @@ def fallback_messages(
 
     An assistant message's ``tool_calls`` (``[{"id", "function": {"name", "arguments"}}]``) are
     appended to its content in the output format; consecutive ``tool`` messages become one user
-    message listing each result; with ``tools`` (and tool_choice not "none") the tools prompt is
+    message listing each result; with ``tools`` the tools prompt (`render_tools_prompt`) is
     added to the first system message, or becomes one.
+
+    tool_choice: "none" leaves the tools out. Any other value lists them, in the same words
+    whatever the choice; an agent loop that lists them under "none" too (its reply constrained
+    by `tool_choice_constraint`) keeps one prompt prefix, cached, across its turns.
     """
     out: list[dict[str, Any]] = []
     for message in messages:
@@ -167,7 +170,7 @@ def fallback_messages(
     for message in out:
         message.pop("_tool_results", None)
     if tools and tool_choice != "none":
-        prompt = render_tools_prompt(tools, tool_choice)
+        prompt = render_tools_prompt(tools)
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".strip()}
         else:
@@ -199,6 +202,35 @@ def tool_calls_schema(
     if not parallel or tool_choice != "required":
         schema["maxItems"] = 1
     return schema
+
+
+# "auto": the call list, or text that does not start like one (Lark as llguidance reads it;
+# %json embeds a JSON schema). "none": only such text.
+_AUTO_GRAMMAR = "start: calls | text\ncalls: %json {schema}\ntext: /[^\\[{{\\s][\\s\\S]*/\n"
+_TEXT_ONLY = r"[^\[{\s][\s\S]*"
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_choice_constraint(
+    tools: Sequence[ToolSpec], tool_choice: str, parallel: bool = True
+) -> Constraint | dict[str, Any] | None:
+    """The constraint that enforces ``tool_choice`` on a reply, for ``Job(constraint=...)``.
+
+    "required" or a tool name: `tool_calls_schema` (a call list must come). "auto": a grammar
+    allowing either that call list (any of the tools) or text that does not start with ``[``,
+    ``{`` or a space, so a call the model chooses to make is always well-formed and matches
+    its tool's schema. "none": such text only, so no call can be made. Without tools: None.
+    """
+    if not tools:
+        return None
+    if tool_choice == "none":
+        return Constraint.regex(_TEXT_ONLY)
+    if tool_choice == "auto":
+        schema = tool_calls_schema(tools, "required", parallel)
+        # Compact separators, as JSON-schema constraints have (no whitespace to loop on).
+        schema = {**(schema or {}), "x-guidance": _COMPACT_JSON}
+        return Constraint.grammar(_AUTO_GRAMMAR.format(schema=json.dumps(schema)))
+    return tool_calls_schema(tools, tool_choice, parallel)
 
 
 def _call_schema(tool: ToolSpec) -> dict[str, Any]:
@@ -244,5 +276,5 @@ __all__ = [
     "InvalidToolCall", "ToolCall", "ToolCallParser", "ToolSpec", "ToolStreamDelta",
     "fallback_messages", "format_tool_calls", "inline_refs", "new_call_id",
     "normalize_tool_choice", "parse_tool_calls", "render_tools_prompt",
-    "template_supports_tools", "tool_calls_schema",
+    "template_supports_tools", "tool_calls_schema", "tool_choice_constraint",
 ]

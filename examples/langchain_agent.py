@@ -57,7 +57,7 @@ def main() -> None:
         sys.argv.remove("--auto")
     chat = ChatDynGen(model_dir=str(model_dir()), temperature=0, max_tokens=80,
                       cache_tokens=8192)
-    question = "What is the weather in Paris, in Tokyo and in Oslo?"
+    question = "What is the weather in Paris and in Tokyo and in Oslo?"
     messages: list[BaseMessage] = [*EXAMPLE, HumanMessage(question)]
     print(f"User: {question}")
     for turn in range(4):

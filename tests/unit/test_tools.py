@@ -59,11 +59,10 @@ def test_template_supports_tools() -> None:
     assert not template_supports_tools(None)
 
 
-def test_tools_prompt_lists_every_tool_and_the_rule() -> None:
-    prompt = render_tools_prompt([WEATHER, ADD], "required")
+def test_tools_prompt_lists_every_tool_and_the_format() -> None:
+    prompt = render_tools_prompt([WEATHER, ADD])
     assert '"name": "get_weather"' in prompt and '"name": "add"' in prompt
-    assert "must call at least one tool" in prompt
-    assert "must call the tool 'add'" in render_tools_prompt([ADD], "add")
+    assert '[{"name": "tool_name", "arguments": {"argument": "value"}}]' in prompt
 
 
 def test_fallback_messages_rewrite_calls_and_results() -> None:
@@ -78,7 +77,7 @@ def test_fallback_messages_rewrite_calls_and_results() -> None:
         {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"},
         {"role": "tool", "content": "3", "tool_call_id": "c2", "name": "add"},
     ]
-    out = fallback_messages(messages, [WEATHER, ADD], "auto")
+    out = fallback_messages(messages, [WEATHER, ADD])
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
     assert out[0]["content"].startswith("Be brief.\n\nYou can call these tools")
     assert json.loads(out[2]["content"]) == [
@@ -91,7 +90,7 @@ def test_fallback_messages_rewrite_calls_and_results() -> None:
 
 
 def test_fallback_messages_without_tools_adds_no_system_prompt() -> None:
-    out = fallback_messages([{"role": "user", "content": "hi"}], [WEATHER], "none")
+    out = fallback_messages([{"role": "user", "content": "hi"}], [])
     assert out == [{"role": "user", "content": "hi"}]
 
 

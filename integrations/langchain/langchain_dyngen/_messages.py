@@ -87,18 +87,20 @@ def render_chat(
     tokenizer: Any, messages: Sequence[BaseMessage], tools: Sequence[ToolSpec],
     tool_choice: str,
 ) -> list[int]:
-    """Prompt token ids for ``messages`` through the model's chat template, with ``tools``
-    offered unless tool_choice is "none"."""
+    """Prompt token ids for ``messages`` through the model's chat template.
+
+    A template with tools support gets ``tools`` unless tool_choice is "none". The fallback
+    prompt lists them under every tool_choice (its text does not depend on it), so the turns of
+    an agent loop share the cached prompt prefix.
+    """
     dicts = to_chat_dicts(messages)
-    offered = list(tools) if tool_choice != "none" else []
     if template_supports_tools(tokenizer.chat_template):
-        text = tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=True,
-            tools=[t.as_dict() for t in offered] or None,
-        )
+        offered = [t.as_dict() for t in tools] if tool_choice != "none" else []
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
+                                             tools=offered or None)
     else:
         has_tool_turns = any(d.get("tool_calls") or d["role"] == "tool" for d in dicts)
-        if offered or has_tool_turns:
-            dicts = fallback_messages(dicts, offered, tool_choice)
+        if tools or has_tool_turns:
+            dicts = fallback_messages(dicts, tools)
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
     return list(tokenizer.encode(text, encode_special_tokens=True))

@@ -19,7 +19,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from dyngen_core import EngineOptions, Tokenizer
-from dyngen_core.tools import ToolSpec, normalize_tool_choice, tool_calls_schema
+from dyngen_core.tools import ToolSpec, normalize_tool_choice, tool_choice_constraint
 from langchain_dyngen._batch import gated_batch, run_coroutine_blocking, submit
 from langchain_dyngen._chat_output import ChatChunker
 from langchain_dyngen._engine import (
@@ -93,8 +93,10 @@ class ChatDynGen(BaseChatModel):
     options), ``constraint`` (any `Job` constraint: JSON schema, pydantic class, regex,
     choices), and what `bind_tools` binds. Unknown options raise TypeError.
 
-    Tools: `bind_tools` with tool_choice "auto", "none", "any"/"required" or a tool name;
-    forced calls are enforced by constrained decoding. Structured output: see
+    Tools: `bind_tools` with tool_choice "auto", "none", "any"/"required" or a tool name, each
+    enforced by constrained decoding; parallel calls; calls parsed into ``tool_calls`` with ids.
+    A chat template without tools support gets the documented fallback prompt of
+    `dyngen_core.tools` (the demo model's ChatML template is one). Structured output: see
     `with_structured_output`. Usage metadata counts prompt tokens served from the prefix cache
     as ``input_token_details["cache_read"]``.
     """
@@ -174,11 +176,13 @@ class ChatDynGen(BaseChatModel):
                  stop: list[str] | None, options: dict[str, Any]) -> _ChatCall:
         tools = tool_specs(options.get("tools"))
         choice = normalize_tool_choice(options.get("tool_choice"), tools)
-        forcing = tool_calls_schema(tools, choice, options.get("parallel_tool_calls", True))
-        if forcing is not None and options.get("constraint") is not None:
+        constraint = options.get("constraint")
+        if constraint is None:
+            constraint = tool_choice_constraint(
+                tools, choice, options.get("parallel_tool_calls", True))
+        elif tools and choice not in ("auto", "none"):
             raise ValueError("a forced tool call (tool_choice) and a constraint cannot be "
                              "combined; drop one of them")
-        constraint = forcing if forcing is not None else options.get("constraint")
         prompt = render_chat(engine.tokenizer, messages, tools, choice)
         generation = Generation.from_fields(self._generation_fields(), options, stop)
         return _ChatCall(engine, generation.job(engine, prompt, constraint),
@@ -273,9 +277,11 @@ class ChatDynGen(BaseChatModel):
         """Offer ``tools`` to the model.
 
         tools: LangChain tools, functions, pydantic classes, TypedDicts or OpenAI tool dicts.
-        tool_choice: "auto" (default; the model decides), "none" (tools are not offered),
-            "any"/"required"/True (at least one call) or a tool name (one call of it). Forced
-            calls are enforced by constrained decoding, so they always parse.
+        tool_choice: "auto" (default; the model decides), "none" (no call), "any"/"required"/
+            True (at least one call) or a tool name (one call of it). Every choice is enforced
+            by constrained decoding: a call, when made, always parses and matches its tool's
+            schema ("auto" allows a call list or text that does not start with "[", "{" or a
+            space; "none" only such text).
         parallel_tool_calls: allow several calls in one reply (default True; a named
             tool_choice always gives one call).
         strict: passed to `convert_to_openai_tool` (closes argument schemas); forced calls
