@@ -168,8 +168,16 @@ class DecodeGraphs:
         return inputs
 
     def _capture_all(self) -> None:
-        grad_mode = torch.no_grad() if self.compiled else torch.inference_mode()
-        with grad_mode:
+        if not self.compiled:
+            with torch.inference_mode():
+                self._capture_buckets()
+            return
+        # Each layer recompiles its attention block (its layer index is a static int to dynamo);
+        # under the default limit of 8 recompiles, layers past the 8th would stay eager.
+        from torch._dynamo import config as dynamo_config
+
+        limit = max(64, 2 * len(self.model.layers))
+        with torch.no_grad(), dynamo_config.patch(recompile_limit=limit):
             self._capture_buckets()
 
     def _capture_buckets(self) -> None:

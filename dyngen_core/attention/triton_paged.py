@@ -74,14 +74,15 @@ class TritonPagedBackend:
     prefill_rows: query rows (tokens x heads of a KV group) per prefill program.
     max_splits: most parts the context of a decode is split into.
     programs_per_sm: decode programs aimed for per multiprocessor when choosing the split count.
-    decode_warps, prefill_warps: warps per program of decode-only and other batches (8 keeps
-        the 64-key tiles in registers without spills on sm_90).
+    decode_warps, prefill_warps: warps per program of decode-only and other batches. Decode:
+        4 measured fastest on an H200 at 16k context (BENCHMARKS.md); prefill: 8 keeps its
+        64-row tiles in registers without spills (ptxas, sm_90).
     """
 
     name = "triton"
 
     def __init__(self, *, block_n: int = 64, prefill_rows: int = 64, max_splits: int = 32,
-                 programs_per_sm: int = 4, decode_warps: int = 8,
+                 programs_per_sm: int = 4, decode_warps: int = 4,
                  prefill_warps: int = 8) -> None:
         self.block_n = block_n
         self.prefill_rows = prefill_rows
