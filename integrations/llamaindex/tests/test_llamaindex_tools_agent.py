@@ -89,8 +89,10 @@ def test_function_agent_completes_a_two_tool_task(llm: DynGenLLM) -> None:
         calls.append(("get_time", city))
         return f"It is 10:00 in {city}."
 
-    tools = [FunctionTool.from_defaults(get_weather, description="Current weather in a city."),
-             FunctionTool.from_defaults(get_time, description="Current local time in a city.")]
+    tools: list[Any] = [
+        FunctionTool.from_defaults(get_weather, description="Current weather in a city."),
+        FunctionTool.from_defaults(get_time, description="Current local time in a city."),
+    ]
     agent_llm = DynGenLLM(model_dir=llm.model_dir, max_tokens=40, temperature=0.0,
                           engine_options=llm.engine_options)
     # The first step must call tools (constrained to the tools' schemas); the next one is free

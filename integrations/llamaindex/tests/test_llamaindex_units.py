@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -109,7 +111,7 @@ def test_tool_choice_and_tool_required_fold_into_one_choice(
     choice: object, required: bool, expected: str
 ) -> None:
     turn = ToolTurn.from_kwargs({"tools": [ADD, WEATHER],
-                                 "tool_choice": resolve_tool_choice(choice, required)})  # type: ignore[arg-type]
+                                 "tool_choice": resolve_tool_choice(choice, required)})
     assert turn is not None and turn.choice == expected
 
 
@@ -302,14 +304,14 @@ def test_one_loop_iteration_of_async_submissions_reaches_the_engine_together() -
     from llama_index.llms.dyngen.gate import GateRegistry
 
     engine = _FakeEngine()
-    gates = GateRegistry(engine)  # type: ignore[arg-type]
+    gates = GateRegistry(engine)
 
-    async def run() -> list[object]:
-        return await asyncio.gather(*(gates.submit(f"job {i}") for i in range(5)))  # type: ignore[arg-type]
+    async def run() -> list[Any]:
+        return await asyncio.gather(*(gates.submit(f"job {i}") for i in range(5)))
 
     handles = asyncio.run(run())
     assert engine.calls == [[f"job {i}" for i in range(5)]]
-    assert [h.job for h in handles] == [f"job {i}" for i in range(5)]  # type: ignore[attr-defined]
+    assert [h.job for h in handles] == [f"job {i}" for i in range(5)]
 
 
 def test_a_refused_job_fails_only_its_caller_and_an_abandoned_one_is_cancelled() -> None:
@@ -319,20 +321,20 @@ def test_a_refused_job_fails_only_its_caller_and_an_abandoned_one_is_cancelled()
 
     engine = _FakeEngine()
     engine.release.clear()
-    gates = GateRegistry(engine)  # type: ignore[arg-type]
+    gates = GateRegistry(engine)
 
-    async def run() -> list[object]:
-        abandoned = asyncio.ensure_future(gates.submit("abandoned"))  # type: ignore[arg-type]
-        results = asyncio.gather(gates.submit("ok"), gates.submit("too big"),  # type: ignore[arg-type]
+    async def run() -> list[Any]:
+        abandoned = asyncio.ensure_future(gates.submit("abandoned"))
+        results = asyncio.gather(gates.submit("ok"), gates.submit("too big"),
                                  return_exceptions=True)
         while not engine.calls:  # the group is on its way to the engine
             await asyncio.sleep(0.001)
         abandoned.cancel()
         engine.release.set()
-        return await results
+        return list(await results)
 
     ok, refused = asyncio.run(run())
     assert engine.calls[0] == ["abandoned", "ok", "too big"]  # one group, then one by one
-    assert ok.job == "ok" and isinstance(refused, ValueError)  # type: ignore[attr-defined]
+    assert ok.job == "ok" and isinstance(refused, ValueError)
     [abandoned] = [h for h in engine.handles if h.job == "abandoned"]
     assert abandoned.cancelled
