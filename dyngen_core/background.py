@@ -7,6 +7,7 @@ pointed at the same folder share one model, one cache and one batch.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ class BackgroundGenerator:
         self._cancels: list[Job] = []
         self._handles: dict[int, JobHandle] = {}
         self._closed = False
+        self._stats = generator.stats()
         self._thread = threading.Thread(target=self._loop, name="dyngen-engine", daemon=True)
         self._thread.start()
 
@@ -71,11 +73,12 @@ class BackgroundGenerator:
             self._lock.notify()
 
     def stats(self) -> Any:
-        """The engine's `GeneratorStats` (a snapshot; safe from any thread)."""
-        with self._lock:
-            return self.generator.stats()
+        """The engine's `GeneratorStats`, as published after the latest step (never waits for
+        a step; safe from any thread)."""
+        return self._stats
 
     def close(self) -> None:
+        """Stop the engine thread; running and queued jobs fail with a clear error."""
         with self._lock:
             self._closed = True
             self._lock.notify()
@@ -84,29 +87,45 @@ class BackgroundGenerator:
     # ---- engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        generator = self.generator
         while True:
+            # The lock guards only the hand-over lists: submitters never wait for a step.
             with self._lock:
-                while not self._closed and not self._incoming and not self._cancels and \
-                        not self.generator.num_remaining_jobs():
+                while not (self._closed or self._incoming or self._cancels
+                           or generator.num_remaining_jobs()):
                     self._lock.wait()
-                if self._closed:
-                    self.generator.clear_queue()
-                    for handle in self._handles.values():
-                        handle._fail(RuntimeError("the background generator was closed"))
-                    return
+                closed = self._closed
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
-                self._admit(incoming)
-                for job in cancels:
-                    self.generator.cancel(job)
-                results = self.generator.iterate()
-            for result in results:
-                owner = self._handles.get(result["job"].job_id)
-                if owner is None:
-                    continue
-                if result["eos"]:
-                    del self._handles[result["job"].job_id]
-                owner._push(result)
+            if closed:
+                self._fail_all(RuntimeError("the background generator was closed"))
+                return
+            self._admit(incoming)
+            for job in cancels:
+                generator.cancel(job)
+            try:
+                results = generator.iterate()
+            except Exception as exc:  # noqa: BLE001 - an engine fault fails its jobs, not the thread
+                self._fail_all(exc)
+                results = []
+            self._stats = generator.stats()
+            self._deliver(results)
+
+    def _deliver(self, results: list[Any]) -> None:
+        for result in results:
+            owner = self._handles.get(result["job"].job_id)
+            if owner is None:
+                continue
+            if result["eos"]:
+                del self._handles[result["job"].job_id]
+            owner._push(result)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.generator.clear_queue()
+        for handle in self._handles.values():
+            handle._fail(error)
+        self._handles.clear()
+        self._stats = self.generator.stats()
 
     def _admit(self, incoming: list[tuple[Job, JobHandle]]) -> None:
         for job, handle in incoming:
@@ -152,6 +171,12 @@ class _SharedGenerators:
                 self._by_key[key] = BackgroundGenerator(generator)
             return self._by_key[key]
 
+    def close_all(self) -> None:
+        with self._lock:
+            engines, self._by_key = list(self._by_key.values()), {}
+        for engine in engines:
+            engine.close()
+
     def _model(self, folder: str, options: EngineOptions) -> Model:
         key = (folder, options.device, options.dtype)
         if key not in self._models:
@@ -164,6 +189,8 @@ class _SharedGenerators:
 
 
 _REGISTRY = _SharedGenerators()
+# Stop engine threads between steps at exit: a daemon thread killed inside a torch op aborts.
+atexit.register(_REGISTRY.close_all)
 
 
 def shared_generator(model_dir: str | Path, **options: Any) -> BackgroundGenerator:
