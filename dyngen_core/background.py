@@ -167,6 +167,8 @@ class _SharedGenerators:
                     dedup=options.dedup,
                     prompt_cache=options.prompt_cache,
                     attention_backend=options.attention_backend,
+                    cuda_graphs=options.cuda_graphs,
+                    compile_decode=options.compile_decode,
                 )
                 self._by_key[key] = BackgroundGenerator(generator)
             return self._by_key[key]

@@ -43,6 +43,10 @@ class DynamicGenerator:
         dedup: share identical prompt pages among running jobs (prefill them once).
         prompt_cache: keep finished jobs' pages so later prompts with the same prefix reuse them.
         attention_backend: "auto", "sdpa", "triton" or "flash".
+        cuda_graphs: on CUDA, replay captured graphs for decode-only steps (captured here, one
+            per batch-size bucket up to max_batch_size).
+        compile_decode: run the captured decode step through torch.compile (fuses the small
+            kernels of norms and rotary; slower start).
     """
 
     def __init__(
@@ -56,6 +60,8 @@ class DynamicGenerator:
         dedup: bool = True,
         prompt_cache: bool = True,
         attention_backend: str = "auto",
+        cuda_graphs: bool = True,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -67,7 +73,10 @@ class DynamicGenerator:
             prompt_cache=prompt_cache,
         )
         self._scheduler = Scheduler(cache.config, sched_config)
-        self._runner = ModelRunner(model, cache, get_backend(attention_backend, model.device))
+        self._runner = ModelRunner(
+            model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
+            max_batch_size=max_batch_size, compile_decode=compile_decode,
+        )
         self._bridge = SamplingBridge(model, tokenizer)
         self._default_settings = SamplerSettings.from_generation_config(
             model.config.generation_defaults

@@ -28,6 +28,8 @@ class EngineOptions(BaseModel):
         attention_backend: "auto", "sdpa", "triton" or "flash".
         dedup: share identical prompt pages among running jobs.
         prompt_cache: keep finished jobs' pages for reuse by later prompts.
+        cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
+        compile_decode: torch.compile the captured decode step (CUDA only; slower start).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -41,6 +43,8 @@ class EngineOptions(BaseModel):
     attention_backend: Literal["auto", "sdpa", "triton", "flash"] = "auto"
     dedup: bool = True
     prompt_cache: bool = True
+    cuda_graphs: bool = True
+    compile_decode: bool = False
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(max_tokens=self.cache_tokens, mode=self.cache_mode)
