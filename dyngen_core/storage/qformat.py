@@ -27,7 +27,8 @@ Packing of the codes of one row (``packed_bytes = head_dim * bits / 8``):
 
 So value ``d`` of a row always starts at bit ``d * bits`` of the row's bytes (little-endian).
 Scales are stored as [..., head_dim / 32] float16. This module is the fallback path and the test
-oracle of the native kernels in csrc/, which follow it operation for operation.
+oracle of the native kernels in csrc/, which follow it operation for operation (only the
+rotation's float32 rounding differs: a butterfly there, a matrix product here).
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ def check_head_dim(head_dim: int) -> None:
 
 
 def quantize(x: torch.Tensor, fmt: QuantFormat,
-             signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize rows ``x`` [..., head_dim] (any float dtype).
 
     Returns packed codes [..., packed_bytes] in ``fmt.code_dtype`` and float16 scales
-    [..., head_dim / 32]. ``signs`` is `hadamard.rotation_signs(32)`.
+    [..., head_dim / 32]. ``rotation`` is `hadamard.hadamard_matrix(32)`.
     """
-    rotated = rotate(x, signs)
+    rotated = rotate(x, rotation)
     groups = rotated.reshape(*x.shape[:-1], x.shape[-1] // GROUP_SIZE, GROUP_SIZE)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     extreme = torch.where((groups == amax).any(dim=-1, keepdim=True), amax, -amax)
@@ -103,13 +104,13 @@ def quantize(x: torch.Tensor, fmt: QuantFormat,
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat,
-               signs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+               rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows [..., head_dim] in ``dtype`` from packed codes and float16 scales (`quantize`'s
     output): codes times scale in float32, un-rotated, then cast."""
     codes = unpack(packed, fmt).to(torch.float32)
     groups = codes.reshape(*codes.shape[:-1], codes.shape[-1] // GROUP_SIZE, GROUP_SIZE)
     values = (groups * scales.to(torch.float32).unsqueeze(-1)).reshape(codes.shape)
-    return unrotate(values, signs).to(dtype)
+    return unrotate(values, rotation).to(dtype)
 
 
 def pack(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.plan import PageCopy
 from dyngen_core.storage import native
-from dyngen_core.storage.hadamard import rotation_signs
+from dyngen_core.storage.hadamard import hadamard_matrix, rotation_signs
 from dyngen_core.storage.qformat import (
     GROUP_SIZE,
     QuantFormat,
@@ -88,7 +88,9 @@ class QuantStorage:
         self.value_format = QuantFormat(value_bits)
         self.devices = [torch.device(d) for d in layer_devices]
         self.layers = [self._allocate(device) for device in self.devices]
+        # The native kernels take the sign pattern (they run the butterfly); torch the matrix.
         self._signs = {d: rotation_signs(GROUP_SIZE).to(d) for d in set(self.devices)}
+        self._rotation = {d: hadamard_matrix(GROUP_SIZE).to(d) for d in set(self.devices)}
         wants_native = use_native and any(d.type == "cuda" for d in self.devices)
         self._native = native.load_native() if wants_native else None
 
@@ -113,11 +115,11 @@ class QuantStorage:
         """Quantize key/value rows [T, num_kv_heads, head_dim] and store them at the flat
         slots ``slot_mapping`` [T] (page * page_size + offset)."""
         pages = self.layers[layer]
-        signs = self._signs[self.devices[layer]]
+        device = self.devices[layer]
         kernels = self._kernels(layer)
         if kernels is not None:
             kernels.quantize_write(key, value, slot_mapping, pages.key_codes, pages.key_scales,
-                                   pages.value_codes, pages.value_scales, signs,
+                                   pages.value_codes, pages.value_scales, self._signs[device],
                                    self.key_format.bits, self.value_format.bits)
             return
         slots = slot_mapping.to(torch.int64)
@@ -125,7 +127,7 @@ class QuantStorage:
             (key, pages.key_codes, pages.key_scales, self.key_format),
             (value, pages.value_codes, pages.value_scales, self.value_format),
         ):
-            packed, row_scales = quantize(rows, fmt, signs)
+            packed, row_scales = quantize(rows, fmt, self._rotation[device])
             codes.view(-1, *codes.shape[2:]).index_copy_(0, slots, packed)
             scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, row_scales)
 
@@ -133,7 +135,7 @@ class QuantStorage:
         """Dequantized keys and values of the pages in ``page_table`` [B, P], each
         [B, P * page_size, num_kv_heads, head_dim] in the compute dtype."""
         pages = self.layers[layer]
-        signs = self._signs[self.devices[layer]]
+        device = self.devices[layer]
         kernels = self._kernels(layer)
         out_shape = (page_table.shape[0], page_table.shape[1] * self.page_size,
                      self.num_kv_heads, self.head_dim)
@@ -144,10 +146,12 @@ class QuantStorage:
         ):
             if kernels is not None:
                 out = torch.empty(out_shape, dtype=self.dtype, device=codes.device)
-                kernels.dequantize_gather(codes, scales, page_table, signs, fmt.bits, out)
+                kernels.dequantize_gather(codes, scales, page_table, self._signs[device],
+                                          fmt.bits, out)
             else:
                 index = page_table.to(device=codes.device, dtype=torch.int64)
-                rows = dequantize(codes[index], scales[index], fmt, signs, self.dtype)
+                rows = dequantize(codes[index], scales[index], fmt, self._rotation[device],
+                                  self.dtype)
                 out = rows.reshape(out_shape)
             results.append(out)
         return results[0], results[1]

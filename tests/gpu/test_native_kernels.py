@@ -1,9 +1,11 @@
 """The native CUDA kernels of csrc/ against their torch reference (dyngen_core/storage/qformat).
 
-The kernels follow the reference operation for operation (same butterfly order, IEEE division,
-round-half-even, fp16 scale rounding), so codes, scales and dequantized rows must be equal bit
-for bit. Needs CUDA, nvcc and ninja: skipped without CUDA; on a CUDA machine without a toolkit
-the skip message says what is missing.
+The kernels follow the reference operation for operation (IEEE division, round-half-even, fp16
+scale rounding); only the rotation rounds differently (a warp butterfly there, a float32 matrix
+product here). So scales agree to one fp16 step, codes agree except where a value sits on a
+rounding boundary (then by one step), and dequantized rows agree to float rounding. Page copies
+must be exact. Needs CUDA, nvcc and ninja: skipped without CUDA; on a CUDA machine without a
+toolkit the skip message says what is missing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.plan import PageCopy
 from dyngen_core.storage import native
-from dyngen_core.storage.hadamard import rotation_signs
+from dyngen_core.storage.hadamard import hadamard_matrix, rotation_signs
 from dyngen_core.storage.qformat import QuantFormat, dequantize, quantize
 from dyngen_core.storage.quant import QuantStorage
 
@@ -24,6 +26,8 @@ pytestmark = [
 ]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ROTATION = hadamard_matrix(32)
+MAX_CODE_MISMATCH = 1e-3  # fraction of codes allowed one step off (rounding-boundary values)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +59,37 @@ def empty_pages(num_slots: int, heads: int, head_dim: int,
     return codes, scales
 
 
-def mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
-    diff = (a.view(torch.uint8) != b.view(torch.uint8)) if a.element_size() == 1 else (a != b)
-    return f"{int(diff.sum())} of {diff.numel()} differ"
+def assert_same_quantization(codes: torch.Tensor, scales: torch.Tensor,
+                             ref_codes: torch.Tensor, ref_scales: torch.Tensor,
+                             fmt: QuantFormat) -> None:
+    """Native and reference quantization agree up to float32 rounding of the rotation.
+
+    Rarely, rounding moves a group's scale: by one fp16 step, or to the opposite sign where the
+    largest positive and negative values tie in magnitude. Both results are then within one step
+    of the input, so within two steps of each other. Groups with identical scales must have
+    identical codes except for values that sat on a rounding boundary.
+    """
+    torch.testing.assert_close(scales.float().abs(), ref_scales.float().abs(), rtol=2e-3,
+                               atol=1e-7)
+    same_scale = scales.view(torch.int16) == ref_scales.view(torch.int16)
+    assert float(same_scale.float().mean()) >= 0.95, "too many group scales differ"
+    restored = dequantize(codes, scales, fmt, ROTATION, torch.float32)
+    expected = dequantize(ref_codes, ref_scales, fmt, ROTATION, torch.float32)
+    groups = (restored - expected).reshape(*scales.shape, 32).norm(dim=-1)
+    step = ref_scales.float().abs()
+    assert bool((groups <= 2 * 32**0.5 * step * 1.01 + 1e-6).all()), "a group differs by > 2 steps"
+    group_bytes = codes.view(torch.uint8).reshape(*scales.shape, -1)
+    ref_group_bytes = ref_codes.view(torch.uint8).reshape(*scales.shape, -1)
+    differ = float((group_bytes != ref_group_bytes)[same_scale].float().mean())
+    assert differ <= MAX_CODE_MISMATCH, f"{differ:.2%} of code bytes differ"
+
+
+def assert_close_rows(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Rows equal up to the rounding of the rotation and of the output dtype."""
+    exact = want.dtype == torch.float32
+    scale = float(want.float().abs().max()) + 1e-6
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4 if exact else 1e-2,
+                               atol=(1e-5 if exact else 1e-2) * scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,13 +115,10 @@ def test_quantize_write_equals_reference(kernels: native.NativeKernels, dtype: t
         (keys, key_fmt, key_codes, key_scales, before[0], before[1]),
         (values, value_fmt, value_codes, value_scales, before[2], before[3]),
     ):
-        ref_codes, ref_scales = quantize(rows.cpu(), fmt, signs.cpu())
+        ref_codes, ref_scales = quantize(rows.cpu(), fmt, ROTATION)
         target = slots[written].cpu()
-        got_scales, got_codes = scales.cpu()[target], codes.cpu()[target]
-        assert torch.equal(got_scales, ref_scales[written.cpu()]), mismatch(
-            got_scales, ref_scales[written.cpu()])
-        assert torch.equal(got_codes, ref_codes[written.cpu()]), mismatch(
-            got_codes, ref_codes[written.cpu()])
+        assert_same_quantization(codes.cpu()[target], scales.cpu()[target],
+                                 ref_codes[written.cpu()], ref_scales[written.cpu()], fmt)
         untouched = torch.ones(num_slots, dtype=torch.bool)
         untouched[target] = False
         assert torch.equal(codes.cpu()[untouched], old_codes.cpu()[untouched])
@@ -104,16 +133,15 @@ def test_dequantize_gather_equals_reference(kernels: native.NativeKernels, dtype
     fmt = QuantFormat(bits)
     signs = rotation_signs(32).cuda()
     rows = outlier_rows(num_pages * page_size, heads, head_dim, torch.float32, seed=bits)
-    codes, scales = quantize(rows, fmt, signs)
+    codes, scales = quantize(rows, fmt, ROTATION)
     codes = codes.reshape(num_pages, page_size, heads, -1).contiguous()
     scales = scales.reshape(num_pages, page_size, heads, -1).contiguous()
     page_table = torch.tensor([[4, 0, 5], [2, 2, 1]], dtype=torch.int32, device="cuda")
     out = torch.empty(2, 3 * page_size, heads, head_dim, dtype=dtype, device="cuda")
     kernels.dequantize_gather(codes, scales, page_table, signs, bits, out)
     index = page_table.long().cpu()
-    expected = dequantize(codes.cpu()[index], scales.cpu()[index], fmt, signs.cpu(), dtype)
-    expected = expected.reshape(out.shape)
-    assert torch.equal(out.cpu(), expected), mismatch(out.cpu(), expected)
+    expected = dequantize(codes.cpu()[index], scales.cpu()[index], fmt, ROTATION, dtype)
+    assert_close_rows(out.cpu(), expected.reshape(out.shape))
 
 
 def test_copy_pages_equals_sequential_torch_copies(kernels: native.NativeKernels) -> None:
@@ -149,6 +177,17 @@ def test_storage_native_and_torch_paths_agree(kernels: native.NativeKernels, mod
         storage.write(1, keys, values, slots)
         storage.copy_pages(copies)
     table = torch.tensor([[3, 1, 4, 0]], dtype=torch.int32, device="cuda")
-    for got, want in zip(fast.gather(1, table), reference.gather(1, table), strict=True):
-        assert torch.equal(got, want), mismatch(got, want)
+    index = table.long()
+    ref_pages = reference.layers[1]
+    for got, want, scales in zip(fast.gather(1, table), reference.gather(1, table),
+                                 (ref_pages.key_scales[index], ref_pages.value_scales[index]),
+                                 strict=True):
+        # Per group of 32: the rotation is orthogonal, so a group's error norm is the same
+        # rotated or not; allow two quantization steps (see assert_same_quantization) plus
+        # bfloat16 rounding of the output.
+        diff = (got.float() - want.float()).reshape(1, 64, 2, 2, 32).norm(dim=-1)
+        norm = want.float().reshape(1, 64, 2, 2, 32).norm(dim=-1)
+        step = scales.float().abs().reshape(1, 64, 2, 2)
+        assert bool((diff <= 2 * 32**0.5 * step * 1.01 + 1e-2 * norm + 1e-6).all())
+        assert float((diff > 1e-2 * norm + 1e-6).float().mean()) <= 0.05
     assert fast.nbytes() == reference.nbytes()

@@ -28,7 +28,7 @@ from dyngen_core.storage.quant import MODE_BITS, QuantStorage
 
 MODES = tuple(MODE_BITS)
 MAX_RELATIVE_ERROR = {8: 0.007, 6: 0.027, 4: 0.11}
-SIGNS = rotation_signs(32)
+ROTATION = hadamard_matrix(32)
 
 
 def model_config(num_layers: int = 2, num_kv_heads: int = 2, head_dim: int = 64) -> ModelConfig:
@@ -67,11 +67,13 @@ def test_walsh_hadamard_matches_sylvester_matrix() -> None:
 def test_rotation_is_orthogonal_and_inverted_by_unrotate(n: int) -> None:
     matrix = hadamard_matrix(n)
     torch.testing.assert_close(matrix @ matrix.T, torch.eye(n), atol=1e-6, rtol=0)
+    # R = H diag(s) / sqrt(n): the butterfly of the sign-flipped input, normalized.
     x = torch.randn(7, 3, 2 * n)
-    signs = rotation_signs(n)
-    rotated = rotate(x, signs)
-    torch.testing.assert_close(rotated[..., :n], x[..., :n] @ matrix.T, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(unrotate(rotated, signs), x, atol=1e-5, rtol=1e-5)
+    flipped = x.reshape(-1, 2, n) * rotation_signs(n)
+    butterfly = walsh_hadamard(flipped, n).reshape(x.shape) / n**0.5
+    rotated = rotate(x, matrix)
+    torch.testing.assert_close(rotated, butterfly, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(unrotate(rotated, matrix), x, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rotated.norm(), x.norm(), rtol=1e-5, atol=0)
 
 
@@ -108,9 +110,9 @@ def test_packed_bit_positions() -> None:
 def test_round_trip_error_within_bounds(bits: int) -> None:
     rows = keys_with_outliers(512, 4, 128)
     fmt = QuantFormat(bits)
-    packed, scales = quantize(rows, fmt, SIGNS)
+    packed, scales = quantize(rows, fmt, ROTATION)
     assert scales.shape == (512, 4, 4) and scales.dtype == torch.float16
-    restored = dequantize(packed, scales, fmt, SIGNS, torch.float32)
+    restored = dequantize(packed, scales, fmt, ROTATION, torch.float32)
     assert relative_error(restored, rows) < MAX_RELATIVE_ERROR[bits]
     # Deterministic bound: every rotated value is within one step of its code, and the
     # rotation preserves norms, so each group's error norm is at most sqrt(32) * |scale|.
@@ -122,7 +124,7 @@ def test_round_trip_error_within_bounds(bits: int) -> None:
 def test_rotation_is_what_keeps_outliers_cheap() -> None:
     rows = keys_with_outliers(256, 2, 64, seed=3)
     fmt = QuantFormat(4)
-    restored = dequantize(*quantize(rows, fmt, SIGNS), fmt, SIGNS, torch.float32)
+    restored = dequantize(*quantize(rows, fmt, ROTATION), fmt, ROTATION, torch.float32)
     groups = rows.reshape(256, 2, 2, 32)  # the same 4-bit scheme without the rotation
     step = groups.abs().amax(-1, keepdim=True) / 8
     unrotated = (groups / step).round().clamp(-8, 7) * step
@@ -132,11 +134,11 @@ def test_rotation_is_what_keeps_outliers_cheap() -> None:
 def test_quantize_handles_zero_rows_and_low_precision_input() -> None:
     fmt = QuantFormat(4)
     zeros = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
-    packed, scales = quantize(zeros, fmt, SIGNS)
+    packed, scales = quantize(zeros, fmt, ROTATION)
     assert bool((scales == 0).all())
-    assert bool((dequantize(packed, scales, fmt, SIGNS, torch.bfloat16) == 0).all())
+    assert bool((dequantize(packed, scales, fmt, ROTATION, torch.bfloat16) == 0).all())
     rows = keys_with_outliers(16, 2, 64).to(torch.float16)
-    restored = dequantize(*quantize(rows, QuantFormat(8), SIGNS), QuantFormat(8), SIGNS,
+    restored = dequantize(*quantize(rows, QuantFormat(8), ROTATION), QuantFormat(8), ROTATION,
                           torch.float16)
     assert restored.dtype == torch.float16
     assert relative_error(restored, rows) < MAX_RELATIVE_ERROR[8]
@@ -157,10 +159,10 @@ def test_pages_written_through_slots_come_back_through_any_page_table(mode: str)
     assert got_keys.shape == (3, 48, 2, 64) and got_keys.dtype == torch.float32
     expected_keys = torch.zeros(6 * 16, 2, 64)
     expected_values = torch.zeros(6 * 16, 2, 64)
-    expected_keys[slots] = dequantize(*quantize(keys, storage.key_format, SIGNS),
-                                      storage.key_format, SIGNS, torch.float32)
-    expected_values[slots] = dequantize(*quantize(values, storage.value_format, SIGNS),
-                                        storage.value_format, SIGNS, torch.float32)
+    expected_keys[slots] = dequantize(*quantize(keys, storage.key_format, ROTATION),
+                                      storage.key_format, ROTATION, torch.float32)
+    expected_values[slots] = dequantize(*quantize(values, storage.value_format, ROTATION),
+                                        storage.value_format, ROTATION, torch.float32)
     flat_index = (page_table.long()[..., None] * 16 + torch.arange(16)).reshape(3, 48)
     assert torch.equal(got_keys, expected_keys[flat_index])
     assert torch.equal(got_values, expected_values[flat_index])
