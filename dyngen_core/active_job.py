@@ -43,7 +43,11 @@ class ActiveJob:
 
     @property
     def needs_history(self) -> bool:
-        return bool(self.settings.active_stages() & {"penalties", "dry"})
+        return self._needs_history
+
+    def __post_init__(self) -> None:
+        # Settings are frozen: decide once whether the sampler must see the token history.
+        self._needs_history = bool(self.settings.active_stages() & {"penalties", "dry"})
 
     def banned_now(self) -> set[int]:
         """Token ids forbidden at the next position (banned-string rewinds, min_new_tokens)."""

@@ -93,7 +93,8 @@ class SamplingBridge:
         failed: dict[int, Exception] = {}
         while rows:
             try:
-                results = self.sampler.sample(logits[rows], [requests[i] for i in rows])
+                rows_logits = logits if not failed else logits[rows]
+                results = self.sampler.sample(rows_logits, [requests[i] for i in rows])
                 break
             except SamplingError as exc:
                 bad = {rows[i] for i in exc.request_indices}
