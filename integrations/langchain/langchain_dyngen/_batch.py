@@ -59,11 +59,20 @@ def _submit_group(
     except Exception:  # noqa: BLE001 - one bad job: submit one by one to blame only it
         for job, future in group:
             try:
-                future.set_result(engine.submit(job))
+                _deliver(future, engine.submit(job))
             except Exception as exc:  # noqa: BLE001 - reported to that input's caller
-                future.set_exception(exc)
+                if not future.cancelled():
+                    future.set_exception(exc)
         return
     for (_, future), handle in zip(group, handles, strict=True):
+        _deliver(future, handle)
+
+
+def _deliver(future: asyncio.Future[JobHandle], handle: JobHandle) -> None:
+    """Hand ``handle`` to its input, or cancel the job when that input is gone."""
+    if future.cancelled():
+        handle.cancel()
+    else:
         future.set_result(handle)
 
 
@@ -90,7 +99,14 @@ async def submit(engine: BackgroundGenerator, job: Job) -> JobHandle:
     if slot is None or slot.used:
         return engine.submit(job)
     slot.used = True
-    return await slot.gate.register(engine, job)
+    future = slot.gate.register(engine, job)
+    try:
+        return await future
+    except asyncio.CancelledError:
+        # Cancelled after the gate delivered the handle, before this task resumed.
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().cancel()
+        raise
 
 
 async def gated_batch(
@@ -118,8 +134,11 @@ async def gated_batch(
     try:
         return list(await asyncio.gather(*tasks))
     finally:
+        # On an error, stop the other inputs and let them finish cancelling their jobs before
+        # this returns (and a private event loop closes).
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def run_coroutine_blocking(make: Callable[[], Coroutine[Any, Any, T]]) -> T:

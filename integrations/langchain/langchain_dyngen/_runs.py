@@ -9,6 +9,7 @@ usage metadata, finish reason, response metadata.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,9 @@ from dyngen_core import Result
 
 if TYPE_CHECKING:
     from dyngen_core import JobHandle
+
+# How long a cancelled job may take to end (one engine step, normally).
+_ENDING_WAIT_S = 60.0
 
 # eos_reason -> OpenAI-style finish_reason (what LangChain users and tools look for).
 _FINISH_REASONS = {
@@ -88,9 +92,20 @@ def aiterate_results(handle: JobHandle, timeout: float | None = None) -> AsyncIt
         finally:
             if timer is not None:
                 timer.cancel()
-            handle.cancel()
+            if not handle.done:
+                handle.cancel()
+                await _until_ended(handle)
 
     return results()
+
+
+async def _until_ended(handle: JobHandle) -> None:
+    """Wait (off the loop) until the engine has ended a cancelled job. A task cancelled while
+    waiting on a handle leaves a wake-up registered with this event loop, which the engine
+    delivers with its next result; the loop must still be open then (``asyncio.run`` would
+    otherwise close it first, and the engine thread fails on the closed loop)."""
+    with contextlib.suppress(Exception):
+        await asyncio.to_thread(handle.result, _ENDING_WAIT_S)
 
 
 def raise_for_error(result: Result) -> None:

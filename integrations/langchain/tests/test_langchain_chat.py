@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
-from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_dyngen import ChatDynGen
 from pydantic import BaseModel, Field
@@ -77,6 +78,30 @@ async def test_async_calls_match_sync_calls(chat: ChatDynGen) -> None:
     assert (await chat.ainvoke(QUESTION)).text == expected
     assert "".join([c.text async for c in chat.astream(QUESTION)]) == expected
     assert [m.text for m in await chat.abatch([QUESTION, QUESTION])] == [expected, expected]
+
+
+async def test_async_calls_leave_the_event_loop_free(chat: ChatDynGen) -> None:
+    """While tokens arrive, other tasks on the loop keep running (no blocking wait)."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    seen: list[int] = []
+
+    class Recorder(AsyncCallbackHandler):
+        async def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+            seen.append(ticks)
+
+    task = asyncio.create_task(ticker())
+    try:
+        await chat.ainvoke(QUESTION, config={"callbacks": [Recorder()]})
+    finally:
+        task.cancel()
+    assert len(seen) >= 5 and seen[-1] > seen[0]
 
 
 class GetWeather(BaseModel):

@@ -15,6 +15,7 @@ from langchain_dyngen import ChatDynGen, DynGenLLM
 from langchain_dyngen._engine import engine_for
 
 from dyngen_core import shared_generator
+from dyngen_core.errors import JobTooLargeError
 
 pytestmark = pytest.mark.demo
 
@@ -163,3 +164,16 @@ def test_timeout_cancels_the_job_and_raises(
         slow.invoke("Write a long story about a dragon.")
     assert str(submitted[-1].result(timeout=120)["eos_reason"]) == "cancelled"
     assert idle().pages_referenced == 0
+
+
+def test_a_failing_batch_input_cancels_the_others_and_the_engine_keeps_running(
+    demo_params: dict[str, Any], submitted: list[Any], idle: Callable[[], Any]
+) -> None:
+    chat = ChatDynGen(**demo_params, temperature=0, max_tokens=300, timeout=120)
+    too_long = "word " * (demo_params["cache_tokens"] + 100)
+    story = "Write a long story about a dragon."
+    with pytest.raises(JobTooLargeError):
+        chat.batch([story, too_long, story])
+    assert [str(h.result(timeout=120)["eos_reason"]) for h in submitted] == ["cancelled"] * 2
+    assert idle().pages_referenced == 0
+    assert chat.invoke("Say hi.", max_tokens=2).text  # the engine thread is still serving
