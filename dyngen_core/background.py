@@ -8,6 +8,7 @@ pointed at the same folder share one model, one cache and one batch.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ from dyngen_core.job import Job
 from dyngen_core.models import Model
 from dyngen_core.options import EngineOptions
 from dyngen_core.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class BackgroundGenerator:
@@ -118,7 +121,10 @@ class BackgroundGenerator:
                 continue
             if result["eos"]:
                 del self._handles[result["job"].job_id]
-            owner._push(result)
+            try:
+                owner._push(result)
+            except Exception:  # noqa: BLE001 - a consumer's failure must not stop the engine
+                logger.exception("delivering a result to %r failed", owner)
 
     def _fail_all(self, error: BaseException) -> None:
         self.generator.clear_queue()

@@ -62,7 +62,12 @@ class JobHandle:
     def _wake(self) -> None:
         self._cond.notify_all()
         for loop, event in self._waiters:
-            loop.call_soon_threadsafe(event.set)
+            # A consumer's loop may be closed by now (its task was cancelled): skip it.
+            if not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(event.set)
+                except RuntimeError:
+                    pass
         self._waiters.clear()
 
     # ---- consumer side -----------------------------------------------------------------------
@@ -102,9 +107,15 @@ class JobHandle:
                 ready = index < len(self._results) or self._error is not None
                 if not ready:
                     event = asyncio.Event()
-                    self._waiters.append((loop, event))
+                    waiter = (loop, event)
+                    self._waiters.append(waiter)
             if not ready:
-                await event.wait()
+                try:
+                    await event.wait()
+                finally:
+                    with self._cond:
+                        if waiter in self._waiters:
+                            self._waiters.remove(waiter)
                 continue
             if index >= len(self._results):
                 assert self._error is not None

@@ -107,3 +107,20 @@ def test_shared_generator_is_one_engine_per_folder_and_options(engine_model_dir)
     assert c is not a
     assert c.generator.model is a.generator.model  # weights are loaded once per folder
     assert threading.active_count() >= 2
+
+
+def test_a_consumer_whose_loop_closed_does_not_stop_the_engine(engine):
+    handle = engine.submit(_job(6, new=40))
+
+    async def consume_then_give_up():
+        async def consume():
+            async for _ in handle:
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(consume_then_give_up())  # the consumer's loop is closed now
+    assert handle.result(timeout=60)["eos"]
+    assert engine.submit(_job(7)).result(timeout=60)["eos_reason"] == "max_new_tokens"
