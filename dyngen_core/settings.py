@@ -30,6 +30,14 @@ STAGE_ORDER: tuple[str, ...] = (
 )
 
 DEFAULT_DRY_SEQUENCE_BREAKERS: tuple[str, ...] = ("\n", ":", '"', "*")
+# The sampling names LangChain, LlamaIndex and OpenAI-style callers use -> SamplerSettings fields.
+FRAMEWORK_SAMPLING_FIELDS: dict[str, str] = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "token_repetition_penalty",
+}
 
 _INF = math.inf
 # field -> (low, high, low inclusive, high inclusive, what the neutral value means)
@@ -300,6 +308,22 @@ class SamplerSettings(BaseModel):
             keep = {k: v for k, v in values.items() if k == "token_repetition_penalty"}
             return cls.greedy(**keep)
         return cls(**values)
+
+    @classmethod
+    def from_framework_fields(
+        cls, fields: Mapping[str, Any], model_defaults: Mapping[str, Any]
+    ) -> SamplerSettings | None:
+        """Settings for the sampling fields frameworks use (`FRAMEWORK_SAMPLING_FIELDS`:
+        temperature, top_p, top_k, min_p, repetition_penalty) laid over the model's
+        generation_config defaults; None when none is set (the engine then uses the defaults).
+        Other keys in ``fields`` are ignored. The merge goes through the constructor, so every
+        value is validated with the usual messages."""
+        chosen = {ours: fields[theirs] for theirs, ours in FRAMEWORK_SAMPLING_FIELDS.items()
+                  if fields.get(theirs) is not None}
+        if not chosen:
+            return None
+        base = cls.from_generation_config(model_defaults)
+        return cls(**{**base.model_dump(), **chosen})
 
 
 @dataclass

@@ -13,19 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dyngen_core import Job, SamplerSettings
+from dyngen_core.settings import FRAMEWORK_SAMPLING_FIELDS
 
 if TYPE_CHECKING:
     from dyngen_core import BackgroundGenerator
 
-# LangChain-facing name -> SamplerSettings field.
-SAMPLER_FIELDS: dict[str, str] = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "token_repetition_penalty",
-}
-GENERATION_FIELDS: tuple[str, ...] = ("max_tokens", *SAMPLER_FIELDS, "seed")
+GENERATION_FIELDS: tuple[str, ...] = ("max_tokens", *FRAMEWORK_SAMPLING_FIELDS, "seed")
 # Per-call options besides the generation fields: a model folder, a dyngen constraint, and
 # `stream`, which LangChain itself may pass along.
 COMMON_CALL_OPTIONS: tuple[str, ...] = (*GENERATION_FIELDS, "model", "constraint", "stream")
@@ -69,7 +62,7 @@ class Generation:
             raise ValueError(f"max_tokens must be a positive int; got {max_tokens!r}")
         return cls(
             max_tokens=max_tokens,
-            sampling={SAMPLER_FIELDS[k]: merged[k] for k in SAMPLER_FIELDS
+            sampling={k: merged[k] for k in FRAMEWORK_SAMPLING_FIELDS
                       if merged.get(k) is not None},
             seed=merged.get("seed"),
             stop=tuple(s for s in (stops or ()) if s),
@@ -78,11 +71,7 @@ class Generation:
     def sampler_settings(self, model_defaults: Mapping[str, Any]) -> SamplerSettings | None:
         """Settings for the set sampling fields over ``model_defaults`` (a generation_config
         mapping), or None when nothing is set."""
-        if not self.sampling:
-            return None
-        base = SamplerSettings.from_generation_config(dict(model_defaults))
-        # Through the constructor, so the merged values are validated with clear messages.
-        return SamplerSettings(**{**base.model_dump(), **self.sampling})
+        return SamplerSettings.from_framework_fields(self.sampling, model_defaults)
 
     def job(self, engine: BackgroundGenerator, input_ids: Sequence[int],
             constraint: Any = None) -> Job:

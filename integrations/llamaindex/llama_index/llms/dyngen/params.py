@@ -11,16 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dyngen_core import Job, SamplerSettings
+from dyngen_core.settings import FRAMEWORK_SAMPLING_FIELDS
 
-# LlamaIndex-facing name -> SamplerSettings field.
-SAMPLER_FIELDS: dict[str, str] = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "token_repetition_penalty",
-}
-GENERATION_FIELDS: tuple[str, ...] = ("max_tokens", *SAMPLER_FIELDS, "seed", "stop")
+GENERATION_FIELDS: tuple[str, ...] = ("max_tokens", *FRAMEWORK_SAMPLING_FIELDS, "seed", "stop")
 # Job options a caller may pass per call, besides the generation fields.
 JOB_OPTIONS: tuple[str, ...] = ("constraint", "banned_strings", "min_tokens")
 
@@ -46,13 +39,7 @@ def sampler_settings(
 ) -> SamplerSettings | None:
     """`SamplerSettings` for the set sampling fields over the model's defaults, or None when
     nothing is set (the engine then uses the model's defaults itself)."""
-    chosen = {SAMPLER_FIELDS[k]: v for k, v in fields.items() if k in SAMPLER_FIELDS and
-              v is not None}
-    if not chosen:
-        return None
-    base = SamplerSettings.from_generation_config(dict(model_defaults))
-    # Through the constructor, not model_copy(update=...), so the merged values are validated.
-    return SamplerSettings(**{**base.model_dump(), **chosen})
+    return SamplerSettings.from_framework_fields(fields, model_defaults)
 
 
 def build_job(
