@@ -44,7 +44,7 @@ def main() -> None:
     tokenizer = generator.tokenizer
     for problem in problems:  # every problem in the queue at once
         generator.enqueue(Job(
-            input_ids=tokenizer.encode(problem["prompt"], add_bos=True),
+            input_ids=tokenizer.encode(problem["prompt"], add_bos=tokenizer.add_bos_token),
             max_new_tokens=args.max_new_tokens,
             stop_conditions=[*tokenizer.eos_token_ids, *STOP_STRINGS],
             gen_settings=SamplerSettings.greedy(),
