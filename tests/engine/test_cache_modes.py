@@ -1,0 +1,85 @@
+"""The generator's page machinery in every cache mode: dedup, prompt cache, preemption, cancel.
+
+Structural checks (pages, invariant, prefill counts) are exact in every mode; text checks are
+exact for fp16 and q8 and only structural for q6/q4, whose rounding may flip a greedy choice.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
+from tests.tiny_models import write_tiny_model
+
+GREEDY = SamplerSettings.greedy()
+MODES = ("fp16", "q8", "q6", "q4")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Tokenizer]:
+    # Quantized modes need head_dim to be a multiple of 32: 128 hidden / 4 heads.
+    folder: Path = write_tiny_model(tmp_path_factory.mktemp("modes"), arch="llama", seed=5,
+                                    hidden_size=128, intermediate_size=256,
+                                    num_attention_heads=4, num_key_value_heads=2)
+    return Model.load(folder, device="cpu", dtype="float32"), Tokenizer.from_model_dir(folder)
+
+
+def _generator(parts, mode: str, cache_tokens: int, **options) -> DynamicGenerator:
+    model, tokenizer = parts
+    return DynamicGenerator(model=model, cache=Cache(model, max_tokens=cache_tokens, mode=mode),
+                            tokenizer=tokenizer, **options)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def _run(generator, prompts, new=6):
+    jobs = [Job(input_ids=p, max_new_tokens=new, stop_conditions=[], gen_settings=GREEDY,
+                identifier=i) for i, p in enumerate(prompts)]
+    generator.enqueue(jobs)
+    finals = {}
+    while generator.num_remaining_jobs():
+        for r in generator.iterate():
+            if r["eos"]:
+                finals[r["identifier"]] = r
+    generator.check_invariant()
+    return [j.new_token_ids for j in jobs], finals
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dedup_and_prompt_cache_in_every_mode(model_and_tokenizer, mode):
+    generator = _generator(model_and_tokenizer, mode, 8192)
+    prefix = _ids(512, seed=1)
+    prompts = [prefix + _ids(20, seed=10 + i) for i in range(4)]
+    first, _ = _run(generator, prompts)
+    stats = generator.stats()
+    assert stats.prefill_tokens_computed <= 512 + 4 * 21  # the prefix once
+    again, finals = _run(generator, prompts)
+    assert all(f["cached_tokens"] >= 512 for f in finals.values())
+    assert again == first  # same cache contents, same greedy choices
+    assert generator.stats().pages_referenced == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_preemption_and_cancel_in_every_mode(model_and_tokenizer, mode):
+    prompts = [_ids(245, seed=20 + i) for i in range(5)]
+    roomy, _ = _run(_generator(model_and_tokenizer, mode, 8192, prompt_cache=False), prompts,
+                    new=16)
+    tight = _generator(model_and_tokenizer, mode, 1024)
+    squeezed, finals = _run(tight, prompts, new=16)
+    assert all(f["new_tokens"] == 16 for f in finals.values())
+    if mode in ("fp16", "q8"):
+        assert squeezed == roomy
+    cancelled = Job(input_ids=_ids(300, seed=30), max_new_tokens=50, stop_conditions=[])
+    tight.enqueue(cancelled)
+    for _ in range(3):
+        tight.iterate()
+    tight.cancel(cancelled)
+    tight.iterate()
+    tight.check_invariant()
+    assert tight.stats().pages_referenced == 0
