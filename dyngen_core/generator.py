@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,6 @@ class DynamicGenerator:
         self._active: dict[int, ActiveJob] = {}
         self._finished_results: list[Result] = []
         self._next_job_id = 0
-        self._draft_accepted = 0
-        self._draft_rejected = 0
 
     @classmethod
     def from_model_dir(
@@ -170,19 +169,11 @@ class DynamicGenerator:
         self._finished_results.clear()
 
     def stats(self) -> GeneratorStats:
+        """Pages by state, prefill tokens computed and reused, jobs running and waiting."""
         s = self._scheduler.stats()
-        return GeneratorStats(
-            pages_total=s.pages_total,
-            pages_referenced=s.pages_referenced,
-            pages_cached=s.pages_cached,
-            pages_free=s.pages_free,
-            prefill_tokens_computed=s.prefill_tokens_computed,
-            prefill_tokens_reused=s.prefill_tokens_reused,
-            jobs_active=s.jobs_active,
-            jobs_pending=s.jobs_pending,
-            draft_tokens_accepted=self._draft_accepted,
-            draft_tokens_rejected=self._draft_rejected,
-        )
+        shared = {f.name: getattr(s, f.name) for f in fields(GeneratorStats) if hasattr(s, f.name)}
+        # Draft counters stay 0 until speculative decoding lands.
+        return GeneratorStats(**shared)
 
     def check_invariant(self) -> None:
         """Raise AssertionError if the page invariant (DESIGN.md §4) does not hold."""
