@@ -71,5 +71,12 @@ def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     b = keys[:, 1:]
     h = _mix32((token_ids + a).bitwise_and_(_MASK32))
     h = _mix32(h.bitwise_xor_(b))
-    u = (h >> 8).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
-    return u.log_().neg_().log_().neg_()
+    return open_uniform(h).log_().neg_().log_().neg_()
+
+
+def open_uniform(h: torch.Tensor) -> torch.Tensor:
+    """Hashes in [0, 2**32) to float32 uniforms strictly inside (0, 1).
+
+    23 bits, not 24: (2**24 - 1) + 0.5 rounds to 2**24 in float32, which gave u == 1.0 and
+    +inf noise, so a filtered-out (-inf) token could win the argmax as NaN."""
+    return (h >> 9).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))

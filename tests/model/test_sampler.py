@@ -314,3 +314,12 @@ def test_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="mirostat needs one row"):
         sampler.sample(LOGITS.expand(2, -1),
                        [SampleRequest(SamplerSettings(mirostat=True), draft_ids=[3])])
+
+
+def test_gumbel_uniforms_stay_strictly_inside_zero_one() -> None:
+    from dyngen_core.sampling.rng import open_uniform
+
+    extremes = torch.tensor([0, 1, 2**32 - 2, 2**32 - 1], dtype=torch.int64)
+    u = open_uniform(extremes)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert bool(torch.isfinite(u.log().neg().log().neg()).all())
