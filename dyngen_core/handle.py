@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 from dyngen_core.job import Job
@@ -87,46 +88,47 @@ class JobHandle:
         index = 0
         while True:
             with self._cond:
-                while index >= len(self._results) and self._error is None:
-                    self._cond.wait()
-                if index >= len(self._results):
-                    assert self._error is not None
-                    raise self._error
-                batch = self._results[index:]
+                self._cond.wait_for(partial(self._ready, index))
+                batch = self._new_results(index)
             index += len(batch)
-            for result in batch:
-                yield result
-                if result["eos"]:
-                    return
+            yield from _until_eos(batch)
+            if batch[-1]["eos"]:
+                return
 
     async def __aiter__(self) -> AsyncIterator[Result]:
         index = 0
         loop = asyncio.get_running_loop()
         while True:
             with self._cond:
-                ready = index < len(self._results) or self._error is not None
-                if not ready:
-                    event = asyncio.Event()
-                    waiter = (loop, event)
+                waiter = None if self._ready(index) else (loop, asyncio.Event())
+                if waiter is None:
+                    batch = self._new_results(index)
+                else:
                     self._waiters.append(waiter)
-            if not ready:
+            if waiter is not None:
                 try:
-                    await event.wait()
+                    await waiter[1].wait()
                 finally:
                     with self._cond:
                         if waiter in self._waiters:
                             self._waiters.remove(waiter)
                 continue
-            if index >= len(self._results):
-                assert self._error is not None
-                raise self._error
-            with self._cond:
-                batch = self._results[index:]
             index += len(batch)
-            for result in batch:
+            for result in _until_eos(batch):
                 yield result
-                if result["eos"]:
-                    return
+            if batch[-1]["eos"]:
+                return
+
+    def _ready(self, index: int) -> bool:
+        return index < len(self._results) or self._error is not None
+
+    def _new_results(self, index: int) -> list[Result]:
+        """Results from ``index`` on (call under the lock, once ready); raises the job's error
+        when nothing new came before it."""
+        if index >= len(self._results):
+            assert self._error is not None
+            raise self._error
+        return self._results[index:]
 
     def result(self, timeout: float | None = None) -> Result:
         """Block until the job ends; return its final result (text in ``full_completion``)."""
@@ -152,3 +154,10 @@ class JobHandle:
 
     def __repr__(self) -> str:
         return f"JobHandle({self.job!r}, done={self.done})"
+
+
+def _until_eos(batch: list[Result]) -> Iterator[Result]:
+    for result in batch:
+        yield result
+        if result["eos"]:
+            return
