@@ -82,3 +82,34 @@ def model_name_for(model_dir: str, model_name: str | None, override: str | None)
     if override is not None:
         return override
     return model_name or Path(model_dir).name
+
+
+# The generation fields both model classes declare (their identifying params list them).
+GENERATION_FIELD_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                          "repetition_penalty", "seed", "stop")
+
+
+def identifying_params(model: Any) -> dict[str, Any]:
+    """What identifies a ChatDynGen / DynGenLLM: folder, name, generation fields, engine."""
+    return {"model_dir": model.model_dir, "model_name": model._model_name(None),
+            **{name: getattr(model, name) for name in GENERATION_FIELD_NAMES},
+            "engine_options": model.engine_options.model_dump()}
+
+
+def langsmith_params(model: Any, model_type: str, stop: list[str] | None,
+                     kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """LangSmith's tracing parameters for one call (provider, model, type, limits, stop)."""
+    params: dict[str, Any] = {
+        "ls_provider": "dyngen", "ls_model_name": model._model_name(kwargs.get("model")),
+        "ls_model_type": model_type, "ls_max_tokens": kwargs.get("max_tokens", model.max_tokens)}
+    temperature = kwargs.get("temperature", model.temperature)
+    if temperature is not None:
+        params["ls_temperature"] = temperature
+    if stop or model.stop:
+        params["ls_stop"] = stop or model.stop
+    return params
+
+
+def generation_fields(model: Any) -> dict[str, Any]:
+    """The model object's generation fields, by name."""
+    return {name: getattr(model, name) for name in GENERATION_FIELD_NAMES}

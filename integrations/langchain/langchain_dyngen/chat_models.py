@@ -27,6 +27,9 @@ from langchain_dyngen._engine import (
     check_model_dir,
     engine_for,
     gather_engine_options,
+    generation_fields,
+    identifying_params,
+    langsmith_params,
     model_name_for,
     reject_unknown_arguments,
 )
@@ -39,9 +42,6 @@ if TYPE_CHECKING:
     from dyngen_core import BackgroundGenerator, Job, JobHandle
 
 _CALL_OPTIONS = (*COMMON_CALL_OPTIONS, "tools", "tool_choice", "parallel_tool_calls")
-_GENERATION_FIELD_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                           "repetition_penalty", "seed", "stop")
-
 
 @dataclass(frozen=True)
 class _ChatCall:
@@ -140,19 +140,10 @@ class ChatDynGen(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_dir": self.model_dir, "model_name": self._model_name(None),
-                **self._generation_fields(), "engine_options": self.engine_options.model_dump()}
+        return identifying_params(self)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="dyngen", ls_model_name=self._model_name(kwargs.get("model")),
-            ls_model_type="chat", ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
-        temperature = kwargs.get("temperature", self.temperature)
-        if temperature is not None:
-            params["ls_temperature"] = temperature
-        if stop or self.stop:
-            params["ls_stop"] = stop or self.stop
-        return params
+        return LangSmithParams(**langsmith_params(self, "chat", stop, kwargs))  # type: ignore[typeddict-item]
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` with this model's tokenizer (loads only the tokenizer)."""
@@ -162,9 +153,6 @@ class ChatDynGen(BaseChatModel):
 
     def _model_name(self, override: str | None) -> str:
         return model_name_for(self.model_dir, self.model_name, override)
-
-    def _generation_fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _GENERATION_FIELD_NAMES}
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -184,7 +172,7 @@ class ChatDynGen(BaseChatModel):
             raise ValueError("a forced tool call (tool_choice) and a constraint cannot be "
                              "combined; drop one of them")
         prompt = render_chat(engine.tokenizer, messages, tools, choice)
-        generation = Generation.from_fields(self._generation_fields(), options, stop)
+        generation = Generation.from_fields(generation_fields(self), options, stop)
         return _ChatCall(engine, generation.job(engine, prompt, constraint),
                          self._model_name(options.get("model")),
                          parse_tools=bool(tools) and choice != "none")

@@ -18,6 +18,9 @@ from langchain_dyngen._engine import (
     check_model_dir,
     engine_for,
     gather_engine_options,
+    generation_fields,
+    identifying_params,
+    langsmith_params,
     model_name_for,
     reject_unknown_arguments,
 )
@@ -27,9 +30,6 @@ from langchain_dyngen._runs import aiterate_results, iterate_results, response_m
 
 if TYPE_CHECKING:
     from dyngen_core import BackgroundGenerator, Job, JobHandle
-
-_GENERATION_FIELD_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                           "repetition_penalty", "seed", "stop")
 
 
 class DynGenLLM(BaseLLM):
@@ -88,19 +88,10 @@ class DynGenLLM(BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_dir": self.model_dir, "model_name": self._model_name(None),
-                **self._generation_fields(), "engine_options": self.engine_options.model_dump()}
+        return identifying_params(self)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="dyngen", ls_model_name=self._model_name(kwargs.get("model")),
-            ls_model_type="llm", ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
-        temperature = kwargs.get("temperature", self.temperature)
-        if temperature is not None:
-            params["ls_temperature"] = temperature
-        if stop or self.stop:
-            params["ls_stop"] = stop or self.stop
-        return params
+        return LangSmithParams(**langsmith_params(self, "llm", stop, kwargs))  # type: ignore[typeddict-item]
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` with this model's tokenizer (loads only the tokenizer)."""
@@ -110,9 +101,6 @@ class DynGenLLM(BaseLLM):
 
     def _model_name(self, override: str | None) -> str:
         return model_name_for(self.model_dir, self.model_name, override)
-
-    def _generation_fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _GENERATION_FIELD_NAMES}
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -125,7 +113,7 @@ class DynGenLLM(BaseLLM):
               options: dict[str, Any]) -> list[Job]:
         tokenizer = engine.tokenizer
         add_bos = bool(tokenizer.add_bos_token and tokenizer.bos_token_id is not None)
-        request = GenerationRequest.from_fields(self._generation_fields(), options, stop)
+        request = GenerationRequest.from_fields(generation_fields(self), options, stop)
         return [request.job(engine, tokenizer.encode(p, add_bos=add_bos,
                                                      encode_special_tokens=True),
                             options.get("constraint")) for p in prompts]
