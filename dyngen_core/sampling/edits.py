@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dyngen_core.sampling import penalties
 from dyngen_core.sampling.masks import allowed_rows_to_bool
-from dyngen_core.sampling.penalties import apply_penalties, dry_penalties
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rows import Row, on_rows, rows_using
 from dyngen_core.sampling.vocab import VocabTables
@@ -26,7 +26,7 @@ def apply_edits(
     if picked:
         histories = [requests[rows[i].request].row_history(rows[i].offset) for i in picked]
         settings = [rows[i].settings for i in picked]
-        on_rows(x, picked, lambda sub: apply_penalties(sub, histories, settings))
+        on_rows(x, picked, lambda sub: penalties.apply_penalties(sub, histories, settings))
     apply_dry(x, rows, requests, vocab)
 
 
@@ -80,17 +80,12 @@ def apply_masks(x: torch.Tensor, rows: Sequence[Row], requests: Sequence[SampleR
 def apply_dry(
     x: torch.Tensor, rows: Sequence[Row], requests: Sequence[SampleRequest], vocab: VocabTables
 ) -> None:
-    """DRY: matches found on the host, penalties subtracted in one scatter."""
-    targets: list[int] = []
-    ids: list[int] = []
-    values: list[float] = []
-    for i in rows_using(rows, "dry"):
-        row = rows[i]
-        history = requests[row.request].row_history(row.offset)
-        breakers = vocab.breakers(row.settings.dry_sequence_breakers)
-        tokens, penalties = dry_penalties(history, breakers, row.settings)
-        targets.extend([i] * len(tokens))
-        ids.extend(tokens.tolist())
-        values.extend((-penalties).tolist())
-    if targets:
-        scatter_add(x, targets, ids, values)
+    """DRY for the rows that use it, batched on the device."""
+    picked = rows_using(rows, "dry")
+    if not picked:
+        return
+    histories = [requests[rows[i].request].row_history(rows[i].offset) for i in picked]
+    settings = [rows[i].settings for i in picked]
+    tables, which = vocab.breaker_tables([s.dry_sequence_breakers for s in settings], x.device)
+    on_rows(x, picked,
+            lambda sub: penalties.apply_dry(sub, histories, settings, tables, which))

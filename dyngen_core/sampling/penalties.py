@@ -1,32 +1,44 @@
-"""History-based logit edits: repetition / frequency / presence penalties, and DRY.
+"""History-based logit edits, batched on the logits' device: repetition / frequency / presence
+penalties, and DRY.
 
-Penalties (ExLlamaV2 semantics): walking back from the newest history
-token, the first ``range`` tokens get the full penalties and the next ``decay`` tokens a penalty
-fading linearly to neutral (at backward offset ``j``: ``p(j) = p0 + (neutral - p0) *
-max(0, j - range) / decay``). A token present in that window has its logit divided (if
-positive) or multiplied (if not) by the repetition penalty, and the presence penalty subtracted,
-both at the value of its most recent occurrence; the frequency penalty is subtracted once per
-occurrence, each at its own offset's value. The per-token terms come from the window on the
-host (the history is there; a window holds a few hundred distinct tokens), and are applied on the
-device with one gather and one scatter of only those (row, token) pairs.
+Both read each row's history as one ``[rows, width]`` token matrix (the newest tokens a row's
+settings look at, right-aligned, ``-1`` before them; `history_matrix`): the only host work per
+step is copying those windows, and the rest runs as a fixed number of tensor operations whatever
+the number of rows. Per-token facts (a token's newest occurrence, its summed frequency penalty,
+its longest DRY match) go through a dense ``[rows, vocab]`` scratch table and are gathered back
+at the window's positions, so repeated tokens of a window compute identical values and the edit
+is one gather and one scatter on the logits.
 
-DRY (the original algorithm of koboldcpp / text-generation-webui): for every earlier
-occurrence of the history's last token, extend the match backwards while the tokens agree (no
-sequence breakers, at most ``dry_max_ngram`` long); the token that followed that occurrence gets
+Penalties (ExLlamaV2 semantics): walking back from the newest history token, the first
+``range`` tokens get the full penalties and the next ``decay`` tokens a penalty fading linearly
+to neutral (at backward offset ``j``: ``p(j) = p0 + (neutral - p0) * max(0, j - range) /
+decay``). A token present in that window has its logit divided (if positive) or multiplied (if
+not) by the repetition penalty, and the presence penalty subtracted, both at the value of its
+most recent occurrence; the frequency penalty is subtracted once per occurrence, each at its own
+offset's value.
+
+DRY (the original algorithm of koboldcpp / text-generation-webui): for every earlier occurrence
+of the history's last token, extend the match backwards while the tokens agree (no sequence
+breakers, at most ``dry_max_ngram`` long); the token that followed that occurrence gets
 ``multiplier * base ** (length - allowed_length)`` subtracted when ``length >= allowed_length``
-(longest match per token). It runs on the host with numpy: the search is sparse and
-data-dependent, the history is already there, and it yields a handful of (token, penalty) pairs
-per row that are applied on the device in one scatter.
+(longest match per token). The backward extension runs for all rows and all occurrences at once,
+one step per match length.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from dyngen_core.sampling.rows import column
 from dyngen_core.settings import SamplerSettings
+
+# How many DRY extension steps run between checks that some match is still growing (a check
+# synchronizes with the device; matches rarely grow past a handful of tokens).
+_DRY_CHECK_EVERY = 8
 
 
 def penalty_window(settings: SamplerSettings) -> int | None:
@@ -36,93 +48,115 @@ def penalty_window(settings: SamplerSettings) -> int | None:
     return settings.token_repetition_range + settings.token_repetition_decay
 
 
-def penalty_terms(
-    history: Sequence[int], settings: SamplerSettings, vocab_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For one row: ``(token_ids, repetition, presence, frequency)`` per distinct token of the
-    penalty window (host, numpy): the multiplicative penalty and presence penalty at the
-    token's newest occurrence, and the summed frequency penalty."""
-    window = penalty_window(settings)
-    ids = np.asarray(history[len(history) - window:] if window is not None else history,
-                     dtype=np.int64)
-    offsets = np.arange(len(ids) - 1, -1, -1, dtype=np.float64)
-    inside = (ids >= 0) & (ids < vocab_size)
-    ids, offsets = ids[inside], offsets[inside]
-    tokens, inverse = np.unique(ids, return_inverse=True)
-    newest = np.full(len(tokens), np.inf)
-    np.minimum.at(newest, inverse, offsets)
-    sustain = settings.token_repetition_range if settings.token_repetition_range > 0 else np.inf
-    per_step = 1.0 / settings.token_repetition_decay if settings.token_repetition_decay else 0.0
-
-    def faded(offset: np.ndarray) -> np.ndarray:
-        return np.clip(np.maximum(offset - sustain, 0.0) * per_step, 0.0, 1.0)
-
-    rep0 = settings.token_repetition_penalty
-    repetition = rep0 + (1.0 - rep0) * faded(newest)
-    presence = settings.token_presence_penalty * (1.0 - faded(newest))
-    frequency = np.zeros(len(tokens))
-    np.add.at(frequency, inverse, settings.token_frequency_penalty * (1.0 - faded(offsets)))
-    return tokens, repetition, presence, frequency
+def history_matrix(
+    histories: Sequence[Sequence[int]], windows: Sequence[int | None], device: torch.device
+) -> torch.Tensor:
+    """``[rows, width]`` int64 on ``device``: row ``i`` holds the newest ``windows[i]`` tokens of
+    ``histories[i]`` (all of them for None), right-aligned, ``-1`` before them."""
+    tails = [h if w is None or w >= len(h) else h[len(h) - w:]
+             for h, w in zip(histories, windows, strict=True)]
+    width = max((len(t) for t in tails), default=0)
+    table = np.full((len(tails), width), -1, dtype=np.int64)
+    for i, tail in enumerate(tails):
+        if len(tail):
+            table[i, width - len(tail):] = tail
+    return torch.from_numpy(table).to(device)
 
 
 def apply_penalties(
     x: torch.Tensor, histories: Sequence[Sequence[int]], settings: Sequence[SamplerSettings]
 ) -> torch.Tensor:
     """Apply repetition / frequency / presence penalties to logits ``x`` ``[rows, vocab]`` in
-    place; row ``i`` uses ``histories[i]`` and ``settings[i]``. Only the (row, token) pairs of
-    the windows are touched: one host-to-device copy, one gather, one scatter."""
-    parts = [penalty_terms(h, s, x.shape[1])
-             for h, s in zip(histories, settings, strict=True)]
-    rows = np.concatenate([np.full(len(p[0]), i) for i, p in enumerate(parts)])
-    if len(rows) == 0:
+    place; row ``i`` uses ``histories[i]`` and ``settings[i]``."""
+    hist = history_matrix(histories, [penalty_window(s) for s in settings], x.device)
+    rows, width = hist.shape
+    if width == 0:
         return x
-    table = np.stack([rows, *(np.concatenate([p[k] for p in parts]) for k in range(4))])
-    terms = torch.from_numpy(table).to(x.device)
-    index = (terms[0].long(), terms[1].long())
-    rep, pres, freq = (terms[k].to(torch.float32) for k in (2, 3, 4))
-    values = x[index]
-    x[index] = torch.where(values > 0, values / rep, values * rep) - pres - freq
+    valid = (hist >= 0) & (hist < x.shape[1])
+    # Invalid positions read and write column 0 with column 0's own values: harmless duplicates.
+    index = torch.where(valid, hist, 0)
+    offset = torch.arange(width - 1, -1, -1, device=x.device, dtype=torch.float32)
+    offset = offset.expand(rows, width)
+    sustain = column([s.token_repetition_range if s.token_repetition_range > 0 else math.inf
+                      for s in settings], x.device)
+    per_step = column([1.0 / s.token_repetition_decay if s.token_repetition_decay else 0.0
+                       for s in settings], x.device)
+
+    def faded(at: torch.Tensor) -> torch.Tensor:
+        return ((at - sustain).clamp_min(0.0) * per_step).clamp(0.0, 1.0)
+
+    newest = torch.full(x.shape, math.inf, device=x.device)
+    newest.scatter_reduce_(1, index, torch.where(valid, offset, math.inf), "amin")
+    seen = newest.gather(1, index)
+    present = seen < math.inf
+    fade = faded(torch.where(present, seen, 0.0))
+    rep0 = column([s.token_repetition_penalty for s in settings], x.device)
+    repetition = rep0 + (1.0 - rep0) * fade
+    presence = column([s.token_presence_penalty for s in settings], x.device) * (1.0 - fade)
+    values = x.gather(1, index)
+    edited = torch.where(values > 0, values / repetition, values * repetition) - presence
+    edited = torch.where(present, edited, values)
+    if any(s.token_frequency_penalty for s in settings):
+        per_use = column([s.token_frequency_penalty for s in settings], x.device)
+        uses = torch.where(valid, per_use * (1.0 - faded(offset)), 0.0)
+        frequency = torch.zeros(x.shape, device=x.device).scatter_add_(1, index, uses)
+        edited = edited - frequency.gather(1, index)
+    x.scatter_(1, index, edited.to(x.dtype))
     return x
 
 
-def dry_penalties(
-    history: Sequence[int], breakers: np.ndarray, settings: SamplerSettings
-) -> tuple[np.ndarray, np.ndarray]:
-    """DRY for one history: ``(token_ids, penalties)`` to subtract from the next logits.
+def apply_dry(
+    x: torch.Tensor,
+    histories: Sequence[Sequence[int]],
+    settings: Sequence[SamplerSettings],
+    breaker_tables: torch.Tensor,
+    breaker_rows: torch.Tensor,
+) -> torch.Tensor:
+    """Subtract DRY penalties from logits ``x`` ``[rows, vocab]`` in place.
 
-    breakers: bool ``[vocab]``, True for sequence-breaker tokens (ids past its end count as
-    breakers too).
+    breaker_tables: bool ``[tables, vocab_size]`` on ``x``'s device, True for sequence breakers;
+        ids at or past ``vocab_size`` (and padding) count as breakers too.
+    breaker_rows: int64 ``[rows]``: which table row ``i`` uses.
     """
-    empty = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64))
-    h = np.asarray(history, dtype=np.int64)
-    if settings.dry_range:
-        h = h[-settings.dry_range:]
-    n = len(h)
-    if n < 2:
-        return empty
-    vocab = len(breakers)
-    is_breaker = np.where(h < vocab, breakers[np.minimum(h, vocab - 1)], True)
-    if is_breaker[-1]:
-        return empty
-    starts = np.flatnonzero(h[:-1] == h[-1])
-    starts = starts[~is_breaker[starts + 1]]
-    if len(starts) == 0:
-        return empty
-    lengths = np.ones(len(starts), dtype=np.int64)
-    alive = np.ones(len(starts), dtype=bool)
-    for k in range(1, min(settings.dry_max_ngram, n - 1)):
-        if is_breaker[n - 1 - k]:
-            break
-        back = starts - k
-        alive &= (back >= 0) & (h[np.maximum(back, 0)] == h[n - 1 - k])
-        if not alive.any():
-            break
+    hist = history_matrix(histories, [s.dry_range or None for s in settings], x.device)
+    rows, width = hist.shape
+    if width < 2:
+        return x
+    valid = (hist >= 0) & (hist < breaker_tables.shape[1])
+    breaks = breaker_tables[breaker_rows[:, None], torch.where(valid, hist, 0)] | ~valid
+    lengths, starts = _dry_match_lengths(hist, breaks, settings)
+    followers = torch.where(starts, hist[:, 1:], 0)
+    longest = torch.zeros(x.shape, device=x.device)
+    longest.scatter_reduce_(1, followers, lengths.to(torch.float32), "amax")
+    found = longest.gather(1, followers)
+    allowed = column([s.dry_allowed_length for s in settings], x.device)
+    multiplier = column([s.dry_multiplier for s in settings], x.device)
+    base = column([s.dry_base for s in settings], x.device)
+    penalty = multiplier * base ** (found - allowed).clamp_min(0.0)
+    penalty = torch.where(found >= allowed, penalty, 0.0)
+    x.scatter_(1, followers, (x.gather(1, followers) - penalty).to(x.dtype))
+    return x
+
+
+def _dry_match_lengths(
+    hist: torch.Tensor, breaks: torch.Tensor, settings: Sequence[SamplerSettings]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every position ``i < width - 1`` of every row: whether ``i`` is an earlier occurrence
+    of the row's last token followed by a non-breaker (``starts``), and the length of the match
+    ending there (``lengths``, 0 where not a start)."""
+    width = hist.shape[1]
+    starts = (hist[:, :-1] == hist[:, -1:]) & ~breaks[:, 1:] & ~breaks[:, -1:]
+    lengths = starts.to(torch.int32)
+    alive = starts.clone()
+    growing = ~breaks[:, -1]
+    max_ngram = torch.tensor([s.dry_max_ngram for s in settings], device=hist.device)
+    steps = min(max(s.dry_max_ngram for s in settings), width - 1)
+    for k in range(1, steps):
+        growing &= ~breaks[:, width - 1 - k] & (k < max_ngram)
+        agree = torch.zeros_like(alive)
+        agree[:, k:] = hist[:, : width - 1 - k] == hist[:, width - 1 - k: width - k]
+        alive &= agree & growing[:, None]
         lengths += alive
-    followers = h[starts + 1]
-    tokens, inverse = np.unique(followers, return_inverse=True)
-    longest = np.zeros(len(tokens), dtype=np.int64)
-    np.maximum.at(longest, inverse, lengths)
-    hit = longest >= settings.dry_allowed_length
-    exponent = (longest[hit] - settings.dry_allowed_length).astype(np.float64)
-    penalty = settings.dry_multiplier * settings.dry_base ** exponent
-    return tokens[hit], penalty
+        if k % _DRY_CHECK_EVERY == 0 and not bool(alive.any()):
+            break
+    return lengths, starts

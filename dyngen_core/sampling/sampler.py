@@ -5,8 +5,9 @@ entirely when no row does; see `SamplerSettings.active_stages`):
 
  1. bias: token_bias added; banned_tokens and tokens the constraint mask (``allowed_tokens``)
     forbids set to ``-inf``; logit columns past ``vocab_size`` removed.
- 2. penalties: repetition / frequency / presence, with range and decay (`penalties`).
- 3. dry: DRY (match search on the host, one scatter on the device).
+ 2. penalties: repetition / frequency / presence, with range and decay (`penalties`; only
+    the history windows are copied from the host).
+ 3. dry: DRY (match search batched over rows on the device, one scatter).
     Greedy rows (temperature 0 or top_k 1) stop here and take the argmax.
  4. temperature (unless temperature_last), or dynamic temperature.
  5. top_k  6. top_p  7. min_p  8. typical  9. tfs  10. top_a

@@ -24,6 +24,7 @@ class VocabTables:
         self._pieces = list(token_pieces)[:vocab_size] if token_pieces is not None else None
         self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self._breakers: dict[tuple[str | int, ...], np.ndarray] = {}
+        self._breakers_on: dict[tuple[tuple[str | int, ...], torch.device], torch.Tensor] = {}
         self._protected: dict[torch.device, torch.Tensor] = {}
 
     def breakers(self, breakers: tuple[str | int, ...]) -> np.ndarray:
@@ -40,6 +41,22 @@ class VocabTables:
                                   [False] * (self.vocab_size - len(pieces)), dtype=bool)
             self._breakers[breakers] = table
         return table
+
+    def breaker_tables(
+        self, per_row: Sequence[tuple[str | int, ...]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For rows with the given breaker settings: bool ``[distinct settings, vocab]`` tables
+        on ``device`` and the int64 ``[rows]`` index of each row's table."""
+        distinct = list(dict.fromkeys(per_row))
+        tables = []
+        for breakers in distinct:
+            table = self._breakers_on.get((breakers, device))
+            if table is None:
+                table = torch.from_numpy(self.breakers(breakers)).to(device)
+                self._breakers_on[(breakers, device)] = table
+            tables.append(table)
+        which = [distinct.index(b) for b in per_row]
+        return torch.stack(tables), torch.tensor(which, dtype=torch.int64, device=device)
 
     def xtc_protected(self, device: torch.device) -> torch.Tensor:
         """Bool ``[vocab]`` on ``device``: newline tokens (when token texts are known) and EOS."""

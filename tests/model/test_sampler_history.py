@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dyngen_core.sampling import Sampler, SampleRequest, SamplerSettings, SamplerState
-from dyngen_core.sampling.penalties import dry_penalties
+from dyngen_core.sampling import Sampler, SampleRequest, SamplerSettings, SamplerState, penalties
 from dyngen_core.settings import DEFAULT_DRY_SEQUENCE_BREAKERS
 
 
@@ -80,6 +79,16 @@ def dry_settings(**overrides: Any) -> SamplerSettings:
 
 HISTORY = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]  # ends "1 2 3": followed by 4 after "1 2 3",
                                                # and by 5 after "9 2 3" (match "2 3")
+
+
+def dry_penalties(history: list[int], breakers: np.ndarray,
+                  settings: SamplerSettings) -> tuple[np.ndarray, np.ndarray]:
+    """The batched DRY edit on one zero row, read back as (tokens, penalties)."""
+    x = torch.zeros(1, len(breakers))
+    tables = torch.from_numpy(breakers)[None]
+    penalties.apply_dry(x, [history], [settings], tables, torch.zeros(1, dtype=torch.int64))
+    tokens = np.flatnonzero(x[0].numpy())
+    return tokens, -x[0].numpy()[tokens].astype(np.float64)
 
 
 def test_dry_worked_example() -> None:
