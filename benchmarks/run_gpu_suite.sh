@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
 # Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke kernels decode
-#        decode-compiled long host throughput shared profile. Logs and JSON lines go to $OUT (default ./bench_out).
+#        decode-compiled long host load sampler throughput shared profile. Logs and JSON lines go to $OUT (default ./bench_out).
 # Every phase runs under its own time limit so one hang cannot eat the whole run.
 set -u
 OUT=${OUT:-./bench_out}
@@ -28,6 +28,8 @@ for phase in "$@"; do
     decode-compiled) run 240 bench.log $PY benchmarks/decode_batch1.py --no-hf ;;
     long) run 150 bench.log $PY benchmarks/long_context.py ;;
     host) run 90 bench.log $PY benchmarks/host_overhead.py ;;
+    load) run 240 bench.log $PY benchmarks/load_time.py ;;
+    sampler) run 240 bench.log $PY benchmarks/sampler.py --repeats 7 ;;
     profile) run 150 profile.log bash -c "$PY -m cProfile -s tottime benchmarks/shared_document.py --skip-off --no-hf | head -70" ;;
     throughput) run 300 bench.log $PY benchmarks/throughput.py ;;
     shared) run 300 bench.log $PY benchmarks/shared_document.py ;;
