@@ -7,13 +7,17 @@ of recent tokens twice, with and without the new ones, and emits the difference 
 transformers' TextStreamer and vLLM): the window's first tokens give the space its context, and
 text that still ends in an unfinished character (U+FFFD) waits for the next token. The window
 restarts after every emission, so a step costs the same however long the text gets.
+
+Fast path: with a `TokenPieces` table, a token that follows a token emitted on its own costs a
+dict look-up instead of two decodes (see `TokenPieces` for when that is exact).
 Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of context taken from the prompt; a few is enough to fix a leading space.
@@ -31,11 +35,91 @@ class Decoder(Protocol):
     def decode(self, ids: Iterable[int], decode_special_tokens: bool = False) -> str: ...
 
 
+# Decoders whose output for a token does not depend on the tokens around it, except at the very
+# start of the text: there, decode(w + t) == decode(w) + piece(t). BPEDecoder (the last token's
+# suffix) and CTC (merges repeats) are not; see `_token_local`.
+_LOCAL_DECODERS = {"ByteLevel", "Metaspace", "WordPiece", "ByteFallback", "Fuse", "Strip",
+                   "Replace", "Sequence"}
+
+
+class TokenPieces:
+    """Each regular token's text alone and after another token, computed once per id and shared
+    by every job of a tokenizer: the detokenizer's fast path.
+
+    Exact when the decoder is token-local (decoding ``[w, t]`` gives decode([w]) followed by a
+    text that depends only on ``t``) and both tokens are regular vocabulary entries (not added
+    tokens) whose text is whole characters. `for_tokenizer` checks the decoder; `lookup` checks
+    the tokens.
+
+    tokenizer: anything with ``decode``.
+    added_ids: ids of added (special or control) tokens, never put in the table.
+    """
+
+    def __init__(self, tokenizer: Decoder, added_ids: Iterable[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._added = frozenset(added_ids)
+        # id -> (text after another token, text alone), or None when the id is not simple.
+        self.table: dict[int, tuple[str, str] | None] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> TokenPieces | None:
+        """A table for a `dyngen_core.Tokenizer` (anything with a `tokenizers` ``backend``), or
+        None when its decoder is not known to be token-local."""
+        backend = getattr(tokenizer, "backend", None)
+        if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+            return None
+        decoder = backend.decoder
+        config = None if decoder is None else json.loads(decoder.__getstate__())
+        if not _token_local(config):
+            return None
+        return cls(tokenizer, backend.get_added_tokens_decoder())
+
+    def lookup(self, token_id: int) -> tuple[str, str] | None:
+        """``(text after another simple token, text alone)`` of a simple token, else None."""
+        if token_id in self.table:
+            return self.table[token_id]
+        entry = None
+        if token_id not in self._added:
+            alone = self._tokenizer.decode([token_id])
+            twice = self._tokenizer.decode([token_id, token_id])
+            piece = twice[len(alone):]
+            if (alone and piece and twice.startswith(alone)
+                    and REPLACEMENT_CHAR not in twice):
+                entry = (piece, alone)
+        self.table[token_id] = entry
+        return entry
+
+
+def _token_local(config: dict[str, Any] | None, fused: bool = False) -> bool:
+    """Whether a decoder (its JSON config; None: tokens joined by spaces) is token-local."""
+    if config is None:
+        return True
+    kind = config.get("type")
+    if kind not in _LOCAL_DECODERS:
+        return False
+    if kind == "Sequence":
+        for part in config.get("decoders", []):
+            if not _token_local(part, fused):
+                return False
+            fused = fused or part.get("type") in ("Fuse", "ByteLevel", "ByteFallback")
+        return True
+    if not fused:
+        return True  # applied token by token
+    # Applied to the whole text: only edits that cannot reach across tokens.
+    if kind == "Strip":
+        return int(config.get("stop", 0)) == 0
+    if kind == "Replace":
+        pattern = config.get("pattern", {})
+        return "String" in pattern and len(pattern["String"]) == 1
+    return kind != "WordPiece" or not config.get("cleanup", True)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text chunks that never split a character.
 
     tokenizer: anything with ``decode(ids, decode_special_tokens=...)``.
     skip_special_tokens: leave special tokens out of the text (True), or write them (False).
+    pieces: a `TokenPieces` table for the fast path (None: always decode).
     prompt_ids: tokens before the first `add`; their last few are context only, so a generated
         first token keeps its leading space. Without them, the chunks concatenate to exactly
         ``tokenizer.decode(all added ids)``; with them, to ``decode(prompt + added)`` minus
@@ -49,8 +133,12 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] | None = None,
+        pieces: TokenPieces | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._pieces = pieces
+        # True when the window is one simple token, fully read: the fast path's precondition.
+        self._simple_tail = False
         self._decode_special = not skip_special_tokens
         tail = list(prompt_ids or [])[-2 * PROMPT_CONTEXT_TOKENS :]
         first = len(tail) - PROMPT_CONTEXT_TOKENS
@@ -60,8 +148,22 @@ class IncrementalDetokenizer:
         self._window: list[int] = tail[start:]
         self._read = len(self._window)
 
+    def add_token(self, token_id: int) -> str:
+        """Append one token; returns the text it completes (possibly empty)."""
+        if self._simple_tail:
+            assert self._pieces is not None
+            entry = self._pieces.table.get(token_id) or self._pieces.lookup(token_id)
+            if entry is not None:
+                # What the slow path computes for [w, t] when both are simple: t's piece, and
+                # a window of just t (whose text alone is its context for the next token).
+                self._window = [token_id]
+                self._read_text = entry[1]
+                return entry[0]
+        return self.add((token_id,))
+
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; returns the text they complete (possibly empty)."""
+        self._simple_tail = False
         self._window.extend(token_ids)
         pending = len(self._window) - self._read
         if pending == 0:
@@ -97,6 +199,9 @@ class IncrementalDetokenizer:
         start, self._read_text = self._clean_start(self._window, self._read, upto)
         self._window = self._window[start:]
         self._read = upto - start
+        if self._pieces is not None and len(self._window) == 1 == self._read:
+            entry = self._pieces.lookup(self._window[0])
+            self._simple_tail = entry is not None and entry[1] == self._read_text
         return new_text
 
     def _clean_start(self, ids: list[int], start: int, upto: int) -> tuple[int, str]:

@@ -9,6 +9,7 @@ sample something else. Pure Python: no torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -47,11 +48,22 @@ class _PrefixIndex:
     def __init__(self, strings: tuple[str, ...]) -> None:
         self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
         self._longest = max((len(s) - 1 for s in strings), default=0)
+        # A held end starts with some string's first character: only those places are tried,
+        # found by one regex scan (most text has none of them near its end).
+        firsts = sorted({s[0] for s in strings if len(s) > 1})
+        self._starts = re.compile("|".join(map(re.escape, firsts))) if firsts else None
 
     def held_length(self, text: str) -> int:
-        for k in range(min(self._longest, len(text)), 0, -1):
-            if text[-k:] in self._prefixes:
-                return k
+        if self._starts is None:
+            return 0
+        tail = text[-self._longest:] if len(text) > self._longest else text
+        prefixes, search = self._prefixes, self._starts.search
+        found = search(tail)
+        while found is not None:
+            at = found.start()
+            if tail[at:] in prefixes:
+                return len(tail) - at
+            found = search(tail, at + 1)
         return 0
 
 
@@ -68,6 +80,8 @@ class StopMatcher:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.stop_strings = _checked(stop_strings, "stop strings")
         self._index = _PrefixIndex(self.stop_strings)
+        # Whether any stop string is in a text, in one scan; `_earliest` then picks which.
+        self._complete = re.compile("|".join(map(re.escape, self.stop_strings)) or "(?!)")
         self._held = ""
         self.matched: str | None = None
 
@@ -87,13 +101,17 @@ class StopMatcher:
             return StopResult("", self.matched)
         if not self.stop_strings:
             return StopResult(text, None)
-        buffer = self._held + text
-        at, found = _earliest(buffer, self.stop_strings)
-        if found is not None:
+        buffer = self._held + text if self._held else text
+        if self._complete.search(buffer) is not None:
+            at, found = _earliest(buffer, self.stop_strings)
+            assert found is not None
             self._held = ""
             self.matched = found
             return StopResult(buffer[:at], found)
         keep = self._index.held_length(buffer)
+        if not keep:
+            self._held = ""
+            return StopResult(buffer, None)
         self._held = buffer[len(buffer) - keep :]
         return StopResult(buffer[: len(buffer) - keep], None)
 
