@@ -8,6 +8,7 @@ position after a banned-string rewind, and timings. It also formats the job's re
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,8 @@ from dyngen_core.plan import SampledTokens
 from dyngen_core.results import EosReason, Result
 from dyngen_core.settings import SamplerSettings, SamplerState
 from dyngen_core.streaming import JobStream
+
+_NONE: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -48,11 +51,19 @@ class ActiveJob:
     def __post_init__(self) -> None:
         # Settings are frozen: decide once whether the sampler must see the token history.
         self._needs_history = bool(self.settings.active_stages() & {"penalties", "dry"})
+        job = self.job
+        self.wants_extras = bool(job.return_probs or job.return_top_tokens or job.return_logits)
+        # The sampler's request for this job, built once by the sampling bridge and updated in
+        # place each step (its history and state are this record's own lists and objects).
+        self.request: Any = None
 
-    def banned_now(self) -> set[int]:
+    def banned_now(self) -> AbstractSet[int]:
         """Token ids forbidden at the next position (banned-string rewinds, min_new_tokens)."""
-        banned = set(self.banned_at.get(len(self.job.new_token_ids), ()))
-        if len(self.job.new_token_ids) < self.job.min_new_tokens:
+        generated = len(self.job.new_token_ids)
+        if not self.banned_at and generated >= self.job.min_new_tokens:
+            return _NONE
+        banned = set(self.banned_at.get(generated, ()))
+        if generated < self.job.min_new_tokens:
             banned |= self.stream.stop_token_ids
         return banned
 
@@ -89,6 +100,15 @@ class ActiveJob:
 
     def result(self, stage: str, **data: Any) -> Result:
         return Result(job=self.job, identifier=self.job.identifier, stage=stage, eos=False, **data)
+
+    def streaming_result(self, text: str, token_ids: list[int], tokens: SampledTokens) -> Result:
+        """A "streaming" result of one step (what `result` builds, without keyword copies)."""
+        job = self.job
+        data = {"job": job, "identifier": job.identifier, "stage": "streaming", "eos": False,
+                "text": text, "token_ids": token_ids}
+        if self.wants_extras:
+            data.update(self.extras(tokens))
+        return Result.from_dict(data)
 
     def extras(self, tokens: SampledTokens) -> dict[str, Any]:
         """The per-token tensors the job asked for."""

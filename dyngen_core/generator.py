@@ -197,10 +197,23 @@ class DynamicGenerator:
                     self._end_job(s.job_id, EosReason.ERROR, error=exc)
             return results + self._take_finished()
         self._scheduler.apply(plan, outcome)
-        for s in plan.slices:
-            if s.job_id in self._active:
-                results.extend(self._emit(s.job_id, s.sample, outcome.sampled.get(s.job_id)))
+        self._emit_step(plan, outcome, results)
         return results + self._take_finished()
+
+    def _emit_step(self, plan: StepPlan, outcome: StepOutcome, out: list[Result]) -> None:
+        """Append every job's results of this step to ``out``."""
+        active_jobs, sampled, now = self._active, outcome.sampled, time.perf_counter()
+        for s in plan.slices:
+            active = active_jobs.get(s.job_id)
+            if active is None:
+                continue
+            tokens = sampled.get(s.job_id) if s.sample else None
+            if tokens is None or active.time_first_token is None:
+                out.extend(self._emit(s.job_id, s.sample, tokens, now))
+            else:  # the common case: a decoding job's next token
+                result = self._stream(active, tokens)
+                if result is not None:
+                    out.append(result)
 
     def _run_and_sample(self, plan: StepPlan) -> StepOutcome:
         sampling = [s for s in plan.slices if s.sample]
@@ -217,10 +230,10 @@ class DynamicGenerator:
                 outcome.sampled[job_id] = sampled
         return outcome
 
-    def _emit(self, job_id: int, sampled_now: bool, tokens: SampledTokens | None) -> list[Result]:
+    def _emit(self, job_id: int, sampled_now: bool, tokens: SampledTokens | None,
+              now: float) -> list[Result]:
         active = self._active[job_id]
         out: list[Result] = []
-        now = time.perf_counter()
         if active.time_started is None:
             active.time_started = now
             out.append(active.result("started"))
@@ -232,19 +245,27 @@ class DynamicGenerator:
             return out
         if active.time_first_token is None:
             active.time_first_token = now
-        update = active.stream.push(tokens.token_ids[0])
-        if update.rewind:
-            self._scheduler.rewind(job_id, update.rewind)
-            active.on_rewind(update.rewind, update.banned_token_id)
-            return out
-        error = active.on_token(tokens.token_ids[0])
-        eos = EosReason.ERROR if error else active.end_reason(update.eos_reason)
-        chunk = dict(text=update.text, token_ids=update.token_ids, **active.extras(tokens))
-        if eos is None:
-            out.append(active.result("streaming", **chunk))
-        else:
-            self._end_job(job_id, eos, chunk=chunk, error=error)
+        result = self._stream(active, tokens)
+        if result is not None:
+            out.append(result)
         return out
+
+    def _stream(self, active: ActiveJob, tokens: SampledTokens) -> Result | None:
+        """Push a sampled token through the job's stream: its "streaming" result, or None when
+        the job ended (its final result is queued) or rewound."""
+        token_id = tokens.token_ids[0]
+        update = active.stream.push(token_id)
+        if update.rewind:
+            self._scheduler.rewind(active.job_id, update.rewind)
+            active.on_rewind(update.rewind, update.banned_token_id)
+            return None
+        error = active.on_token(token_id)
+        eos = EosReason.ERROR if error else active.end_reason(update.eos_reason)
+        if eos is None:
+            return active.streaming_result(update.text, update.token_ids, tokens)
+        chunk = dict(text=update.text, token_ids=update.token_ids, **active.extras(tokens))
+        self._end_job(active.job_id, eos, chunk=chunk, error=error)
+        return None
 
     def _end_job(self, job_id: int, reason: EosReason, *, chunk: dict[str, Any] | None = None,
                  error: BaseException | None = None) -> None:

@@ -44,6 +44,13 @@ class Result(Mapping[str, Any]):
     def __init__(self, **data: Any) -> None:
         self._data = data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Result:
+        """A result over ``data`` as it is (not copied: the caller hands it over)."""
+        result = cls.__new__(cls)
+        result._data = data
+        return result
+
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
 

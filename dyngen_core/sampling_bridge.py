@@ -16,6 +16,7 @@ import torch
 
 from dyngen_core.active_job import ActiveJob
 from dyngen_core.constraints.engine import ConstraintCompiler, mask_words
+from dyngen_core.detokenize import TokenPieces
 from dyngen_core.errors import JobError
 from dyngen_core.job import Job
 from dyngen_core.models import Model
@@ -36,6 +37,8 @@ class SamplingBridge:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(
             model.config.eos_token_ids
         )
+        # Shared by every job's detokenizer: each token's text, decoded once.
+        self.pieces = TokenPieces.for_tokenizer(tokenizer)
         self._constraint_compiler: ConstraintCompiler | None = None
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="dyngen-masks")
         self.sampler = Sampler(
@@ -57,7 +60,7 @@ class SamplingBridge:
         stops = self.eos_token_ids if job.uses_default_stops else job.stop_token_ids
         return ActiveJob(
             job=job,
-            stream=JobStream(job, self.tokenizer, frozenset(stops)),
+            stream=JobStream(job, self.tokenizer, frozenset(stops), self.pieces),
             settings=settings,
             seed=job.seed if job.seed is not None else fallback_seed,
             matcher=None if job.constraint is None else self._compiler().matcher(job.constraint),
@@ -107,24 +110,27 @@ class SamplingBridge:
             a = active[i]
             a.draws += 1
             out[a.job_id] = SampledTokens(
-                job_id=a.job_id, token_ids=list(r.token_ids), probs=r.token_probs,
+                job_id=a.job_id, token_ids=r.token_ids, probs=r.token_probs,
                 top_k_tokens=r.top_k_tokens, top_k_probs=r.top_k_probs, logits=r.logits,
             )
         return out
 
     def _request(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> SampleRequest:
-        job = a.job
-        return SampleRequest(
-            settings=a.settings,
-            seed=a.seed,
-            counter=a.draws,
-            history=a.history if a.needs_history else (),
-            state=a.state,
-            allowed_tokens=self._allowed(a, constraint_mask),
-            return_probs=job.return_probs,
-            return_top_tokens=job.return_top_tokens,
-            return_logits=job.return_logits,
-        )
+        request = a.request
+        if request is None:
+            job = a.job
+            request = a.request = SampleRequest(
+                settings=a.settings,
+                seed=a.seed,
+                history=a.history if a.needs_history else (),
+                state=a.state,
+                return_probs=job.return_probs,
+                return_top_tokens=job.return_top_tokens,
+                return_logits=job.return_logits,
+            )
+        request.counter = a.draws
+        request.allowed_tokens = self._allowed(a, constraint_mask)
+        return request
 
     def _allowed(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> np.ndarray | None:
         """The job's packed allowed-token bitmask: its constraint's, minus tokens banned at

@@ -7,16 +7,13 @@ generator feeds it token ids and emits what it returns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from dyngen_core.detokenize import IncrementalDetokenizer
+from dyngen_core.detokenize import IncrementalDetokenizer, TokenPieces
 from dyngen_core.job import Job
 from dyngen_core.results import EosReason
 from dyngen_core.stop import BannedStringMatcher, StopMatcher
 from dyngen_core.tokenizer import Tokenizer
 
 
-@dataclass
 class StreamUpdate:
     """What one pushed token produced: text safe to show, an end, or a rewind request.
 
@@ -24,24 +21,36 @@ class StreamUpdate:
     banned_token_id: the token that started the banned string, to forbid at that position.
     """
 
-    text: str = ""
-    eos_reason: EosReason | None = None
-    rewind: int = 0
-    banned_token_id: int | None = None
-    token_ids: list[int] = field(default_factory=list)
+    __slots__ = ("text", "eos_reason", "rewind", "banned_token_id", "token_ids")
+
+    def __init__(self, text: str = "", eos_reason: EosReason | None = None, rewind: int = 0,
+                 banned_token_id: int | None = None, token_ids: list[int] | None = None) -> None:
+        self.text = text
+        self.eos_reason = eos_reason
+        self.rewind = rewind
+        self.banned_token_id = banned_token_id
+        self.token_ids = [] if token_ids is None else token_ids
 
 
 class JobStream:
-    """Tracks one job's generated tokens and turns them into text chunks."""
+    """Tracks one job's generated tokens and turns them into text chunks.
 
-    def __init__(self, job: Job, tokenizer: Tokenizer, stop_token_ids: frozenset[int]) -> None:
+    job: the job (its ``new_token_ids`` are appended to here).
+    tokenizer: decodes the tokens.
+    stop_token_ids: ids that end the job (after ``min_new_tokens``).
+    pieces: the tokenizer's shared `TokenPieces` (the detokenizer's fast path), or None.
+    """
+
+    def __init__(self, job: Job, tokenizer: Tokenizer, stop_token_ids: frozenset[int],
+                 pieces: TokenPieces | None = None) -> None:
         self.job = job
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
+        self.pieces = pieces
         self.stop = StopMatcher(set(stop_token_ids), list(job.stop_strings))
         self.banned = BannedStringMatcher(list(job.banned_strings)) if job.banned_strings else None
         self.detok = self._new_detokenizer(job.input_ids)
-        self.completion = ""
+        self._chunks: list[str] = []  # joined on demand: += on an attribute copies every step
         # Tokens whose text the banned matcher still holds back (candidates for a rewind).
         self.held_tokens: list[int] = []
         self.held_text = ""
@@ -51,40 +60,51 @@ class JobStream:
             self.tokenizer,
             skip_special_tokens=not self.job.decode_special_tokens,
             prompt_ids=prefix,
+            pieces=self.pieces,
         )
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.job.new_token_ids)
 
+    @property
+    def completion(self) -> str:
+        """All text released so far."""
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
     def push(self, token_id: int) -> StreamUpdate:
         """Account one sampled token; returns the text it releases and whether the job ends."""
         job = self.job
-        job.new_token_ids.append(token_id)
-        can_stop = self.num_new_tokens > job.min_new_tokens or job.min_new_tokens == 0
-        if token_id in self.stop_token_ids and can_stop:
-            update = StreamUpdate(self._release_all(), EosReason.STOP_TOKEN, token_ids=[token_id])
-            self.completion += update.text
-            return update
-        text = self.detok.add([token_id])
+        generated = job.new_token_ids
+        generated.append(token_id)
+        # At least one token is generated, so with min_new_tokens == 0 this is always True.
+        can_stop = len(generated) > job.min_new_tokens
+        if can_stop and token_id in self.stop_token_ids:
+            text = self._release_all()
+            self._chunks.append(text)
+            return StreamUpdate(text, EosReason.STOP_TOKEN, token_ids=[token_id])
+        text = self.detok.add_token(token_id)
         if self.banned is not None:
             rewind = self._check_banned(token_id, text)
             if rewind is not None:
                 return rewind
             text = self._release_banned_safe()
-        update = StreamUpdate(token_ids=[token_id])
-        if can_stop and job.stop_strings:
-            released, matched = self.stop.feed_text(text)
-            update.text = released
-            if matched is not None:
-                update.eos_reason = EosReason.STOP_STRING
-        else:
-            update.text = self.stop.flush() + text if job.stop_strings else text
-        if update.eos_reason is None and self.num_new_tokens >= job.max_new_tokens:
-            update.text += self._release_all()
-            update.eos_reason = EosReason.MAX_NEW_TOKENS
-        self.completion += update.text
-        return update
+        eos_reason = None
+        if job.stop_strings:
+            if can_stop:
+                text, matched = self.stop.feed_text(text)
+                if matched is not None:
+                    eos_reason = EosReason.STOP_STRING
+            else:
+                text = self.stop.flush() + text
+        if eos_reason is None and len(generated) >= job.max_new_tokens:
+            text += self._release_all()
+            eos_reason = EosReason.MAX_NEW_TOKENS
+        if text:
+            self._chunks.append(text)
+        return StreamUpdate(text, eos_reason, token_ids=[token_id])
 
     def _check_banned(self, token_id: int, text: str) -> StreamUpdate | None:
         assert self.banned is not None
@@ -136,5 +156,5 @@ class JobStream:
     def cancel_text(self) -> str:
         """Text still held back when a job is cancelled (released so nothing is lost)."""
         text = self._release_all()
-        self.completion += text
+        self._chunks.append(text)
         return text
