@@ -40,15 +40,13 @@ class ActiveJob:
     time_first_token: float | None = None
 
     @property
-    def job_id(self) -> int:
-        assert self.job.job_id is not None
-        return self.job.job_id
-
-    @property
     def needs_history(self) -> bool:
         return self._needs_history
 
     def __post_init__(self) -> None:
+        if self.job.job_id is None:
+            raise JobError(f"{self.job!r} has no job id yet; the generator assigns one at enqueue")
+        self.job_id: int = self.job.job_id
         # Settings are frozen: decide once whether the sampler must see the token history.
         self._needs_history = bool(self.settings.active_stages() & {"penalties", "dry"})
         job = self.job

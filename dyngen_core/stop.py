@@ -48,22 +48,31 @@ class _PrefixIndex:
     def __init__(self, strings: tuple[str, ...]) -> None:
         self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
         self._longest = max((len(s) - 1 for s in strings), default=0)
-        # A held end starts with some string's first character: only those places are tried,
-        # found by one regex scan (most text has none of them near its end).
-        firsts = sorted({s[0] for s in strings if len(s) > 1})
-        self._starts = re.compile("|".join(map(re.escape, firsts))) if firsts else None
+        # A held end starts with some string's first character: only those places are tried
+        # (most text has none of them near its end). One first character (the usual case) is
+        # found with str.find, several with one regex scan.
+        firsts = "".join(sorted({s[0] for s in strings if len(s) > 1}))
+        self._first = firsts if len(firsts) == 1 else ""
+        self._starts = re.compile("|".join(map(re.escape, firsts))) if len(firsts) > 1 else None
 
     def held_length(self, text: str) -> int:
+        tail = text[-self._longest:] if len(text) > self._longest else text
+        prefixes, first = self._prefixes, self._first
+        if first:
+            at = tail.find(first)
+            while at != -1:
+                if tail[at:] in prefixes:
+                    return len(tail) - at
+                at = tail.find(first, at + 1)
+            return 0
         if self._starts is None:
             return 0
-        tail = text[-self._longest:] if len(text) > self._longest else text
-        prefixes, search = self._prefixes, self._starts.search
-        found = search(tail)
+        found = self._starts.search(tail)
         while found is not None:
             at = found.start()
             if tail[at:] in prefixes:
                 return len(tail) - at
-            found = search(tail, at + 1)
+            found = self._starts.search(tail, at + 1)
         return 0
 
 
@@ -80,8 +89,6 @@ class StopMatcher:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.stop_strings = _checked(stop_strings, "stop strings")
         self._index = _PrefixIndex(self.stop_strings)
-        # Whether any stop string is in a text, in one scan; `_earliest` then picks which.
-        self._complete = re.compile("|".join(map(re.escape, self.stop_strings)) or "(?!)")
         self._held = ""
         self.matched: str | None = None
 
@@ -97,23 +104,28 @@ class StopMatcher:
     def feed_text(self, text: str) -> StopResult:
         """Add newly decoded text; returns what may be emitted and the stop string if one matched.
         After a match, further text is ignored."""
+        released = self.feed(text)
+        return StopResult(released, self.matched)
+
+    def feed(self, text: str) -> str:
+        """`feed_text` for the generator's per-token loop: returns only the text to emit; a
+        match shows in `matched`."""
         if self.matched is not None:
-            return StopResult("", self.matched)
-        if not self.stop_strings:
-            return StopResult(text, None)
-        buffer = self._held + text if self._held else text
-        if self._complete.search(buffer) is not None:
-            at, found = _earliest(buffer, self.stop_strings)
-            assert found is not None
-            self._held = ""
-            self.matched = found
-            return StopResult(buffer[:at], found)
+            return ""
+        held = self._held
+        buffer = held + text if held else text
+        for stop in self.stop_strings:
+            if stop in buffer:
+                at, found = _earliest(buffer, self.stop_strings)
+                self._held = ""
+                self.matched = found
+                return buffer[:at]
         keep = self._index.held_length(buffer)
         if not keep:
             self._held = ""
-            return StopResult(buffer, None)
+            return buffer
         self._held = buffer[len(buffer) - keep :]
-        return StopResult(buffer[: len(buffer) - keep], None)
+        return buffer[: len(buffer) - keep]
 
     def flush(self) -> str:
         """Release the held text (the job ended another way). Empty after a stop-string match."""

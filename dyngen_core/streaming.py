@@ -92,13 +92,14 @@ class JobStream:
                 return rewind
             text = self._release_banned_safe()
         eos_reason = None
-        if job.stop_strings:
+        stop = self.stop
+        if stop.stop_strings:
             if can_stop:
-                text, matched = self.stop.feed_text(text)
-                if matched is not None:
+                text = stop.feed(text)
+                if stop.matched is not None:
                     eos_reason = EosReason.STOP_STRING
             else:
-                text = self.stop.flush() + text
+                text = stop.flush() + text
         if eos_reason is None and len(generated) >= job.max_new_tokens:
             text += self._release_all()
             eos_reason = EosReason.MAX_NEW_TOKENS
