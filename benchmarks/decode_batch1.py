@@ -100,6 +100,25 @@ def main() -> None:
                dyngen_over_transformers=dyngen_tps / hf_tps, **common)
     if device.type == "cuda" and not args.no_compile:  # last: compiling takes a while
         graph_step(model, True, context, common, roofline_tps)
+        compiled_generator(model, tokenizer, config, args.new_tokens, common, roofline_tps)
+
+
+def compiled_generator(model, tokenizer, config: dict[str, Any], new_tokens: int,  # type: ignore[no-untyped-def]
+                       common: dict[str, Any], roofline_tps: float) -> None:
+    """The generator end to end with ``compile_decode=True`` (one bucket: max_batch_size=1)."""
+    try:
+        generator = make_generator(model, tokenizer, cache_tokens=8192, max_batch_size=1,
+                                   compile_decode=True)
+        run_jobs(generator, random_prompts(1, PROMPT, config["vocab_size"], seed=1), 8)
+        run = run_jobs(generator, random_prompts(1, PROMPT, config["vocab_size"], 2), new_tokens)
+    except Exception as exc:  # noqa: BLE001 - a compiler failure is a result, not a crash
+        report("decode_batch1.dyngen_generator_compiled", error=repr(exc)[:500])
+        return
+    report("decode_batch1.dyngen_generator_compiled", tok_s=run.tok_s,
+           decode_tok_s=run.decode_tok_s, roofline_fraction=run.decode_tok_s / roofline_tps,
+           **common)
+    del generator
+    free_memory()
 
 
 def graph_step(model, compiled: bool, context: int, common: dict[str, Any],  # type: ignore[no-untyped-def]
