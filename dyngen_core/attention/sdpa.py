@@ -1,10 +1,15 @@
-"""The reference attention backend: gather each sequence's pages, then PyTorch's
+"""The reference attention backend: read each sequence's cached keys/values, then PyTorch's
 ``scaled_dot_product_attention`` with a per-sequence causal mask.
 
 Runs on any device. Sequences are padded into one batched call per group: decode tokens (one
 query each) form one group, prefill chunks another, so a long prefill does not pad every decode
-to its length. The group layout (indices, masks) is built once per forward and reused by every
-layer.
+to its length. The group layout (indices, slots, masks) is built once per forward and reused by
+every layer.
+
+Two ways to read the cache: unquantized storage is read slot by slot (only the slots a group
+attends over, into one scratch buffer reused by every layer), since copying whole 256-slot pages
+into a fresh tensor per layer cost more than the attention itself on the CPU; quantized storage
+is read page by page through ``KVStorage.gather``, which dequantizes only those pages.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.storage.base import KVStorage
+from dyngen_core.storage.fp16 import FP16Storage
 
 
 @dataclass
@@ -24,29 +30,41 @@ class _Group:
     """Sequences attended in one padded call.
 
     page_table: [G, P] pages (trimmed to the group's longest context).
+    slots: [G * key_len] cache slot of each sequence's key position; positions past a
+        sequence's context repeat its last slot (masked, but always real, finite data).
     token_rows: [Tg] rows of the flattened batch, or None when the group is the whole batch.
     seq_of_row, pos_in_seq: [Tg] where each row goes in the padded query [G, max_query, ...];
         None for decode groups (one query per sequence, no padding).
-    mask: [G, 1, max_query, key_len] True where a query may see a key.
+    mask: [G, 1, max_query, key_len] True where a query may see a key; None when every query
+        sees every key (decodes of equal context length).
     """
 
     page_table: torch.Tensor
+    slots: torch.Tensor
     token_rows: torch.Tensor | None
     seq_of_row: torch.Tensor | None
     pos_in_seq: torch.Tensor | None
     max_query: int
     key_len: int
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class SdpaBackend:
-    """Reference backend over any KVStorage (the oracle other backends are tested against)."""
+    """Reference backend over any KVStorage (the oracle other backends are tested against).
+
+    read_slots: read unquantized (`FP16Storage`) caches slot by slot into a reused scratch
+        buffer; False always reads whole pages through ``KVStorage.gather`` (the plain path, kept
+        as the oracle for the slot reader). The scratch buffer grows to the largest single
+        layer's read and is kept for the next forward.
+    """
 
     name = "sdpa"
 
-    def __init__(self) -> None:
+    def __init__(self, *, read_slots: bool = True) -> None:
+        self.read_slots = read_slots
         # The layout of the batch being run, reused by every layer of the same forward.
         self._cached: tuple[ForwardBatch, torch.device, list[_Group]] | None = None
+        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
@@ -54,12 +72,14 @@ class SdpaBackend:
         storage.write(layer, k, v, batch.slot_mapping)
         groups = self._groups(batch, q.device)
         if len(groups) == 1 and groups[0].token_rows is None:
-            return _attend_group(layer, q, storage, groups[0], scale)
+            keys, values = self._read(layer, storage, groups[0])
+            return _attend_group(q, keys, values, groups[0], scale)
         out = torch.empty_like(q)
         for group in groups:
             assert group.token_rows is not None
             rows = q.index_select(0, group.token_rows)
-            out.index_copy_(0, group.token_rows, _attend_group(layer, rows, storage, group, scale))
+            keys, values = self._read(layer, storage, group)
+            out.index_copy_(0, group.token_rows, _attend_group(rows, keys, values, group, scale))
         return out
 
     def _groups(self, batch: ForwardBatch, device: torch.device) -> list[_Group]:
@@ -70,13 +90,42 @@ class SdpaBackend:
         self._cached = (batch, device, groups)
         return groups
 
+    def _read(self, layer: int, storage: KVStorage,
+              group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's keys and values, each [G, key_len, Hkv, D]."""
+        if self.read_slots and isinstance(storage, FP16Storage):
+            return self._read_slots(storage.keys[layer], storage.values[layer], group)
+        keys, values = storage.gather(layer, group.page_table)
+        return keys[:, :group.key_len], values[:, :group.key_len]
 
-def _attend_group(layer: int, q: torch.Tensor, storage: KVStorage, group: _Group,
+    def _read_slots(self, keys: torch.Tensor, values: torch.Tensor,
+                    group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        row_shape = keys.shape[2:]
+        rows = group.slots.shape[0]
+        size = rows * keys[0, 0].numel()
+        scratch = self._scratch_for(keys.device, keys.dtype, 2 * size)
+        shape = (group.page_table.shape[0], group.key_len, *row_shape)
+        slots = group.slots.to(keys.device, non_blocking=True)
+        out = []
+        for part, source in enumerate((keys, values)):
+            buffer = scratch[part * size:(part + 1) * size].view(rows, *row_shape)
+            torch.index_select(source.view(-1, *row_shape), 0, slots, out=buffer)
+            out.append(buffer.view(shape))
+        return out[0], out[1]
+
+    def _scratch_for(self, device: torch.device, dtype: torch.dtype,
+                     size: int) -> torch.Tensor:
+        scratch = self._scratch.get((device, dtype))
+        if scratch is None or scratch.numel() < size:
+            scratch = torch.empty(size, device=device, dtype=dtype)
+            self._scratch[(device, dtype)] = scratch
+        return scratch
+
+
+def _attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: _Group,
                   scale: float) -> torch.Tensor:
-    """q: the group's rows [Tg, H, D] -> attention output [Tg, H, D]."""
-    keys, values = storage.gather(layer, group.page_table)
-    keys = keys[:, :group.key_len].transpose(1, 2)
-    values = values[:, :group.key_len].transpose(1, 2)
+    """q: the group's rows [Tg, H, D]; keys/values [G, key_len, Hkv, D] -> [Tg, H, D]."""
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     if group.seq_of_row is None:
         padded = q.unsqueeze(2)
     else:
@@ -119,20 +168,39 @@ def _make_group(batch: ForwardBatch, seq_ids: list[int], device: torch.device,
         rows.extend(range(all_starts[seq], all_starts[seq] + qlen))
         seq_of_row.extend([local] * qlen)
         pos_in_seq.extend(range(qlen))
-    # Query j of a sequence sits at position context_len - query_len + j and sees slots up to it.
-    first_pos = _tensor([c - q for c, q in zip(context_lens, query_lens, strict=True)], device)
-    query_pos = first_pos[:, None] + torch.arange(max_query, device=device)[None, :]
-    mask = torch.arange(key_len, device=device)[None, None, :] <= query_pos[:, :, None]
     padded = max_query > 1
+    sees_all = not padded and min(context_lens) == key_len
     return _Group(
         page_table=page_table,
+        slots=_slots(page_table, context_lens, key_len, batch.page_size),
         token_rows=None if whole_batch else _tensor(rows, device),
         seq_of_row=_tensor(seq_of_row, device) if padded else None,
         pos_in_seq=_tensor(pos_in_seq, device) if padded else None,
         max_query=max_query,
         key_len=key_len,
-        mask=mask.unsqueeze(1),
+        mask=None if sees_all else _causal_mask(context_lens, query_lens, key_len, device),
     )
+
+
+def _slots(page_table: torch.Tensor, context_lens: list[int], key_len: int,
+           page_size: int) -> torch.Tensor:
+    """[G * key_len] slot of every key position, clamped to each sequence's last position."""
+    device = page_table.device
+    positions = torch.arange(key_len, device=device)[None, :]
+    last = _tensor([c - 1 for c in context_lens], device)[:, None]
+    positions = torch.minimum(positions, last)
+    pages = page_table.to(torch.long).gather(1, positions // page_size)
+    return (pages * page_size + positions % page_size).flatten()
+
+
+def _causal_mask(context_lens: list[int], query_lens: list[int], key_len: int,
+                 device: torch.device) -> torch.Tensor:
+    """[G, 1, max_query, key_len]: query j of a sequence sits at position
+    context_len - query_len + j and sees slots up to it."""
+    first_pos = _tensor([c - q for c, q in zip(context_lens, query_lens, strict=True)], device)
+    query_pos = first_pos[:, None] + torch.arange(max(query_lens), device=device)[None, :]
+    mask = torch.arange(key_len, device=device)[None, None, :] <= query_pos[:, :, None]
+    return mask.unsqueeze(1)
 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
