@@ -42,6 +42,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel; in float32 it rounds exactly like the unfused steps below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -85,15 +88,28 @@ class Attention(nn.Module):
                 batch: ForwardBatch, storage: KVStorage,
                 backend: AttentionBackend) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split_sizes, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k = self._rotated_q_k(qkv, cos, sin)
+        v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.attend(self.layer_idx, q, k, v, storage, batch, self.scale)
         return F.linear(out.reshape(tokens, -1), self.o_weight, self.o_bias)
+
+    def _rotated_q_k(self, qkv: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, Hkv, D] of the fused projection, normed (Qwen3) and rotated."""
+        tokens, heads = qkv.shape[0], self.num_heads
+        if self.q_norm is None or self.k_norm is None:
+            # q and k are adjacent in the fused output: rotate both heads' sets in one pass
+            # (the same arithmetic, half the small per-layer ops).
+            q_k = qkv[:, :self.split_sizes[0] + self.split_sizes[1]]
+            rotated = apply_rotary(q_k.view(tokens, heads + self.num_kv_heads, self.head_dim),
+                                   cos, sin)
+            return rotated[:, :heads], rotated[:, heads:]
+        q, k, _ = qkv.split(self.split_sizes, dim=-1)
+        q = self.q_norm(q.view(tokens, heads, self.head_dim))
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 class DecoderLayer(nn.Module):

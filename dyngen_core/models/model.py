@@ -123,4 +123,10 @@ class Model(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head over hidden rows [S, hidden]; float32 logits [S, vocab]."""
-        return F.linear(self.norm(hidden), self.lm_head_weight).float()
+        normed = self.norm(hidden)
+        if normed.device.type == "cpu" and normed.shape[0] > 1:
+            # The CPU BLAS runs this product up to 1.5x faster with the vocabulary as the long
+            # side of the output ([vocab, S]) than as x @ W^T with few rows (measured on the
+            # 2-core dev machine for 2 to 32 rows); same products, summed in another order.
+            return (self.lm_head_weight @ normed.t()).t().float().contiguous()
+        return F.linear(normed, self.lm_head_weight).float()
