@@ -4,7 +4,8 @@
 
 Both run greedy in float32 with the same torch thread count, on prompts of equal length (so
 transformers needs no padding), generating exactly --new-tokens tokens per prompt (no early
-stop). Prints tokens/s for each and the ratio dyngen / transformers.
+stop). Both are warmed up first and their runs alternate; each reports its best of --repeats.
+Prints tokens/s for each and the ratio dyngen / transformers.
 """
 
 from __future__ import annotations
@@ -66,12 +67,17 @@ def main() -> None:
           f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens per prompt; best of "
           f"{args.repeats}")
     print(f"{'batch':>6}{'dyngen tok/s':>14}{'transformers tok/s':>20}{'ratio':>8}")
-    dyngen_rate(generator, prompts(1, 16, tokenizer.vocab_size), 4)  # warm-up
+    warm_up = prompts(1, 16, tokenizer.vocab_size)
+    dyngen_rate(generator, warm_up, 4)
+    transformers_rate(hf_model, warm_up, 4)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         ids = prompts(batch, args.prompt_tokens, tokenizer.vocab_size)
-        ours = max(dyngen_rate(generator, ids, args.new_tokens) for _ in range(args.repeats))
-        theirs = max(transformers_rate(hf_model, ids, args.new_tokens)
-                     for _ in range(args.repeats))
+        # Alternate the engines run by run, so a burst of load from other processes on a shared
+        # machine slows both rather than whichever happened to be running.
+        ours, theirs = 0.0, 0.0
+        for _ in range(args.repeats):
+            ours = max(ours, dyngen_rate(generator, ids, args.new_tokens))
+            theirs = max(theirs, transformers_rate(hf_model, ids, args.new_tokens))
         print(f"{batch:>6}{ours:>14.1f}{theirs:>20.1f}{ours / theirs:>8.2f}")
 
 
