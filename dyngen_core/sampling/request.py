@@ -62,9 +62,19 @@ class SampleRequest:
     return_top_tokens: int = 0
     return_logits: bool = False
 
+    _stages: tuple[SamplerSettings, frozenset[str]] | None = field(
+        default=None, init=False, repr=False, compare=False)
+
     @property
     def num_rows(self) -> int:
         return 1 + len(self.draft_ids)
+
+    def active_stages(self) -> frozenset[str]:
+        """``settings.active_stages()``, computed once per settings object (a job's request is
+        reused step after step)."""
+        if self._stages is None or self._stages[0] is not self.settings:
+            self._stages = (self.settings, self.settings.active_stages())
+        return self._stages[1]
 
     def row_history(self, row: int) -> Sequence[int]:
         """History seen by row ``row`` (the job's history plus the drafts before it)."""

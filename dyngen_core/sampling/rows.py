@@ -41,7 +41,7 @@ def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> list
                     f"(shape [{req.num_rows}, words])"
                 )
         seed = req.seed if req.seed is not None else seeds.getrandbits(63)
-        stages = req.settings.active_stages()
+        stages = req.active_stages()
         for j in range(req.num_rows):
             rows.append(Row(i, j, req.settings, seed, req.counter + j, stages))
     return rows

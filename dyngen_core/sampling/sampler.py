@@ -36,6 +36,9 @@ from dyngen_core.sampling.rows import Row, expand_rows
 from dyngen_core.sampling.shaping import candidate_bound, shape_distribution
 from dyngen_core.sampling.vocab import VocabTables
 
+# Greedy rows draw no noise: their key is never read.
+_NO_KEY = (0, 0)
+
 
 class Sampler:
     """Samples one token per logits row on the logits' device.
@@ -89,7 +92,7 @@ class Sampler:
         choice = choose(
             x,
             [r.settings.is_greedy for r in rows],
-            [row_key(r.seed, r.counter) for r in rows],
+            [_NO_KEY if r.settings.is_greedy else row_key(r.seed, r.counter) for r in rows],
             candidate_bound([rows[i].settings for i in sampled], self.vocab_size),
         )
         return self._report(x, logits, choice, rows, requests)
@@ -105,18 +108,19 @@ class Sampler:
         prob_rows = [i for i, r in enumerate(rows) if r.settings.mirostat
                      or requests[r.request].return_probs]
         ids, valid, probs = fetch_choices(x, choice, prob_rows)
-        dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
-        if dead:
+        if not all(valid):
+            dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
             raise SamplingError(
                 f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
                 "constraint mask removed every token); fail those jobs", dead)
         starts = [i for i, r in enumerate(rows) if r.offset == 0]
         results = []
         for req, start in zip(requests, starts, strict=True):
-            span = range(start, start + req.num_rows)
-            result = SampleResult(token_ids=[ids[i] for i in span])
+            count = req.num_rows
+            result = SampleResult(token_ids=ids[start:start + count])
             if req.return_probs:
-                result.token_probs = torch.tensor([probs[i] for i in span], dtype=torch.float32)
+                result.token_probs = torch.tensor([probs[start + j] for j in range(count)],
+                                                  dtype=torch.float32)
             if req.settings.mirostat:
                 req.state.record_token(req.settings, probs[start])
             results.append(result)
