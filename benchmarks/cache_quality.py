@@ -11,7 +11,8 @@ of each mode on the text. It also reports how many tokens one GiB of each cache 
     python benchmarks/cache_quality.py --model-dir DIR --seq-len 512 --sequences 2
 
 ``--split-q6`` adds the alternative q6 layout (keys at 8 bits, values at 4: the same bytes as
-6/6) to show why q6 packs 6-bit codes.
+6/6) to show why q6 packs 6-bit codes; ``--no-offsets`` adds q4 without the calibrated key
+offsets every `Cache` sets (see `dyngen_core.calibration`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from dyngen_core.attention import get_backend
 from dyngen_core.attention.base import AttentionBackend
+from dyngen_core.calibration import measure_key_means
 from dyngen_core.config import ModelConfig
 from dyngen_core.forward import build_forward_batch
 from dyngen_core.models import Model
@@ -54,6 +56,7 @@ class Variant:
     name: str
     mode: str
     bits: tuple[int, int] | None = None
+    key_offsets: bool = True
 
 
 @dataclasses.dataclass
@@ -79,12 +82,19 @@ def corpus() -> dict[str, str]:
     return {"docs": docs, "code": code, "legal": legal, "tables": tables}
 
 
-def storage_for(model: Model, variant: Variant, num_pages: int, page_size: int) -> KVStorage:
+def storage_for(model: Model, variant: Variant, num_pages: int, page_size: int,
+                offsets: list[torch.Tensor]) -> KVStorage:
+    """The variant's storage, with the calibrated key offsets a `Cache` would set."""
+    storage: KVStorage
     if variant.bits is None:
-        return make_storage(variant.mode, model.config, num_pages, page_size, model.dtype,
-                            model.layer_devices)
-    return QuantStorage(model.config, num_pages, page_size, model.dtype, model.layer_devices,
-                        variant.mode, bits=variant.bits)
+        storage = make_storage(variant.mode, model.config, num_pages, page_size, model.dtype,
+                               model.layer_devices)
+    else:
+        storage = QuantStorage(model.config, num_pages, page_size, model.dtype,
+                               model.layer_devices, variant.mode, bits=variant.bits)
+    if isinstance(storage, QuantStorage) and variant.key_offsets:
+        storage.set_key_offsets(offsets)
+    return storage
 
 
 def chunk_logits(model: Model, storage: KVStorage, backend: AttentionBackend,
@@ -106,9 +116,11 @@ def evaluate(model: Model, sequences: Sequence[list[int]], variants: Sequence[Va
     """Run every sequence through every variant; KL is against the first variant."""
     totals = {v.name: Totals() for v in variants}
     backend = get_backend("sdpa", model.device)
+    offsets = measure_key_means(model)
     for ids in sequences:
         num_pages = -(-len(ids) // page_size)
-        storages = {v.name: storage_for(model, v, num_pages, page_size) for v in variants}
+        storages = {v.name: storage_for(model, v, num_pages, page_size, offsets)
+                    for v in variants}
         for start in range(0, len(ids), chunk):
             piece = ids[start:start + chunk]
             targets = torch.tensor(ids[start + 1:start + 1 + len(piece)])
@@ -179,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="model dtype (default: auto)")
     parser.add_argument("--split-q6", action="store_true",
                         help="also run q6 as 8-bit keys + 4-bit values")
+    parser.add_argument("--no-offsets", action="store_true",
+                        help="also run q4 without the calibrated key offsets")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model_dir = load_model_dir(args.model_dir)
@@ -190,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Variant("q4", "q4")]
     if args.split_q6:
         variants.insert(3, Variant("q6 (k8/v4)", "q6", (8, 4)))
+    if args.no_offsets:
+        variants.append(Variant("q4 without key offsets", "q4", key_offsets=False))
     started = time.perf_counter()
     totals = evaluate(model, sequences, variants, args.chunk, args.page_size)
     tokens = sum(len(s) for s in sequences)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dyngen_core.calibration import measure_key_means
 from dyngen_core.config import PAGE_SIZE, CacheConfig
 from dyngen_core.storage import make_storage
 from dyngen_core.storage.base import KVStorage
@@ -20,7 +21,9 @@ class Cache:
     max_tokens: capacity in tokens, shared by all jobs (rounded up to whole pages; at least one
         page). Default 65536.
     mode: storage precision: "fp16" keeps the model's own dtype (no quantization); "q8", "q6"
-        and "q4" quantize keys and values when those modes are available.
+        and "q4" quantize keys and values when those modes are available. Quantized modes run
+        one 256-token calibration prefill here to measure each layer's mean key, which they
+        subtract before quantizing (attention is unchanged by it; see `calibration`).
     page_size: slots per page (keyword only; default 256, which flash-attn's paged kernels
         need; smaller pages work with the sdpa backend).
 
@@ -35,6 +38,9 @@ class Cache:
             mode, model.config, self.config.num_pages, page_size, model.dtype,
             model.layer_devices,
         )
+        if hasattr(self.storage, "set_key_offsets"):
+            # Quantized modes store keys minus a calibrated per-head mean (see `calibration`).
+            self.storage.set_key_offsets(measure_key_means(model))
 
     @property
     def max_tokens(self) -> int:

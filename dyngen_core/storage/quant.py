@@ -14,6 +14,11 @@ tokens of a 16-bit cache in the same memory. q6 packs 6-bit codes rather than ke
 bits and values at 4 (ExLlamaV2's choice, the same bytes): on the demo model (SmolLM2-135M, 4096
 tokens) 6/6 gives a mean next-token KL of 3.7e-3 against 7.1e-3 for 8/4, because the error of
 4-bit values costs more than 8-bit keys save (benchmarks/cache_quality.py --split-q6).
+
+Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
+from every key before it is quantized and never added back: attention scores of a query all move
+by the same amount, which softmax ignores, so outputs are unchanged while the quantized rows no
+longer spend their range on what all keys share. `Cache` sets them from `calibration`.
 """
 
 from __future__ import annotations
@@ -93,6 +98,22 @@ class QuantStorage:
         self._rotation = {d: hadamard_matrix(GROUP_SIZE).to(d) for d in set(self.devices)}
         wants_native = use_native and any(d.type == "cuda" for d in self.devices)
         self._native = native.load_native() if wants_native else None
+        self.key_offsets: list[torch.Tensor] | None = None
+
+    def set_key_offsets(self, offsets: Sequence[torch.Tensor] | None) -> None:
+        """Subtract ``offsets[layer]`` (``[num_kv_heads, head_dim]``) from every key written to
+        ``layer`` from now on (None: subtract nothing). Set it before the first write: keys
+        already stored keep the offsets they were written with, and a query must see one offset
+        across all keys it attends to."""
+        if offsets is None:
+            self.key_offsets = None
+            return
+        shape = (self.num_kv_heads, self.head_dim)
+        if len(offsets) != len(self.layers) or any(tuple(o.shape) != shape for o in offsets):
+            raise ValueError(f"key offsets must be one {list(shape)} tensor per layer "
+                             f"({len(self.layers)} layers)")
+        self.key_offsets = [o.to(device=d, dtype=torch.float32)
+                            for o, d in zip(offsets, self.devices, strict=True)]
 
     def _allocate(self, device: torch.device) -> QuantLayer:
         rows = (self.num_pages, self.page_size, self.num_kv_heads)
@@ -117,6 +138,8 @@ class QuantStorage:
         pages = self.layers[layer]
         device = self.devices[layer]
         kernels = self._kernels(layer)
+        if self.key_offsets is not None:
+            key = (key.to(torch.float32) - self.key_offsets[layer]).to(key.dtype)
         if kernels is not None:
             kernels.quantize_write(key, value, slot_mapping, pages.key_codes, pages.key_scales,
                                    pages.value_codes, pages.value_scales, self._signs[device],
