@@ -21,8 +21,8 @@ DRY (the original algorithm of koboldcpp / text-generation-webui): for every ear
 of the history's last token, extend the match backwards while the tokens agree (no sequence
 breakers, at most ``dry_max_ngram`` long); the token that followed that occurrence gets
 ``multiplier * base ** (length - allowed_length)`` subtracted when ``length >= allowed_length``
-(longest match per token). The backward extension runs for all rows and all occurrences at once,
-one step per match length.
+(longest match per token). The backward extension runs for all rows, occurrences and match
+lengths at once (in blocks of 32 lengths).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import torch
 from dyngen_core.sampling.rows import column
 from dyngen_core.settings import SamplerSettings
 
-# How many DRY extension steps run between checks that some match is still growing (a check
-# synchronizes with the device; matches rarely grow past a handful of tokens).
-_DRY_CHECK_EVERY = 8
+# DRY extension steps compared at once (a [rows, width, block] comparison); between blocks one
+# check, which synchronizes with the device, stops when no match is still growing.
+_DRY_BLOCK = 32
 
 
 def penalty_window(settings: SamplerSettings) -> int | None:
@@ -143,20 +143,37 @@ def _dry_match_lengths(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For every position ``i < width - 1`` of every row: whether ``i`` is an earlier occurrence
     of the row's last token followed by a non-breaker (``starts``), and the length of the match
-    ending there (``lengths``, 0 where not a start)."""
+    ending there (``lengths``, 0 where not a start).
+
+    Extension steps ``k`` (compare ``hist[i - k]`` with ``hist[width - 1 - k]``) run a block of
+    `_DRY_BLOCK` at a time as one [rows, positions, k] comparison, so a typical
+    ``dry_max_ngram`` of 20 costs a fixed handful of tensor operations."""
     width = hist.shape[1]
     starts = (hist[:, :-1] == hist[:, -1:]) & ~breaks[:, 1:] & ~breaks[:, -1:]
     lengths = starts.to(torch.int32)
-    alive = starts.clone()
-    growing = ~breaks[:, -1]
-    max_ngram = torch.tensor([s.dry_max_ngram for s in settings], device=hist.device)
     steps = min(max(s.dry_max_ngram for s in settings), width - 1)
-    for k in range(1, steps):
-        growing &= ~breaks[:, width - 1 - k] & (k < max_ngram)
-        agree = torch.zeros_like(alive)
-        agree[:, k:] = hist[:, : width - 1 - k] == hist[:, width - 1 - k: width - k]
-        alive &= agree & growing[:, None]
-        lengths += alive
-        if k % _DRY_CHECK_EVERY == 0 and not bool(alive.any()):
+    if steps <= 1:
+        return lengths, starts
+    device = hist.device
+    max_ngram = torch.tensor([[s.dry_max_ngram] for s in settings], device=device)
+    # -2 before the history: never equal to a token, so matches stop at the row's start.
+    padded = torch.nn.functional.pad(hist, (steps - 1, 0), value=-2)
+    alive = starts.clone()
+    for first in range(1, steps, _DRY_BLOCK):
+        last = min(first + _DRY_BLOCK, steps) - 1
+        ks = torch.arange(first, last + 1, device=device)
+        # A breaker in the history's own suffix stops every match of that row at that step.
+        suffix_ok = (~breaks[:, width - 1 - ks] & (ks < max_ngram)).to(torch.int32)
+        suffix_ok = suffix_ok.cumprod(dim=1).bool()
+        # Windows of the padded history (a view): window i, entry j is hist[i - (last - j)].
+        back = padded[:, steps - 1 - last:].unfold(1, len(ks), 1)[:, : width - 1]
+        agree = back == hist[:, width - 1 - ks.flip(0)][:, None, :]
+        agree = agree.flip(2) & suffix_ok[:, None, :]  # entry j now compares step k = first + j
+        whole = agree.all(dim=2)
+        # Leading agreements: the index of the first disagreement, or the whole block.
+        run = torch.where(whole, len(ks), (~agree).to(torch.uint8).argmax(dim=2))
+        lengths += torch.where(alive, run, 0).to(torch.int32)
+        alive &= whole
+        if last + 1 < steps and not bool(alive.any()):
             break
     return lengths, starts

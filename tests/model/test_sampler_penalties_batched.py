@@ -65,7 +65,7 @@ def random_history(rng: random.Random) -> list[int]:
     """Short repetitive histories over a small alphabet, so matches and repeats are common."""
     alphabet = rng.randrange(3, 8)
     pattern = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 6))]
-    length = rng.randrange(0, 60)
+    length = rng.randrange(0, 100)
     return [t if rng.random() > 0.2 else rng.randrange(VOCAB)
             for t in (pattern * 20)[:length]]
 
@@ -82,8 +82,8 @@ def random_penalty_settings(rng: random.Random) -> SamplerSettings:
 def random_dry_settings(rng: random.Random) -> SamplerSettings:
     return SamplerSettings(
         dry_multiplier=0.8, dry_base=rng.choice([1.5, 1.75]),
-        dry_allowed_length=rng.choice([1, 2, 3]), dry_range=rng.choice([0, 8, 30]),
-        dry_max_ngram=rng.choice([2, 4, 20]), dry_sequence_breakers=(0,))
+        dry_allowed_length=rng.choice([1, 2, 3]), dry_range=rng.choice([0, 8, 30, 90]),
+        dry_max_ngram=rng.choice([2, 4, 20, 50]), dry_sequence_breakers=(0,))
 
 
 def devices() -> list[str]:
