@@ -50,7 +50,7 @@ def test_calibration_input_is_fixed() -> None:
 
 
 def test_key_means_are_deterministic_per_layer(biased_qwen2: Path) -> None:
-    model = Model.load(biased_qwen2)
+    model = Model.load(biased_qwen2, device="cpu")
     first, second = measure_key_means(model), measure_key_means(model)
     assert len(first) == model.config.num_layers
     for a, b in zip(first, second, strict=True):
@@ -60,7 +60,7 @@ def test_key_means_are_deterministic_per_layer(biased_qwen2: Path) -> None:
 
 
 def test_quantized_caches_get_offsets_and_subtract_them(biased_qwen2: Path) -> None:
-    model = Model.load(biased_qwen2)
+    model = Model.load(biased_qwen2, device="cpu")
     assert not hasattr(Cache(model, max_tokens=256).storage, "key_offsets")
     cache = Cache(model, max_tokens=256, mode="q8")
     storage = cache.storage
@@ -76,7 +76,7 @@ def test_quantized_caches_get_offsets_and_subtract_them(biased_qwen2: Path) -> N
 
 @pytest.mark.parametrize("mode", ["q6", "q4"])
 def test_offsets_shrink_the_error_of_low_bit_keys(biased_qwen2: Path, mode: str) -> None:
-    model = Model.load(biased_qwen2)
+    model = Model.load(biased_qwen2, device="cpu")
     exact = logits(model, Cache(model, max_tokens=256))
     with_offsets = Cache(model, max_tokens=256, mode=mode)
     without = Cache(model, max_tokens=256, mode=mode)
@@ -104,7 +104,7 @@ def test_one_offset_per_sequence_is_invisible_to_attention(
         tiny_model_factory: Callable[..., Path]) -> None:
     """Softmax ignores one fixed vector subtracted from every key; keys written with different
     offsets (what `set_key_offsets` warns about) do change the output."""
-    model = Model.load(tiny_model_factory("llama", seed=4, hidden_size=128))
+    model = Model.load(tiny_model_factory("llama", seed=4, hidden_size=128), device="cpu")
     shape = (model.config.num_kv_heads, model.config.head_dim)
     shift = [torch.full(shape, 0.5) for _ in range(model.config.num_layers)]
     plain = two_chunk_logits(model, Cache(model, max_tokens=256, mode="q8"), [None, None])
