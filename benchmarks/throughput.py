@@ -55,15 +55,21 @@ def roofline_seconds(config: dict[str, Any], weights: int, prompts: int, bandwid
     return prefill + decode
 
 
-def run_dyngen(model, config: dict[str, Any], prompts: list[list[int]]) -> float:  # type: ignore[no-untyped-def]
+def run_dyngen(model, config: dict[str, Any], prompts: list[list[int]],  # type: ignore[no-untyped-def]
+               compile_decode: bool = False) -> float:
     tokenizer = word_tokenizer(config["vocab_size"])
+    started = time.perf_counter()
     generator = make_generator(model, tokenizer, cache_tokens=len(prompts) * (PROMPT + NEW) + 4096,
-                               max_batch_size=len(prompts), max_chunk_size=16384)
+                               max_batch_size=len(prompts), max_chunk_size=16384,
+                               compile_decode=compile_decode)
+    report("throughput.dyngen_setup", seconds=time.perf_counter() - started,
+           compile_decode=compile_decode)
     # Warm-up on other prompts (no prompt-cache hits later): prefill kernels, a few buckets.
     run_jobs(generator, random_prompts(4, PROMPT, config["vocab_size"], seed=98), 4)
     run = run_jobs(generator, prompts, NEW)
     assert run.new_tokens == len(prompts) * NEW, run.new_tokens
-    report("throughput.dyngen", tok_s=run.tok_s, wall_s=run.wall, new_tokens=run.new_tokens)
+    report("throughput.dyngen", tok_s=run.tok_s, wall_s=run.wall, new_tokens=run.new_tokens,
+           compile_decode=compile_decode)
     del generator
     return run.tok_s
 
@@ -111,6 +117,8 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--engines", default="dyngen,hf_static,hf_cb")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="dyngen with compile_decode=True (torch.compile'd decode graphs)")
     args = parser.parse_args()
     engines = args.engines.split(",")
     device = torch.device(args.device)
@@ -127,7 +135,7 @@ def main() -> None:
            roofline_tok_s=roofline_tps)
     rates: dict[str, float] = {}
     if "dyngen" in engines:
-        rates["dyngen"] = run_dyngen(model, config, prompts)
+        rates["dyngen"] = run_dyngen(model, config, prompts, args.compile_decode)
         report("throughput.dyngen_roofline", roofline_fraction=rates["dyngen"] / roofline_tps)
     del model
     free_memory()

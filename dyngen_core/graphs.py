@@ -150,7 +150,9 @@ class DecodeGraphs:
             hidden = hidden_fn(model, batch, storage, eager_attention)
             return logits_fn(model, hidden.index_select(0, batch.logits_indices))
 
-        return torch.compile(compiled_step, dynamic=False)
+        # Dynamic shapes: one compile serves every bucket (the batch size is symbolic). Compiled
+        # per bucket, the ~20 buckets of max_batch_size=256 took 20-30 s each for an 8B model.
+        return torch.compile(compiled_step, dynamic=True)
 
     def _allocate(self, size: int) -> _StaticInputs:
         device = self.device

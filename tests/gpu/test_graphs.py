@@ -42,11 +42,11 @@ def _eager_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
     return runner.model.forward(batch, runner.cache.storage, runner.backend)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "q4"])
-def test_graph_decode_equals_eager(gpu_model: Model, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "compiled"), [("fp16", False), ("q4", False), ("fp16", True)])
+def test_graph_decode_equals_eager(gpu_model: Model, mode: str, compiled: bool) -> None:
     cache = Cache(gpu_model, max_tokens=64 * PAGE, mode=mode, page_size=PAGE)
     runner = ModelRunner(gpu_model, cache, get_backend("triton", gpu_model.device),
-                         max_batch_size=8)
+                         max_batch_size=8, compile_decode=compiled)
     assert isinstance(runner.graphs, DecodeGraphs)
     prompt_lens = [3, 14, 30]  # 3 sequences: the bucket of 4 pads one row
     tables = [[1 + 5 * i + p for p in range(5)] for i in range(len(prompt_lens))]
