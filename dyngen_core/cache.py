@@ -8,6 +8,7 @@ from dyngen_core.calibration import measure_key_means
 from dyngen_core.config import PAGE_SIZE, CacheConfig
 from dyngen_core.storage import make_storage
 from dyngen_core.storage.base import KVStorage
+from dyngen_core.storage.quant import QuantStorage
 
 if TYPE_CHECKING:
     from dyngen_core.models import Model
@@ -38,7 +39,7 @@ class Cache:
             mode, model.config, self.config.num_pages, page_size, model.dtype,
             model.layer_devices,
         )
-        if hasattr(self.storage, "set_key_offsets"):
+        if isinstance(self.storage, QuantStorage):
             # Quantized modes store keys minus a calibrated per-head mean (see `calibration`).
             self.storage.set_key_offsets(measure_key_means(model))
 

@@ -36,15 +36,13 @@ CALIBRATION_SEED = 0
 class _KeyMeanRecorder(FP16Storage):
     """FP16 storage that also sums the keys written per layer (position 0 left out)."""
 
-    def start(self) -> _KeyMeanRecorder:
+    def __init__(self, model: Model, tokens: int) -> None:
+        super().__init__(model.config, 1, tokens, model.dtype, model.layer_devices)
         self.sums: dict[int, torch.Tensor] = {}
-        self.count = 0
-        return self
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         self.sums[layer] = key[1:].float().sum(dim=0)
-        self.count = key.shape[0] - 1
         super().write(layer, key, value, slot_mapping)
 
 
@@ -62,10 +60,10 @@ def measure_key_means(model: Model, length: int = CALIBRATION_TOKENS) -> list[to
     device, over `calibration_ids` (one prefill of ``length`` tokens through the sdpa backend)."""
     config = model.config
     ids = calibration_ids(config.vocab_size, config.bos_token_id, length)
-    recorder = _KeyMeanRecorder(config, 1, len(ids), model.dtype, model.layer_devices).start()
+    recorder = _KeyMeanRecorder(model, len(ids))
     plan = StepPlan(slices=[SequenceSlice(job_id=0, token_ids=ids, start_pos=0, page_table=[0],
                                           sample=False)])
     batch = build_forward_batch(plan, len(ids), model.device)
     model.forward_hidden(batch, recorder, get_backend("sdpa", model.device))
-    return [recorder.sums[layer] / recorder.count for layer in range(config.num_layers)]
+    return [recorder.sums[layer] / (len(ids) - 1) for layer in range(config.num_layers)]
 
