@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dyngen_core.errors import JobError
 from dyngen_core.job import Job
@@ -18,6 +18,9 @@ from dyngen_core.plan import SampledTokens
 from dyngen_core.results import EosReason, Result
 from dyngen_core.settings import SamplerSettings, SamplerState
 from dyngen_core.streaming import JobStream
+
+if TYPE_CHECKING:
+    from dyngen_core.sampling.request import SampleRequest
 
 _NONE: frozenset[int] = frozenset()
 
@@ -53,7 +56,7 @@ class ActiveJob:
         self.wants_extras = bool(job.return_probs or job.return_top_tokens or job.return_logits)
         # The sampler's request for this job, built once by the sampling bridge and updated in
         # place each step (its history and state are this record's own lists and objects).
-        self.request: Any = None
+        self.request: SampleRequest | None = None
 
     def banned_now(self) -> AbstractSet[int]:
         """Token ids forbidden at the next position (banned-string rewinds, min_new_tokens)."""

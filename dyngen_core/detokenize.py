@@ -152,7 +152,7 @@ class IncrementalDetokenizer:
         """Append one token; returns the text it completes (possibly empty)."""
         if self._simple_tail:
             assert self._pieces is not None
-            entry = self._pieces.table.get(token_id) or self._pieces.lookup(token_id)
+            entry = self._pieces.lookup(token_id)
             if entry is not None:
                 # What the slow path computes for [w, t] when both are simple: t's piece, and
                 # a window of just t (whose text alone is its context for the next token).

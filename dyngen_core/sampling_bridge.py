@@ -109,10 +109,10 @@ class SamplingBridge:
         for i, r in zip(rows, results):
             a = active[i]
             a.draws += 1
-            # Positional: this runs once per job and step (fields: job_id, token_ids,
-            # num_draft_accepted, probs, top_k_tokens, top_k_probs, logits).
-            out[a.job_id] = SampledTokens(a.job_id, r.token_ids, 0, r.token_probs,
-                                          r.top_k_tokens, r.top_k_probs, r.logits)
+            out[a.job_id] = SampledTokens(
+                job_id=a.job_id, token_ids=r.token_ids, probs=r.token_probs,
+                top_k_tokens=r.top_k_tokens, top_k_probs=r.top_k_probs, logits=r.logits,
+            )
         return out
 
     def _request(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> SampleRequest:

@@ -49,28 +49,18 @@ class _PrefixIndex:
         self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
         self._longest = max((len(s) - 1 for s in strings), default=0)
         # A held end starts with some string's first character: only those places are tried
-        # (most text has none of them near its end). One first character (the usual case) is
-        # found with str.find, several with one regex scan.
-        firsts = "".join(sorted({s[0] for s in strings if len(s) > 1}))
-        self._first = firsts if len(firsts) == 1 else ""
-        self._starts = re.compile("|".join(map(re.escape, firsts))) if len(firsts) > 1 else None
+        # (most text has none of them near its end), found by one regex scan.
+        firsts = sorted({s[0] for s in strings if len(s) > 1})
+        self._starts = re.compile("|".join(map(re.escape, firsts))) if firsts else None
 
     def held_length(self, text: str) -> int:
-        tail = text[-self._longest:] if len(text) > self._longest else text
-        prefixes, first = self._prefixes, self._first
-        if first:
-            at = tail.find(first)
-            while at != -1:
-                if tail[at:] in prefixes:
-                    return len(tail) - at
-                at = tail.find(first, at + 1)
-            return 0
         if self._starts is None:
             return 0
+        tail = text[-self._longest:] if len(text) > self._longest else text
         found = self._starts.search(tail)
         while found is not None:
             at = found.start()
-            if tail[at:] in prefixes:
+            if tail[at:] in self._prefixes:
                 return len(tail) - at
             found = self._starts.search(tail, at + 1)
         return 0

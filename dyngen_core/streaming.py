@@ -7,6 +7,8 @@ generator feeds it token ids and emits what it returns.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from dyngen_core.detokenize import IncrementalDetokenizer, TokenPieces
 from dyngen_core.job import Job
 from dyngen_core.results import EosReason
@@ -14,6 +16,7 @@ from dyngen_core.stop import BannedStringMatcher, StopMatcher
 from dyngen_core.tokenizer import Tokenizer
 
 
+@dataclass(slots=True)
 class StreamUpdate:
     """What one pushed token produced: text safe to show, an end, or a rewind request.
 
@@ -21,15 +24,11 @@ class StreamUpdate:
     banned_token_id: the token that started the banned string, to forbid at that position.
     """
 
-    __slots__ = ("text", "eos_reason", "rewind", "banned_token_id", "token_ids")
-
-    def __init__(self, text: str = "", eos_reason: EosReason | None = None, rewind: int = 0,
-                 banned_token_id: int | None = None, token_ids: list[int] | None = None) -> None:
-        self.text = text
-        self.eos_reason = eos_reason
-        self.rewind = rewind
-        self.banned_token_id = banned_token_id
-        self.token_ids = [] if token_ids is None else token_ids
+    text: str = ""
+    eos_reason: EosReason | None = None
+    rewind: int = 0
+    banned_token_id: int | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class JobStream:
