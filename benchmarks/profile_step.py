@@ -1,6 +1,7 @@
 """Where one decode step's GPU time goes: a kernel-time breakdown (torch.profiler) of the
-forward for ``--batch`` sequences at ``--context`` tokens, Llama-3-8B shape, random weights and
-random cache contents, Triton attention, no CUDA graph (kernel times are the same).
+forward for ``--batch`` sequences at ``--context`` tokens, Llama-3-8B shape, random weights,
+Triton attention, no CUDA graph (kernel times are the same). fp16 pages hold random values;
+quantized pages (``--mode q8|q6|q4``) stay zero, which costs the kernel the same work.
 
 Prints the top kernels by total CUDA time and the share of attention vs everything else, plus
 the step's floor (weights + KV bytes at the copy bandwidth measured in the same run).
