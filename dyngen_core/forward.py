@@ -83,4 +83,5 @@ def build_forward_batch(plan: StepPlan, page_size: int,
         query_lens_host=host.query_lens,
         context_lens_host=host.context_lens,
         page_size=page_size,
+        page_tables_host=host.page_rows,
     )

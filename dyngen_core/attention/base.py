@@ -26,6 +26,8 @@ class ForwardBatch:
     page_table: [B, max_pages] (int32), padded with 0 beyond a sequence's pages.
     logits_indices: [S] (int64) rows of the flattened tokens whose logits are wanted.
     query_lens_host / context_lens_host: the same lengths as Python lists.
+    page_tables_host: each sequence's pages as Python lists (unpadded), or None where the batch
+        was not built from a plan (replayed CUDA graphs).
     """
 
     input_ids: torch.Tensor
@@ -38,6 +40,7 @@ class ForwardBatch:
     query_lens_host: list[int]
     context_lens_host: list[int]
     page_size: int
+    page_tables_host: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
