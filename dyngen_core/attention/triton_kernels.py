@@ -4,7 +4,10 @@ One program serves one block of query rows of one sequence against one KV head: 
 ``BLOCK_Q`` tokens x ``G_PAD`` query heads of that KV head's group (GQA), so a decode program
 reads each key and value of the group once for all its query heads. A third grid axis splits the
 context ("split-K", flash-decoding): each split writes a partial result with its log-sum-exp and
-`combine_splits_kernel` merges them.
+`combine_splits_kernel` merges them. The query loading, the key loop and the normalization are
+helpers (`load_scaled_queries`, `attend_key_range`, `normalized_rows`) that the shared-prefix
+kernel of `triton_cascade_kernels` reuses; with ``REMAINDER`` this kernel attends only each
+sequence's keys after its group's shared prefix (the cascade's second pass).
 
 Pages are read in place through the page table, in one of two layouts:
 
@@ -93,66 +96,38 @@ def _load_codes6(byte_ptr, row_off, mask, dims, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def paged_attention_kernel(
-    q_ptr, stride_qt, stride_qh,
-    k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
-    rot_ptr,
-    page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
-    block_seq_ptr, block_first_ptr,
-    out_ptr, stride_ot, stride_oh,
-    part_out_ptr, part_lse_ptr,
-    scale_log2,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
-    else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
-    DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise."""
-    block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    if DECODE:
-        seq = block
-        first = block * 0
-    else:
-        seq = tl.load(block_seq_ptr + block)
-        first = tl.load(block_first_ptr + block)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    ctx = tl.load(context_lens_ptr + seq)
-
-    rows = tl.arange(0, BLOCK_M)
-    token = first + rows // G_PAD
-    head_in_group = rows % G_PAD
-    row_valid = (token < q_len) & (head_in_group < G) & (rows < BLOCK_Q * G_PAD)
-    head = kv_head * G + head_in_group
-    position = ctx - q_len + token
-    dims = tl.arange(0, HEAD_PAD)
-    dim_valid = dims < HEAD_DIM
-
-    q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+def load_scaled_queries(q_ptr, q_offsets, row_valid, dims, rot_ptr, scale_log2,
+                        K_BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HEAD_PAD: tl.constexpr):
+    """Query rows [BLOCK_M, HEAD_PAD] starting at element offsets ``q_offsets`` [BLOCK_M], times
+    the softmax scale in the log2 domain, rotated into the pages' space when keys are quantized,
+    in the queries' dtype (what the dots take). Invalid rows and padded columns read as 0."""
+    q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :],
+                mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     q = q.to(tl.float32)
     if K_BITS > 0:
         r32 = tl.arange(0, 32)
         rot_t = tl.load(rot_ptr + r32[None, :] * 32 + r32[:, None])  # R^T
         q = _rotate_rows(q, rot_t, BLOCK_M, HEAD_PAD)
-    q = (q * scale_log2).to(q_ptr.dtype.element_ty)
+    return (q * scale_log2).to(q_ptr.dtype.element_ty)
 
-    last_token = tl.minimum(first + BLOCK_Q, q_len)
-    kv_end = ctx - q_len + last_token
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_lo = split * chunk
-    kv_hi = tl.minimum(kv_lo + chunk, kv_end)
 
+@triton.jit
+def attend_key_range(q, table_row, kv_lo, kv_hi, position, kv_head, dims,
+                     k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                     stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
+                     stride_vss, stride_vsh,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
+                     V_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the rows ``q`` (from `load_scaled_queries`) over keys [kv_lo, kv_hi)
+    of the page-table row ``table_row``, each row seeing keys up to its ``position``.
+
+    Returns (running max m, running sum l, unnormalized output acc [BLOCK_M, HEAD_PAD]), all
+    float32, log2 domain; rows that saw no key keep l = 0."""
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_valid = keys < kv_hi
@@ -177,24 +152,103 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
+    return m_i, l_i, acc
 
+
+@triton.jit
+def normalized_rows(acc, l_i, rot_ptr, V_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HEAD_PAD: tl.constexpr):
+    """``acc / l`` (rows that saw no key stay 0), rotated back when values are quantized."""
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if V_BITS > 0:
-        r32b = tl.arange(0, 32)
-        rot = tl.load(rot_ptr + r32b[:, None] * 32 + r32b[None, :])
+        r32 = tl.arange(0, 32)
+        rot = tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :])
         acc = _rotate_rows(acc, rot, BLOCK_M, HEAD_PAD)
-    out_token = (q_start + token).to(tl.int64)
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + (out_token * stride_ot + head * stride_oh)[:, None] + dims[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None] & dim_valid[None, :])
+    return acc
+
+
+@triton.jit
+def log2_sum_exp(m_i, l_i):
+    """Per row, log2 of the softmax denominator (scores already in the log2 domain); -inf for
+    rows that saw no key, so merging gives them weight 0."""
+    return tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, stride_qt, stride_qh,
+    k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    rot_ptr,
+    page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
+    block_seq_ptr, block_first_ptr, kv_start_ptr,
+    out_ptr, stride_ot, stride_oh,
+    part_out_ptr, part_lse_ptr,
+    scale_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr, REMAINDER: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
+    else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
+    REMAINDER: attend only keys from ``kv_start[seq]`` on (a cascade's own-keys pass; the shared
+    prefix before it is attended by `triton_cascade_kernels.shared_prefix_kernel`).
+    WRITE_PARTIALS: write each split's output and log-sum-exp for a later merge (required when
+    NUM_SPLITS > 1 or REMAINDER) instead of the output itself.
+    DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise."""
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = block
+        first = block * 0
     else:
+        seq = tl.load(block_seq_ptr + block)
+        first = tl.load(block_first_ptr + block)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    ctx = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // G_PAD
+    head_in_group = rows % G_PAD
+    row_valid = (token < q_len) & (head_in_group < G) & (rows < BLOCK_Q * G_PAD)
+    head = kv_head * G + head_in_group
+    position = ctx - q_len + token
+    dims = tl.arange(0, HEAD_PAD)
+    q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
+    q = load_scaled_queries(q_ptr, q_rows, row_valid, dims, rot_ptr, scale_log2, K_BITS,
+                            HEAD_DIM, BLOCK_M, HEAD_PAD)
+
+    last_token = tl.minimum(first + BLOCK_Q, q_len)
+    kv_end = ctx - q_len + last_token
+    if REMAINDER:
+        kv_begin = tl.load(kv_start_ptr + seq)
+    else:
+        kv_begin = ctx * 0
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = kv_begin + split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, kv_end)
+    table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    m_i, l_i, acc = attend_key_range(
+        q, table_row, kv_lo, kv_hi, position, kv_head, dims,
+        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, DOT_PRECISION)
+    acc = normalized_rows(acc, l_i, rot_ptr, V_BITS, BLOCK_M, HEAD_PAD)
+    out_token = (q_start + token).to(tl.int64)
+    if WRITE_PARTIALS:
         # Partials: [T, H, NUM_SPLITS, HEAD_PAD] and log2-sum-exp [T, H, NUM_SPLITS].
         part_row = (out_token * tl.num_programs(1) * G + head) * NUM_SPLITS + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
                  mask=row_valid[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+        tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+    else:
+        o_ptrs = out_ptr + (out_token * stride_ot + head * stride_oh)[:, None] + dims[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :])
 
 
 @triton.jit

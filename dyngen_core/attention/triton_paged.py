@@ -7,6 +7,13 @@ size alone (one program per sequence and KV head, the context split into a fixed
 parts merged by a second kernel), so it can be captured in a CUDA graph and replayed with new
 page tables and context lengths. Batches with prefill chunks map query blocks to sequences with a
 small table built once per forward on the host.
+
+Shared prefixes: in an eager decode-only forward over unquantized pages, decodes whose page
+tables begin with the same pages (prefix dedup) are planned into groups on the host
+(`shared_prefix`), and each group's shared keys are read once for all its members
+(`triton_cascade`). Replayed CUDA graphs carry no host page tables and never cascade;
+`TritonPagedBackend.prefers_eager` tells the runner when an eager forward would. Quantized pages
+keep the plain path.
 """
 
 from __future__ import annotations
@@ -16,11 +23,21 @@ from dataclasses import dataclass
 import torch
 
 from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy, plan_shared_prefixes
+from dyngen_core.attention.triton_cascade import (
+    CascadeTables,
+    PrefixLaunch,
+    attend_prefixes,
+    cascade_tables,
+    merge_partials,
+    split_count,
+)
 from dyngen_core.attention.triton_kernels import (
     ROTATION_GROUP,
     combine_splits_kernel,
     paged_attention_kernel,
 )
+from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
 LOG2_E = 1.4426950408889634
@@ -72,25 +89,49 @@ class TritonPagedBackend:
 
     block_n: keys per inner-loop step.
     prefill_rows: query rows (tokens x heads of a KV group) per prefill program.
-    max_splits: most parts the context of a decode is split into.
+    max_splits: most parts the context of a decode (or a shared prefix) is split into.
     programs_per_sm: decode programs aimed for per multiprocessor when choosing the split count.
     decode_warps, prefill_warps: warps per program of decode-only and other batches. Decode:
         4 measured fastest on an H200 at 16k context (BENCHMARKS.md); prefill: 8 keeps its
         64-row tiles in registers without spills (ptxas, sm_90).
+    cascade_min_saved_keys, cascade_min_members, cascade_min_prefix_pages: when decode-only
+        batches over unquantized pages use shared-prefix ("cascade") attention, as the fields
+        of `shared_prefix.CascadePolicy` (whose defaults these are, with the reasons);
+        ``cascade_min_saved_keys=None`` never cascades. Only batches that carry host page
+        tables (``ForwardBatch.page_tables_host``, i.e. eager forwards) can cascade.
+    cascade_rows: query rows (members x heads of a KV group) per shared-prefix program; each
+        program reads its group's shared keys once for all of them.
+    cascade_warps: warps per shared-prefix program (its tiles are prefill-sized).
+    cascade_programs_per_sm: shared-prefix programs aimed for per multiprocessor when choosing
+        how many parts a prefix is split into (each part adds partial results to merge).
     """
 
     name = "triton"
 
     def __init__(self, *, block_n: int = 64, prefill_rows: int = 64, max_splits: int = 32,
-                 programs_per_sm: int = 4, decode_warps: int = 4,
-                 prefill_warps: int = 8) -> None:
+                 programs_per_sm: int = 4, decode_warps: int = 4, prefill_warps: int = 8,
+                 cascade_min_saved_keys: int | None = CascadePolicy.min_saved_keys,
+                 cascade_min_members: int = CascadePolicy.min_members,
+                 cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
+                 cascade_rows: int = 64, cascade_warps: int = 8,
+                 cascade_programs_per_sm: int = 2) -> None:
         self.block_n = block_n
         self.prefill_rows = prefill_rows
         self.max_splits = max_splits
         self.programs_per_sm = programs_per_sm
         self.decode_warps = decode_warps
         self.prefill_warps = prefill_warps
+        self.cascade = None if cascade_min_saved_keys is None else CascadePolicy(
+            cascade_min_members, cascade_min_prefix_pages, cascade_min_saved_keys)
+        if cascade_rows < 16 or cascade_rows & (cascade_rows - 1):
+            raise ValueError(f"cascade_rows must be a power of two >= 16 (a tl.dot tile); "
+                             f"got {cascade_rows}")
+        self.cascade_rows = cascade_rows
+        self.cascade_warps = cascade_warps
+        self.cascade_programs_per_sm = cascade_programs_per_sm
         self._blocks: tuple[ForwardBatch, int, _QueryBlocks] | None = None
+        self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
+        self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
         self._rotations: dict[torch.device, torch.Tensor] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -103,51 +144,126 @@ class TritonPagedBackend:
                       batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Attention of q [T, H, D] over the pages already in storage (keys written)."""
         ops = page_operands(storage, layer)
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = ops.keys.shape[2]
-        group = num_heads // num_kv_heads
-        group_pad = triton_next_pow2(group)
-        head_pad = max(triton_next_pow2(head_dim), ROTATION_GROUP if ops.key_bits else 16)
+        heads = _HeadShape.of(q, ops)
+        rotation = self._rotation(q.device) if ops.key_bits or ops.value_bits else q
+        page_args = page_arguments(ops, rotation)
+        tables = self._cascade_tables(batch, storage, heads, q.device)
+        if tables is not None:
+            return self._attend_cascade(q, ops, page_args, batch, tables, scale, heads)
+        num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)
         if batch.is_decode_only:
-            rows, block_q, grid0 = max(16, group_pad), 1, batch.num_seqs
-            splits = self._decode_splits(batch.num_seqs * num_kv_heads, q.device)
-            blocks = None
+            rows, block_q, blocks = max(16, heads.group_pad), 1, None
+            splits = self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device)
         else:
-            rows = max(self.prefill_rows, group_pad)
-            block_q, splits = rows // group_pad, 1
+            rows = max(self.prefill_rows, heads.group_pad)
+            block_q, splits = rows // heads.group_pad, 1
             blocks = self._query_blocks(batch, block_q, q.device)
-            grid0 = int(blocks.seq.shape[0])
-        parts, lse = _split_buffers(num_tokens, num_heads, splits, head_pad, q.device)
-        ks, vs = ops.key_scales, ops.value_scales
-        rotation = self._rotation(q.device) if ops.key_bits or ops.value_bits else q
-        grid = (grid0, num_kv_heads, splits)
-        paged_attention_kernel[grid](
-            q, q.stride(0), q.stride(1),
-            ops.keys, ops.values, *ops.keys.stride()[:3], *ops.values.stride()[:3],
-            ks if ks is not None else ops.keys, vs if vs is not None else ops.values,
-            *_strides3(ks), *_strides3(vs),
-            rotation,
-            batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
-            blocks.seq if blocks is not None else batch.query_start,
-            blocks.first if blocks is not None else batch.query_start,
-            out, out.stride(0), out.stride(1),
-            parts, lse,
-            scale * LOG2_E,
-            G=group, G_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=self.block_n,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, PAGE_SIZE=batch.page_size,
-            K_BITS=ops.key_bits, V_BITS=ops.value_bits, NUM_SPLITS=splits,
-            DECODE=blocks is None,
-            num_warps=self.decode_warps if blocks is None else self.prefill_warps,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        )
+        parts, lse = _split_buffers(num_tokens, num_heads, splits, heads.head_pad, q.device)
+        self._launch_paged(q, ops, page_args, batch, heads, out, (parts, lse), scale,
+                           rows=rows, block_q=block_q, blocks=blocks, splits=splits)
         if splits > 1:
             combine_splits_kernel[(num_tokens, num_heads)](
                 parts, lse, out, out.stride(0), out.stride(1), num_heads,
-                NUM_SPLITS=splits, SPLITS_PAD=triton_next_pow2(splits), HEAD_DIM=head_dim,
-                HEAD_PAD=head_pad, num_warps=4,
+                NUM_SPLITS=splits, SPLITS_PAD=triton_next_pow2(splits),
+                HEAD_DIM=heads.head_dim, HEAD_PAD=heads.head_pad, num_warps=4,
             )
         return out
+
+    def prefers_eager(self, batch: ForwardBatch, storage: KVStorage) -> bool:
+        """True when `attend_cached` would run ``batch`` as a cascade: then the runner should
+        run the step eagerly rather than replay a CUDA graph (a replayed graph never cascades).
+        The plan is kept for the forward of this very batch object."""
+        return self._cascade_plan(batch, storage) is not None
+
+    def prefers_eager_plan(self, plan: StepPlan, storage: KVStorage) -> bool:
+        """`prefers_eager` for the batch ``plan`` would build, from the plan alone (for the
+        runner's choice before building a batch; the forward plans again, cheaply)."""
+        slices = plan.slices
+        if (self.cascade is None or storage.mode != "fp16" or not slices
+                or any(piece.num_tokens != 1 for piece in slices)):
+            return False
+        return plan_shared_prefixes([piece.page_table for piece in slices],
+                                    [piece.end_pos for piece in slices], [1] * len(slices),
+                                    storage.page_size, self.cascade) is not None
+
+    def _attend_cascade(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
+                        batch: ForwardBatch, tables: CascadeTables, scale: float,
+                        heads: _HeadShape) -> torch.Tensor:
+        """Own keys of every sequence, shared prefixes of every group, merged per query row."""
+        num_tokens, num_heads, _ = q.shape
+        sms = _multiprocessors(q.device)
+        min_keys = 4 * self.block_n
+        rem_splits = split_count(tables.max_remainder, batch.num_seqs * heads.num_kv_heads,
+                                 self.programs_per_sm * sms, self.max_splits, min_keys)
+        remainder = _split_buffers(num_tokens, num_heads, rem_splits, heads.head_pad, q.device,
+                                   always=True)
+        out = torch.empty_like(q)
+        self._launch_paged(q, ops, page_args, batch, heads, out, remainder, scale,
+                           rows=max(16, heads.group_pad), block_q=1, blocks=None,
+                           splits=rem_splits, kv_start=tables.kv_start)
+        rows = max(self.cascade_rows, heads.group_pad)
+        launch = PrefixLaunch(
+            group=heads.group, group_pad=heads.group_pad, rows=rows, block_n=self.block_n,
+            head_pad=heads.head_pad, warps=self.cascade_warps,
+            splits=split_count(tables.max_prefix, tables.num_blocks * heads.num_kv_heads,
+                               self.cascade_programs_per_sm * sms, self.max_splits, min_keys))
+        prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
+        merge_partials(out, remainder, prefix, tables)
+        return out
+
+    def _launch_paged(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
+                      batch: ForwardBatch, heads: _HeadShape, out: torch.Tensor,
+                      partials: tuple[torch.Tensor, torch.Tensor], scale: float, *, rows: int,
+                      block_q: int, blocks: _QueryBlocks | None, splits: int,
+                      kv_start: torch.Tensor | None = None) -> None:
+        """One `paged_attention_kernel` launch; ``kv_start`` makes it a cascade's remainder."""
+        grid0 = batch.num_seqs if blocks is None else int(blocks.seq.shape[0])
+        parts, lse = partials
+        unused = batch.query_start
+        paged_attention_kernel[(grid0, heads.num_kv_heads, splits)](
+            q, q.stride(0), q.stride(1), *page_args,
+            batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
+            blocks.seq if blocks is not None else unused,
+            blocks.first if blocks is not None else unused,
+            kv_start if kv_start is not None else unused,
+            out, out.stride(0), out.stride(1),
+            parts, lse,
+            scale * LOG2_E,
+            G=heads.group, G_PAD=heads.group_pad, BLOCK_Q=block_q, BLOCK_M=rows,
+            BLOCK_N=self.block_n, HEAD_DIM=heads.head_dim, HEAD_PAD=heads.head_pad,
+            PAGE_SIZE=batch.page_size, K_BITS=ops.key_bits, V_BITS=ops.value_bits,
+            NUM_SPLITS=splits, DECODE=blocks is None, REMAINDER=kv_start is not None,
+            WRITE_PARTIALS=splits > 1 or kv_start is not None,
+            num_warps=self.decode_warps if blocks is None else self.prefill_warps,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+
+    def _cascade_plan(self, batch: ForwardBatch, storage: KVStorage) -> CascadePlan | None:
+        """The batch's shared-prefix plan (once per batch), or None when it runs no cascade."""
+        if (self.cascade is None or storage.mode != "fp16" or batch.page_tables_host is None
+                or not batch.is_decode_only):
+            return None
+        cached = self._plan
+        if cached is not None and cached[0] is batch:
+            return cached[1]
+        plan = plan_shared_prefixes(batch.page_tables_host, batch.context_lens_host,
+                                    batch.query_lens_host, batch.page_size, self.cascade)
+        self._plan = (batch, plan)
+        return plan
+
+    def _cascade_tables(self, batch: ForwardBatch, storage: KVStorage, heads: _HeadShape,
+                        device: torch.device) -> CascadeTables | None:
+        plan = self._cascade_plan(batch, storage)
+        if plan is None:
+            return None
+        members_per_block = max(self.cascade_rows, heads.group_pad) // heads.group_pad
+        cached = self._tables
+        if cached is not None and cached[0] is batch and cached[1] == members_per_block:
+            return cached[2]
+        tables = cascade_tables(plan, batch.context_lens_host, members_per_block, device)
+        self._tables = (batch, members_per_block, tables)
+        return tables
 
     def _decode_splits(self, programs: int, device: torch.device) -> int:
         """Split count from the batch shape only (never from context lengths), so a captured
@@ -180,6 +296,35 @@ class TritonPagedBackend:
         return self._rotations[device]
 
 
+@dataclass(frozen=True)
+class _HeadShape:
+    """Head layout of one attention call: query heads per KV head (and its power-of-two pad),
+    head_dim and the padded width the kernels use."""
+
+    num_kv_heads: int
+    group: int
+    group_pad: int
+    head_dim: int
+    head_pad: int
+
+    @staticmethod
+    def of(q: torch.Tensor, ops: PageOperands) -> _HeadShape:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = ops.keys.shape[2]
+        group = num_heads // num_kv_heads
+        head_pad = max(triton_next_pow2(head_dim), ROTATION_GROUP if ops.key_bits else 16)
+        return _HeadShape(num_kv_heads, group, triton_next_pow2(group), head_dim, head_pad)
+
+
+def page_arguments(ops: PageOperands, rotation: torch.Tensor) -> tuple[object, ...]:
+    """The page tensors, scales, their strides and the rotation, in the order every paged
+    kernel takes them (scales default to the page tensors, unread, for float pages)."""
+    ks, vs = ops.key_scales, ops.value_scales
+    return (ops.keys, ops.values, *ops.keys.stride()[:3], *ops.values.stride()[:3],
+            ks if ks is not None else ops.keys, vs if vs is not None else ops.values,
+            *_strides3(ks), *_strides3(vs), rotation)
+
+
 def triton_next_pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (max(1, n) - 1).bit_length()
@@ -189,9 +334,11 @@ def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def _split_buffers(tokens: int, heads: int, splits: int, head_pad: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if splits == 1:
+def _split_buffers(tokens: int, heads: int, splits: int, head_pad: int, device: torch.device,
+                   always: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials [T, H, splits, head_pad] and log2-sum-exp [T, H, splits] (float32); with one
+    split and not ``always``, placeholders (the kernel writes the output directly)."""
+    if splits == 1 and not always:
         empty = torch.empty(1, dtype=torch.float32, device=device)
         return empty, empty
     parts = torch.empty(tokens, heads, splits, head_pad, dtype=torch.float32, device=device)

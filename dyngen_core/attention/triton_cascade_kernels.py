@@ -1,0 +1,131 @@
+"""Triton kernels of shared-prefix ("cascade") decode attention (`triton_cascade` launches them).
+
+A group is decodes whose page tables begin with the same pages (`shared_prefix`). Its query rows
+are members x ``G`` query heads of one KV head; `shared_prefix_kernel` attends a block of those
+rows to the group's shared keys in one pass, so each shared key and value is read once per row
+block instead of once per member, and the rows of a block share every ``tl.dot`` (a decode of
+one sequence has only ``G`` rows). The shared prefix is also split along the context, so one or
+a few groups still fill the GPU. Each split writes a partial output and its log2-sum-exp per
+row, as the split-K decode does.
+
+Each member's own keys (after the prefix) are attended by
+`triton_kernels.paged_attention_kernel` with ``REMAINDER``; `merge_cascade_kernel` then merges,
+for every query row, the remainder's partials with its group's prefix partials by log-sum-exp.
+Sequences in no group pass through the same merge with their remainder partials alone.
+
+Float and quantized pages are read by the same helpers as the plain kernel (`_load_rows`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dyngen_core.attention.triton_kernels import (
+    attend_key_range,
+    load_scaled_queries,
+    log2_sum_exp,
+    normalized_rows,
+)
+
+
+@triton.jit
+def shared_prefix_kernel(
+    q_ptr, stride_qt, stride_qh,
+    k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    rot_ptr,
+    page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
+    member_seq_ptr, group_end_ptr, group_prefix_ptr, block_group_ptr, block_first_ptr,
+    part_out_ptr, part_lse_ptr,
+    scale_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (row blocks, kv heads, splits): one block of a group's members against one split of
+    the group's shared keys.
+
+    member_seq [M]: the batch sequence of each member, groups one after another.
+    group_end [groups]: one past each group's last member in ``member_seq``.
+    group_prefix [groups]: shared keys of each group (whole pages).
+    block_group, block_first [row blocks]: the group of a block and its first member; a block
+        holds up to ``BLOCK_M // G_PAD`` members of one group, row = member * G_PAD + head.
+    Writes partials [M, H, NUM_SPLITS, HEAD_PAD] (float32) and log2-sum-exp [M, H, NUM_SPLITS].
+    """
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    group = tl.load(block_group_ptr + block)
+    first = tl.load(block_first_ptr + block)
+    end = tl.load(group_end_ptr + group)
+    prefix = tl.load(group_prefix_ptr + group)
+
+    rows = tl.arange(0, BLOCK_M)
+    member = first + rows // G_PAD
+    head_in_group = rows % G_PAD
+    row_valid = (member < end) & (head_in_group < G)
+    head = kv_head * G + head_in_group
+    seq = tl.load(member_seq_ptr + member, mask=row_valid, other=0)
+    # Every prefix key is visible to every member (the planner's rule); the mask keeps it exact.
+    position = tl.load(context_lens_ptr + seq, mask=row_valid, other=0) - 1
+    token = tl.load(query_start_ptr + seq, mask=row_valid, other=0)
+    dims = tl.arange(0, HEAD_PAD)
+    q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
+    q = load_scaled_queries(q_ptr, q_rows, row_valid, dims, rot_ptr, scale_log2, K_BITS,
+                            HEAD_DIM, BLOCK_M, HEAD_PAD)
+
+    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, prefix)
+    # Members share the prefix's page ids, so the first member's page-table row serves all.
+    leader = tl.load(member_seq_ptr + first)
+    table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
+    m_i, l_i, acc = attend_key_range(
+        q, table_row, kv_lo, kv_hi, position, kv_head, dims,
+        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, DOT_PRECISION)
+    acc = normalized_rows(acc, l_i, rot_ptr, V_BITS, BLOCK_M, HEAD_PAD)
+    part_row = (member.to(tl.int64) * tl.num_programs(1) * G + head) * NUM_SPLITS + split
+    tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
+             mask=row_valid[:, None])
+    tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+
+
+@triton.jit
+def merge_cascade_kernel(rem_out_ptr, rem_lse_ptr, pre_out_ptr, pre_lse_ptr, seq_member_ptr,
+                         out_ptr, stride_ot, stride_oh, num_heads,
+                         REM_SPLITS: tl.constexpr, REM_PAD: tl.constexpr,
+                         PRE_SPLITS: tl.constexpr, PRE_PAD: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Grid (decode tokens, heads): the output of one query row from its remainder partials
+    [T, H, REM_SPLITS, HEAD_PAD] and, for a group member (``seq_member[token] >= 0``), its
+    prefix partials [M, H, PRE_SPLITS, HEAD_PAD], weighted by their log2-sum-exp."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    member = tl.load(seq_member_ptr + token).to(tl.int64)
+    in_group = member >= 0
+    dims = tl.arange(0, HEAD_PAD)
+
+    rem = tl.arange(0, REM_PAD)
+    rem_valid = rem < REM_SPLITS
+    rem_row = (token * num_heads + head) * REM_SPLITS + rem
+    rem_lse = tl.load(rem_lse_ptr + rem_row, mask=rem_valid, other=float("-inf"))
+    pre = tl.arange(0, PRE_PAD)
+    pre_valid = (pre < PRE_SPLITS) & in_group
+    pre_row = (tl.maximum(member, 0) * num_heads + head) * PRE_SPLITS + pre
+    pre_lse = tl.load(pre_lse_ptr + pre_row, mask=pre_valid, other=float("-inf"))
+
+    top = tl.maximum(tl.max(rem_lse, 0), tl.max(pre_lse, 0))
+    rem_weight = tl.exp2(rem_lse - top)
+    pre_weight = tl.exp2(pre_lse - top)
+    rem_parts = tl.load(rem_out_ptr + rem_row[:, None] * HEAD_PAD + dims[None, :],
+                        mask=rem_valid[:, None], other=0.0)
+    pre_parts = tl.load(pre_out_ptr + pre_row[:, None] * HEAD_PAD + dims[None, :],
+                        mask=pre_valid[:, None], other=0.0)
+    total = tl.sum(rem_parts * rem_weight[:, None], 0) + tl.sum(pre_parts * pre_weight[:, None], 0)
+    out = total / (tl.sum(rem_weight, 0) + tl.sum(pre_weight, 0))
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
