@@ -54,6 +54,13 @@ class ActiveJob:
         self._needs_history = bool(self.settings.active_stages() & {"penalties", "dry"})
         job = self.job
         self.wants_extras = bool(job.return_probs or job.return_top_tokens or job.return_logits)
+        # A plain greedy job's token is always the argmax of its logits row: no stage, mask
+        # (no constraint; no banned strings, so no banned positions; no min_new_tokens, so stop
+        # tokens are never banned) and no extra output. A batch of them skips the general sampler.
+        self.plain_greedy = bool(
+            self.settings.is_greedy and not self.settings.active_stages() and not self.wants_extras
+            and self.matcher is None and not job.banned_strings and job.min_new_tokens == 0
+        )
         # The sampler's request for this job, built once by the sampling bridge and updated in
         # place each step (its history and state are this record's own lists and objects).
         self.request: SampleRequest | None = None
@@ -102,12 +109,14 @@ class ActiveJob:
     def result(self, stage: str, **data: Any) -> Result:
         return Result(job=self.job, identifier=self.job.identifier, stage=stage, eos=False, **data)
 
-    def streaming_result(self, text: str, token_ids: list[int], tokens: SampledTokens) -> Result:
-        """A "streaming" result of one step (what `result` builds, without keyword copies)."""
+    def streaming_result(self, text: str, token_id: int, tokens: SampledTokens | None) -> Result:
+        """A "streaming" result of one step carrying one token (what `result` builds, without
+        keyword copies). ``tokens`` holds the extra outputs; None only when none was asked for."""
         job = self.job
         data = {"job": job, "identifier": job.identifier, "stage": "streaming", "eos": False,
-                "text": text, "token_ids": token_ids}
+                "text": text, "token_ids": [token_id]}
         if self.wants_extras:
+            assert tokens is not None
             data.update(self.extras(tokens))
         return Result.from_dict(data)
 

@@ -27,6 +27,7 @@ PROMPT_CONTEXT_TOKENS = 4
 # invalid bytes (real U+FFFD) keep the end unfinished, which bounds the window.
 MAX_PENDING_TOKENS = 8
 UNFINISHED_CHAR_TOKENS = 3
+_UNSEEN = object()  # `TokenPieces.table` has no entry yet (None means "not simple")
 
 
 class Decoder(Protocol):
@@ -76,9 +77,10 @@ class TokenPieces:
 
     def lookup(self, token_id: int) -> tuple[str, str] | None:
         """``(text after another simple token, text alone)`` of a simple token, else None."""
-        if token_id in self.table:
-            return self.table[token_id]
-        entry = None
+        cached = self.table.get(token_id, _UNSEEN)
+        if cached is not _UNSEEN:
+            return cached  # type: ignore[return-value]
+        entry: tuple[str, str] | None = None
         if token_id not in self._added:
             alone = self._tokenizer.decode([token_id])
             twice = self._tokenizer.decode([token_id, token_id])
@@ -137,6 +139,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._pieces = pieces
+        self._table = pieces.table if pieces is not None else {}
         # True when the window is one simple token, fully read: the fast path's precondition.
         self._simple_tail = False
         self._decode_special = not skip_special_tokens
@@ -151,12 +154,14 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
         if self._simple_tail:
-            assert self._pieces is not None
-            entry = self._pieces.lookup(token_id)
+            # A token not in the table yet takes the exact path once; reading the window back
+            # then enters it (see `_emit`).
+            entry = self._table.get(token_id)
             if entry is not None:
                 # What the slow path computes for [w, t] when both are simple: t's piece, and
-                # a window of just t (whose text alone is its context for the next token).
-                self._window = [token_id]
+                # a window of just t (whose text alone is its context for the next token). The
+                # window is this detokenizer's own one-token list: updated in place.
+                self._window[0] = token_id
                 self._read_text = entry[1]
                 return entry[0]
         return self.add((token_id,))

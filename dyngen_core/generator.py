@@ -28,6 +28,7 @@ from dyngen_core.runner import ModelRunner
 from dyngen_core.sampling_bridge import SamplingBridge
 from dyngen_core.scheduler import Scheduler
 from dyngen_core.settings import SamplerSettings
+from dyngen_core.streaming import StreamUpdate
 from dyngen_core.tokenizer import Tokenizer
 
 
@@ -190,15 +191,42 @@ class DynamicGenerator:
         if plan.is_empty:
             return results
         try:
-            outcome = self._run_and_sample(plan)
+            sampled = self._run_and_sample(plan)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the engine
             for s in plan.slices:
                 if s.job_id in self._active:
                     self._end_job(s.job_id, EosReason.ERROR, error=exc)
             return results + self._take_finished()
-        self._scheduler.apply(plan, outcome)
-        self._emit_step(plan, outcome, results)
+        if isinstance(sampled, StepOutcome):
+            self._scheduler.apply(plan, sampled)
+            self._emit_step(plan, sampled, results)
+        else:  # one token per sampling slice, in plan order: the plain greedy fast path
+            self._scheduler.apply_tokens(plan, sampled)
+            self._emit_tokens(plan, sampled, results)
         return results + self._take_finished()
+
+    def _run_and_sample(self, plan: StepPlan) -> StepOutcome | list[int]:
+        """Run the plan and sample: the outcome, or (every sampling job plain greedy) just the
+        tokens of the sampling slices in plan order."""
+        active_jobs = self._active
+        active = [active_jobs[s.job_id] for s in plan.slices if s.sample]
+        plain = self._bridge.all_plain(active)
+        # Grammar masks overlap the forward.
+        masks = None if plain else self._bridge.start_masks(active)
+        logits = self._runner.run(plan)
+        if not active or logits is None:
+            return StepOutcome()
+        if plain:
+            tokens = self._bridge.sample_plain(logits, active)
+            if tokens is not None:
+                return tokens
+        outcome = StepOutcome()
+        for job_id, sampled in self._bridge.sample(logits, active, masks).items():
+            if isinstance(sampled, Exception):
+                self._end_job(job_id, EosReason.ERROR, error=sampled)
+            else:
+                outcome.sampled[job_id] = sampled
+        return outcome
 
     def _emit_step(self, plan: StepPlan, outcome: StepOutcome, out: list[Result]) -> None:
         """Append every job's results of this step to ``out``."""
@@ -208,53 +236,74 @@ class DynamicGenerator:
             if active is None:
                 continue
             tokens = sampled.get(s.job_id) if s.sample else None
-            if tokens is None or active.time_first_token is None:
-                out.extend(self._emit(s.job_id, s.sample, tokens, now))
+            if tokens is None:
+                out.extend(self._emit(active, False, None, None, now))
+            elif active.time_first_token is None:
+                out.extend(self._emit(active, True, tokens.token_ids[0], tokens, now))
             else:  # the common case: a decoding job's next token
-                result = self._stream(active, tokens)
+                result = self._stream(active, tokens.token_ids[0], tokens)
                 if result is not None:
                     out.append(result)
 
-    def _run_and_sample(self, plan: StepPlan) -> StepOutcome:
-        sampling = [s for s in plan.slices if s.sample]
-        active = [self._active[s.job_id] for s in sampling]
-        masks = self._bridge.start_masks(active)  # grammar masks overlap the forward
-        logits = self._runner.run(plan)
-        if not sampling or logits is None:
-            return StepOutcome()
-        outcome = StepOutcome()
-        for job_id, sampled in self._bridge.sample(logits, active, masks).items():
-            if isinstance(sampled, Exception):
-                self._end_job(job_id, EosReason.ERROR, error=sampled)
-            else:
-                outcome.sampled[job_id] = sampled
-        return outcome
+    def _emit_tokens(self, plan: StepPlan, tokens: list[int], out: list[Result]) -> None:
+        """`_emit_step` for the fast path: ``tokens`` holds the sampling slices' tokens."""
+        active_jobs, now, from_dict = self._active, time.perf_counter(), Result.from_dict
+        next_token = iter(tokens).__next__
+        for s in plan.slices:
+            token = next_token() if s.sample else None
+            active = active_jobs.get(s.job_id)
+            if active is None:
+                continue
+            if token is None or active.time_first_token is None:
+                out.extend(self._emit(active, s.sample, token, None, now))
+                continue
+            update = active.stream.advance(token)
+            if update.__class__ is not str:
+                result = self._stream_update(active, token, None, update)
+                if result is not None:
+                    out.append(result)
+                continue
+            # `_stream` inlined for a plain job (no constraint, no extra outputs).
+            active.history.append(token)
+            job = active.job
+            out.append(from_dict({"job": job, "identifier": job.identifier, "stage": "streaming",
+                                  "eos": False, "text": update, "token_ids": [token]}))
 
-    def _emit(self, job_id: int, sampled_now: bool, tokens: SampledTokens | None,
-              now: float) -> list[Result]:
-        active = self._active[job_id]
+    def _emit(self, active: ActiveJob, sampled_now: bool, token_id: int | None,
+              tokens: SampledTokens | None, now: float) -> list[Result]:
         out: list[Result] = []
         if active.time_started is None:
             active.time_started = now
             out.append(active.result("started"))
-        if not sampled_now or tokens is None:
-            seq = self._scheduler.sequence(job_id)
+        if not sampled_now or token_id is None:
+            seq = self._scheduler.sequence(active.job_id)
             assert seq is not None
             out.append(active.result("prefill", prefill_progress=seq.num_computed,
                                      prefill_total=seq.num_tokens))
             return out
         if active.time_first_token is None:
             active.time_first_token = now
-        result = self._stream(active, tokens)
+        result = self._stream(active, token_id, tokens)
         if result is not None:
             out.append(result)
         return out
 
-    def _stream(self, active: ActiveJob, tokens: SampledTokens) -> Result | None:
+    def _stream(self, active: ActiveJob, token_id: int,
+                tokens: SampledTokens | None) -> Result | None:
         """Push a sampled token through the job's stream: its "streaming" result, or None when
-        the job ended (its final result is queued) or rewound."""
-        token_id = tokens.token_ids[0]
-        update = active.stream.push(token_id)
+        the job ended (its final result is queued) or rewound. ``tokens`` carries the extra
+        outputs (None when the job asked for none)."""
+        update = active.stream.advance(token_id)
+        if update.__class__ is str and active.matcher is None:
+            # No end, no rewind and no constraint to consult: what `_stream_update` does then.
+            active.history.append(token_id)
+            return active.streaming_result(update, token_id, tokens)
+        return self._stream_update(active, token_id, tokens, update)
+
+    def _stream_update(self, active: ActiveJob, token_id: int, tokens: SampledTokens | None,
+                       update: str | StreamUpdate) -> Result | None:
+        if isinstance(update, str):
+            update = StreamUpdate(update, token_ids=[token_id])
         if update.rewind:
             self._scheduler.rewind(active.job_id, update.rewind)
             active.on_rewind(update.rewind, update.banned_token_id)
@@ -262,8 +311,11 @@ class DynamicGenerator:
         error = active.on_token(token_id)
         eos = EosReason.ERROR if error else active.end_reason(update.eos_reason)
         if eos is None:
-            return active.streaming_result(update.text, update.token_ids, tokens)
-        chunk = dict(text=update.text, token_ids=update.token_ids, **active.extras(tokens))
+            return active.streaming_result(update.text, token_id, tokens)
+        chunk = dict(text=update.text, token_ids=update.token_ids)
+        if active.wants_extras:
+            assert tokens is not None
+            chunk.update(active.extras(tokens))
         self._end_job(active.job_id, eos, chunk=chunk, error=error)
         return None
 

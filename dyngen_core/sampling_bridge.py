@@ -2,7 +2,8 @@
 
 It resolves a job's settings and seed when the job is enqueued, builds one `SampleRequest` per
 sampling slice (history only for jobs whose stages read it, masks from constraints and banned
-positions), and turns the sampler's results into the plan's `SampledTokens`.
+positions), and turns the sampler's results into the plan's `SampledTokens`. A batch of plain
+greedy jobs (see `ActiveJob.plain_greedy`) skips requests and results: `sample_plain`.
 """
 
 from __future__ import annotations
@@ -84,6 +85,28 @@ class SamplingBridge:
         compiler = self._compiler()
         bitmask = compiler.new_bitmask(len(active))
         return self._mask_thread.submit(_fill, compiler, matchers, bitmask)
+
+    @staticmethod
+    def all_plain(active: Sequence[ActiveJob]) -> bool:
+        """Whether every job is ``plain_greedy`` (then `sample_plain` may sample them)."""
+        for a in active:
+            if not a.plain_greedy:
+                return False
+        return True
+
+    def sample_plain(self, logits: torch.Tensor, active: Sequence[ActiveJob]) -> list[int] | None:
+        """The fast path of `sample` when `all_plain` holds: the jobs' tokens, in order, from one
+        argmax and one small copy, with no per-job request or result. None when a row cannot be
+        sampled: then call `sample`, which reports the failed jobs."""
+        if logits.shape[0] != len(active):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(active)} sampling jobs")
+        try:
+            tokens = self.sampler.greedy_ids(logits)
+        except SamplingError:
+            return None
+        for a in active:
+            a.draws += 1
+        return tokens
 
     def sample(self, logits: torch.Tensor, active: Sequence[ActiveJob],
                masks: Future[np.ndarray] | None = None) -> dict[int, SampledTokens | Exception]:

@@ -172,13 +172,21 @@ class Scheduler:
             self.defragment()
         step = _Step(budget=self.config.max_chunk_size, copies=self._pending_copies)
         self._pending_copies = []
+        slices, ps = step.slices, self.page_size
         for seq in list(self._running.values()):
             if seq.status is not RUNNING:
                 continue  # preempted earlier in this step
-            if len(seq.token_ids) - seq.num_computed == 1:
+            tokens = seq.token_ids
+            start = len(tokens) - 1
+            if start != seq.num_computed:
+                if step.budget > 0:
+                    self._schedule_prefill(seq, step)
+            elif (start + seq.num_draft_tokens) // ps < len(seq.page_table):
+                # A decode whose pages are already there (all but one step in a page's worth).
+                slices[seq.job_id] = SequenceSlice(seq.job_id, [tokens[-1]], start,
+                                                   seq.page_table[:], True)
+            else:
                 self._schedule_decode(seq, step)
-            elif step.budget > 0:
-                self._schedule_prefill(seq, step)
         if not step.preempted:
             self._admit(step)
         return StepPlan(slices=list(step.slices.values()), copies=step.copies)
@@ -186,26 +194,45 @@ class Scheduler:
     def apply(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """Advance every job in ``plan`` by what ``outcome`` says was computed and sampled.
         Slices of jobs finished or cancelled since `schedule` are ignored."""
-        ps, running, registering = self.page_size, self._running, self._registering
+        running = self._running
         for sl in plan.slices:
+            seq = running.get(sl.job_id)
+            if seq is not None:
+                accepted, new_tokens = sampled_tokens(sl, outcome)
+                self._advance(seq, sl, accepted, new_tokens)
+
+    def apply_tokens(self, plan: StepPlan, tokens: SequenceOf[int]) -> None:
+        """`apply` for a step that sampled exactly one token per sampling slice and no drafts:
+        ``tokens[i]`` is the token of the ``i``-th slice with ``sample=True``, in plan order.
+        Saves building a `SampledTokens` per job; the result is the same as `apply`'s."""
+        running, next_token = self._running, iter(tokens).__next__
+        for sl in plan.slices:
+            token = next_token() if sl.sample else None
             seq = running.get(sl.job_id)
             if seq is None:
                 continue
-            start = sl.start_pos
-            if start != seq.num_computed:
-                raise RuntimeError(
-                    f"plan slice of job {sl.job_id} starts at {start} but the job has "
-                    f"{seq.num_computed} tokens computed; apply each plan once, in order")
-            accepted, new_tokens = sampled_tokens(sl, outcome)
-            fed_end = start + len(sl.token_ids)
-            seq.num_computed = fed_end + accepted
-            seq.token_ids.extend(new_tokens)
-            if registering and seq.num_computed // ps > start // ps:
-                register_full_pages(seq, self.pool, start, seq.num_computed,
-                                    fold=self.config.dedup)
-            if start < seq.prefill_end:
-                self._prefill_computed += min(fed_end, seq.prefill_end) - start
-                self._after_prefill_slice(seq)
+            if sl.draft_ids:
+                raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries drafts; "
+                                 "use apply with the accepted draft count")
+            self._advance(seq, sl, 0, () if token is None else (token,))
+
+    def _advance(self, seq: Sequence, sl: SequenceSlice, accepted: int,
+                 new_tokens: SequenceOf[int]) -> None:
+        """Mark one slice computed, append its sampled tokens and register filled pages."""
+        start = sl.start_pos
+        if start != seq.num_computed:
+            raise RuntimeError(
+                f"plan slice of job {sl.job_id} starts at {start} but the job has "
+                f"{seq.num_computed} tokens computed; apply each plan once, in order")
+        fed_end = start + len(sl.token_ids)
+        seq.num_computed = fed_end + accepted
+        seq.token_ids.extend(new_tokens)
+        ps = self.page_size
+        if seq.num_computed // ps > start // ps and self._registering:
+            register_full_pages(seq, self.pool, start, seq.num_computed, fold=self.config.dedup)
+        if start < seq.prefill_end:
+            self._prefill_computed += min(fed_end, seq.prefill_end) - start
+            self._after_prefill_slice(seq)
 
     def defragment(self, *, max_moves: int | None = None) -> int:
         """Compact and order the used pages if fragmentation is worth it (see

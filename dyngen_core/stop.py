@@ -48,13 +48,16 @@ class _PrefixIndex:
     def __init__(self, strings: tuple[str, ...]) -> None:
         self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
         self._longest = max((len(s) - 1 for s in strings), default=0)
+        # A held end ends with the last character of some proper prefix: text ending in any
+        # other character holds nothing back, found without a scan (the usual token).
+        self._ends = frozenset(s[k - 1] for s in strings for k in range(1, len(s)))
         # A held end starts with some string's first character: only those places are tried
         # (most text has none of them near its end), found by one regex scan.
         firsts = sorted({s[0] for s in strings if len(s) > 1})
         self._starts = re.compile("|".join(map(re.escape, firsts))) if firsts else None
 
     def held_length(self, text: str) -> int:
-        if self._starts is None:
+        if self._starts is None or not text or text[-1] not in self._ends:
             return 0
         tail = text[-self._longest:] if len(text) > self._longest else text
         found = self._starts.search(tail)

@@ -47,6 +47,10 @@ class JobStream:
         self.stop_token_ids = stop_token_ids
         self.pieces = pieces
         self.stop = StopMatcher(set(stop_token_ids), list(job.stop_strings))
+        # Read once per token: copied here from the job (whose limits do not change).
+        self._has_stop_strings = bool(self.stop.stop_strings)
+        self._min_new_tokens = job.min_new_tokens
+        self._max_new_tokens = job.max_new_tokens
         self.banned = BannedStringMatcher(list(job.banned_strings)) if job.banned_strings else None
         self.detok = self._new_detokenizer(job.input_ids)
         self._chunks: list[str] = []  # joined on demand: += on an attribute copies every step
@@ -75,11 +79,19 @@ class JobStream:
 
     def push(self, token_id: int) -> StreamUpdate:
         """Account one sampled token; returns the text it releases and whether the job ends."""
-        job = self.job
-        generated = job.new_token_ids
+        update = self.advance(token_id)
+        if isinstance(update, str):
+            return StreamUpdate(update, token_ids=[token_id])
+        return update
+
+    def advance(self, token_id: int) -> str | StreamUpdate:
+        """`push` without an update object in the common case: the released text when the token
+        neither ends the job nor asks for a rewind (its update would be ``StreamUpdate(text,
+        token_ids=[token_id])``), else the full `StreamUpdate`."""
+        generated = self.job.new_token_ids
         generated.append(token_id)
         # At least one token is generated, so with min_new_tokens == 0 this is always True.
-        can_stop = len(generated) > job.min_new_tokens
+        can_stop = len(generated) > self._min_new_tokens
         if can_stop and token_id in self.stop_token_ids:
             text = self._release_all()
             self._chunks.append(text)
@@ -91,19 +103,21 @@ class JobStream:
                 return rewind
             text = self._release_banned_safe()
         eos_reason = None
-        stop = self.stop
-        if stop.stop_strings:
+        if self._has_stop_strings:
+            stop = self.stop
             if can_stop:
                 text = stop.feed(text)
                 if stop.matched is not None:
                     eos_reason = EosReason.STOP_STRING
             else:
                 text = stop.flush() + text
-        if eos_reason is None and len(generated) >= job.max_new_tokens:
+        if eos_reason is None and len(generated) >= self._max_new_tokens:
             text += self._release_all()
             eos_reason = EosReason.MAX_NEW_TOKENS
         if text:
             self._chunks.append(text)
+        if eos_reason is None:
+            return text
         return StreamUpdate(text, eos_reason, token_ids=[token_id])
 
     def _check_banned(self, token_id: int, text: str) -> StreamUpdate | None:

@@ -19,6 +19,10 @@ entirely when no row does; see `SamplerSettings.active_stages`):
 
 Only the sampled ids (and the chosen tokens' probabilities when a row needs them) cross to the
 host, in one transfer; top-k lists and raw logits cost one more transfer each, only when asked.
+
+`Sampler.greedy_ids` is the fast path for a batch of plain greedy requests (no stage, mask,
+draft or extra output): one max over the logits, a validity check and one small copy, with no
+per-row Python.
 """
 
 from __future__ import annotations
@@ -96,6 +100,34 @@ class Sampler:
             candidate_bound([rows[i].settings for i in sampled], self.vocab_size),
         )
         return self._report(x, logits, choice, rows, requests)
+
+    def greedy_ids(self, logits: torch.Tensor) -> list[int]:
+        """The argmax token of every row: what `sample` returns for requests whose settings are
+        greedy and switch on no stage, with no ``allowed_tokens``, drafts or extra outputs (the
+        caller decides that; this method does not see the requests).
+
+        logits: ``[rows, width]`` with ``width >= vocab_size`` (columns past it are never
+            chosen), any float dtype, on ``device``; not modified or copied.
+        Raises `SamplingError` naming the rows (request ``i`` is row ``i``) whose logits have no
+        finite value, as `sample` does.
+        """
+        if logits.ndim != 2 or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits must be [rows, >= {self.vocab_size}]; got {tuple(logits.shape)}")
+        # A column view, not a copy: the extra columns are simply not read. The max of the
+        # logits' own dtype picks what the float32 argmax of `sample` picks (the first maximum;
+        # widening is exact), so no full-width conversion is launched.
+        x = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
+        values, ids = x.max(-1)
+        # abs(v) < inf is False for NaN and +-inf, like `sample`'s isfinite check: two kernels
+        # instead of isfinite's four. Invalid rows come back as -1, in the same single copy.
+        chosen = torch.where(values.abs() < float("inf"), ids, -1).tolist()
+        if -1 in chosen:
+            dead = [i for i, token in enumerate(chosen) if token < 0]
+            raise SamplingError(
+                f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
+                "constraint mask removed every token); fail those jobs", dead)
+        return chosen
 
     def _report(
         self,
