@@ -165,10 +165,11 @@ def merge_partials(out: torch.Tensor, remainder: tuple[torch.Tensor, torch.Tenso
 
 def split_count(keys: int, programs: int, target_programs: int, max_splits: int,
                 min_keys_per_split: int) -> int:
-    """Parts to split ``keys`` into so ``programs`` (programs per split) reach about
-    ``target_programs``, at most ``max_splits`` and no part under ``min_keys_per_split`` keys
-    (a part that short costs more in partials than it gains in parallelism)."""
-    wanted = -(-target_programs // max(1, programs))
+    """Parts to split ``keys`` into so ``programs`` (programs per split) come nearest to
+    ``target_programs`` (rounded, not raised: a second wave of a few programs costs a whole
+    wave), at most ``max_splits`` and no part under ``min_keys_per_split`` keys (a part that
+    short costs more in partials than it gains in parallelism)."""
+    wanted = round(target_programs / max(1, programs))
     by_length = max(1, -(-keys // max(1, min_keys_per_split)))
     return max(1, min(max_splits, wanted, by_length))
 

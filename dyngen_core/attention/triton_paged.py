@@ -103,7 +103,9 @@ class TritonPagedBackend:
         program reads its group's shared keys once for all of them.
     cascade_warps: warps per shared-prefix program (its tiles are prefill-sized).
     cascade_programs_per_sm: shared-prefix programs aimed for per multiprocessor when choosing
-        how many parts a prefix is split into (each part adds partial results to merge).
+        how many parts a prefix is split into (each part adds partial results to merge). 1: at
+        64 rows and 8 warps the kernel takes 226 registers a thread (ptxas, sm_90, bf16), so
+        one program fits a multiprocessor at a time, and one wave of them fills the GPU.
     """
 
     name = "triton"
@@ -114,7 +116,7 @@ class TritonPagedBackend:
                  cascade_min_members: int = CascadePolicy.min_members,
                  cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
                  cascade_rows: int = 64, cascade_warps: int = 8,
-                 cascade_programs_per_sm: int = 2) -> None:
+                 cascade_programs_per_sm: int = 1) -> None:
         self.block_n = block_n
         self.prefill_rows = prefill_rows
         self.max_splits = max_splits

@@ -153,14 +153,28 @@ def test_cascade_head_layouts(device: torch.device, heads: tuple[int, int, int])
     _check(outs, torch.float32)
 
 
-def test_cascade_long_prefix_split_many_ways(device: torch.device) -> None:
-    """A prefix split along the context (several programs per group), and every member ending
-    exactly at the prefix: the merge then rests on the prefix partials alone."""
-    layout = Layout(groups=[(9, [9 * PAGE, 9 * PAGE, 9 * PAGE + 2])], loners=[])
+def test_cascade_long_prefix_split_many_ways(device: torch.device,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefix and own keys split along the context (several programs per group and sequence),
+    with members ending exactly at the prefix (their own keys: none, so their rows rest on
+    the prefix partials alone) next to a long sequence in no group."""
+    from dyngen_core.attention import triton_paged
+
+    splits: list[tuple[int, int]] = []
+    merge = triton_paged.merge_partials
+
+    def spy(out, remainder, prefix, tables):  # type: ignore[no-untyped-def]
+        splits.append((remainder[1].shape[2], prefix[1].shape[2]))
+        merge(out, remainder, prefix, tables)
+
+    monkeypatch.setattr(triton_paged, "merge_partials", spy)
+    layout = Layout(groups=[(9, [9 * PAGE, 9 * PAGE, 9 * PAGE + 40])], loners=[5 * PAGE + 3])
     many = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16,
-                cascade_programs_per_sm=64)
+                programs_per_sm=64, cascade_programs_per_sm=64)
     _check(many, torch.float32)
     one = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16, max_splits=1)
+    _check(one, torch.float32)
+    assert splits == [(2, 3), (1, 1)]  # remainder, prefix splits of each cascade run
     assert _relative_error(many["cascade"], one["cascade"]) < 1e-4
 
 
