@@ -6,6 +6,13 @@ of every sequence at ``--context`` tokens. Bandwidth counts the page bytes (code
 of the context read once.
 
     python benchmarks/attention_kernels.py [--context 16384] [--batches 1,32]
+
+``--shared`` instead times the shared-document decode (benchmarks/shared_document.py's shape:
+64 sequences whose page tables share the 31 full pages of an 8,000-token document, each with
+~160 tokens of its own) with the plain kernel and with shared-prefix (cascade) attention, and
+checks that both agree:
+
+    python benchmarks/attention_kernels.py --shared [--members 64] [--document 8000]
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ from typing import Any
 import torch
 from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.shared_prefix import plan_shared_prefixes
 from dyngen_core.attention.triton_paged import TritonPagedBackend
 from dyngen_core.config import ModelConfig
 from dyngen_core.forward import build_forward_batch
 from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage import make_storage
+from dyngen_core.storage.fp16 import FP16Storage
 from dyngen_core.storage.quant import QuantStorage
 
 VARIANTS = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (block_n, num_warps)
@@ -31,10 +40,10 @@ def one_layer_storage(config: dict[str, Any], mode: str, tokens: int,
     shape = ModelConfig.from_dict({**config, "num_hidden_layers": 1})
     pages = tokens // 256
     if mode == "fp16":
-        storage = make_storage("fp16", shape, pages, 256, torch.bfloat16, [device])
-        storage.keys[0].normal_()
-        storage.values[0].normal_()
-        return storage
+        fp16 = FP16Storage(shape, pages, 256, torch.bfloat16, [device])
+        fp16.keys[0].normal_()
+        fp16.values[0].normal_()
+        return fp16
     storage = QuantStorage(shape, pages, 256, torch.bfloat16, [device], mode=mode)
     layer = storage.layers[0]
     for codes in (layer.key_codes, layer.value_codes):
@@ -44,14 +53,68 @@ def one_layer_storage(config: dict[str, Any], mode: str, tokens: int,
     return storage
 
 
+def decode_seconds(backend: TritonPagedBackend, q: torch.Tensor, storage: Any,
+                   batch: ForwardBatch) -> float:
+    """Median seconds of one attention call of layer 0 over the cache."""
+    return cuda_seconds(lambda: backend.attend_cached(0, q, storage, batch, q.shape[2] ** -0.5))
+
+
+def shared_document(config: dict[str, Any], members: int, document: int,
+                    device: torch.device) -> None:
+    """Plain vs cascade decode of ``members`` sequences sharing ``document`` tokens' full pages
+    (one layer, bf16 pages): time, KV bytes each reads, agreement, host planning time."""
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    shared_pages, own_tokens = document // 256, document % 256 + 30 + 64  # + question + half
+    own_pages = -(-own_tokens // 256)
+    storage = one_layer_storage(config, "fp16", (shared_pages + members * own_pages) * 256,
+                                device)
+    shared = list(range(shared_pages))
+    plan = StepPlan([SequenceSlice(i, [1], shared_pages * 256 + own_tokens - 1,
+                                   shared + [shared_pages + i * own_pages + p
+                                             for p in range(own_pages)], True)
+                     for i in range(members)])
+    batch = build_forward_batch(plan, 256, device)
+    q = torch.randn(members, heads, head_dim, device=device, dtype=torch.bfloat16)
+    per_token = storage.nbytes() / (storage.num_pages * 256)
+    plain = TritonPagedBackend(cascade_min_saved_keys=None)
+    cascade = TritonPagedBackend(cascade_min_saved_keys=0)  # the kernels, whatever the policy
+    if not cascade.prefers_eager(batch, storage):
+        raise RuntimeError("the shared-document batch did not plan a cascade")
+    outputs = {}
+    for name, backend in (("plain", plain), ("cascade", cascade)):
+        outputs[name] = backend.attend_cached(0, q, storage, batch, head_dim**-0.5).float()
+        seconds = decode_seconds(backend, q, storage, batch)
+        context = shared_pages * 256 + own_tokens
+        keys_read = members * context if name == "plain" else (
+            shared_pages * 256 + members * own_tokens)  # prefix once (per row block, via L2)
+        report("attention_kernels.shared_document", device=device_name(), kernel=name,
+               members=members, document=document, us=seconds * 1e6,
+               kv_MB=keys_read * per_token / 1e6, GBps_equivalent=members * context * per_token
+               / seconds / 1e9)
+    error = (outputs["cascade"] - outputs["plain"]).norm() / outputs["plain"].norm()
+    tables = batch.page_tables_host or []
+    planning = cuda_seconds(lambda: plan_shared_prefixes(tables, batch.context_lens_host,
+                                                         batch.query_lens_host, 256))
+    report("attention_kernels.shared_document_check", relative_error=float(error),
+           host_plan_us=planning * 1e6,
+           default_policy_cascades=TritonPagedBackend().prefers_eager(batch, storage))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_common_args(parser)
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--shared", action="store_true",
+                        help="time the shared-document decode, plain vs cascade, instead")
+    parser.add_argument("--members", type=int, default=64)
+    parser.add_argument("--document", type=int, default=8000)
     args = parser.parse_args()
     device = torch.device(args.device)
     config = bench_config(args)
+    if args.shared:
+        shared_document(config, args.members, args.document, device)
+        return
     heads, head_dim = config["num_attention_heads"], config["head_dim"]
     batches = [int(b) for b in args.batches.split(",")]
     pages_per_seq = args.context // 256
@@ -66,8 +129,7 @@ def main() -> None:
             q = torch.randn(batch_size, heads, head_dim, device=device, dtype=torch.bfloat16)
             for block_n, warps in VARIANTS:
                 backend = TritonPagedBackend(block_n=block_n, decode_warps=warps)
-                seconds = cuda_seconds(lambda b=backend, q=q, s=storage, fb=batch: b.attend_cached(
-                    0, q, s, fb, head_dim**-0.5))
+                seconds = decode_seconds(backend, q, storage, batch)
                 read = batch_size * args.context * per_token
                 report("attention_kernels.decode", device=device_name(), mode=mode,
                        batch=batch_size, context=args.context, block_n=block_n, warps=warps,
