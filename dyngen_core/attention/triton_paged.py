@@ -182,7 +182,7 @@ class TritonPagedBackend:
         """`prefers_eager` for the batch ``plan`` would build, from the plan alone (for the
         runner's choice before building a batch; the forward plans again, cheaply)."""
         slices = plan.slices
-        if (self.cascade is None or storage.mode != "fp16" or not slices
+        if (self.cascade is None or not _cascade_reads(storage) or not slices
                 or any(piece.num_tokens != 1 for piece in slices)):
             return False
         return plan_shared_prefixes([piece.page_table for piece in slices],
@@ -243,8 +243,8 @@ class TritonPagedBackend:
 
     def _cascade_plan(self, batch: ForwardBatch, storage: KVStorage) -> CascadePlan | None:
         """The batch's shared-prefix plan (once per batch), or None when it runs no cascade."""
-        if (self.cascade is None or storage.mode != "fp16" or batch.page_tables_host is None
-                or not batch.is_decode_only):
+        if (self.cascade is None or not _cascade_reads(storage)
+                or batch.page_tables_host is None or not batch.is_decode_only):
             return None
         cached = self._plan
         if cached is not None and cached[0] is batch:
@@ -325,6 +325,14 @@ def page_arguments(ops: PageOperands, rotation: torch.Tensor) -> tuple[object, .
     return (ops.keys, ops.values, *ops.keys.stride()[:3], *ops.values.stride()[:3],
             ks if ks is not None else ops.keys, vs if vs is not None else ops.values,
             *_strides3(ks), *_strides3(vs), rotation)
+
+
+def _cascade_reads(storage: KVStorage) -> bool:
+    """Whether the cascade serves this storage: unquantized pages only. Its kernels read
+    quantized pages too (same loaders and rotation as the plain kernel, and they agree with it
+    on the q8/q6/q4 page formats), but quantized storages are gaining per-sequence state
+    outside the pages (a recent-token window) that the plain path must handle first."""
+    return storage.mode == "fp16"
 
 
 def triton_next_pow2(n: int) -> int:
