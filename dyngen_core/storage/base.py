@@ -1,7 +1,8 @@
 """The protocol behind every KV storage mode (fp16, q8, q6, q4).
 
 Storage owns the tensors behind pages: per layer, on that layer's device. It knows nothing of
-jobs; it is addressed by slots (page * page_size + offset) and page ids.
+jobs; it is addressed by slots (page * page_size + offset) and page ids, and, for state kept per
+running sequence (the quantized modes' recent window), by sequence slots the runner assigns.
 """
 
 from __future__ import annotations
@@ -25,9 +26,23 @@ class KVStorage(Protocol):
               slot_mapping: torch.Tensor) -> None:
         """Store key/value rows [T, num_kv_heads, head_dim] at the given flat slots."""
 
+    def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                     positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+        """Keep the step's rows in per-sequence state (the quantized modes' recent window):
+        ``positions`` and ``seq_slots`` [T] give each token's position and its sequence's slot
+        (-1: none). Backends call it after the layer's attention, which must still see the
+        rows of earlier steps; a no-op for storages that keep no such state."""
+
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the pages in ``page_table`` [B, P], in compute dtype, as
         [B, P * page_size, num_kv_heads, head_dim]. Quantized modes dequantize only these pages."""
+
+    def reserve_sequences(self, count: int) -> None:
+        """Make room for per-sequence state of ``count`` sequences at once (slots 0 .. count-1);
+        a no-op for storages that keep none."""
+
+    def clear_sequences(self, seq_slots: Sequence[int]) -> None:
+        """Forget the per-sequence state of ``seq_slots`` (they now belong to new sequences)."""
 
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy slot ranges between pages, in every layer, in order."""

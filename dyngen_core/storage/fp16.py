@@ -80,6 +80,16 @@ class FP16Storage:
             for tensor in (*self.keys, *self.values):
                 tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
 
+    def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                     positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+        """Nothing to do: every row of this storage is exact."""
+
+    def reserve_sequences(self, count: int) -> None:
+        """No per-sequence state to make room for."""
+
+    def clear_sequences(self, seq_slots: Sequence[int]) -> None:
+        """No per-sequence state to forget."""
+
     def nbytes(self) -> int:
         """Device memory held by the key and value tensors."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

@@ -15,6 +15,14 @@ bits and values at 4 (ExLlamaV2's choice, the same bytes): on the demo model (Sm
 tokens) 6/6 gives a mean next-token KL of 3.7e-3 against 7.1e-3 for 8/4, because the error of
 4-bit values costs more than 8-bit keys save (benchmarks/cache_quality.py --split-q6).
 
+Two kinds of rows are kept unquantized beside the pages, because a query leans hardest on them:
+the first slot of every page (``key_heads`` / ``value_heads`` [num_pages + 1, kv_heads,
+head_dim] in the compute dtype; slot 0 of a sequence's first page is its first token, the
+"attention sink" most heads attend to; one row per page costs 1.4 % of a q4 page, so q4 still
+holds 3.5x the tokens of fp16) and, once `reserve_sequences` has made room, each running
+sequence's most recent positions (`recent.RecentWindow`). `gather` returns the page heads in
+place of their quantized rows; readers take the recent rows from `gather_recent`.
+
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
 from every key before it is quantized and never added back: attention scores of a query all move
 by the same amount, which softmax ignores, so outputs are unchanged while the quantized rows no
@@ -39,8 +47,12 @@ from dyngen_core.storage.qformat import (
     dequantize,
     quantize,
 )
+from dyngen_core.storage.recent import RecentWindow
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
+# q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
+# nothing for its cost: memory, and outputs that depend on whether a prefix came from the cache.
+DEFAULT_RECENT_WINDOW = {"q8": 0, "q6": 16, "q4": 16}
 
 
 @dataclass
@@ -51,9 +63,16 @@ class QuantLayer:
     key_scales: torch.Tensor
     value_codes: torch.Tensor
     value_scales: torch.Tensor
+    key_heads: torch.Tensor
+    value_heads: torch.Tensor
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The [num_pages, page_size, ...] tensors (what page copies move slot by slot)."""
         return (self.key_codes, self.key_scales, self.value_codes, self.value_scales)
+
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unquantized first rows of every page, [num_pages + 1, kv_heads, head_dim]."""
+        return (self.key_heads, self.value_heads)
 
 
 class QuantStorage:
@@ -70,11 +89,15 @@ class QuantStorage:
         bits: (key bits, value bits) overriding the mode's default pair; for measurements.
         use_native: use the csrc/ CUDA kernels for layers on CUDA when they build (False forces
             the torch reference everywhere).
+        recent_window: positions of each running sequence kept unquantized once
+            `reserve_sequences` has been called (0: none). Default: 16 for q6 and q4, 0 for q8
+            (`DEFAULT_RECENT_WINDOW`).
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: Sequence[torch.device | str], mode: str = "q4", *,
-                 bits: tuple[int, int] | None = None, use_native: bool = True) -> None:
+                 bits: tuple[int, int] | None = None, use_native: bool = True,
+                 recent_window: int | None = None) -> None:
         if mode not in MODE_BITS:
             raise ValueError(f"quantized cache mode {mode!r} is unknown; use one of "
                              f"{tuple(MODE_BITS)} (or 'fp16' for the unquantized storage)")
@@ -99,6 +122,25 @@ class QuantStorage:
         wants_native = use_native and any(d.type == "cuda" for d in self.devices)
         self._native = native.load_native() if wants_native else None
         self.key_offsets: list[torch.Tensor] | None = None
+        if recent_window is None:
+            recent_window = DEFAULT_RECENT_WINDOW[mode]
+        if recent_window < 0:
+            raise ValueError(f"recent_window must be >= 0, not {recent_window}")
+        self.recent_window = recent_window
+        self.recent: RecentWindow | None = None
+
+    def reserve_sequences(self, count: int) -> None:
+        """Make room for the recent-token windows of ``count`` sequences at once (sequence
+        slots 0 .. count - 1); earlier windows are dropped. No-op when ``recent_window`` is 0."""
+        if self.recent_window == 0:
+            return
+        self.recent = RecentWindow(self.recent_window, count, self.num_kv_heads, self.head_dim,
+                                   self.dtype, self.devices)
+
+    def clear_sequences(self, seq_slots: Sequence[int]) -> None:
+        """Forget the recent rows of ``seq_slots`` (handed to new sequences)."""
+        if self.recent is not None:
+            self.recent.clear(seq_slots)
 
     def set_key_offsets(self, offsets: Sequence[torch.Tensor] | None) -> None:
         """Subtract ``offsets[layer]`` (``[num_kv_heads, head_dim]``) from every key written to
@@ -126,7 +168,12 @@ class QuantStorage:
         def scales() -> torch.Tensor:
             return torch.zeros((*rows, groups), dtype=torch.float16, device=device)
 
-        return QuantLayer(codes(self.key_format), scales(), codes(self.value_format), scales())
+        def heads() -> torch.Tensor:
+            shape = (self.num_pages + 1, self.num_kv_heads, self.head_dim)
+            return torch.zeros(shape, dtype=self.dtype, device=device)
+
+        return QuantLayer(codes(self.key_format), scales(), codes(self.value_format), scales(),
+                          heads(), heads())
 
     def _kernels(self, layer: int) -> native.NativeKernels | None:
         return self._native if self.devices[layer].type == "cuda" else None
@@ -134,12 +181,33 @@ class QuantStorage:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Quantize key/value rows [T, num_kv_heads, head_dim] and store them at the flat
-        slots ``slot_mapping`` [T] (page * page_size + offset)."""
+        slots ``slot_mapping`` [T] (page * page_size + offset); rows landing on slot 0 of a
+        page also become that page's exact head row."""
+        key = self.stored_keys(layer, key)
+        self._write_pages(layer, key, value, slot_mapping)
+        self._write_heads(layer, key, value, slot_mapping)
+
+    def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                     positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+        """Put the step's rows [T, num_kv_heads, head_dim] into their sequences' recent windows
+        (``positions``, ``seq_slots``: [T], -1 for no slot). Call it after the layer's
+        attention: a prefill chunk's rows would otherwise replace window rows of earlier
+        positions its first queries still read. No-op without `reserve_sequences`."""
+        if self.recent is not None:
+            self.recent.write(layer, self.stored_keys(layer, key), value, positions, seq_slots)
+
+    def stored_keys(self, layer: int, key: torch.Tensor) -> torch.Tensor:
+        """Keys [T, num_kv_heads, head_dim] as this storage holds them: minus the layer's key
+        offsets (what a reader mixing the step's own keys with stored ones must use)."""
+        if self.key_offsets is None:
+            return key
+        return (key.to(torch.float32) - self.key_offsets[layer]).to(key.dtype)
+
+    def _write_pages(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
         pages = self.layers[layer]
         device = self.devices[layer]
         kernels = self._kernels(layer)
-        if self.key_offsets is not None:
-            key = (key.to(torch.float32) - self.key_offsets[layer]).to(key.dtype)
         if kernels is not None:
             kernels.quantize_write(key, value, slot_mapping, pages.key_codes, pages.key_scales,
                                    pages.value_codes, pages.value_scales, self._signs[device],
@@ -153,6 +221,16 @@ class QuantStorage:
             packed, row_scales = quantize(rows, fmt, self._rotation[device])
             codes.view(-1, *codes.shape[2:]).index_copy_(0, slots, packed)
             scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, row_scales)
+
+    def _write_heads(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+        """Rows written to slot 0 of a page also go to the page's head row; the others to the
+        spare last row (no data-dependent shapes, so this can be captured in a CUDA graph)."""
+        pages = self.layers[layer]
+        slots = slot_mapping.to(device=pages.key_heads.device, dtype=torch.int64)
+        rows = torch.where(slots % self.page_size == 0, slots // self.page_size, self.num_pages)
+        pages.key_heads.index_copy_(0, rows, key.to(self.dtype))
+        pages.value_heads.index_copy_(0, rows, value.to(self.dtype))
 
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of the pages in ``page_table`` [B, P], each
@@ -177,7 +255,18 @@ class QuantStorage:
                                   self.dtype)
                 out = rows.reshape(out_shape)
             results.append(out)
+        for out, heads in zip(results, pages.heads(), strict=True):
+            index = page_table.to(device=heads.device, dtype=torch.int64)
+            out.view(*page_table.shape, self.page_size, *out.shape[2:])[:, :, 0] = heads[index]
         return results[0], results[1]
+
+    def gather_recent(self, layer: int, seq_slots: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The recent windows of the sequences in ``seq_slots`` [G] (see
+        `recent.RecentWindow.gather`), or None when no window is kept."""
+        if self.recent is None:
+            return None
+        return self.recent.gather(layer, seq_slots)
 
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` (codes and
@@ -198,6 +287,15 @@ class QuantStorage:
         for tensors in by_kernels.values():
             assert self._native is not None
             self._native.copy_pages(tensors, copies)
+        self._copy_heads(copies)
+
+    def _copy_heads(self, copies: Sequence[PageCopy]) -> None:
+        """Every copy starts at slot 0, so the destination takes the source's head row; in
+        order, as a later copy may read what an earlier one wrote."""
+        for pages in self.layers:
+            for heads in pages.heads():
+                for c in copies:
+                    heads[c.dst].copy_(heads[c.src])
 
     def _check_copy(self, copy: PageCopy) -> None:
         for page in (copy.src, copy.dst):
@@ -209,11 +307,22 @@ class QuantStorage:
                              f"{self.page_size}")
 
     def nbytes(self) -> int:
-        """Bytes held by the page tensors (codes and scales of every layer)."""
-        return sum(t.numel() * t.element_size() for p in self.layers for t in p.tensors())
+        """Bytes held: the pages (codes, scales, head rows) and the recent windows."""
+        return self.page_nbytes() + (self.recent.nbytes() if self.recent is not None else 0)
+
+    def page_nbytes(self) -> int:
+        """Bytes of the page tensors of every layer: codes, scales and the head rows."""
+        return sum(t.numel() * t.element_size()
+                   for p in self.layers for t in (*p.tensors(), *p.heads()))
 
     def bytes_per_token(self) -> int:
-        """Bytes one cached token takes over all layers (keys and values, codes and scales)."""
+        """Bytes one cached token's codes and scales take over all layers (keys and values);
+        the head rows add ``bytes_per_page_head`` per page."""
         per_head = (self.key_format.bytes_per_row(self.head_dim)
                     + self.value_format.bytes_per_row(self.head_dim))
         return len(self.layers) * self.num_kv_heads * per_head
+
+    def bytes_per_page_head(self) -> int:
+        """Bytes of one page's unquantized head rows (keys and values) over all layers."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return len(self.layers) * 2 * self.num_kv_heads * self.head_dim * element

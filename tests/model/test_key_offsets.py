@@ -81,9 +81,10 @@ def test_offsets_shrink_the_error_of_low_bit_keys(biased_qwen2: Path, mode: str)
     with_offsets = Cache(model, max_tokens=256, mode=mode)
     without = Cache(model, max_tokens=256, mode=mode)
     without.storage.set_key_offsets(None)
-    error_with = (logits(model, with_offsets) - exact).abs().max().item()
-    error_without = (logits(model, without) - exact).abs().max().item()
-    assert error_with < 0.8 * error_without  # measured: 0.58x (q4), 0.62x (q6)
+    error_with = (logits(model, with_offsets) - exact).abs().mean().item()
+    error_without = (logits(model, without) - exact).abs().mean().item()
+    # Measured (mean error; first token exact as a page head): 0.70x (q4), 0.68x (q6).
+    assert error_with < 0.8 * error_without
 
 
 def two_chunk_logits(model: Model, cache: Cache, offsets: list[list[torch.Tensor] | None]

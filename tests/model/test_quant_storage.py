@@ -163,6 +163,9 @@ def test_pages_written_through_slots_come_back_through_any_page_table(mode: str)
                                       storage.key_format, ROTATION, torch.float32)
     expected_values[slots] = dequantize(*quantize(values, storage.value_format, ROTATION),
                                         storage.value_format, ROTATION, torch.float32)
+    heads = slots % 16 == 0  # the first slot of a page is kept unquantized
+    expected_keys[slots[heads]] = keys[heads]
+    expected_values[slots[heads]] = values[heads]
     flat_index = (page_table.long()[..., None] * 16 + torch.arange(16)).reshape(3, 48)
     assert torch.equal(got_keys, expected_keys[flat_index])
     assert torch.equal(got_values, expected_values[flat_index])
@@ -234,16 +237,25 @@ def test_nbytes_matches_the_format(mode: str) -> None:
     key_bits, value_bits = MODE_BITS[mode]
     # codes: head_dim * bits / 8 bytes; scales: one fp16 per 32 values.
     per_row = (128 * key_bits // 8 + 8) + (128 * value_bits // 8 + 8)
-    assert storage.nbytes() == 3 * 7 * 16 * 2 * per_row
-    assert storage.bytes_per_token() * 7 * 16 == storage.nbytes()
+    pages = 3 * 7 * 16 * 2 * per_row
+    # head rows: one bf16 key and value row per page (and one spare) per kv head and layer.
+    heads = 3 * (7 + 1) * 2 * 2 * 128 * 2
+    assert storage.nbytes() == pages + heads
+    assert storage.bytes_per_token() * 7 * 16 + storage.bytes_per_page_head() * 8 == (
+        pages + heads)
+    storage.reserve_sequences(5)  # recent windows (q6, q4): 16 rows of 5 sequences + a spare
+    window = 3 * (16 * 5 + 1) * (2 * 2 * 128 * 2 + 4) if mode != "q8" else 0
+    assert storage.nbytes() == pages + heads + window
 
 
 @pytest.mark.parametrize(("mode", "min_ratio"), [("q8", 1.85), ("q6", 2.4), ("q4", 3.5)])
 def test_tokens_per_byte_against_16_bit(mode: str, min_ratio: float) -> None:
     config = model_config(num_layers=2, num_kv_heads=2, head_dim=64)
-    quantized = make_storage(mode, config, 4, 256, torch.bfloat16, [torch.device("cpu")] * 2)
-    sixteen_bit = make_storage("fp16", config, 4, 256, torch.bfloat16, [torch.device("cpu")] * 2)
-    tokens = 4 * 256
+    # 64 pages: the one spare head row the quantized storage adds is then under 0.1 % of it.
+    quantized = make_storage(mode, config, 64, 256, torch.bfloat16, [torch.device("cpu")] * 2)
+    sixteen_bit = make_storage("fp16", config, 64, 256, torch.bfloat16,
+                               [torch.device("cpu")] * 2)
+    tokens = 64 * 256
     assert sixteen_bit.nbytes() == tokens * config.kv_bytes_per_token_fp16
     ratio = (tokens / quantized.nbytes()) / (tokens / sixteen_bit.nbytes())
     assert ratio >= min_ratio

@@ -1,0 +1,110 @@
+"""The recent-token window of the quantized caches: each running sequence's last few keys and
+values kept unquantized, beside the quantized pages.
+
+Why: on the demo model (SmolLM2-135M, 4-bit cache) most of the error a quantized cache adds
+comes from the few keys a query attends to most, its own and its nearest predecessors' (and the
+first token's, which `quant.QuantStorage` keeps exact as a page head). Reading the last 16
+positions unquantized cuts q4's next-token KL about 3x (BENCHMARKS.md, cache quality); KIVI
+(Liu et al., 2024) keeps such a full-precision residual for the same reason.
+
+Layout, per layer on the layer's device: ``keys`` / ``values`` [slots * window + 1, kv_heads,
+head_dim] in the compute dtype and ``positions`` [slots * window + 1] int32. Sequence slot ``s``
+owns rows ``s * window ... s * window + window - 1``; position ``p`` goes to row
+``s * window + p % window``, and ``positions`` records which position a row holds (-1: none),
+so a reader can tell a row it may use from a stale one (a slot handed to another sequence, a
+sequence that restarted from a cached prefix). The last row is a spare that absorbs writes of
+tokens without a slot, so a write never needs a data-dependent shape (CUDA graphs).
+
+A query at position ``p`` reads key ``j`` from here when ``p - window < j <= p`` and the window
+holds ``j`` (keys written in the same step are read from the step's own rows instead: see
+`attention.sdpa`); every other key comes from the quantized pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RecentLayer:
+    """One layer's window rows (see the module docstring for the layout)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.values, self.positions)
+
+
+class RecentWindow:
+    """Unquantized keys/values of the last ``window`` positions of up to ``slots`` sequences.
+
+    window: positions kept per sequence (>= 1).
+    slots: sequences held at once (sequence slots 0 .. slots - 1).
+    num_kv_heads, head_dim, dtype: the rows' shape and type (the model's compute dtype).
+    devices: one device per layer.
+    """
+
+    def __init__(self, window: int, slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, devices: Sequence[torch.device]) -> None:
+        if window < 1 or slots < 1:
+            raise ValueError(f"a recent window needs window >= 1 and slots >= 1 "
+                             f"(got window={window}, slots={slots})")
+        self.window = window
+        self.slots = slots
+        rows = slots * window + 1
+        self.layers = [
+            RecentLayer(
+                keys=torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device),
+                values=torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device),
+                positions=torch.full((rows,), -1, dtype=torch.int32, device=device),
+            )
+            for device in devices
+        ]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
+        """Store rows [T, kv_heads, head_dim] of tokens at ``positions`` [T] of the sequences in
+        ``seq_slots`` [T] (-1 or out of range: not kept)."""
+        target = self.layers[layer]
+        device = target.keys.device
+        slots = seq_slots.to(device=device, dtype=torch.int64)
+        pos = positions.to(device=device, dtype=torch.int64)
+        spare = self.slots * self.window
+        kept = (slots >= 0) & (slots < self.slots)
+        rows = torch.where(kept, slots * self.window + pos % self.window, spare)
+        target.keys.index_copy_(0, rows, key.to(target.keys.dtype))
+        target.values.index_copy_(0, rows, value.to(target.values.dtype))
+        target.positions.index_copy_(0, rows, torch.where(kept, pos, -1).to(torch.int32))
+
+    def gather(self, layer: int, seq_slots: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The window of each sequence in ``seq_slots`` [G] (-1: none): keys and values
+        [G, window, kv_heads, head_dim] and the position each row holds [G, window] (-1 where
+        the row holds nothing usable)."""
+        target = self.layers[layer]
+        device = target.keys.device
+        slots = seq_slots.to(device=device, dtype=torch.int64)
+        kept = (slots >= 0) & (slots < self.slots)
+        base = torch.where(kept, slots, 0) * self.window
+        rows = base[:, None] + torch.arange(self.window, device=device)[None, :]
+        positions = torch.where(kept[:, None], target.positions[rows], -1)
+        return target.keys[rows], target.values[rows], positions
+
+    def clear(self, seq_slots: Sequence[int]) -> None:
+        """Forget what the given slots hold (they now belong to new sequences)."""
+        if not seq_slots:
+            return
+        for target in self.layers:
+            device = target.positions.device
+            index = torch.tensor(list(seq_slots), dtype=torch.int64, device=device)
+            rows = (index[:, None] * self.window
+                    + torch.arange(self.window, device=device)[None, :]).flatten()
+            target.positions.index_fill_(0, rows, -1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
