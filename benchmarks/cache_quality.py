@@ -10,6 +10,8 @@ of each mode on the text. It also reports how many tokens one GiB of each cache 
     python benchmarks/cache_quality.py                     # the demo model (fetched if needed)
     python benchmarks/cache_quality.py --model-dir DIR --seq-len 512 --sequences 2
 
+Quantized modes keep the first slot of every page unquantized, q6 and q4 also each sequence's
+last 16 positions (see `dyngen_core.storage.recent`); ``--windows 0,8`` adds q4 with other windows.
 ``--split-q6`` adds the alternative q6 layout (keys at 8 bits, values at 4: the same bytes as
 6/6) to show why q6 packs 6-bit codes; ``--no-offsets`` adds q4 without the calibrated key
 offsets every `Cache` sets (see `dyngen_core.calibration`).
@@ -40,7 +42,7 @@ from dyngen_core.models import Model
 from dyngen_core.plan import SequenceSlice, StepPlan
 from dyngen_core.storage import make_storage
 from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.storage.quant import DEFAULT_RECENT_WINDOW, QuantStorage
 from dyngen_core.tokenizer import Tokenizer
 
 GIB = 1 << 30
@@ -57,6 +59,7 @@ class Variant:
     mode: str
     bits: tuple[int, int] | None = None
     key_offsets: bool = True
+    recent_window: int | None = None
 
 
 @dataclasses.dataclass
@@ -86,14 +89,16 @@ def storage_for(model: Model, variant: Variant, num_pages: int, page_size: int,
                 offsets: list[torch.Tensor]) -> KVStorage:
     """The variant's storage, with the calibrated key offsets a `Cache` would set."""
     storage: KVStorage
-    if variant.bits is None:
+    if variant.mode == "fp16":
         storage = make_storage(variant.mode, model.config, num_pages, page_size, model.dtype,
                                model.layer_devices)
     else:
         storage = QuantStorage(model.config, num_pages, page_size, model.dtype,
-                               model.layer_devices, variant.mode, bits=variant.bits)
-    if isinstance(storage, QuantStorage) and variant.key_offsets:
-        storage.set_key_offsets(offsets)
+                               model.layer_devices, variant.mode, bits=variant.bits,
+                               recent_window=variant.recent_window)
+        if variant.key_offsets:
+            storage.set_key_offsets(offsets)
+    storage.reserve_sequences(1)  # the one sequence evaluated at a time uses slot 0
     return storage
 
 
@@ -105,7 +110,7 @@ def chunk_logits(model: Model, storage: KVStorage, backend: AttentionBackend,
     pages = list(range(-(-end // page_size)))
     plan = StepPlan(slices=[SequenceSlice(job_id=0, token_ids=ids, start_pos=start,
                                           page_table=pages, sample=True)])
-    batch = build_forward_batch(plan, page_size, model.device)
+    batch = build_forward_batch(plan, page_size, model.device, seq_slots=[0])
     batch = dataclasses.replace(batch, logits_indices=torch.arange(len(ids),
                                                                    device=model.device))
     return model.forward(batch, storage, backend)
@@ -148,14 +153,21 @@ def _accumulate(total: Totals, ref: torch.Tensor, logp: torch.Tensor,
 
 
 def tokens_per_gib(config: ModelConfig, variant: Variant, page_size: int) -> float:
-    """Tokens one GiB holds, with 16-bit activations for the unquantized mode."""
-    cpu = [torch.device("cpu")] * config.num_layers
-    if variant.bits is None:
-        storage = make_storage(variant.mode, config, 1, page_size, torch.bfloat16, cpu)
-    else:
-        storage = QuantStorage(config, 1, page_size, torch.bfloat16, cpu, variant.mode,
-                               bits=variant.bits)
-    return GIB * page_size / storage.nbytes()
+    """Tokens one GiB of pages holds, with 16-bit activations for the unquantized mode (the
+    recent windows are a fixed cost per running sequence, reported apart)."""
+    if variant.mode == "fp16":
+        return GIB / config.kv_bytes_per_token_fp16
+    storage = QuantStorage(config, 1, page_size, torch.bfloat16,
+                           [torch.device("cpu")] * config.num_layers, variant.mode,
+                           bits=variant.bits)
+    per_page = storage.bytes_per_token() * page_size + storage.bytes_per_page_head()
+    return GIB * page_size / per_page
+
+
+def window_bytes_per_sequence(config: ModelConfig, window: int) -> int:
+    """Bytes of one sequence's recent window (16-bit keys and values, int32 positions)."""
+    return config.num_layers * window * (config.kv_bytes_per_token_fp16 // config.num_layers
+                                         + 4)
 
 
 def report(totals: dict[str, Totals], variants: Sequence[Variant], config: ModelConfig,
@@ -193,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also run q6 as 8-bit keys + 4-bit values")
     parser.add_argument("--no-offsets", action="store_true",
                         help="also run q4 without the calibrated key offsets")
+    parser.add_argument("--windows", default="",
+                        help="also run q4 with these recent windows, e.g. '0,8,32' (0: none)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model_dir = load_model_dir(args.model_dir)
@@ -206,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants.insert(3, Variant("q6 (k8/v4)", "q6", (8, 4)))
     if args.no_offsets:
         variants.append(Variant("q4 without key offsets", "q4", key_offsets=False))
+    for window in (int(w) for w in args.windows.split(",") if w.strip()):
+        variants.append(Variant(f"q4, recent window {window}", "q4", recent_window=window))
     started = time.perf_counter()
     totals = evaluate(model, sequences, variants, args.chunk, args.page_size)
     tokens = sum(len(s) for s in sequences)
@@ -213,7 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{tokens} tokens in {len(sequences)} sequences ({', '.join(n for n, _ in texts)}), "
           f"chunks of {args.chunk}; {time.perf_counter() - started:.0f} s")
     print("KL divergence is against the unquantized cache ('fp16' = the model's dtype); "
-          "tokens/GiB counts 16-bit activations for fp16.")
+          "tokens/GiB counts 16-bit activations for fp16 and the quantized pages with their "
+          "unquantized head rows.")
+    window = DEFAULT_RECENT_WINDOW["q4"]
+    window_bytes = window_bytes_per_sequence(model.config, window)
+    print(f"q6 and q4 also keep each running sequence's last {window} positions unquantized: "
+          f"{window_bytes:,} bytes per sequence.")
     print(report(totals, variants, model.config, args.page_size))
     return 0
 

@@ -6,6 +6,7 @@ the device without blocking, so building a batch costs one small copy per field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,14 +50,15 @@ class _HostBatch:
         self.logits_indices.extend(range(end - piece.num_logits, end))
 
 
-def build_forward_batch(plan: StepPlan, page_size: int,
-                        device: str | torch.device) -> ForwardBatch:
+def build_forward_batch(plan: StepPlan, page_size: int, device: str | torch.device,
+                        seq_slots: Sequence[int] | None = None) -> ForwardBatch:
     """The forward metadata for ``plan.slices`` (page copies are not part of it).
 
     plan: the step; slices are flattened in order, each slice's tokens being its
         ``token_ids`` followed by its ``draft_ids`` at positions ``start_pos ...``.
     page_size: slots per page (slot = page * page_size + offset).
     device: where the tensors go (the model's device).
+    seq_slots: each slice's sequence slot (per-sequence storage state; -1 for none), or None.
     logits_indices lists, for each slice with ``sample=True``, its last ``num_logits`` rows.
     """
     host = _HostBatch()
@@ -72,6 +74,13 @@ def build_forward_batch(plan: StepPlan, page_size: int,
             tensor = tensor.pin_memory()
         return tensor.to(target, non_blocking=True)
 
+    slot_tensors = None
+    if seq_slots is not None:
+        if len(seq_slots) != len(plan.slices):
+            raise ValueError(f"{len(seq_slots)} sequence slots for {len(plan.slices)} slices")
+        slots = list(seq_slots)
+        per_token = [s for s, n in zip(slots, host.query_lens, strict=True) for _ in range(n)]
+        slot_tensors = (to_device(slots, torch.int32), to_device(per_token, torch.int32))
     return ForwardBatch(
         input_ids=to_device(host.input_ids, torch.long),
         positions=to_device(host.positions, torch.long),
@@ -84,4 +93,6 @@ def build_forward_batch(plan: StepPlan, page_size: int,
         context_lens_host=host.context_lens,
         page_size=page_size,
         page_tables_host=host.page_rows,
+        seq_slots=slot_tensors[0] if slot_tensors else None,
+        token_seq_slots=slot_tensors[1] if slot_tensors else None,
     )

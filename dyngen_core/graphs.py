@@ -48,8 +48,8 @@ def default_buckets(max_batch_size: int) -> list[int]:
 class _StaticInputs:
     """The device buffers every graph reads, and their pinned host staging twins.
 
-    longs [3, B]: input_ids, positions, slot_mapping rows. ints: B context lengths, then the
-    page table [B, width], flat, so a bucket's lengths and page rows are one contiguous prefix.
+    longs [3, B]: input_ids, positions, slot_mapping rows. ints: B context lengths, B sequence
+    slots, then the page table [B, width], flat, so what a bucket reads is one contiguous prefix.
     """
 
     longs: torch.Tensor
@@ -63,7 +63,10 @@ class _StaticInputs:
     width: int
 
     def page_table(self, ints: torch.Tensor) -> torch.Tensor:
-        return ints[self.capacity:].view(self.capacity, self.width)
+        return ints[2 * self.capacity:].view(self.capacity, self.width)
+
+    def seq_slots(self, ints: torch.Tensor) -> torch.Tensor:
+        return ints[self.capacity:2 * self.capacity]
 
     def batch(self, size: int, page_size: int) -> ForwardBatch:
         """The ForwardBatch of a bucket: views of the first ``size`` rows."""
@@ -73,6 +76,8 @@ class _StaticInputs:
             context_lens=self.ints[:size], page_table=self.page_table(self.ints)[:size],
             logits_indices=self.logits_indices[:size],
             query_lens_host=[1] * size, context_lens_host=[1] * size, page_size=page_size,
+            seq_slots=self.seq_slots(self.ints)[:size],
+            token_seq_slots=self.seq_slots(self.ints)[:size],
         )
 
 
@@ -121,14 +126,15 @@ class DecodeGraphs:
         return all(len(s.token_ids) == 1 and s.sample and not s.draft_ids
                    and s.end_pos <= self.width * self.page_size for s in slices)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None) -> torch.Tensor:
         """Replay the smallest bucket holding the plan; float32 logits [len(slices), vocab].
+        ``seq_slots``: each slice's sequence slot (-1 or None: none).
 
         The logits are a view of the graph's output buffer: read them before the next `run`.
         """
         size = len(plan.slices)
         bucket = next(b for b in self.buckets if b >= size)
-        self._stage(plan, bucket)
+        self._stage(plan, bucket, seq_slots)
         self._graphs[bucket].replay()
         return self._outputs[bucket][:size]
 
@@ -157,8 +163,9 @@ class DecodeGraphs:
     def _allocate(self, size: int) -> _StaticInputs:
         device = self.device
         host_longs = torch.zeros(3, size, dtype=torch.int64).pin_memory()
-        host_ints = torch.zeros(size * (1 + self.width), dtype=torch.int32).pin_memory()
+        host_ints = torch.zeros(size * (2 + self.width), dtype=torch.int32).pin_memory()
         host_ints[:size] = 1  # every warm-up row sees one slot: slot 0 of page 0
+        host_ints[size:2 * size] = -1  # and keeps no per-sequence state
         inputs = _StaticInputs(
             longs=host_longs.to(device), ints=host_ints.to(device),
             query_start=torch.arange(size + 1, dtype=torch.int32, device=device),
@@ -196,13 +203,16 @@ class DecodeGraphs:
             self._graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def _stage(self, plan: StepPlan, bucket: int) -> None:
+    def _stage(self, plan: StepPlan, bucket: int, seq_slots: Sequence[int] | None) -> None:
         """Fill the pinned staging buffers and copy them into the static device inputs."""
         inputs = self._inputs
         inputs.copied.synchronize()  # the previous step's copy has read the staging buffers
         longs = inputs.host_longs.numpy()
         ints = inputs.host_ints.numpy()
         tables = inputs.page_table(inputs.host_ints).numpy()
+        slots = inputs.seq_slots(inputs.host_ints).numpy()
+        size = len(plan.slices)
+        slots[:size] = -1 if seq_slots is None else seq_slots
         page_size = self.page_size
         for row, piece in enumerate(plan.slices):
             pos = piece.start_pos
@@ -212,12 +222,12 @@ class DecodeGraphs:
             longs[2, row] = piece.page_table[pos // page_size] * page_size + pos % page_size
             ints[row] = pos + 1
             tables[row, :pages_used] = piece.page_table[:pages_used]
-        size = len(plan.slices)
         if bucket > size:
             longs[:, size:bucket] = longs[:, size - 1:size]
             ints[size:bucket] = ints[size - 1]
+            slots[size:bucket] = slots[size - 1]
             tables[size:bucket] = tables[size - 1]
-        used = inputs.capacity + bucket * inputs.width
+        used = 2 * inputs.capacity + bucket * inputs.width
         inputs.longs.copy_(inputs.host_longs, non_blocking=True)
         inputs.ints[:used].copy_(inputs.host_ints[:used], non_blocking=True)
         inputs.copied.record()

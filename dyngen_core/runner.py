@@ -1,8 +1,9 @@
 """`ModelRunner`: turns a `StepPlan` into tensors, runs the model, returns logits.
 
-It owns nothing of the scheduler's: it executes the plan's page copies, builds the forward
-metadata, runs one forward over every slice, and hands back float32 logits for the sample rows in
-slice order (``1 + len(draft_ids)`` rows per sampling slice). On CUDA with a capturable attention
+It owns nothing of the scheduler's: it executes the plan's page copies, gives each job a
+sequence slot (`seq_slots`), builds the forward metadata, runs one forward over every slice,
+and hands back float32 logits for the sample rows in slice order (``1 + len(draft_ids)`` rows
+per sampling slice). On CUDA with a capturable attention
 backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`) instead of an eager forward.
 """
 
@@ -16,6 +17,7 @@ from dyngen_core.forward import build_forward_batch
 from dyngen_core.graphs import decode_graphs_for
 from dyngen_core.models import Model
 from dyngen_core.plan import StepPlan
+from dyngen_core.seq_slots import SequenceSlots
 
 
 class ModelRunner:
@@ -23,7 +25,9 @@ class ModelRunner:
 
     cuda_graphs: capture decode CUDA graphs when the model is on CUDA and the backend allows it
         (captured here, while the cache is still empty).
-    max_batch_size: the largest decode batch a graph is captured for.
+    max_batch_size: the largest decode batch a graph is captured for, and the number of
+        sequences whose per-sequence storage state (the recent window of quantized caches) is
+        kept at once.
     compile_decode: run the captured decode forward through torch.compile (slower start).
     """
 
@@ -33,6 +37,8 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.backend = backend
+        self.slots = SequenceSlots(max_batch_size)
+        cache.storage.reserve_sequences(max_batch_size)
         max_context = min(model.config.max_position_embeddings, cache.max_tokens)
         self.graphs = decode_graphs_for(
             model, cache.storage, backend, page_size=cache.page_size, max_context=max_context,
@@ -46,8 +52,11 @@ class ModelRunner:
             self.cache.storage.copy_pages(plan.copies)
         if not plan.slices:
             return None
+        seq_slots, fresh = self.slots.assign([s.job_id for s in plan.slices])
+        if fresh:
+            self.cache.storage.clear_sequences(fresh)
         if self.graphs is not None and self.graphs.can_run(plan):
-            return self.graphs.run(plan)
-        batch = build_forward_batch(plan, self.cache.page_size, self.model.device)
+            return self.graphs.run(plan, seq_slots)
+        batch = build_forward_batch(plan, self.cache.page_size, self.model.device, seq_slots)
         logits = self.model.forward(batch, self.cache.storage, self.backend)
         return logits if logits.shape[0] else None

@@ -28,6 +28,9 @@ class ForwardBatch:
     query_lens_host / context_lens_host: the same lengths as Python lists.
     page_tables_host: each sequence's pages as Python lists (unpadded), or None where the batch
         was not built from a plan (replayed CUDA graphs).
+    seq_slots: [B] (int32) each sequence's slot for per-sequence storage state (the recent
+        window of quantized caches), -1 for none; token_seq_slots: [T] the same per token.
+        None when the runner assigned no slots.
     """
 
     input_ids: torch.Tensor
@@ -41,6 +44,8 @@ class ForwardBatch:
     context_lens_host: list[int]
     page_size: int
     page_tables_host: list[list[int]] | None = None
+    seq_slots: torch.Tensor | None = None
+    token_seq_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,8 @@ every layer.
 Two ways to read the cache: unquantized storage is read slot by slot (only the slots a group
 attends over, into one scratch buffer reused by every layer), since copying whole 256-slot pages
 into a fresh tensor per layer cost more than the attention itself on the CPU; quantized storage
-is read page by page through ``KVStorage.gather``, which dequantizes only those pages.
+is read page by page through ``KVStorage.gather``, which dequantizes only those pages. A quantized
+storage with a recent-token window adds the exact rows it defines (`sdpa_recent`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.sdpa_recent import GroupLayout, extend_with_recent
 from dyngen_core.storage.base import KVStorage
 from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.storage.quant import QuantStorage
 
 
 @dataclass
@@ -37,6 +40,7 @@ class _Group:
         None for decode groups (one query per sequence, no padding).
     mask: [G, 1, max_query, key_len] True where a query may see a key; None when every query
         sees every key (decodes of equal context length).
+    layout: where the group's sequences and query rows sit in the batch (for the recent window).
     """
 
     page_table: torch.Tensor
@@ -47,6 +51,7 @@ class _Group:
     max_query: int
     key_len: int
     mask: torch.Tensor | None
+    layout: GroupLayout
 
 
 class SdpaBackend:
@@ -72,15 +77,28 @@ class SdpaBackend:
         storage.write(layer, k, v, batch.slot_mapping)
         groups = self._groups(batch, q.device)
         if len(groups) == 1 and groups[0].token_rows is None:
-            keys, values = self._read(layer, storage, groups[0])
-            return _attend_group(q, keys, values, groups[0], scale)
-        out = torch.empty_like(q)
-        for group in groups:
-            assert group.token_rows is not None
-            rows = q.index_select(0, group.token_rows)
-            keys, values = self._read(layer, storage, group)
-            out.index_copy_(0, group.token_rows, _attend_group(rows, keys, values, group, scale))
+            out = self._attend(layer, q, k, v, storage, batch, groups[0], scale)
+        else:
+            out = torch.empty_like(q)
+            for group in groups:
+                assert group.token_rows is not None
+                rows = q.index_select(0, group.token_rows)
+                out.index_copy_(0, group.token_rows,
+                                self._attend(layer, rows, k, v, storage, batch, group, scale))
+        if batch.token_seq_slots is not None:
+            storage.write_recent(layer, k, v, batch.positions, batch.token_seq_slots)
         return out
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                storage: KVStorage, batch: ForwardBatch, group: _Group,
+                scale: float) -> torch.Tensor:
+        keys, values = self._read(layer, storage, group)
+        mask = group.mask
+        if (isinstance(storage, QuantStorage) and storage.recent is not None
+                and batch.seq_slots is not None):
+            keys, values, mask = extend_with_recent(storage, layer, batch.seq_slots, k, v,
+                                                    group.layout, keys, values)
+        return _attend_group(q, keys, values, group, scale, mask)
 
     def _groups(self, batch: ForwardBatch, device: torch.device) -> list[_Group]:
         cached = self._cached
@@ -123,8 +141,8 @@ class SdpaBackend:
 
 
 def _attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: _Group,
-                  scale: float) -> torch.Tensor:
-    """q: the group's rows [Tg, H, D]; keys/values [G, key_len, Hkv, D] -> [Tg, H, D]."""
+                  scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """q: the group's rows [Tg, H, D]; keys/values [G, keys, Hkv, D] -> [Tg, H, D]."""
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     if group.seq_of_row is None:
         padded = q.unsqueeze(2)
@@ -133,7 +151,7 @@ def _attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gro
         padded[group.seq_of_row, group.pos_in_seq] = q
         padded = padded.transpose(1, 2)
     out = F.scaled_dot_product_attention(padded.to(keys.dtype), keys, values,
-                                         attn_mask=group.mask, scale=scale,
+                                         attn_mask=mask, scale=scale,
                                          enable_gqa=keys.shape[1] != q.shape[1])
     out = out.to(q.dtype)
     if group.seq_of_row is None:
@@ -179,6 +197,19 @@ def _make_group(batch: ForwardBatch, seq_ids: list[int], device: torch.device,
         max_query=max_query,
         key_len=key_len,
         mask=None if sees_all else _causal_mask(context_lens, query_lens, key_len, device),
+        layout=_layout(seq_ids, all_starts, query_lens, context_lens, max_query, device),
+    )
+
+
+def _layout(seq_ids: list[int], all_starts: list[int], query_lens: list[int],
+            context_lens: list[int], max_query: int, device: torch.device) -> GroupLayout:
+    step_rows = [all_starts[seq] + min(i, qlen - 1)
+                 for seq, qlen in zip(seq_ids, query_lens, strict=True) for i in range(max_query)]
+    return GroupLayout(
+        seq_index=_tensor(seq_ids, device),
+        first_pos=_tensor([c - q for c, q in zip(context_lens, query_lens, strict=True)], device),
+        query_lens=_tensor(query_lens, device),
+        step_rows=_tensor(step_rows, device).view(len(seq_ids), max_query),
     )
 
 
