@@ -57,6 +57,8 @@ class ActiveJob:
         # A plain greedy job's token is always the argmax of its logits row: no stage, mask
         # (no constraint; no banned strings, so no banned positions; no min_new_tokens, so stop
         # tokens are never banned) and no extra output. A batch of them skips the general sampler.
+        # A plain stream's accepted token needs no constraint check and its result no extras.
+        self.plain_stream = self.matcher is None and not self.wants_extras
         self.plain_greedy = bool(
             self.settings.is_greedy and not self.settings.active_stages() and not self.wants_extras
             and self.matcher is None and not job.banned_strings and job.min_new_tokens == 0

@@ -22,10 +22,10 @@ from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.generate import run_generate
 from dyngen_core.job import Job
 from dyngen_core.models import Model
-from dyngen_core.plan import SampledTokens, StepOutcome, StepPlan
+from dyngen_core.plan import SampledTokens, StepPlan
 from dyngen_core.results import EosReason, GeneratorStats, Result
 from dyngen_core.runner import ModelRunner
-from dyngen_core.sampling_bridge import SamplingBridge
+from dyngen_core.sampling_bridge import SamplingBridge, StepTokens
 from dyngen_core.scheduler import Scheduler
 from dyngen_core.settings import SamplerSettings
 from dyngen_core.streaming import StreamUpdate
@@ -197,85 +197,65 @@ class DynamicGenerator:
                 if s.job_id in self._active:
                     self._end_job(s.job_id, EosReason.ERROR, error=exc)
             return results + self._take_finished()
-        if isinstance(sampled, StepOutcome):
-            self._scheduler.apply(plan, sampled)
-            self._emit_step(plan, sampled, results)
-        else:  # one token per sampling slice, in plan order: the plain greedy fast path
-            self._scheduler.apply_tokens(plan, sampled)
-            self._emit_tokens(plan, sampled, results)
+        for job_id, error in sampled.failed.items():
+            self._end_job(job_id, EosReason.ERROR, error=error)
+        # One token per sampling slice and no drafts: the scheduler needs no SampledTokens.
+        self._scheduler.apply_tokens(plan, sampled.tokens)
+        self._emit_step(plan, sampled, results)
         return results + self._take_finished()
 
-    def _run_and_sample(self, plan: StepPlan) -> StepOutcome | list[int]:
-        """Run the plan and sample: the outcome, or (every sampling job plain greedy) just the
-        tokens of the sampling slices in plan order."""
+    def _run_and_sample(self, plan: StepPlan) -> StepTokens:
+        """Run the plan and sample a token for each sampling slice (in plan order)."""
         active_jobs = self._active
         active = [active_jobs[s.job_id] for s in plan.slices if s.sample]
         plain = self._bridge.all_plain(active)
         # Grammar masks overlap the forward.
         masks = None if plain else self._bridge.start_masks(active)
         logits = self._runner.run(plan)
-        if not active or logits is None:
-            return StepOutcome()
+        if not active:
+            return StepTokens([])
+        if logits is None:
+            raise RuntimeError(f"the runner returned no logits for {len(active)} sampling slices")
         if plain:
             tokens = self._bridge.sample_plain(logits, active)
             if tokens is not None:
-                return tokens
-        outcome = StepOutcome()
-        for job_id, sampled in self._bridge.sample(logits, active, masks).items():
-            if isinstance(sampled, Exception):
-                self._end_job(job_id, EosReason.ERROR, error=sampled)
-            else:
-                outcome.sampled[job_id] = sampled
-        return outcome
+                return StepTokens(tokens)
+        return self._bridge.sample(logits, active, masks)
 
-    def _emit_step(self, plan: StepPlan, outcome: StepOutcome, out: list[Result]) -> None:
+    def _emit_step(self, plan: StepPlan, sampled: StepTokens, out: list[Result]) -> None:
         """Append every job's results of this step to ``out``."""
-        active_jobs, sampled, now = self._active, outcome.sampled, time.perf_counter()
-        for s in plan.slices:
-            active = active_jobs.get(s.job_id)
-            if active is None:
-                continue
-            tokens = sampled.get(s.job_id) if s.sample else None
-            if tokens is None:
-                out.extend(self._emit(active, False, None, None, now))
-            elif active.time_first_token is None:
-                out.extend(self._emit(active, True, tokens.token_ids[0], tokens, now))
-            else:  # the common case: a decoding job's next token
-                result = self._stream(active, tokens.token_ids[0], tokens)
-                if result is not None:
-                    out.append(result)
-
-    def _emit_tokens(self, plan: StepPlan, tokens: list[int], out: list[Result]) -> None:
-        """`_emit_step` for the fast path: ``tokens`` holds the sampling slices' tokens."""
         active_jobs, now, from_dict = self._active, time.perf_counter(), Result.from_dict
-        next_token = iter(tokens).__next__
+        extras = sampled.extras
+        next_token = iter(sampled.tokens).__next__
         for s in plan.slices:
             token = next_token() if s.sample else None
             active = active_jobs.get(s.job_id)
             if active is None:
-                continue
+                continue  # ended (failed sampling, cancelled)
             if token is None or active.time_first_token is None:
-                out.extend(self._emit(active, s.sample, token, None, now))
+                out.extend(self._emit(active, token, extras.get(s.job_id), now))
                 continue
+            # The common case, a decoding job's next token: `_stream` inlined.
             update = active.stream.advance(token)
-            if update.__class__ is not str:
-                result = self._stream_update(active, token, None, update)
+            if update.__class__ is not str or not active.plain_stream:
+                result = self._stream_update(active, token, extras.get(s.job_id), update)
                 if result is not None:
                     out.append(result)
                 continue
-            # `_stream` inlined for a plain job (no constraint, no extra outputs).
             active.history.append(token)
             job = active.job
             out.append(from_dict({"job": job, "identifier": job.identifier, "stage": "streaming",
                                   "eos": False, "text": update, "token_ids": [token]}))
 
-    def _emit(self, active: ActiveJob, sampled_now: bool, token_id: int | None,
-              tokens: SampledTokens | None, now: float) -> list[Result]:
+    def _emit(self, active: ActiveJob, token_id: int | None, tokens: SampledTokens | None,
+              now: float) -> list[Result]:
+        """A job's first results: "started", then "prefill" progress (no token yet) or its
+        first token."""
         out: list[Result] = []
         if active.time_started is None:
             active.time_started = now
             out.append(active.result("started"))
-        if not sampled_now or token_id is None:
+        if token_id is None:
             seq = self._scheduler.sequence(active.job_id)
             assert seq is not None
             out.append(active.result("prefill", prefill_progress=seq.num_computed,

@@ -2,14 +2,16 @@
 
 It resolves a job's settings and seed when the job is enqueued, builds one `SampleRequest` per
 sampling slice (history only for jobs whose stages read it, masks from constraints and banned
-positions), and turns the sampler's results into the plan's `SampledTokens`. A batch of plain
-greedy jobs (see `ActiveJob.plain_greedy`) skips requests and results: `sample_plain`.
+positions), and turns the sampler's results into one token per job (`StepTokens`; the
+probabilities and such that a job asked for travel as `SampledTokens`). A batch of plain greedy
+jobs (see `ActiveJob.plain_greedy`) skips requests and results: `sample_plain`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,22 @@ from dyngen_core.sampling.sampler import Sampler
 from dyngen_core.settings import SamplerSettings
 from dyngen_core.streaming import JobStream
 from dyngen_core.tokenizer import Tokenizer
+
+
+@dataclass
+class StepTokens:
+    """What sampling gave one step.
+
+    tokens: the token of each sampling job, in the order the jobs were given (-1 for a job in
+        ``failed``).
+    extras: job id -> `SampledTokens` with the probabilities, top tokens or logits, for the jobs
+        that asked for them.
+    failed: job id -> why its row could not be sampled.
+    """
+
+    tokens: list[int]
+    extras: dict[int, SampledTokens] = field(default_factory=dict)
+    failed: dict[int, Exception] = field(default_factory=dict)
 
 
 class SamplingBridge:
@@ -109,7 +127,7 @@ class SamplingBridge:
         return tokens
 
     def sample(self, logits: torch.Tensor, active: Sequence[ActiveJob],
-               masks: Future[np.ndarray] | None = None) -> dict[int, SampledTokens | Exception]:
+               masks: Future[np.ndarray] | None = None) -> StepTokens:
         """Sample one token for each active job (logits rows in the same order). A job whose
         row cannot be sampled (every token masked out) gets an exception instead."""
         bitmask = masks.result() if masks is not None else None
@@ -120,19 +138,24 @@ class SamplingBridge:
         while rows:
             try:
                 rows_logits = logits if not failed else logits[rows]
-                results = self.sampler.sample(rows_logits, [requests[i] for i in rows])
+                ids, full = self.sampler.sample_tokens(rows_logits, [requests[i] for i in rows])
                 break
             except SamplingError as exc:
                 bad = {rows[i] for i in exc.request_indices}
                 failed.update({active[i].job_id: exc for i in bad})
                 rows = [i for i in rows if i not in bad]
         else:
-            results = []
-        out: dict[int, SampledTokens | Exception] = dict(failed)
-        for i, r in zip(rows, results):
-            a = active[i]
-            a.draws += 1
-            out[a.job_id] = SampledTokens(
+            ids, full = [], {}
+        out = StepTokens(ids, failed=failed)
+        if failed:
+            out.tokens = [-1] * len(active)
+            for i, token in zip(rows, ids):
+                out.tokens[i] = token
+        for i in rows:
+            active[i].draws += 1
+        for k, r in full.items():
+            a = active[rows[k]]
+            out.extras[a.job_id] = SampledTokens(
                 job_id=a.job_id, token_ids=r.token_ids, probs=r.token_probs,
                 top_k_tokens=r.top_k_tokens, top_k_probs=r.top_k_probs, logits=r.logits,
             )

@@ -35,28 +35,29 @@ def _candidates(sub: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tens
 
 def choose(
     x: torch.Tensor,
-    greedy: Sequence[bool],
-    keys: Sequence[tuple[int, int]],
+    sampled_rows: Sequence[int],
+    keys: torch.Tensor | None,
     candidate_bound: int,
 ) -> torch.Tensor:
     """Chosen token per row, int64 ``[rows]`` on the device.
 
-    keys: each row's `row_key` words (used by non-greedy rows only).
+    sampled_rows: the non-greedy rows, ascending; every other row takes its argmax.
+    keys: int64 ``[len(sampled_rows), 2]`` on the device, those rows' `row_key` words (None
+        when no row is sampled).
     candidate_bound: most candidates any non-greedy row can have (the width when unknown).
     """
-    greedy_rows = [i for i, g in enumerate(greedy) if g]
-    sampled_rows = [i for i, g in enumerate(greedy) if not g]
     if not sampled_rows:
         return x.argmax(-1)
+    assert keys is not None
     choice = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    if greedy_rows:
-        index, sub = _rows_of(x, greedy_rows)
+    if len(sampled_rows) < x.shape[0]:
+        sampled = set(sampled_rows)
+        index, sub = _rows_of(x, [i for i in range(x.shape[0]) if i not in sampled])
         assert index is not None
         choice.index_copy_(0, index, sub.argmax(-1))
     index, sub = _rows_of(x, sampled_rows)
-    row_keys = torch.tensor([keys[i] for i in sampled_rows], dtype=torch.int64, device=x.device)
     values, tokens = _candidates(sub, candidate_bound)
-    pick = (values + gumbel_noise(row_keys, tokens)).argmax(-1, keepdim=True)
+    pick = (values + gumbel_noise(keys, tokens)).argmax(-1, keepdim=True)
     picked = tokens.gather(1, pick).squeeze(1)
     if index is None:
         return picked

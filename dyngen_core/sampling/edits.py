@@ -10,7 +10,7 @@ import torch
 from dyngen_core.sampling import penalties
 from dyngen_core.sampling.masks import allowed_rows_to_bool
 from dyngen_core.sampling.request import SampleRequest
-from dyngen_core.sampling.rows import Row, on_rows, rows_using
+from dyngen_core.sampling.rows import Row, RowList, on_rows, rows_using
 from dyngen_core.sampling.vocab import VocabTables
 
 _NEG_INF = float("-inf")
@@ -64,6 +64,8 @@ def apply_bias(x: torch.Tensor, rows: Sequence[Row]) -> None:
 
 def apply_masks(x: torch.Tensor, rows: Sequence[Row], requests: Sequence[SampleRequest]) -> None:
     """Constraint masks: tokens a row's ``allowed_tokens`` does not allow become ``-inf``."""
+    if isinstance(rows, RowList) and not rows.any_mask:
+        return
     picked: list[int] = []
     masks: list[object] = []
     for i, row in enumerate(rows):

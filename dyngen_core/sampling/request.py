@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dyngen_core.errors import DynGenError
+from dyngen_core.sampling import rng
 from dyngen_core.settings import SamplerSettings, SamplerState
 
 if TYPE_CHECKING:
@@ -27,6 +28,16 @@ class SamplingError(DynGenError, ValueError):
     def __init__(self, message: str, request_indices: Sequence[int]) -> None:
         super().__init__(message)
         self.request_indices = list(request_indices)
+
+
+class RequestTraits(NamedTuple):
+    """A settings object's facts the sampler reads per row (see `SampleRequest.traits`)."""
+
+    settings: SamplerSettings
+    stages: frozenset[str]
+    is_greedy: bool
+    top_k: int
+    mirostat: bool
 
 
 @dataclass
@@ -62,19 +73,36 @@ class SampleRequest:
     return_top_tokens: int = 0
     return_logits: bool = False
 
-    _stages: tuple[SamplerSettings, frozenset[str]] | None = field(
-        default=None, init=False, repr=False, compare=False)
+    _traits: RequestTraits | None = field(default=None, init=False, repr=False, compare=False)
+    _seed_key: tuple[int, int] | None = field(default=None, init=False, repr=False,
+                                              compare=False)
 
     @property
     def num_rows(self) -> int:
         return 1 + len(self.draft_ids)
 
+    def traits(self) -> RequestTraits:
+        """What the sampler reads of ``settings`` for every row, computed once per settings
+        object (a job's request is reused step after step; settings attributes are slow)."""
+        traits = self._traits
+        if traits is None or traits.settings is not self.settings:
+            settings = self.settings
+            traits = self._traits = RequestTraits(settings, settings.active_stages(),
+                                                  settings.is_greedy, settings.top_k,
+                                                  settings.mirostat)
+        return traits
+
     def active_stages(self) -> frozenset[str]:
-        """``settings.active_stages()``, computed once per settings object (a job's request is
-        reused step after step)."""
-        if self._stages is None or self._stages[0] is not self.settings:
-            self._stages = (self.settings, self.settings.active_stages())
-        return self._stages[1]
+        """``settings.active_stages()`` (see `traits`)."""
+        return self.traits().stages
+
+    def seed_key(self, seed: int) -> int:
+        """`dyngen_core.sampling.rng.seed_key` of ``seed``, remembered for the last seed asked
+        (a job's request keeps its seed, so this is computed once per job)."""
+        cached = self._seed_key
+        if cached is None or cached[0] != seed:
+            cached = self._seed_key = (seed, rng.seed_key(seed))
+        return cached[1]
 
     def row_history(self, row: int) -> Sequence[int]:
         """History seen by row ``row`` (the job's history plus the drafts before it)."""

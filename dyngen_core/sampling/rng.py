@@ -13,6 +13,9 @@ exactly from ``softmax(logits)`` with no sort, cumsum or normalisation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -29,10 +32,30 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def seed_key(seed: int) -> int:
+    """The part of `row_key` that depends on the seed alone (a job computes it once)."""
+    return splitmix64(seed & _MASK64)
+
+
 def row_key(seed: int, counter: int) -> tuple[int, int]:
     """The two 32-bit words keying the draw number ``counter`` of a job seeded ``seed``."""
-    k = splitmix64(splitmix64(seed & _MASK64) ^ (counter & _MASK64))
+    k = splitmix64(seed_key(seed) ^ (counter & _MASK64))
     return k & _MASK32, k >> 32
+
+
+def row_keys(seed_keys: Sequence[int], counters: Sequence[int]) -> np.ndarray:
+    """`row_key` of many rows at once, from each row's `seed_key` and counter: int64
+    ``[rows, 2]`` (the words ``a``, ``b``). Vectorized splitmix64 (uint64 arithmetic wraps like
+    the masked Python integers); counters must fit in int64."""
+    x = np.array(seed_keys, dtype=np.uint64)
+    x ^= np.array(counters, dtype=np.int64).view(np.uint64)
+    x += np.uint64(0x9E3779B97F4A7C15)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return np.stack([x & np.uint64(_MASK32), x >> np.uint64(32)], axis=1).astype(np.int64)
 
 
 def host_uniform(seed: int, counter: int, stream: int) -> float:

@@ -25,30 +25,107 @@ class Row:
     stages: frozenset[str]
 
 
-def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> list[Row]:
+class RowList(list[Row]):
+    """The rows of one sampling call, with what the stages ask about them, found in the one
+    pass that builds them (so a stage no row uses costs a dict scan, not a pass over rows).
+
+    groups: row indices by stage set (rows of one settings object share theirs).
+    sampled: non-greedy rows, with ``seed_keys`` and ``counters`` (their `row_keys` inputs).
+    prob_rows: rows whose chosen token's probability is needed (return_probs, mirostat).
+    extra_requests: requests asking for probabilities, top tokens or logits.
+    single: every request owns one row (row ``i`` is request ``i``).
+    any_mask / any_top_tokens / any_logits: some request has allowed_tokens / asks for top
+        tokens / asks for raw logits.
+    top_k_bound: the largest top_k of the sampled rows when every one has a top_k > 1, else 0.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: dict[frozenset[str], list[int]] = {}
+        self.sampled: list[int] = []
+        self.seed_keys: list[int] = []
+        self.counters: list[int] = []
+        self.prob_rows: list[int] = []
+        self.extra_requests: list[int] = []
+        self.single = True
+        self.any_mask = self.any_top_tokens = self.any_logits = False
+        self.top_k_bound = 0
+
+
+def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowList:
     """One `Row` per logits row; requests without a seed get a fresh one from ``seeds``."""
-    rows: list[Row] = []
+    rows = RowList()
+    groups, sampled, prob_rows = rows.groups, rows.sampled, rows.prob_rows
+    seed_keys, counters = rows.seed_keys, rows.counters
+    all_top_k, max_top_k, single = True, 0, True
+    any_mask = any_top_tokens = any_logits = False
+    append = rows.append
     for i, req in enumerate(requests):
-        if req.settings.mirostat and req.num_rows > 1:
-            raise ValueError(
-                f"request {i}: mirostat needs one row per step (its mu depends on the previous "
-                "token); do not attach draft tokens to mirostat jobs"
-            )
-        if req.allowed_tokens is not None and req.num_rows > 1:
-            if getattr(req.allowed_tokens, "ndim", 1) != 2:
-                raise ValueError(
-                    f"request {i}: with draft tokens, allowed_tokens needs one mask per row "
-                    f"(shape [{req.num_rows}, words])"
-                )
-        seed = req.seed if req.seed is not None else seeds.getrandbits(63)
-        stages = req.active_stages()
-        for j in range(req.num_rows):
-            rows.append(Row(i, j, req.settings, seed, req.counter + j, stages))
+        settings, stages, greedy, top_k, mirostat = req.traits()
+        num_rows = 1 + len(req.draft_ids) if req.draft_ids else 1
+        if num_rows > 1:
+            _check_multi_row(i, req)
+            single = False
+        seed = req.seed
+        if seed is None:
+            seed = seeds.getrandbits(63)
+        counter = req.counter
+        group = groups.get(stages)
+        if group is None:
+            group = groups[stages] = []
+        index = len(rows)
+        for j in range(num_rows):
+            append(Row(i, j, settings, seed, counter + j, stages))
+            group.append(index + j)
+        if not greedy:
+            all_top_k = all_top_k and top_k > 1
+            if top_k > max_top_k:
+                max_top_k = top_k
+            seed_key = req.seed_key(seed)
+            for j in range(num_rows):
+                sampled.append(index + j)
+                seed_keys.append(seed_key)
+                counters.append(counter + j)
+        if req.return_probs or mirostat:
+            prob_rows.extend(range(index, index + num_rows))
+        if req.allowed_tokens is not None:
+            any_mask = True
+        if req.return_probs or req.return_top_tokens > 0 or req.return_logits:
+            rows.extra_requests.append(i)
+            any_top_tokens = any_top_tokens or req.return_top_tokens > 0
+            any_logits = any_logits or req.return_logits
+    rows.single, rows.any_mask = single, any_mask
+    rows.any_top_tokens, rows.any_logits = any_top_tokens, any_logits
+    rows.top_k_bound = max_top_k if sampled and all_top_k else 0
     return rows
 
 
+def _check_multi_row(i: int, req: SampleRequest) -> None:
+    if req.settings.mirostat:
+        raise ValueError(
+            f"request {i}: mirostat needs one row per step (its mu depends on the previous "
+            "token); do not attach draft tokens to mirostat jobs"
+        )
+    if req.allowed_tokens is not None and getattr(req.allowed_tokens, "ndim", 1) != 2:
+        raise ValueError(
+            f"request {i}: with draft tokens, allowed_tokens needs one mask per row "
+            f"(shape [{req.num_rows}, words])"
+        )
+
+
 def rows_using(rows: Sequence[Row], stage: str) -> list[int]:
-    return [i for i, r in enumerate(rows) if stage in r.stages]
+    """Indices of the rows whose settings use ``stage``."""
+    return rows_using_any(rows, frozenset((stage,)))
+
+
+def rows_using_any(rows: Sequence[Row], stages: frozenset[str]) -> list[int]:
+    """Indices (ascending) of the rows whose settings use any of ``stages``."""
+    if not isinstance(rows, RowList):
+        return [i for i, r in enumerate(rows) if r.stages & stages]
+    hits = [group for used, group in rows.groups.items() if used & stages]
+    if len(hits) <= 1:
+        return list(hits[0]) if hits else []
+    return sorted(i for group in hits for i in group)
 
 
 def on_rows(

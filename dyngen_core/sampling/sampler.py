@@ -35,13 +35,10 @@ import torch
 from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
 from dyngen_core.sampling.edits import apply_edits
 from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
-from dyngen_core.sampling.rng import row_key
-from dyngen_core.sampling.rows import Row, expand_rows
-from dyngen_core.sampling.shaping import candidate_bound, shape_distribution
+from dyngen_core.sampling.rng import row_keys
+from dyngen_core.sampling.rows import Row, RowList, expand_rows
+from dyngen_core.sampling.shaping import shape_distribution
 from dyngen_core.sampling.vocab import VocabTables
-
-# Greedy rows draw no noise: their key is never read.
-_NO_KEY = (0, 0)
 
 
 class Sampler:
@@ -78,28 +75,58 @@ class Sampler:
         Raises `SamplingError` (naming the requests) when a row has no allowed token left.
         """
         rows = expand_rows(requests, self._seeds)
+        x, choice = self._draw(logits, rows, requests)
+        return self._report(x, logits, choice, rows, requests)
+
+    def sample_tokens(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+    ) -> tuple[list[int], dict[int, SampleResult]]:
+        """`sample` for requests of one row each (no drafts), without a result per request:
+        every request's token, and the full `SampleResult` of the requests that ask for
+        probabilities, top tokens or logits (by request index). Mirostat states are updated
+        and errors raised as by `sample`."""
+        rows = expand_rows(requests, self._seeds)
+        if not rows.single:
+            raise ValueError("sample_tokens takes one row per request; use sample for drafts")
+        x, choice = self._draw(logits, rows, requests)
+        ids, probs = _fetch(x, choice, rows)
+        wanted: dict[int, SampleResult] = {}
+        full: list[SampleResult | None] = []
+        if rows.extra_requests:
+            full = [None] * len(requests)
+            for i in rows.extra_requests:
+                wanted[i] = full[i] = SampleResult([ids[i]])
+        for i in rows.prob_rows:
+            req = requests[i]
+            if req.return_probs:
+                wanted[i].token_probs = torch.tensor([probs[i]], dtype=torch.float32)
+            if req.settings.mirostat:
+                req.state.record_token(req.settings, probs[i])
+        if rows.any_top_tokens or rows.any_logits:
+            self._attach_extras(x, logits, rows, requests, range(len(requests)), full)
+        return ids, wanted
+
+    def _draw(self, logits: torch.Tensor, rows: RowList,
+              requests: Sequence[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stage, then the draw: (the edited float32 logits, the chosen token per row)."""
         if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits must be [{len(rows)}, >= {self.vocab_size}] (one row per request row); "
                 f"got {tuple(logits.shape)}"
             )
         wider = logits.shape[1] > self.vocab_size
-        edited = wider or any(r.stages for r in rows) or any(
-            q.allowed_tokens is not None for q in requests)
+        edited = wider or rows.any_mask or any(rows.groups)  # some row has a stage
         # Stages edit x in place; without any, the caller's logits can be read directly.
         x = logits.to(torch.float32, copy=edited)
         if wider:
             x[:, self.vocab_size:] = float("-inf")
         apply_edits(x, rows, requests, self._vocab)
         shape_distribution(x, rows, requests, self._vocab)
-        sampled = [i for i, r in enumerate(rows) if not r.settings.is_greedy]
-        choice = choose(
-            x,
-            [r.settings.is_greedy for r in rows],
-            [_NO_KEY if r.settings.is_greedy else row_key(r.seed, r.counter) for r in rows],
-            candidate_bound([rows[i].settings for i in sampled], self.vocab_size),
-        )
-        return self._report(x, logits, choice, rows, requests)
+        keys = None
+        if rows.sampled:
+            keys = torch.from_numpy(row_keys(rows.seed_keys, rows.counters)).to(x.device)
+        bound = min(rows.top_k_bound, self.vocab_size) if rows.top_k_bound else self.vocab_size
+        return x, choose(x, rows.sampled, keys, bound)
 
     def greedy_ids(self, logits: torch.Tensor) -> list[int]:
         """The argmax token of every row: what `sample` returns for requests whose settings are
@@ -134,29 +161,26 @@ class Sampler:
         x: torch.Tensor,
         logits: torch.Tensor,
         choice: torch.Tensor,
-        rows: list[Row],
+        rows: RowList,
         requests: Sequence[SampleRequest],
     ) -> list[SampleResult]:
-        prob_rows = [i for i, r in enumerate(rows) if r.settings.mirostat
-                     or requests[r.request].return_probs]
-        ids, valid, probs = fetch_choices(x, choice, prob_rows)
-        if not all(valid):
-            dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
-            raise SamplingError(
-                f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
-                "constraint mask removed every token); fail those jobs", dead)
-        starts = [i for i, r in enumerate(rows) if r.offset == 0]
-        results = []
-        for req, start in zip(requests, starts, strict=True):
-            count = req.num_rows
-            result = SampleResult(token_ids=ids[start:start + count])
-            if req.return_probs:
-                result.token_probs = torch.tensor([probs[start + j] for j in range(count)],
-                                                  dtype=torch.float32)
-            if req.settings.mirostat:
-                req.state.record_token(req.settings, probs[start])
-            results.append(result)
-        self._attach_extras(x, logits, rows, requests, starts, results)
+        ids, probs = _fetch(x, choice, rows)
+        if rows.single:  # row i is request i
+            starts: Sequence[int] = range(len(requests))
+            results = [SampleResult([token]) for token in ids]
+        else:
+            starts = [i for i, r in enumerate(rows) if r.offset == 0]
+            results = [SampleResult(ids[start:start + req.num_rows])
+                       for req, start in zip(requests, starts, strict=True)]
+        if rows.prob_rows:
+            for req, start, result in zip(requests, starts, results, strict=True):
+                if req.return_probs:
+                    result.token_probs = torch.tensor(
+                        [probs[start + j] for j in range(req.num_rows)], dtype=torch.float32)
+                if req.settings.mirostat:
+                    req.state.record_token(req.settings, probs[start])
+        if rows.any_top_tokens or rows.any_logits:
+            self._attach_extras(x, logits, rows, requests, starts, results)
         return results
 
     def _attach_extras(
@@ -165,8 +189,8 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[Row],
         requests: Sequence[SampleRequest],
-        starts: list[int],
-        results: list[SampleResult],
+        starts: Sequence[int],
+        results: Sequence[SampleResult | None],
     ) -> None:
         top = [i for i, r in enumerate(rows) if requests[r.request].return_top_tokens > 0]
         if top:
@@ -175,6 +199,7 @@ class Sampler:
             where = {row: n for n, row in enumerate(top)}
             for req, start, result in zip(requests, starts, results, strict=True):
                 if req.return_top_tokens > 0:
+                    assert result is not None
                     sel = [where[start + j] for j in range(req.num_rows)]
                     result.top_k_tokens = tokens[sel, : req.return_top_tokens]
                     result.top_k_probs = probs[sel, : req.return_top_tokens]
@@ -185,4 +210,18 @@ class Sampler:
             where = {row: n for n, row in enumerate(raw)}
             for req, start, result in zip(requests, starts, results, strict=True):
                 if req.return_logits:
+                    assert result is not None
                     result.logits = host[[where[start + j] for j in range(req.num_rows)]]
+
+
+def _fetch(x: torch.Tensor, choice: torch.Tensor,
+           rows: RowList) -> tuple[list[int], dict[int, float]]:
+    """The chosen ids and the probabilities of ``rows.prob_rows``, in one transfer; raises
+    `SamplingError` naming the requests of rows with no allowed token."""
+    ids, valid, probs = fetch_choices(x, choice, rows.prob_rows)
+    if not all(valid):
+        dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
+        raise SamplingError(
+            f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
+            "constraint mask removed every token); fail those jobs", dead)
+    return ids, probs

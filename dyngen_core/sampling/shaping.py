@@ -11,7 +11,7 @@ import torch
 from dyngen_core.sampling import filters
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rng import host_uniform
-from dyngen_core.sampling.rows import Row, column, on_rows, rows_using
+from dyngen_core.sampling.rows import Row, RowList, column, on_rows, rows_using, rows_using_any
 from dyngen_core.sampling.vocab import VocabTables
 from dyngen_core.settings import SamplerSettings
 
@@ -46,17 +46,22 @@ def shape_distribution(
     ks = [rows[i].settings.top_k for i in picked]
     on_rows(x, picked, lambda sub: filters.top_k(
         sub, column(ks, x.device, torch.int64), max(ks)))
-    tail = [i for i, r in enumerate(rows) if r.stages & _TAIL]
+    tail = rows_using_any(rows, _TAIL)
     if not tail:
         return
-    bound = candidate_bound([rows[i].settings for i in tail], vocab.vocab_size)
+    if isinstance(rows, RowList) and len(tail) == len(rows.sampled):
+        # Only sampled rows have tail stages: these are all of them, whose bound is known.
+        bound = min(rows.top_k_bound or vocab.vocab_size, vocab.vocab_size)
+    else:
+        bound = candidate_bound([rows[i].settings for i in tail], vocab.vocab_size)
     if bound >= x.shape[1] // 4:
-        _shape_tail(x, list(rows), requests, vocab, None)
+        _shape_tail(x, rows, requests, vocab, None)
         return
+    tail_rows = rows if len(tail) == len(rows) else [rows[i] for i in tail]
 
     def compact_tail(sub: torch.Tensor) -> torch.Tensor:
         values, token_ids = torch.topk(sub, bound, dim=-1)
-        _shape_tail(values, [rows[i] for i in tail], requests, vocab, token_ids)
+        _shape_tail(values, tail_rows, requests, vocab, token_ids)
         return sub.fill_(float("-inf")).scatter_(1, token_ids, values)
 
     on_rows(x, tail, compact_tail)
@@ -64,7 +69,7 @@ def shape_distribution(
 
 def _shape_tail(
     x: torch.Tensor,
-    rows: list[Row],
+    rows: Sequence[Row],
     requests: Sequence[SampleRequest],
     vocab: VocabTables,
     token_ids: torch.Tensor | None,
@@ -107,9 +112,22 @@ def _shape_tail(
 def _temperature(x: torch.Tensor, rows: Sequence[Row], name: str) -> None:
     dev = x.device
     picked = rows_using(rows, name)
-    fixed = [i for i in picked if not rows[i].settings.uses_dynamic_temperature]
-    dynamic = [i for i in picked if rows[i].settings.uses_dynamic_temperature]
-    temps = [rows[i].settings.temperature for i in fixed]
+    if not picked:
+        return
+    fixed: list[int] = []
+    dynamic: list[int] = []
+    temps: list[float] = []
+    seen: dict[int, tuple[bool, float]] = {}  # by settings object: their attributes are slow
+    for i in picked:
+        settings = rows[i].settings
+        known = seen.get(id(settings))
+        if known is None:
+            known = seen[id(settings)] = (settings.uses_dynamic_temperature, settings.temperature)
+        if known[0]:
+            dynamic.append(i)
+        else:
+            fixed.append(i)
+            temps.append(known[1])
     on_rows(x, fixed, lambda sub: filters.temperature(sub, column(temps, dev)))
     ss = [rows[i].settings for i in dynamic]
     on_rows(x, dynamic, lambda sub: filters.dynamic_temperature(

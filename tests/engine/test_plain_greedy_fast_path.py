@@ -53,22 +53,22 @@ def _results(generator: DynamicGenerator, jobs: list[Job], *, cancel: dict[int, 
 
 
 class _Calls:
-    """Counts calls of the sampler's two entry points."""
+    """Counts calls of the sampler's fast and general entry points."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.greedy = self.general = 0
-        greedy_ids, sample = Sampler.greedy_ids, Sampler.sample
+        greedy_ids, sample_tokens = Sampler.greedy_ids, Sampler.sample_tokens
 
         def counted_greedy(sampler: Sampler, logits: torch.Tensor) -> list[int]:
             self.greedy += 1
             return greedy_ids(sampler, logits)
 
-        def counted_sample(sampler: Sampler, *args: Any) -> Any:
+        def counted_general(sampler: Sampler, *args: Any) -> Any:
             self.general += 1
-            return sample(sampler, *args)
+            return sample_tokens(sampler, *args)
 
         monkeypatch.setattr(Sampler, "greedy_ids", counted_greedy)
-        monkeypatch.setattr(Sampler, "sample", counted_sample)
+        monkeypatch.setattr(Sampler, "sample_tokens", counted_general)
 
 
 def _both(make_generator: Callable[..., DynamicGenerator], monkeypatch: pytest.MonkeyPatch,

@@ -1,0 +1,108 @@
+"""The sampler's per-step shortcuts give exactly what the per-row reference computations give.
+
+- `row_keys` (numpy, all rows at once) equals `row_key` (exact Python integers) row by row.
+- `RowList`'s stage index answers `rows_using` as a scan of the rows does.
+- `Sampler.sample_tokens` (no result object per request) equals `Sampler.sample`, including
+  probabilities, top tokens, logits, masks and mirostat state updates.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dyngen_core import SamplerSettings
+from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.sampling.rng import row_key, row_keys, seed_key
+from dyngen_core.sampling.rows import RowList, expand_rows, rows_using
+from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.settings import STAGE_ORDER
+
+VOCAB = 96
+
+
+def test_row_keys_equal_row_key() -> None:
+    rng = random.Random(0)
+    seeds = [rng.getrandbits(64) for _ in range(200)] + [0, 1, -1, -(2**63), 2**63, 2**64 - 1]
+    counters = [rng.randrange(2**40) for _ in seeds[:-3]] + [0, 1, 2**62]
+    keys = row_keys([seed_key(s) for s in seeds], counters)
+    assert keys.dtype == np.int64 and keys.shape == (len(seeds), 2)
+    assert [tuple(k) for k in keys.tolist()] == [row_key(s, c) for s, c in zip(seeds, counters)]
+
+
+def _settings() -> list[SamplerSettings]:
+    return [
+        SamplerSettings.greedy(),
+        SamplerSettings(temperature=0.8, top_p=0.9, top_k=50),
+        SamplerSettings(temperature=1.3, top_k=5, min_p=0.05),
+        SamplerSettings(temperature=0.7, token_repetition_penalty=1.2),
+        SamplerSettings(temperature=0.9, top_p=0.8, temperature_last=True),
+        SamplerSettings(temperature=1.0, mirostat=True, mirostat_tau=3.0),
+        SamplerSettings(temperature=0.0, token_bias={3: 2.0}),
+        SamplerSettings(temperature=1.0, min_temp=0.5, max_temp=1.5),
+        SamplerSettings(temperature=0.6, typical=0.9, top_k=40),
+    ]
+
+
+def _requests(seed: int, n: int = 24, *, drafts: bool = False) -> list[SampleRequest]:
+    rng = random.Random(seed)
+    pool = _settings()
+    out = []
+    for i in range(n):
+        settings = rng.choice(pool)
+        mask = None
+        if rng.random() < 0.2:
+            mask = np.full(VOCAB // 32, -1, dtype=np.int32)
+            mask[0] = 0x0F0F0F0F
+        out.append(SampleRequest(
+            settings=settings, seed=rng.getrandbits(63), counter=rng.randrange(100),
+            history=[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))],
+            allowed_tokens=mask, return_probs=rng.random() < 0.3,
+            return_top_tokens=rng.choice([0, 0, 3]), return_logits=rng.random() < 0.15,
+            draft_ids=[rng.randrange(VOCAB)] if drafts and not settings.mirostat
+            and mask is None and i % 3 == 0 else (),
+        ))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stage_index_answers_like_a_scan(seed: int) -> None:
+    rows = expand_rows(_requests(seed, drafts=True), random.Random(0))
+    assert isinstance(rows, RowList) and not rows.single
+    plain = list(rows)
+    for stage in STAGE_ORDER:
+        assert rows_using(rows, stage) == rows_using(plain, stage)
+    assert rows.sampled == [i for i, r in enumerate(rows) if not r.settings.is_greedy]
+    assert rows.counters == [rows[i].counter for i in rows.sampled]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_tokens_equals_sample(seed: int) -> None:
+    sampler = Sampler(VOCAB)
+    logits = torch.randn(24, VOCAB + 4, generator=torch.Generator().manual_seed(seed))
+    general = _requests(seed)
+    fast = copy.deepcopy(general)  # separate mirostat states
+    expected = sampler.sample(logits, general)
+    ids, full = sampler.sample_tokens(logits, fast)
+    assert ids == [r.token_ids[0] for r in expected]
+    wants = [i for i, q in enumerate(general)
+             if q.return_probs or q.return_top_tokens or q.return_logits]
+    assert sorted(full) == wants
+    for i in wants:
+        for name in ("token_probs", "top_k_tokens", "top_k_probs", "logits"):
+            a, b = getattr(full[i], name), getattr(expected[i], name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b)
+    assert [q.state.mirostat_mu for q in fast] == [q.state.mirostat_mu for q in general]
+    assert any(q.state.mirostat_mu is not None for q in fast)
+
+
+def test_sample_tokens_refuses_drafts() -> None:
+    requests = [SampleRequest(settings=SamplerSettings.greedy(), draft_ids=[1])]
+    with pytest.raises(ValueError, match="one row per request"):
+        Sampler(VOCAB).sample_tokens(torch.zeros(2, VOCAB), requests)
