@@ -57,11 +57,13 @@ class ActiveJob:
         # A plain greedy job's token is always the argmax of its logits row: no stage, mask
         # (no constraint; no banned strings, so no banned positions; no min_new_tokens, so stop
         # tokens are never banned) and no extra output. A batch of them skips the general sampler.
+        # Only banned strings (their rewinds) and min_new_tokens ever ban a token at a position.
+        self.may_ban = bool(job.banned_strings or job.min_new_tokens)
         # A plain stream's accepted token needs no constraint check and its result no extras.
         self.plain_stream = self.matcher is None and not self.wants_extras
         self.plain_greedy = bool(
             self.settings.is_greedy and not self.settings.active_stages() and not self.wants_extras
-            and self.matcher is None and not job.banned_strings and job.min_new_tokens == 0
+            and self.matcher is None and not self.may_ban
         )
         # The sampler's request for this job, built once by the sampling bridge and updated in
         # place each step (its history and state are this record's own lists and objects).

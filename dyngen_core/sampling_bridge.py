@@ -131,8 +131,10 @@ class SamplingBridge:
         """Sample one token for each active job (logits rows in the same order). A job whose
         row cannot be sampled (every token masked out) gets an exception instead."""
         bitmask = masks.result() if masks is not None else None
-        requests = [self._request(a, None if bitmask is None else bitmask[i])
-                    for i, a in enumerate(active)]
+        if bitmask is None:
+            requests = [self._request(a, None) for a in active]
+        else:
+            requests = [self._request(a, bitmask[i]) for i, a in enumerate(active)]
         rows = list(range(len(active)))
         failed: dict[int, Exception] = {}
         while rows:
@@ -175,7 +177,10 @@ class SamplingBridge:
                 return_logits=job.return_logits,
             )
         request.counter = a.draws
-        request.allowed_tokens = self._allowed(a, constraint_mask)
+        if constraint_mask is None and not a.may_ban:
+            request.allowed_tokens = None  # what _allowed finds, without asking
+        else:
+            request.allowed_tokens = self._allowed(a, constraint_mask)
         return request
 
     def _allowed(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> np.ndarray | None:

@@ -205,16 +205,24 @@ class Scheduler:
         """`apply` for a step that sampled exactly one token per sampling slice and no drafts:
         ``tokens[i]`` is the token of the ``i``-th slice with ``sample=True``, in plan order.
         Saves building a `SampledTokens` per job; the result is the same as `apply`'s."""
-        running, next_token = self._running, iter(tokens).__next__
+        running, next_token, ps = self._running, iter(tokens).__next__, self.page_size
         for sl in plan.slices:
             token = next_token() if sl.sample else None
             seq = running.get(sl.job_id)
             if seq is None:
                 continue
-            if sl.draft_ids:
-                raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries drafts; "
-                                 "use apply with the accepted draft count")
-            self._advance(seq, sl, 0, () if token is None else (token,))
+            start = sl.start_pos
+            if token is None or len(sl.token_ids) != 1 or sl.draft_ids \
+                    or start != seq.num_computed or start < seq.prefill_end \
+                    or (start + 1) % ps == 0:
+                if sl.draft_ids:
+                    raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries "
+                                     "drafts; use apply with the accepted draft count")
+                self._advance(seq, sl, 0, () if token is None else (token,))
+                continue
+            # `_advance` for a decode of one token that fills no page: all it changes.
+            seq.num_computed = start + 1
+            seq.token_ids.append(token)
 
     def _advance(self, seq: Sequence, sl: SequenceSlice, accepted: int,
                  new_tokens: SequenceOf[int]) -> None:
