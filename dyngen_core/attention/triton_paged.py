@@ -2,10 +2,12 @@
 
 `TritonPagedBackend.attend` writes the step's keys and values through the storage, then launches
 `triton_kernels.paged_attention_kernel` over the page table: no gather of whole pages, no
-dequantized copy of the cache. Decode-only batches take a launch whose shape depends on the batch
-size alone (one program per sequence and KV head, the context split into a fixed number of
-parts merged by a second kernel), so it can be captured in a CUDA graph and replayed with new
-page tables and context lengths. Batches with prefill chunks map query blocks to sequences with a
+dequantized copy of the cache. Quantized storage's exact rows (page heads, recent windows) are
+read by the same kernel (`triton_exact`), and the step's rows enter the windows after it.
+Decode-only batches take a launch whose shape depends on the batch size alone (one program per
+sequence and KV head, the context split into a fixed number of parts merged by a second
+kernel), so it can be captured in a CUDA graph and replayed with new page tables and context
+lengths. Batches with prefill chunks map query blocks to sequences with a
 small table built once per forward on the host.
 
 Shared prefixes: in an eager decode-only forward over unquantized pages, decodes whose page
@@ -32,6 +34,7 @@ from dyngen_core.attention.triton_cascade import (
     merge_partials,
     split_count,
 )
+from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
 from dyngen_core.attention.triton_kernels import (
     ROTATION_GROUP,
     combine_splits_kernel,
@@ -140,12 +143,20 @@ class TritonPagedBackend:
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
         storage.write(layer, k, v, batch.slot_mapping)
-        return self.attend_cached(layer, q, storage, batch, scale)
+        out = self.attend_cached(layer, q, storage, batch, scale, step_rows=(k, v))
+        if batch.token_seq_slots is not None:
+            storage.write_recent(layer, k, v, batch.positions, batch.token_seq_slots)
+        return out
 
     def attend_cached(self, layer: int, q: torch.Tensor, storage: KVStorage,
-                      batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Attention of q [T, H, D] over the pages already in storage (keys written)."""
+                      batch: ForwardBatch, scale: float,
+                      step_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+        """Attention of q [T, H, D] over the pages already in storage (keys written).
+        ``step_rows``: this step's keys and values, which quantized storage with a recent window
+        reads exactly (`triton_exact`); without them only page heads are exact."""
         ops = page_operands(storage, layer)
+        exact = exact_operands(storage, layer, batch, step_rows)
         heads = _HeadShape.of(q, ops)
         rotation = self._rotation(q.device) if ops.key_bits or ops.value_bits else q
         page_args = page_arguments(ops, rotation)
@@ -163,7 +174,7 @@ class TritonPagedBackend:
             blocks = self._query_blocks(batch, block_q, q.device)
         parts, lse = _split_buffers(num_tokens, num_heads, splits, heads.head_pad, q.device)
         self._launch_paged(q, ops, page_args, batch, heads, out, (parts, lse), scale,
-                           rows=rows, block_q=block_q, blocks=blocks, splits=splits)
+                           rows=rows, block_q=block_q, blocks=blocks, splits=splits, exact=exact)
         if splits > 1:
             combine_splits_kernel[(num_tokens, num_heads)](
                 parts, lse, out, out.stride(0), out.stride(1), num_heads,
@@ -218,17 +229,22 @@ class TritonPagedBackend:
                       batch: ForwardBatch, heads: _HeadShape, out: torch.Tensor,
                       partials: tuple[torch.Tensor, torch.Tensor], scale: float, *, rows: int,
                       block_q: int, blocks: _QueryBlocks | None, splits: int,
-                      kv_start: torch.Tensor | None = None) -> None:
-        """One `paged_attention_kernel` launch; ``kv_start`` makes it a cascade's remainder."""
+                      kv_start: torch.Tensor | None = None,
+                      exact: ExactOperands | None = None) -> None:
+        """One `paged_attention_kernel` launch; ``kv_start`` makes it a cascade's remainder,
+        ``exact`` reads quantized storage's exact rows."""
         grid0 = batch.num_seqs if blocks is None else int(blocks.seq.shape[0])
         parts, lse = partials
         unused = batch.query_start
+        exact_args = exact.arguments() if exact is not None else (
+            q, q, q, q, unused, unused, q, q, 0, 0)
         paged_attention_kernel[(grid0, heads.num_kv_heads, splits)](
             q, q.stride(0), q.stride(1), *page_args,
             batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
             blocks.seq if blocks is not None else unused,
             blocks.first if blocks is not None else unused,
             kv_start if kv_start is not None else unused,
+            *exact_args,
             out, out.stride(0), out.stride(1),
             parts, lse,
             scale * LOG2_E,
@@ -237,6 +253,7 @@ class TritonPagedBackend:
             PAGE_SIZE=batch.page_size, K_BITS=ops.key_bits, V_BITS=ops.value_bits,
             NUM_SPLITS=splits, DECODE=blocks is None, REMAINDER=kv_start is not None,
             WRITE_PARTIALS=splits > 1 or kv_start is not None,
+            HEADS=exact is not None, WINDOW=exact.window if exact is not None else 0,
             num_warps=self.decode_warps if blocks is None else self.prefill_warps,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )

@@ -17,11 +17,13 @@ tokens) 6/6 gives a mean next-token KL of 3.7e-3 against 7.1e-3 for 8/4, because
 
 Two kinds of rows are kept unquantized beside the pages, because a query leans hardest on them:
 the first slot of every page (``key_heads`` / ``value_heads`` [num_pages + 1, kv_heads,
-head_dim] in the compute dtype; slot 0 of a sequence's first page is its first token, the
-"attention sink" most heads attend to; one row per page costs 1.4 % of a q4 page, so q4 still
-holds 3.5x the tokens of fp16) and, once `reserve_sequences` has made room, each running
-sequence's most recent positions (`recent.RecentWindow`). `gather` returns the page heads in
-place of their quantized rows; readers take the recent rows from `gather_recent`.
+head_dim]; slot 0 of a sequence's first page is its first token, the "attention sink" most heads
+attend to; one row per page costs 1.4 % of a q4 page, so q4 still holds 3.5x the tokens of fp16)
+and, once `reserve_sequences` has made room, each running sequence's most recent positions
+(`recent.RecentWindow`). Both hold `exact_rows`: the compute dtype, rotated like the codes, so a
+kernel attending in the rotated space reads them as they are. `gather` returns the page heads
+(un-rotated) in place of their quantized rows; readers take the recent rows from
+`gather_recent`.
 
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
 from every key before it is quantized and never added back: attention scores of a query all move
@@ -39,7 +41,7 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.plan import PageCopy
 from dyngen_core.storage import native
-from dyngen_core.storage.hadamard import hadamard_matrix, rotation_signs
+from dyngen_core.storage.hadamard import hadamard_matrix, rotate, rotation_signs, unrotate
 from dyngen_core.storage.qformat import (
     GROUP_SIZE,
     QuantFormat,
@@ -185,7 +187,7 @@ class QuantStorage:
         page also become that page's exact head row."""
         key = self.stored_keys(layer, key)
         self._write_pages(layer, key, value, slot_mapping)
-        self._write_heads(layer, key, value, slot_mapping)
+        self._write_heads(layer, *self._rotated(layer, key, value), slot_mapping)
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
@@ -194,7 +196,20 @@ class QuantStorage:
         attention: a prefill chunk's rows would otherwise replace window rows of earlier
         positions its first queries still read. No-op without `reserve_sequences`."""
         if self.recent is not None:
-            self.recent.write(layer, self.stored_keys(layer, key), value, positions, seq_slots)
+            self.recent.write(layer, *self.exact_rows(layer, key, value), positions, seq_slots)
+
+    def exact_rows(self, layer: int, key: torch.Tensor,
+                   value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key/value rows [T, num_kv_heads, head_dim] in the form the exact rows (page heads,
+        recent windows) are stored: keys minus the key offsets, both rotated like the codes
+        (`hadamard.rotate`), in the compute dtype. A kernel attending in the rotated space
+        reads them as they are."""
+        return self._rotated(layer, self.stored_keys(layer, key), value)
+
+    def _rotated(self, layer: int, key: torch.Tensor,
+                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotation = self._rotation[self.devices[layer]]
+        return (rotate(key, rotation).to(self.dtype), rotate(value, rotation).to(self.dtype))
 
     def stored_keys(self, layer: int, key: torch.Tensor) -> torch.Tensor:
         """Keys [T, num_kv_heads, head_dim] as this storage holds them: minus the layer's key
@@ -255,18 +270,24 @@ class QuantStorage:
                                   self.dtype)
                 out = rows.reshape(out_shape)
             results.append(out)
+        rotation = self._rotation[device]
         for out, heads in zip(results, pages.heads(), strict=True):
             index = page_table.to(device=heads.device, dtype=torch.int64)
-            out.view(*page_table.shape, self.page_size, *out.shape[2:])[:, :, 0] = heads[index]
+            exact = unrotate(heads[index].to(torch.float32), rotation).to(self.dtype)
+            out.view(*page_table.shape, self.page_size, *out.shape[2:])[:, :, 0] = exact
         return results[0], results[1]
 
     def gather_recent(self, layer: int, seq_slots: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The recent windows of the sequences in ``seq_slots`` [G] (see
-        `recent.RecentWindow.gather`), or None when no window is kept."""
+        `recent.RecentWindow.gather`), un-rotated like `gather`'s rows, or None when no window
+        is kept."""
         if self.recent is None:
             return None
-        return self.recent.gather(layer, seq_slots)
+        keys, values, positions = self.recent.gather(layer, seq_slots)
+        rotation = self._rotation[self.devices[layer]]
+        return (unrotate(keys.to(torch.float32), rotation).to(self.dtype),
+                unrotate(values.to(torch.float32), rotation).to(self.dtype), positions)
 
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` (codes and

@@ -167,8 +167,12 @@ def test_pages_written_through_slots_come_back_through_any_page_table(mode: str)
     expected_keys[slots[heads]] = keys[heads]
     expected_values[slots[heads]] = values[heads]
     flat_index = (page_table.long()[..., None] * 16 + torch.arange(16)).reshape(3, 48)
-    assert torch.equal(got_keys, expected_keys[flat_index])
-    assert torch.equal(got_values, expected_values[flat_index])
+    quantized_rows = flat_index % 16 != 0
+    assert torch.equal(got_keys[quantized_rows], expected_keys[flat_index][quantized_rows])
+    assert torch.equal(got_values[quantized_rows], expected_values[flat_index][quantized_rows])
+    # Head rows are stored rotated (as the kernels read them): exact up to float rounding.
+    torch.testing.assert_close(got_keys, expected_keys[flat_index], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_values, expected_values[flat_index], rtol=0, atol=1e-5)
     bits = MODE_BITS[mode][0]
     assert relative_error(got_keys.reshape(-1, 2, 64)[_positions(flat_index, slots)],
                           keys[_order(flat_index, slots)]) < MAX_RELATIVE_ERROR[bits]
