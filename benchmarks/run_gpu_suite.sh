@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
 # Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke kernels decode
-#        decode-compiled long host load sampler throughput shared profile. Logs and JSON lines go to $OUT (default ./bench_out).
+#        decode-compiled long host load sampler throughput shared shared-fast kernels-shared
+#        profile. Logs and JSON lines go to $OUT (default ./bench_out).
 # Every phase runs under its own time limit so one hang cannot eat the whole run.
 set -u
 OUT=${OUT:-./bench_out}
@@ -24,6 +25,8 @@ for phase in "$@"; do
       run 60 smoke.log $PY benchmarks/throughput.py --small --prompts 8 --engines dyngen
       run 90 smoke.log $PY benchmarks/shared_document.py --small --questions 4 --skip-off --no-hf ;;
     kernels) run 120 bench.log $PY benchmarks/attention_kernels.py ;;
+    kernels-shared) run 120 bench.log $PY benchmarks/attention_kernels.py --shared ;;
+    shared-fast) run 200 bench.log $PY benchmarks/shared_document.py --skip-off --no-hf ;;
     decode) run 240 bench.log $PY benchmarks/decode_batch1.py ;;
     decode-compiled) run 240 bench.log $PY benchmarks/decode_batch1.py --no-hf ;;
     long) run 150 bench.log $PY benchmarks/long_context.py ;;

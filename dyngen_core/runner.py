@@ -3,8 +3,9 @@
 It owns nothing of the scheduler's: it executes the plan's page copies, gives each job a
 sequence slot (`seq_slots`), builds the forward metadata, runs one forward over every slice,
 and hands back float32 logits for the sample rows in slice order (``1 + len(draft_ids)`` rows
-per sampling slice). On CUDA with a capturable attention
-backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`) instead of an eager forward.
+per sampling slice). On CUDA with a capturable attention backend, decode-only steps replay CUDA
+graphs (`graphs.DecodeGraphs`) instead of an eager forward, unless the backend prefers an eager
+one for the step (shared-prefix attention).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class ModelRunner:
         seq_slots, fresh = self.slots.assign([s.job_id for s in plan.slices])
         if fresh:
             self.cache.storage.clear_sequences(fresh)
-        if self.graphs is not None and self.graphs.can_run(plan):
+        if (self.graphs is not None and self.graphs.can_run(plan)
+                and not self.backend.prefers_eager_plan(plan, self.cache.storage)):
             return self.graphs.run(plan, seq_slots)
         batch = build_forward_batch(plan, self.cache.page_size, self.model.device, seq_slots)
         logits = self.model.forward(batch, self.cache.storage, self.backend)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
 
@@ -80,3 +81,8 @@ class AttentionBackend(Protocol):
         batch: ForwardBatch,
         scale: float,
     ) -> torch.Tensor: ...
+
+    def prefers_eager_plan(self, plan: StepPlan, storage: KVStorage) -> bool:
+        """True when ``plan`` should run as an eager forward even where a CUDA graph could
+        replay it (the Triton backend's shared-prefix attention cannot be captured)."""
+        ...
