@@ -38,6 +38,7 @@ class RequestTraits(NamedTuple):
     is_greedy: bool
     top_k: int
     mirostat: bool
+    dynamic_temperature: bool
 
 
 @dataclass
@@ -89,7 +90,8 @@ class SampleRequest:
             settings = self.settings
             traits = self._traits = RequestTraits(settings, settings.active_stages(),
                                                   settings.is_greedy, settings.top_k,
-                                                  settings.mirostat)
+                                                  settings.mirostat,
+                                                  settings.uses_dynamic_temperature)
         return traits
 
     def active_stages(self) -> frozenset[str]:

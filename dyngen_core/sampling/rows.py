@@ -37,6 +37,7 @@ class RowList(list[Row]):
     any_mask / any_top_tokens / any_logits: some request has allowed_tokens / asks for top
         tokens / asks for raw logits.
     top_k_bound: the largest top_k of the sampled rows when every one has a top_k > 1, else 0.
+    any_early_dynamic_temperature: some row takes a dynamic temperature before top_k.
     """
 
     def __init__(self) -> None:
@@ -50,6 +51,7 @@ class RowList(list[Row]):
         self.single = True
         self.any_mask = self.any_top_tokens = self.any_logits = False
         self.top_k_bound = 0
+        self.any_early_dynamic_temperature = False
 
 
 def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowList:
@@ -58,10 +60,10 @@ def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowL
     groups, sampled, prob_rows = rows.groups, rows.sampled, rows.prob_rows
     seed_keys, counters = rows.seed_keys, rows.counters
     all_top_k, max_top_k, single = True, 0, True
-    any_mask = any_top_tokens = any_logits = False
+    any_mask = any_top_tokens = any_logits = early_dynamic = False
     append = rows.append
     for i, req in enumerate(requests):
-        settings, stages, greedy, top_k, mirostat = req.traits()
+        settings, stages, greedy, top_k, mirostat, dynamic = req.traits()
         num_rows = 1 + len(req.draft_ids) if req.draft_ids else 1
         if num_rows > 1:
             _check_multi_row(i, req)
@@ -79,6 +81,7 @@ def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowL
             group.append(index + j)
         if not greedy:
             all_top_k = all_top_k and top_k > 1
+            early_dynamic = early_dynamic or dynamic and "temperature" in stages
             if top_k > max_top_k:
                 max_top_k = top_k
             seed_key = req.seed_key(seed)
@@ -97,6 +100,7 @@ def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowL
     rows.single, rows.any_mask = single, any_mask
     rows.any_top_tokens, rows.any_logits = any_top_tokens, any_logits
     rows.top_k_bound = max_top_k if sampled and all_top_k else 0
+    rows.any_early_dynamic_temperature = early_dynamic
     return rows
 
 

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from dyngen_core.sampling.compact import compact_bound, draw_compact, fetch_compact, full_rows
 from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
 from dyngen_core.sampling.edits import apply_edits
 from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
@@ -39,6 +41,9 @@ from dyngen_core.sampling.rng import row_keys
 from dyngen_core.sampling.rows import Row, RowList, expand_rows
 from dyngen_core.sampling.shaping import shape_distribution
 from dyngen_core.sampling.vocab import VocabTables
+
+# Stages 1-3: they edit whole logits rows, so x must be a float32 copy.
+_EDITS = frozenset({"bias", "penalties", "dry"})
 
 
 class Sampler:
@@ -75,8 +80,7 @@ class Sampler:
         Raises `SamplingError` (naming the requests) when a row has no allowed token left.
         """
         rows = expand_rows(requests, self._seeds)
-        x, choice = self._draw(logits, rows, requests)
-        return self._report(x, logits, choice, rows, requests)
+        return self._report(self._draw(logits, rows, requests), logits, rows, requests)
 
     def sample_tokens(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest]
@@ -88,8 +92,8 @@ class Sampler:
         rows = expand_rows(requests, self._seeds)
         if not rows.single:
             raise ValueError("sample_tokens takes one row per request; use sample for drafts")
-        x, choice = self._draw(logits, rows, requests)
-        ids, probs = _fetch(x, choice, rows)
+        drawn = self._draw(logits, rows, requests)
+        ids, probs = _fetch(drawn, rows)
         wanted: dict[int, SampleResult] = {}
         full: list[SampleResult | None] = []
         if rows.extra_requests:
@@ -103,30 +107,43 @@ class Sampler:
             if req.settings.mirostat:
                 req.state.record_token(req.settings, probs[i])
         if rows.any_top_tokens or rows.any_logits:
-            self._attach_extras(x, logits, rows, requests, range(len(requests)), full)
+            self._attach_extras(drawn.x, logits, rows, requests, range(len(requests)), full)
         return ids, wanted
 
     def _draw(self, logits: torch.Tensor, rows: RowList,
-              requests: Sequence[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stage, then the draw: (the edited float32 logits, the chosen token per row)."""
+              requests: Sequence[SampleRequest]) -> _Drawn:
+        """Every stage, then the draw."""
         if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits must be [{len(rows)}, >= {self.vocab_size}] (one row per request row); "
                 f"got {tuple(logits.shape)}"
             )
-        wider = logits.shape[1] > self.vocab_size
-        edited = wider or rows.any_mask or any(rows.groups)  # some row has a stage
-        # Stages edit x in place; without any, the caller's logits can be read directly.
-        x = logits.to(torch.float32, copy=edited)
-        if wider:
-            x[:, self.vocab_size:] = float("-inf")
-        apply_edits(x, rows, requests, self._vocab)
-        shape_distribution(x, rows, requests, self._vocab)
         keys = None
         if rows.sampled:
-            keys = torch.from_numpy(row_keys(rows.seed_keys, rows.counters)).to(x.device)
-        bound = min(rows.top_k_bound, self.vocab_size) if rows.top_k_bound else self.vocab_size
-        return x, choose(x, rows.sampled, keys, bound)
+            keys = torch.from_numpy(row_keys(rows.seed_keys, rows.counters)).to(logits.device)
+        width, vocab_size = logits.shape[1], self.vocab_size
+        wider = width > vocab_size
+        edits = rows.any_mask or any(used & _EDITS for used in rows.groups)
+        bound = compact_bound(rows, width, vocab_size)
+        if bound and not edits:
+            # Nothing to edit: the top-k reads the caller's logits (real columns) in place.
+            x = logits[:, :vocab_size] if wider else logits
+        else:
+            # Stages edit x in place; without any, the caller's logits are read directly.
+            x = logits.to(torch.float32, copy=edits or wider or any(rows.groups))
+            if wider:
+                x[:, vocab_size:] = float("-inf")
+            apply_edits(x, rows, requests, self._vocab)
+        if bound:
+            assert keys is not None
+            values, token_ids, pick = draw_compact(x, rows, requests, self._vocab, keys, bound)
+            choice = token_ids.gather(1, pick).squeeze(1)
+            if rows.prob_rows or rows.any_top_tokens:  # these read whole rows
+                return _Drawn(full_rows(values, token_ids, width), choice)
+            return _Drawn(None, choice, values, pick)
+        shape_distribution(x, rows, requests, self._vocab)
+        bound = min(rows.top_k_bound, vocab_size) if rows.top_k_bound else vocab_size
+        return _Drawn(x, choose(x, rows.sampled, keys, bound))
 
     def greedy_ids(self, logits: torch.Tensor) -> list[int]:
         """The argmax token of every row: what `sample` returns for requests whose settings are
@@ -158,13 +175,12 @@ class Sampler:
 
     def _report(
         self,
-        x: torch.Tensor,
+        drawn: _Drawn,
         logits: torch.Tensor,
-        choice: torch.Tensor,
         rows: RowList,
         requests: Sequence[SampleRequest],
     ) -> list[SampleResult]:
-        ids, probs = _fetch(x, choice, rows)
+        ids, probs = _fetch(drawn, rows)
         if rows.single:  # row i is request i
             starts: Sequence[int] = range(len(requests))
             results = [SampleResult([token]) for token in ids]
@@ -180,12 +196,12 @@ class Sampler:
                 if req.settings.mirostat:
                     req.state.record_token(req.settings, probs[start])
         if rows.any_top_tokens or rows.any_logits:
-            self._attach_extras(x, logits, rows, requests, starts, results)
+            self._attach_extras(drawn.x, logits, rows, requests, starts, results)
         return results
 
     def _attach_extras(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         logits: torch.Tensor,
         rows: list[Row],
         requests: Sequence[SampleRequest],
@@ -194,6 +210,7 @@ class Sampler:
     ) -> None:
         top = [i for i, r in enumerate(rows) if requests[r.request].return_top_tokens > 0]
         if top:
+            assert x is not None  # whole rows are kept when top tokens are asked for
             k = max(requests[rows[i].request].return_top_tokens for i in top)
             tokens, probs = fetch_top_k(x, top, k)
             where = {row: n for n, row in enumerate(top)}
@@ -214,11 +231,26 @@ class Sampler:
                     result.logits = host[[where[start + j] for j in range(req.num_rows)]]
 
 
-def _fetch(x: torch.Tensor, choice: torch.Tensor,
-           rows: RowList) -> tuple[list[int], dict[int, float]]:
+class _Drawn(NamedTuple):
+    """What `Sampler._draw` chose: ``choice`` per row, with the final logits ``x`` when whole
+    rows are needed (probabilities, top tokens), else the compact draw's ``values`` and the
+    ``pick``ed column of each row."""
+
+    x: torch.Tensor | None
+    choice: torch.Tensor
+    values: torch.Tensor | None = None
+    pick: torch.Tensor | None = None
+
+
+def _fetch(drawn: _Drawn, rows: RowList) -> tuple[list[int], dict[int, float]]:
     """The chosen ids and the probabilities of ``rows.prob_rows``, in one transfer; raises
     `SamplingError` naming the requests of rows with no allowed token."""
-    ids, valid, probs = fetch_choices(x, choice, rows.prob_rows)
+    probs: dict[int, float] = {}
+    if drawn.x is not None:
+        ids, valid, probs = fetch_choices(drawn.x, drawn.choice, rows.prob_rows)
+    else:
+        assert drawn.values is not None and drawn.pick is not None
+        ids, valid = fetch_compact(drawn.values, drawn.pick, drawn.choice)
     if not all(valid):
         dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
         raise SamplingError(

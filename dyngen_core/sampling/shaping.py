@@ -41,7 +41,7 @@ def shape_distribution(
     ``max(top_k)`` best columns for the remaining stages (each then costs O(k), not O(vocab)),
     and written back afterwards.
     """
-    _temperature(x, rows, "temperature")
+    temperature_stage(x, rows, "temperature")
     picked = rows_using(rows, "top_k")
     ks = [rows[i].settings.top_k for i in picked]
     on_rows(x, picked, lambda sub: filters.top_k(
@@ -55,19 +55,19 @@ def shape_distribution(
     else:
         bound = candidate_bound([rows[i].settings for i in tail], vocab.vocab_size)
     if bound >= x.shape[1] // 4:
-        _shape_tail(x, rows, requests, vocab, None)
+        shape_tail(x, rows, requests, vocab, None)
         return
     tail_rows = rows if len(tail) == len(rows) else [rows[i] for i in tail]
 
     def compact_tail(sub: torch.Tensor) -> torch.Tensor:
         values, token_ids = torch.topk(sub, bound, dim=-1)
-        _shape_tail(values, tail_rows, requests, vocab, token_ids)
+        shape_tail(values, tail_rows, requests, vocab, token_ids)
         return sub.fill_(float("-inf")).scatter_(1, token_ids, values)
 
     on_rows(x, tail, compact_tail)
 
 
-def _shape_tail(
+def shape_tail(
     x: torch.Tensor,
     rows: Sequence[Row],
     requests: Sequence[SampleRequest],
@@ -103,13 +103,13 @@ def _shape_tail(
             protected = protected[token_ids.index_select(0, index)]
         thresholds = col([rows[i].settings.xtc_threshold for i in fired])
         on_rows(x, fired, lambda sub: filters.xtc(sub, thresholds, protected))
-    _temperature(x, rows, "temperature_last")
+    temperature_stage(x, rows, "temperature_last")
     mirostat_rows = rows_using(rows, "mirostat")
     mus = [requests[rows[i].request].state.current_mu(rows[i].settings) for i in mirostat_rows]
     on_rows(x, mirostat_rows, lambda sub: filters.mirostat(sub, col(mus)))
 
 
-def _temperature(x: torch.Tensor, rows: Sequence[Row], name: str) -> None:
+def temperature_stage(x: torch.Tensor, rows: Sequence[Row], name: str) -> None:
     dev = x.device
     picked = rows_using(rows, name)
     if not picked:

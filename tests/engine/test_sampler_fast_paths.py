@@ -106,3 +106,91 @@ def test_sample_tokens_refuses_drafts() -> None:
     requests = [SampleRequest(settings=SamplerSettings.greedy(), draft_ids=[1])]
     with pytest.raises(ValueError, match="one row per request"):
         Sampler(VOCAB).sample_tokens(torch.zeros(2, VOCAB), requests)
+
+
+def _top_k_settings() -> list[SamplerSettings]:
+    return [
+        SamplerSettings(temperature=0.8, top_p=0.9, top_k=50),
+        SamplerSettings(temperature=1.3, top_k=7, min_p=0.05),
+        SamplerSettings(temperature=0.7, top_k=20, token_repetition_penalty=1.3),
+        SamplerSettings(temperature=0.9, top_p=0.8, top_k=30, temperature_last=True),
+        SamplerSettings(temperature=1.0, top_k=40, mirostat=True, mirostat_tau=3.0),
+        SamplerSettings(temperature=1.1, top_k=25, typical=0.9, tfs=0.95, top_a=0.1),
+        SamplerSettings(temperature=1.0, top_k=50, xtc_probability=0.7, xtc_threshold=0.05),
+        SamplerSettings(temperature=0.9, top_k=12, token_bias={5: 3.0}, banned_tokens=[7]),
+        SamplerSettings(temperature=0.5, top_k=50, min_temp=0.5, max_temp=1.5,
+                        temperature_last=True),
+    ]
+
+
+def _top_k_requests(seed: int, n: int, vocab: int, *, masks: bool) -> list[SampleRequest]:
+    rng = random.Random(seed)
+    pool = _top_k_settings()
+    out = []
+    for _ in range(n):
+        mask = None
+        if masks and rng.random() < 0.3:
+            mask = np.full(vocab // 32, -1, dtype=np.int32)
+            mask[: vocab // 64] = 0  # the first half of the vocabulary is forbidden
+        out.append(SampleRequest(
+            settings=rng.choice(pool), seed=rng.getrandbits(63), counter=rng.randrange(100),
+            history=[rng.randrange(vocab) for _ in range(rng.randrange(1, 12))],
+            allowed_tokens=mask, return_probs=rng.random() < 0.3,
+            return_top_tokens=rng.choice([0, 0, 3]), return_logits=rng.random() < 0.1))
+    return out
+
+
+@pytest.mark.parametrize(("seed", "masks", "extra_columns"),
+                         [(0, False, 0), (1, True, 0), (2, False, 13), (3, True, 13)])
+def test_compact_draw_equals_the_full_width_path(monkeypatch: pytest.MonkeyPatch, seed: int,
+                                                 masks: bool, extra_columns: int) -> None:
+    """Every row sampled with a top_k: the compact draw (one top-k, stages on [rows, k]) picks
+    what the full-width stages pick, with the same probabilities and mirostat updates."""
+    from dyngen_core.sampling import sampler as sampler_module
+
+    vocab = 1024
+    sampler = Sampler(vocab)
+    logits = torch.randn(40, vocab + extra_columns,
+                         generator=torch.Generator().manual_seed(seed)) * 3
+    compact = _top_k_requests(seed, 40, vocab, masks=masks)
+    full = copy.deepcopy(compact)
+    calls = []
+    draw_compact = sampler_module.draw_compact
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return draw_compact(*args)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler_module, "draw_compact", counted)
+        ids, results = sampler.sample_tokens(logits, compact)
+        listed = sampler.sample(logits, copy.deepcopy(full))
+    assert len(calls) == 2
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler_module, "compact_bound", lambda *args: 0)
+        expected_ids, expected = sampler.sample_tokens(logits, full)
+    assert ids == expected_ids == [r.token_ids[0] for r in listed]
+    assert sorted(results) == sorted(expected)
+    for i, result in results.items():
+        for name in ("token_probs", "top_k_tokens", "top_k_probs", "logits"):
+            a, b = getattr(result, name), getattr(expected[i], name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b), (i, name)
+    assert [q.state.mirostat_mu for q in compact] == [q.state.mirostat_mu for q in full]
+
+
+def test_compact_draw_is_skipped_when_a_row_needs_the_whole_vocabulary() -> None:
+    from dyngen_core.sampling.compact import compact_bound
+
+    def bound(settings: list[SamplerSettings], width: int = 1024) -> int:
+        rows = expand_rows([SampleRequest(settings=s, seed=1) for s in settings],
+                           random.Random(0))
+        return compact_bound(rows, width, 1024)
+
+    top_p = SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)
+    assert bound([top_p]) == 50
+    assert bound([top_p, SamplerSettings.greedy()]) == 0
+    assert bound([top_p, SamplerSettings(temperature=0.8, top_p=0.9)]) == 0  # no top_k
+    assert bound([SamplerSettings(temperature=1.0, top_k=50, min_temp=0.5, max_temp=1.5)]) == 0
+    assert bound([top_p], width=150) == 0  # 50 is not much below 150
