@@ -16,7 +16,7 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -140,6 +140,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._pieces = pieces
         self._table = pieces.table if pieces is not None else {}
+        self._lookup: Callable[[int], tuple[str, str] | None] = (
+            pieces.lookup if pieces is not None else _no_entry)
         # True when the window is one simple token, fully read: the fast path's precondition.
         self._simple_tail = False
         self._decode_special = not skip_special_tokens
@@ -154,9 +156,8 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
         if self._simple_tail:
-            # A token not in the table yet takes the exact path once; reading the window back
-            # then enters it (see `_emit`).
-            entry = self._table.get(token_id)
+            table = self._table
+            entry = table[token_id] if token_id in table else self._lookup(token_id)
             if entry is not None:
                 # What the slow path computes for [w, t] when both are simple: t's piece, and
                 # a window of just t (whose text alone is its context for the next token). The
@@ -223,6 +224,10 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, decode_special_tokens=self._decode_special)
+
+
+def _no_entry(token_id: int) -> None:
+    return None
 
 
 def _common_prefix_length(text: str, prefix: str) -> int:
