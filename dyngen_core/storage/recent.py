@@ -69,13 +69,20 @@ class RecentWindow:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
         """Store rows [T, kv_heads, head_dim] of tokens at ``positions`` [T] of the sequences in
-        ``seq_slots`` [T] (-1 or out of range: not kept)."""
+        ``seq_slots`` [T] (-1 or out of range: not kept); of a sequence's tokens, those within
+        ``window`` of its newest one."""
         target = self.layers[layer]
         device = target.keys.device
         slots = seq_slots.to(device=device, dtype=torch.int64)
         pos = positions.to(device=device, dtype=torch.int64)
         spare = self.slots * self.window
         kept = (slots >= 0) & (slots < self.slots)
+        # A chunk longer than the window maps several tokens to one row; only the last window
+        # of them may be written (on CUDA, index_copy_ picks an arbitrary duplicate).
+        owner = torch.where(kept, slots, self.slots)
+        newest = torch.full((self.slots + 1,), -1, dtype=torch.int64, device=device)
+        newest = newest.scatter_reduce(0, owner, pos, "amax")
+        kept &= pos > newest[owner] - self.window
         rows = torch.where(kept, slots * self.window + pos % self.window, spare)
         target.keys.index_copy_(0, rows, key.to(target.keys.dtype))
         target.values.index_copy_(0, rows, value.to(target.values.dtype))

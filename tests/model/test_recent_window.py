@@ -183,3 +183,19 @@ def test_decoding_token_by_token_sees_what_one_prefill_sees(tiny: Model) -> None
     no_slot = _logits(tiny, _storage(tiny, "q4"), IDS, [1] * len(IDS), slot=-1)
     agreement = (decode - prefill).abs().max()
     assert agreement < 0.1 * (no_slot - prefill).abs().max()
+
+
+def test_a_chunk_longer_than_the_window_keeps_its_last_rows() -> None:
+    """Only the newest ``window`` rows of each sequence are written, so no two tokens of one
+    write land on the same row (CUDA's index_copy_ would keep an arbitrary one)."""
+    window = RecentWindow(4, 2, KV_HEADS, DIM, torch.float32, [torch.device("cpu")])
+    keys, values = _exact_rows(10, seed=9)
+    slots = torch.tensor([0] * 7 + [1] * 3)
+    positions = torch.tensor([*range(7), *range(3)])
+    window.write(0, keys, values, positions, slots)
+    layer = window.layers[0]
+    assert layer.positions[:8].tolist() == [4, 5, 6, 3, 0, 1, 2, -1]
+    # The dropped rows went to the spare row (the CPU keeps the last of them there).
+    torch.testing.assert_close(layer.keys[-1], keys[2])
+    torch.testing.assert_close(layer.keys[0], keys[4])
+    torch.testing.assert_close(layer.keys[4:7], keys[7:10])
