@@ -27,6 +27,7 @@ from dyngen_core.plan import SampledTokens
 from dyngen_core.sampling.request import SampleRequest, SamplingError
 from dyngen_core.sampling.sampler import Sampler
 from dyngen_core.settings import SamplerSettings
+from dyngen_core.stop import StopIndexes
 from dyngen_core.streaming import JobStream
 from dyngen_core.tokenizer import Tokenizer
 
@@ -58,6 +59,8 @@ class SamplingBridge:
         )
         # Shared by every job's detokenizer: each token's text, decoded once.
         self.pieces = TokenPieces.for_tokenizer(tokenizer)
+        # Shared by every job's stop matcher: which texts pass each set of stop strings.
+        self.stop_indexes = StopIndexes()
         self._constraint_compiler: ConstraintCompiler | None = None
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="dyngen-masks")
         self.sampler = Sampler(
@@ -79,7 +82,8 @@ class SamplingBridge:
         stops = self.eos_token_ids if job.uses_default_stops else job.stop_token_ids
         return ActiveJob(
             job=job,
-            stream=JobStream(job, self.tokenizer, frozenset(stops), self.pieces),
+            stream=JobStream(job, self.tokenizer, frozenset(stops), self.pieces,
+                             self.stop_indexes),
             settings=settings,
             seed=job.seed if job.seed is not None else fallback_seed,
             matcher=None if job.constraint is None else self._compiler().matcher(job.constraint),

@@ -42,10 +42,17 @@ def _checked(strings: Iterable[str], what: str) -> tuple[str, ...]:
     return out
 
 
+# Most texts a shared `StopIndex` remembers as passing through (token texts, mostly).
+PASSES_LIMIT = 1 << 16
+
+
 class _PrefixIndex:
     """Finds the longest end of a text that is a proper prefix of one of ``strings``."""
 
     def __init__(self, strings: tuple[str, ...]) -> None:
+        # Texts that, fed with nothing held, hold nothing back and contain no string: the same
+        # for every matcher of these strings, so a shared index learns each token text once.
+        self.passes: set[str] = set()
         self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
         self._longest = max((len(s) - 1 for s in strings), default=0)
         # A held end ends with the last character of some proper prefix: text ending in any
@@ -77,11 +84,14 @@ class StopMatcher:
     """
 
     def __init__(
-        self, stop_token_ids: Iterable[int] = (), stop_strings: Iterable[str] = ()
+        self, stop_token_ids: Iterable[int] = (), stop_strings: Iterable[str] = (),
+        *, indexes: StopIndexes | None = None,
     ) -> None:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.stop_strings = _checked(stop_strings, "stop strings")
-        self._index = _PrefixIndex(self.stop_strings)
+        self._index = (_PrefixIndex(self.stop_strings) if indexes is None
+                       else indexes.get(self.stop_strings))
+        self._passes = self._index.passes
         self._held = ""
         self.matched: str | None = None
 
@@ -106,6 +116,8 @@ class StopMatcher:
         if self.matched is not None:
             return ""
         held = self._held
+        if not held and text in self._passes:
+            return text
         buffer = held + text if held else text
         for stop in self.stop_strings:
             if stop in buffer:
@@ -116,6 +128,8 @@ class StopMatcher:
         keep = self._index.held_length(buffer)
         if not keep:
             self._held = ""
+            if not held and len(self._passes) < PASSES_LIMIT:
+                self._passes.add(text)
             return buffer
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]
@@ -124,6 +138,24 @@ class StopMatcher:
         """Release the held text (the job ended another way). Empty after a stop-string match."""
         held, self._held = self._held, ""
         return held
+
+
+class StopIndexes:
+    """The scanning tables of stop-string sets, shared by the jobs that use the same strings
+    (each table learns which token texts pass through; see `StopMatcher.feed`). Keeps at most
+    ``limit`` sets, forgetting all when full (a server's jobs rarely use many)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._limit = limit
+        self._tables: dict[tuple[str, ...], _PrefixIndex] = {}
+
+    def get(self, strings: tuple[str, ...]) -> _PrefixIndex:
+        table = self._tables.get(strings)
+        if table is None:
+            if len(self._tables) >= self._limit:
+                self._tables.clear()
+            table = self._tables[strings] = _PrefixIndex(strings)
+        return table
 
 
 def _earliest(text: str, strings: tuple[str, ...]) -> tuple[int, str | None]:

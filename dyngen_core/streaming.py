@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from dyngen_core.detokenize import IncrementalDetokenizer, TokenPieces
 from dyngen_core.job import Job
 from dyngen_core.results import EosReason
-from dyngen_core.stop import BannedStringMatcher, StopMatcher
+from dyngen_core.stop import BannedStringMatcher, StopIndexes, StopMatcher
 from dyngen_core.tokenizer import Tokenizer
 
 
@@ -38,15 +38,18 @@ class JobStream:
     tokenizer: decodes the tokens.
     stop_token_ids: ids that end the job (after ``min_new_tokens``).
     pieces: the tokenizer's shared `TokenPieces` (the detokenizer's fast path), or None.
+    stop_indexes: stop-string tables shared with other jobs (`StopIndexes`), or None.
     """
 
     def __init__(self, job: Job, tokenizer: Tokenizer, stop_token_ids: frozenset[int],
-                 pieces: TokenPieces | None = None) -> None:
+                 pieces: TokenPieces | None = None,
+                 stop_indexes: StopIndexes | None = None) -> None:
         self.job = job
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.pieces = pieces
-        self.stop = StopMatcher(set(stop_token_ids), list(job.stop_strings))
+        self.stop = StopMatcher(set(stop_token_ids), list(job.stop_strings),
+                                indexes=stop_indexes)
         # Read once per token: copied here from the job (whose limits do not change).
         self._has_stop_strings = bool(self.stop.stop_strings)
         self._min_new_tokens = job.min_new_tokens
