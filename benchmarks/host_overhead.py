@@ -9,8 +9,9 @@ back. Target: <= 1 ms per step.
     python benchmarks/host_overhead.py [--jobs 256] [--vocab 128256] [--devices cpu,cuda]
         [--threads N] [--profile 30]
 
-``sampler_ms`` is the median time inside `Sampler.sample` (its tensor math, transfers and own
-Python bookkeeping); ``host_ms`` the median of the rest of the step (``host_cpu_ms`` the same in
+``sampler_ms`` is the median time inside the sampler (`Sampler.sample_tokens`, or
+`Sampler.greedy_ids` when every job is plain greedy: its tensor math, transfers and own Python
+bookkeeping); ``host_ms`` the median of the rest of the step (``host_cpu_ms`` the same in
 CPU time, steadier on a loaded machine). ``mean_ms`` includes the rare steps that run a full
 garbage collection, which the median hides. On a small shared CPU, ``--threads 1`` keeps
 torch's thread pool from spinning against other processes (a [256, 1024] argmax then takes
