@@ -38,7 +38,8 @@ from dyngen_core.plan import PageCopy, SequenceSlice, StepOutcome, StepPlan
 from dyngen_core.scheduling.bookkeeping import (
     check_fits,
     check_sequences,
-    make_writable,
+    drop_generated,
+    record_partial_page,
     register_full_pages,
     release_pages,
     sampled_tokens,
@@ -146,22 +147,9 @@ class Scheduler:
         the new end are released; a kept page the job shares is given up and recomputed."""
         seq = self._require(job_id)
         n = min(num_tokens, seq.num_generated)
-        if n <= 0:
-            return
-        del seq.token_ids[-n:]
-        ps = self.page_size
-        del seq.page_hashes[seq.num_tokens // ps:]
-        seq.prefill_end = min(seq.prefill_end, seq.num_tokens)
-        if seq.status is not RUNNING:
-            return
-        self._inflight.remove(seq)
-        seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
-        keep = (seq.num_tokens - 1) // ps + 1
-        for page in reversed(seq.page_table[keep:]):
-            self.pool.release(page)
-        del seq.page_table[keep:]
-        if len(seq.page_table) == keep:
-            make_writable(seq, self.pool, keep - 1)
+        if n > 0:
+            self._inflight.remove(seq)  # a no-op unless it is prefilling
+            drop_generated(seq, self.pool, n)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -181,8 +169,7 @@ class Scheduler:
             if start != seq.num_computed:
                 if step.budget > 0:
                     self._schedule_prefill(seq, step)
-            elif (start + seq.num_draft_tokens) // ps < len(seq.page_table):
-                # A decode whose pages are already there (all but one step in a page's worth).
+            elif (start + seq.num_draft_tokens) // ps < len(seq.page_table):  # pages are there
                 slices[seq.job_id] = SequenceSlice(seq.job_id, [tokens[-1]], start,
                                                    seq.page_table[:], True)
             else:
@@ -212,17 +199,15 @@ class Scheduler:
             if seq is None:
                 continue
             start = sl.start_pos
-            if token is None or len(sl.token_ids) != 1 or sl.draft_ids \
-                    or start != seq.num_computed or start < seq.prefill_end \
-                    or (start + 1) % ps == 0:
-                if sl.draft_ids:
-                    raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries "
-                                     "drafts; use apply with the accepted draft count")
+            if sl.draft_ids:
+                raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries drafts; "
+                                 "use apply with the accepted draft count")
+            if token is None or len(sl.token_ids) != 1 or start != seq.num_computed \
+                    or start < seq.prefill_end or (start + 1) % ps == 0:
                 self._advance(seq, sl, 0, () if token is None else (token,))
-                continue
-            # `_advance` for a decode of one token that fills no page: all it changes.
-            seq.num_computed = start + 1
-            seq.token_ids.append(token)
+            else:  # `_advance` for a decode of one token that fills no page: all it changes
+                seq.num_computed = start + 1
+                seq.token_ids.append(token)
 
     def _advance(self, seq: Sequence, sl: SequenceSlice, accepted: int,
                  new_tokens: SequenceOf[int]) -> None:
@@ -235,8 +220,7 @@ class Scheduler:
         fed_end = start + len(sl.token_ids)
         seq.num_computed = fed_end + accepted
         seq.token_ids.extend(new_tokens)
-        ps = self.page_size
-        if seq.num_computed // ps > start // ps and self._registering:
+        if seq.num_computed // self.page_size > start // self.page_size and self._registering:
             register_full_pages(seq, self.pool, start, seq.num_computed, fold=self.config.dedup)
         if start < seq.prefill_end:
             self._prefill_computed += min(fed_end, seq.prefill_end) - start
@@ -294,10 +278,9 @@ class Scheduler:
     # ---- internals: running jobs --------------------------------------------------------------
 
     def _schedule_decode(self, seq: Sequence, step: _Step) -> None:
+        """A decode that needs a new page (`schedule` plans the others inline)."""
         start = len(seq.token_ids) - 1
-        last_page = (start + seq.num_draft_tokens) // self.page_size
-        if last_page < len(seq.page_table) or self._ensure_pages(
-                seq, start + 1 + seq.num_draft_tokens, step):
+        if self._ensure_pages(seq, start + 1 + seq.num_draft_tokens, step):
             step.slices[seq.job_id] = SequenceSlice(seq.job_id, [seq.token_ids[-1]], start,
                                                     list(seq.page_table), True)
 
@@ -340,12 +323,8 @@ class Scheduler:
     def _after_prefill_slice(self, seq: Sequence) -> None:
         """Record the partly computed last page so others can copy it; leave the in-flight index
         once the prefill is done."""
-        ps, nc = self.page_size, seq.num_computed
-        if self.config.dedup and nc % ps:
-            k = nc // ps
-            page = seq.page_table[k]
-            if self.pool.ref_count(page) == 1 and self.pool.page_hash(page) is None:
-                self.pool.record_partial(page, seq.parent_hash(k, ps), seq.token_ids[k * ps:nc])
+        if self.config.dedup:
+            record_partial_page(seq, self.pool)
         if seq.num_pending <= 1:
             self._inflight.remove(seq)
 

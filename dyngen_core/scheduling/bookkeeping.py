@@ -1,6 +1,7 @@
 """Page bookkeeping between a sequence and the pool: the size check at enqueue, reading a step's
-sampled tokens, registering filled pages (and folding them into identical ones), making a page
-writable after a rewind, releasing a sequence's pages, and the sequence-side invariant checks."""
+sampled tokens, registering filled pages (and folding them into identical ones), dropping
+generated tokens and making a page writable after a rewind, releasing a sequence's pages, and
+the sequence-side invariant checks."""
 
 from __future__ import annotations
 
@@ -67,6 +68,25 @@ def register_full_pages(seq: Sequence, pool: PagePool, old_computed: int, new_co
             pool.release(page)
 
 
+def drop_generated(seq: Sequence, pool: PagePool, n: int) -> None:
+    """Drop ``seq``'s last ``n`` tokens (at most its generated ones). A running sequence also
+    releases the pages past its new end, and the page its next decode writes is made writable
+    (`make_writable`)."""
+    del seq.token_ids[-n:]
+    ps = pool.page_size
+    del seq.page_hashes[seq.num_tokens // ps:]
+    seq.prefill_end = min(seq.prefill_end, seq.num_tokens)
+    if seq.status is not SequenceStatus.RUNNING:
+        return
+    seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+    keep = (seq.num_tokens - 1) // ps + 1
+    for page in reversed(seq.page_table[keep:]):
+        pool.release(page)
+    del seq.page_table[keep:]
+    if len(seq.page_table) == keep:
+        make_writable(seq, pool, keep - 1)
+
+
 def make_writable(seq: Sequence, pool: PagePool, k: int) -> None:
     """After a rewind, page ``k`` is the one the next decode writes: nothing may be registered
     beyond ``num_computed`` in it. Truncate its record if ``seq`` holds it alone; if it is
@@ -83,6 +103,17 @@ def make_writable(seq: Sequence, pool: PagePool, k: int) -> None:
         seq.num_computed = min(seq.num_computed, start)
 
 
+def record_partial_page(seq: Sequence, pool: PagePool) -> None:
+    """Note the computed leading slots of ``seq``'s partly filled last page, when it holds that
+    page alone and unregistered, so a later job can copy them."""
+    ps, nc = pool.page_size, seq.num_computed
+    k = nc // ps
+    if nc % ps and k < len(seq.page_table):
+        page = seq.page_table[k]
+        if pool.ref_count(page) == 1 and pool.page_hash(page) is None:
+            pool.record_partial(page, seq.parent_hash(k, ps), seq.token_ids[k * ps:nc])
+
+
 def release_pages(seq: Sequence, pool: PagePool, *, record: bool) -> None:
     """Release all of ``seq``'s pages, last page first (so the LRU evicts suffixes before the
     prefixes other jobs may share), and empty its page table.
@@ -90,12 +121,8 @@ def release_pages(seq: Sequence, pool: PagePool, *, record: bool) -> None:
     record: first note the computed leading slots of a partly filled last page, so a later job
         (a preempted job's recompute, the next chat turn) can copy them.
     """
-    ps, nc = pool.page_size, seq.num_computed
-    k = nc // ps
-    if record and nc % ps and k < len(seq.page_table):
-        page = seq.page_table[k]
-        if pool.ref_count(page) == 1 and pool.page_hash(page) is None:
-            pool.record_partial(page, seq.parent_hash(k, ps), seq.token_ids[k * ps:nc])
+    if record:
+        record_partial_page(seq, pool)
     for page in reversed(seq.page_table):
         pool.release(page)
     seq.page_table = []
