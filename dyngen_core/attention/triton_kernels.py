@@ -26,6 +26,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dyngen_core.attention.triton_exact_kernels import (
+    attend_exact_rows,
+    exact_row_of_page,
+    window_holds,
+    window_rows,
+)
+
 ROTATION_GROUP = 32
 
 
@@ -113,44 +120,28 @@ def load_scaled_queries(q_ptr, q_offsets, row_valid, dims, rot_ptr, scale_log2,
 
 
 @triton.jit
-def _exact_row_of_page(rows, row_ptr, page, kv_head, is_head, dims, stride_er, stride_eh,
-                       HEAD_DIM: tl.constexpr):
-    """``rows`` [BLOCK_N, HEAD_PAD] with the keys at slot 0 of a page replaced by the page's
-    unquantized head row (stored rotated, like the codes)."""
-    offsets = (page * stride_er + kv_head * stride_eh)[:, None] + dims[None, :]
-    exact = tl.load(row_ptr + offsets, mask=is_head[:, None] & (dims < HEAD_DIM)[None, :],
-                    other=0.0)
-    return tl.where(is_head[:, None], exact.to(tl.float32), rows)
-
-
-@triton.jit
-def _window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW: tl.constexpr):
-    """Whether an exact row of each key is at hand: written in this step (``>= step_start``),
-    or still in the sequence's recent window (its row records that very position). Keys not
-    ``near`` the queries are not looked up. ``ring_base`` < 0: the sequence has no window."""
-    tag = tl.load(ring_pos_ptr + ring_base + keys % WINDOW, mask=near & (ring_base >= 0),
-                  other=-1)
-    return (keys >= step_start) | (tag == keys)
-
-
-@triton.jit
 def attend_key_range(q, table_row, kv_lo, kv_hi, position, kv_head, dims,
                      k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                      stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
                      stride_vss, stride_vsh,
                      head_k_ptr, head_v_ptr, stride_er, stride_eh,
-                     ring_pos_ptr, ring_base, step_start, near_lo,
+                     ring_k_ptr, ring_v_ptr, ring_pos_ptr, ring_base, fresh_k_ptr, fresh_v_ptr,
+                     q_start, step_start, near_lo,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
                      V_BITS: tl.constexpr, HEADS: tl.constexpr, WINDOW: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     SUBSTITUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax of the rows ``q`` (from `load_scaled_queries`) over keys [kv_lo, kv_hi)
     of the page-table row ``table_row``, each row seeing keys up to its ``position``.
 
     HEADS: slot 0 of every page is read from the unquantized head rows (``head_k_ptr``,
     ``head_v_ptr``: [pages + 1, kv_heads, head_dim], strides ``stride_er``, ``stride_eh``).
-    WINDOW > 0: keys a row reads exactly instead (``position - WINDOW < key``, held per
-    `_window_holds`; keys below ``near_lo`` are never such) are left to `attend_exact_rows`.
+    WINDOW > 0: keys a row reads exactly (``position - WINDOW < key``, held per
+    `_window_holds`; keys below ``near_lo`` never are). SUBSTITUTE (decodes: every row has the
+    one position ``step_start``) reads them in place of the page rows, from this step's rows
+    (``fresh_*``, the step's first token at row ``q_start``) or the window (``ring_*``);
+    otherwise they are masked out here and left to `attend_exact_rows`. Only element-wise
+    work and masked loads: a branch in this loop costs its software pipelining.
 
     Returns (running max m, running sum l, unnormalized output acc [BLOCK_M, HEAD_PAD]), all
     float32, log2 domain; rows that saw no key keep l = 0."""
@@ -169,15 +160,21 @@ def attend_key_range(q, table_row, kv_lo, kv_hi, position, kv_head, dims,
                        BLOCK_N)
         is_head = (slot == 0) & key_valid
         if HEADS:
-            k = _exact_row_of_page(k, head_k_ptr, page, kv_head, is_head, dims, stride_er,
-                                   stride_eh, HEAD_DIM)
+            k = exact_row_of_page(k, head_k_ptr, page, kv_head, is_head, dims, stride_er,
+                                  stride_eh, HEAD_DIM)
+        near = key_valid & (keys >= near_lo)
+        held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
+        if WINDOW > 0:
+            if SUBSTITUTE:
+                k = window_rows(k, keys, held, step_start, q_start, ring_base, fresh_k_ptr,
+                                ring_k_ptr, kv_head, dims, stride_er, stride_eh, HEAD_DIM,
+                                WINDOW)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
         if WINDOW > 0:
-            near = key_valid & (keys >= near_lo)
-            held = _window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
-            covered = (keys[None, :] > position[:, None] - WINDOW) & (near & held)[None, :]
-            visible = visible & ~covered
+            if not SUBSTITUTE:
+                covered = (keys[None, :] > position[:, None] - WINDOW) & held[None, :]
+                visible = visible & ~covered
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
@@ -188,50 +185,13 @@ def attend_key_range(q, table_row, kv_lo, kv_hi, position, kv_head, dims,
         v = _load_rows(v_ptr, vs_ptr, v_off, vs_off, kmask, dims, V_BITS, HEAD_DIM, HEAD_PAD,
                        BLOCK_N)
         if HEADS:
-            v = _exact_row_of_page(v, head_v_ptr, page, kv_head, is_head, dims, stride_er,
-                                   stride_eh, HEAD_DIM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def attend_exact_rows(q, m_i, l_i, acc, lo, hi, position, kv_head, dims,
-                      fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
-                      stride_er, stride_eh, ring_base, step_start, q_start,
-                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """Continue the online softmax over the exact rows of positions [lo, hi): this step's own
-    rows (``fresh_*``: [T, kv_heads, head_dim], position ``step_start + i`` at row
-    ``q_start + i``) and earlier positions still in the recent window (``ring_*``: rows
-    ``ring_base + position % WINDOW``). A row reads the positions in
-    (``position - WINDOW``, ``position``] that `_window_holds`."""
-    col_valid = (dims < HEAD_DIM)[None, :]
-    for e0 in range(lo, hi, BLOCK_N):
-        keys = e0 + tl.arange(0, BLOCK_N)
-        valid = keys < hi
-        fresh = keys >= step_start
-        held = valid & _window_holds(keys, valid & ~fresh, ring_pos_ptr, ring_base, step_start,
-                                     WINDOW)
-        fresh_off = ((q_start + keys - step_start).to(tl.int64) * stride_er
-                     + kv_head * stride_eh)[:, None] + dims[None, :]
-        ring_off = ((ring_base + keys % WINDOW).to(tl.int64) * stride_er
-                    + kv_head * stride_eh)[:, None] + dims[None, :]
-        from_fresh = (valid & fresh)[:, None] & col_valid
-        from_ring = (held & ~fresh)[:, None] & col_valid
-        k = tl.where(from_fresh, tl.load(fresh_k_ptr + fresh_off, mask=from_fresh, other=0.0),
-                     tl.load(ring_k_ptr + ring_off, mask=from_ring, other=0.0))
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        visible = (held[None, :] & (keys[None, :] <= position[:, None])
-                   & (keys[None, :] > position[:, None] - WINDOW))
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.where(from_fresh, tl.load(fresh_v_ptr + fresh_off, mask=from_fresh, other=0.0),
-                     tl.load(ring_v_ptr + ring_off, mask=from_ring, other=0.0))
+            v = exact_row_of_page(v, head_v_ptr, page, kv_head, is_head, dims, stride_er,
+                                  stride_eh, HEAD_DIM)
+        if WINDOW > 0:
+            if SUBSTITUTE:
+                v = window_rows(v, keys, held, step_start, q_start, ring_base, fresh_v_ptr,
+                                ring_v_ptr, kv_head, dims, stride_er, stride_eh, HEAD_DIM,
+                                WINDOW)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
@@ -286,8 +246,9 @@ def paged_attention_kernel(
     `attend_exact_rows`; the reference rule is `attention.sdpa_recent`): head rows, and with
     WINDOW > 0 each sequence's recent window (slot per sequence in ``seq_slots``, -1: none)
     plus this step's rows ``fresh_k`` / ``fresh_v`` [T, kv_heads, head_dim], all in the
-    rotated space; every exact-row tensor has strides (``stride_er``, ``stride_eh``, 1). The
-    last split attends the window.
+    rotated space; every exact-row tensor has strides (``stride_er``, ``stride_eh``, 1).
+    Decodes read window rows in place of page rows; prefill blocks attend them in a second
+    loop on the last split (a key may be exact for one query row and not another).
     DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -334,10 +295,11 @@ def paged_attention_kernel(
         q, table_row, kv_lo, kv_hi, position, kv_head, dims,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
-        head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base, step_start,
-        near_lo, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, WINDOW,
+        head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
+        ring_base, fresh_k_ptr, fresh_v_ptr, q_start, step_start, near_lo,
+        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, WINDOW, DECODE,
         DOT_PRECISION)
-    if WINDOW > 0:
+    if WINDOW > 0 and not DECODE:
         if split == NUM_SPLITS - 1:
             m_i, l_i, acc = attend_exact_rows(
                 q, m_i, l_i, acc, tl.maximum(near_lo, 0), kv_end, position, kv_head, dims,

@@ -34,7 +34,10 @@ def test_shared_document_is_one_group() -> None:
     document = list(range(100, 131))
     tables = [document + [1000 + i] for i in range(64)]
     contexts = [8000 + 30 + i for i in range(64)]
-    plan = plan_shared_prefixes(tables, contexts, [1] * 64, PS)  # the default policy
+    # The default policy leaves it to CUDA graphs (measured: the eager step costs more than
+    # the 500k key reads it saves); any policy that allows it finds the one group.
+    assert plan_shared_prefixes(tables, contexts, [1] * 64, PS) is None
+    plan = plan_shared_prefixes(tables, contexts, [1] * 64, PS, ANY)
     assert plan is not None
     assert plan.groups == (PrefixGroup(tuple(range(64)), 31),)
     assert plan.saved_keys == 63 * 31 * PS

@@ -1,0 +1,89 @@
+"""Triton helpers of the exact rows of quantized caches (page heads, recent windows), used by
+`triton_kernels.paged_attention_kernel`; the reading rule is `attention.sdpa_recent`'s."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def exact_row_of_page(rows, row_ptr, page, kv_head, is_head, dims, stride_er, stride_eh,
+                       HEAD_DIM: tl.constexpr):
+    """``rows`` [BLOCK_N, HEAD_PAD] with the keys at slot 0 of a page replaced by the page's
+    unquantized head row (stored rotated, like the codes)."""
+    offsets = (page * stride_er + kv_head * stride_eh)[:, None] + dims[None, :]
+    exact = tl.load(row_ptr + offsets, mask=is_head[:, None] & (dims < HEAD_DIM)[None, :],
+                    other=0.0)
+    return tl.where(is_head[:, None], exact.to(rows.dtype), rows)
+
+
+@triton.jit
+def window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW: tl.constexpr):
+    """Whether an exact row of each key is at hand: written in this step (``>= step_start``),
+    or still in the sequence's recent window (its row records that very position). Keys not
+    ``near`` the queries are not looked up. ``ring_base`` < 0: the sequence has no window."""
+    tag = tl.load(ring_pos_ptr + ring_base + keys % WINDOW, mask=near & (ring_base >= 0),
+                  other=-1)
+    return (keys >= step_start) | (tag == keys)
+
+
+@triton.jit
+def window_rows(rows, keys, held, step_start, q_start, ring_base, fresh_ptr, ring_ptr, kv_head,
+                dims, stride_er, stride_eh, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr):
+    """``rows`` [BLOCK_N, HEAD_PAD] with the ``held`` keys replaced by their exact rows: this
+    step's (position ``step_start + i`` at row ``q_start + i`` of ``fresh_ptr``) or the
+    window's (row ``ring_base + key % WINDOW`` of ``ring_ptr``). Masked loads only."""
+    col_valid = (dims < HEAD_DIM)[None, :]
+    fresh = held & (keys >= step_start)
+    ring = held & (keys < step_start)
+    fresh_off = ((q_start + keys - step_start).to(tl.int64) * stride_er
+                 + kv_head * stride_eh)[:, None] + dims[None, :]
+    ring_off = ((ring_base + keys % WINDOW).to(tl.int64) * stride_er
+                + kv_head * stride_eh)[:, None] + dims[None, :]
+    from_fresh = tl.load(fresh_ptr + fresh_off, mask=fresh[:, None] & col_valid, other=0.0)
+    from_ring = tl.load(ring_ptr + ring_off, mask=ring[:, None] & col_valid, other=0.0)
+    rows = tl.where(fresh[:, None], from_fresh.to(rows.dtype), rows)
+    return tl.where(ring[:, None], from_ring.to(rows.dtype), rows)
+
+
+@triton.jit
+def attend_exact_rows(q, m_i, l_i, acc, lo, hi, position, kv_head, dims,
+                      fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
+                      stride_er, stride_eh, ring_base, step_start, q_start,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """Continue the online softmax over the exact rows of positions [lo, hi): this step's own
+    rows (``fresh_*``: [T, kv_heads, head_dim], position ``step_start + i`` at row
+    ``q_start + i``) and earlier positions still in the recent window (``ring_*``: rows
+    ``ring_base + position % WINDOW``). A row reads the positions in
+    (``position - WINDOW``, ``position``] that `_window_holds`."""
+    col_valid = (dims < HEAD_DIM)[None, :]
+    for e0 in range(lo, hi, BLOCK_N):
+        keys = e0 + tl.arange(0, BLOCK_N)
+        valid = keys < hi
+        fresh = keys >= step_start
+        held = valid & window_holds(keys, valid & ~fresh, ring_pos_ptr, ring_base, step_start,
+                                     WINDOW)
+        fresh_off = ((q_start + keys - step_start).to(tl.int64) * stride_er
+                     + kv_head * stride_eh)[:, None] + dims[None, :]
+        ring_off = ((ring_base + keys % WINDOW).to(tl.int64) * stride_er
+                    + kv_head * stride_eh)[:, None] + dims[None, :]
+        from_fresh = (valid & fresh)[:, None] & col_valid
+        from_ring = (held & ~fresh)[:, None] & col_valid
+        k = tl.where(from_fresh, tl.load(fresh_k_ptr + fresh_off, mask=from_fresh, other=0.0),
+                     tl.load(ring_k_ptr + ring_off, mask=from_ring, other=0.0))
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        visible = (held[None, :] & (keys[None, :] <= position[:, None])
+                   & (keys[None, :] > position[:, None] - WINDOW))
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.where(from_fresh, tl.load(fresh_v_ptr + fresh_off, mask=from_fresh, other=0.0),
+                     tl.load(ring_v_ptr + ring_off, mask=from_ring, other=0.0))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
