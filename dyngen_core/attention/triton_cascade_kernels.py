@@ -23,6 +23,7 @@ import triton.language as tl
 
 from dyngen_core.attention.triton_kernels import (
     attend_key_range,
+    initial_state,
     load_scaled_queries,
     log2_sum_exp,
     normalized_rows,
@@ -83,12 +84,13 @@ def shared_prefix_kernel(
     leader = tl.load(member_seq_ptr + first)
     table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
     # Shared prefixes are planned over unquantized pages only: no head rows, no window.
+    m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
     m_i, l_i, acc = attend_key_range(
-        q, table_row, kv_lo, kv_hi, position, kv_head, dims,
+        q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_head, dims,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
-        k_ptr, v_ptr, 0, 0, k_ptr, v_ptr, table_row, -1, k_ptr, v_ptr, 0, 0, 0,
-        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, False, 0, False,
+        k_ptr, v_ptr, 0, 0, table_row, -1, 0, 0,
+        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, False, 0,
         DOT_PRECISION)
     acc = normalized_rows(acc, l_i, rot_ptr, V_BITS, BLOCK_M, HEAD_PAD)
     part_row = (member.to(tl.int64) * tl.num_programs(1) * G + head) * NUM_SPLITS + split

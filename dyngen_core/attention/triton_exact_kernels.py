@@ -29,25 +29,6 @@ def window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW: tl.con
 
 
 @triton.jit
-def window_rows(rows, keys, held, step_start, q_start, ring_base, fresh_ptr, ring_ptr, kv_head,
-                dims, stride_er, stride_eh, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr):
-    """``rows`` [BLOCK_N, HEAD_PAD] with the ``held`` keys replaced by their exact rows: this
-    step's (position ``step_start + i`` at row ``q_start + i`` of ``fresh_ptr``) or the
-    window's (row ``ring_base + key % WINDOW`` of ``ring_ptr``). Masked loads only."""
-    col_valid = (dims < HEAD_DIM)[None, :]
-    fresh = held & (keys >= step_start)
-    ring = held & (keys < step_start)
-    fresh_off = ((q_start + keys - step_start).to(tl.int64) * stride_er
-                 + kv_head * stride_eh)[:, None] + dims[None, :]
-    ring_off = ((ring_base + keys % WINDOW).to(tl.int64) * stride_er
-                + kv_head * stride_eh)[:, None] + dims[None, :]
-    from_fresh = tl.load(fresh_ptr + fresh_off, mask=fresh[:, None] & col_valid, other=0.0)
-    from_ring = tl.load(ring_ptr + ring_off, mask=ring[:, None] & col_valid, other=0.0)
-    rows = tl.where(fresh[:, None], from_fresh.to(rows.dtype), rows)
-    return tl.where(ring[:, None], from_ring.to(rows.dtype), rows)
-
-
-@triton.jit
 def attend_exact_rows(q, m_i, l_i, acc, lo, hi, position, kv_head, dims,
                       fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
                       stride_er, stride_eh, ring_base, step_start, q_start,

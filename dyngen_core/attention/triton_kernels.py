@@ -30,7 +30,6 @@ from dyngen_core.attention.triton_exact_kernels import (
     attend_exact_rows,
     exact_row_of_page,
     window_holds,
-    window_rows,
 )
 
 ROTATION_GROUP = 32
@@ -120,34 +119,30 @@ def load_scaled_queries(q_ptr, q_offsets, row_valid, dims, rot_ptr, scale_log2,
 
 
 @triton.jit
-def attend_key_range(q, table_row, kv_lo, kv_hi, position, kv_head, dims,
+def attend_key_range(q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_head, dims,
                      k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                      stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
                      stride_vss, stride_vsh,
                      head_k_ptr, head_v_ptr, stride_er, stride_eh,
-                     ring_k_ptr, ring_v_ptr, ring_pos_ptr, ring_base, fresh_k_ptr, fresh_v_ptr,
-                     q_start, step_start, near_lo,
+                     ring_pos_ptr, ring_base, step_start, near_lo,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
                      V_BITS: tl.constexpr, HEADS: tl.constexpr, WINDOW: tl.constexpr,
-                     SUBSTITUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr):
     """Online softmax of the rows ``q`` (from `load_scaled_queries`) over keys [kv_lo, kv_hi)
-    of the page-table row ``table_row``, each row seeing keys up to its ``position``.
+    of the page-table row ``table_row``, each row seeing keys up to its ``position``, carrying
+    on from the state (m_i, l_i, acc) (`initial_state` for a fresh start).
 
     HEADS: slot 0 of every page is read from the unquantized head rows (``head_k_ptr``,
     ``head_v_ptr``: [pages + 1, kv_heads, head_dim], strides ``stride_er``, ``stride_eh``).
     WINDOW > 0: keys a row reads exactly (``position - WINDOW < key``, held per
-    `_window_holds`; keys below ``near_lo`` never are). SUBSTITUTE (decodes: every row has the
-    one position ``step_start``) reads them in place of the page rows, from this step's rows
-    (``fresh_*``, the step's first token at row ``q_start``) or the window (``ring_*``);
-    otherwise they are masked out here and left to `attend_exact_rows`. Only element-wise
-    work and masked loads: a branch in this loop costs its software pipelining.
+    `window_holds`; keys below ``near_lo`` never are) are masked out here and left to
+    `attend_exact_rows`. Only element-wise work and masked loads in the loop (a branch costs
+    its software pipelining); callers run WINDOW > 0 over the last blocks only, as the
+    window's per-block work and registers slowed the whole q4 loop by half on the H200.
 
     Returns (running max m, running sum l, unnormalized output acc [BLOCK_M, HEAD_PAD]), all
     float32, log2 domain; rows that saw no key keep l = 0."""
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_valid = keys < kv_hi
@@ -162,19 +157,13 @@ def attend_key_range(q, table_row, kv_lo, kv_hi, position, kv_head, dims,
         if HEADS:
             k = exact_row_of_page(k, head_k_ptr, page, kv_head, is_head, dims, stride_er,
                                   stride_eh, HEAD_DIM)
-        near = key_valid & (keys >= near_lo)
-        held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
-        if WINDOW > 0:
-            if SUBSTITUTE:
-                k = window_rows(k, keys, held, step_start, q_start, ring_base, fresh_k_ptr,
-                                ring_k_ptr, kv_head, dims, stride_er, stride_eh, HEAD_DIM,
-                                WINDOW)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
         if WINDOW > 0:
-            if not SUBSTITUTE:
-                covered = (keys[None, :] > position[:, None] - WINDOW) & held[None, :]
-                visible = visible & ~covered
+            near = key_valid & (keys >= near_lo)
+            held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
+            covered = (keys[None, :] > position[:, None] - WINDOW) & held[None, :]
+            visible = visible & ~covered
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
@@ -187,15 +176,17 @@ def attend_key_range(q, table_row, kv_lo, kv_hi, position, kv_head, dims,
         if HEADS:
             v = exact_row_of_page(v, head_v_ptr, page, kv_head, is_head, dims, stride_er,
                                   stride_eh, HEAD_DIM)
-        if WINDOW > 0:
-            if SUBSTITUTE:
-                v = window_rows(v, keys, held, step_start, q_start, ring_base, fresh_v_ptr,
-                                ring_v_ptr, kv_head, dims, stride_er, stride_eh, HEAD_DIM,
-                                WINDOW)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def initial_state(BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """The online softmax's starting (running max, running sum, output accumulator)."""
+    return (tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, HEAD_PAD], tl.float32))
 
 
 @triton.jit
@@ -247,8 +238,8 @@ def paged_attention_kernel(
     WINDOW > 0 each sequence's recent window (slot per sequence in ``seq_slots``, -1: none)
     plus this step's rows ``fresh_k`` / ``fresh_v`` [T, kv_heads, head_dim], all in the
     rotated space; every exact-row tensor has strides (``stride_er``, ``stride_eh``, 1).
-    Decodes read window rows in place of page rows; prefill blocks attend them in a second
-    loop on the last split (a key may be exact for one query row and not another).
+    The exact window rows are attended in a second loop on the last split (in place
+    substitution, possible for decodes, cost more registers than the loop saved).
     DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -291,15 +282,31 @@ def paged_attention_kernel(
         ring_base = tl.where(seq_slot >= 0, seq_slot * WINDOW, -1)
     else:
         ring_base = ctx * 0 - 1
+    m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
+    # Keys below near_lo are never read exactly: the bulk of the range runs without the
+    # window's per-block work, the last block or two with it.
+    if WINDOW > 0:
+        window_lo = (tl.maximum(near_lo, 0) // BLOCK_N) * BLOCK_N
+        bulk_hi = tl.minimum(kv_hi, tl.maximum(kv_lo, window_lo))
+    else:
+        bulk_hi = kv_hi
     m_i, l_i, acc = attend_key_range(
-        q, table_row, kv_lo, kv_hi, position, kv_head, dims,
+        q, m_i, l_i, acc, table_row, kv_lo, bulk_hi, position, kv_head, dims,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
-        head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
-        ring_base, fresh_k_ptr, fresh_v_ptr, q_start, step_start, near_lo,
-        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, WINDOW, DECODE,
-        DOT_PRECISION)
-    if WINDOW > 0 and not DECODE:
+        head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base, step_start,
+        near_lo,
+        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, 0, DOT_PRECISION)
+    if WINDOW > 0:
+        m_i, l_i, acc = attend_key_range(
+            q, m_i, l_i, acc, table_row, bulk_hi, kv_hi, position, kv_head, dims,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+            stride_vsh, head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base,
+            step_start, near_lo,
+            BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, WINDOW,
+            DOT_PRECISION)
+    if WINDOW > 0:
         if split == NUM_SPLITS - 1:
             m_i, l_i, acc = attend_exact_rows(
                 q, m_i, l_i, acc, tl.maximum(near_lo, 0), kv_end, position, kv_head, dims,
