@@ -124,12 +124,20 @@ class QuantStorage:
         wants_native = use_native and any(d.type == "cuda" for d in self.devices)
         self._native = native.load_native() if wants_native else None
         self.key_offsets: list[torch.Tensor] | None = None
-        if recent_window is None:
-            recent_window = DEFAULT_RECENT_WINDOW[mode]
-        if recent_window < 0:
-            raise ValueError(f"recent_window must be >= 0, not {recent_window}")
-        self.recent_window = recent_window
         self.recent: RecentWindow | None = None
+        self.recent_window = 0
+        self.set_recent_window(recent_window)
+
+    def set_recent_window(self, window: int | None) -> None:
+        """Keep each running sequence's last ``window`` positions unquantized (None: the
+        mode's default; 0: none). Drops windows already reserved: call `reserve_sequences`
+        again (the runner does at construction)."""
+        if window is None:
+            window = DEFAULT_RECENT_WINDOW[self.mode]
+        if window < 0:
+            raise ValueError(f"recent_window must be >= 0 (0 turns the window off), not {window}")
+        self.recent_window = window
+        self.recent = None
 
     def reserve_sequences(self, count: int) -> None:
         """Make room for the recent-token windows of ``count`` sequences at once (sequence

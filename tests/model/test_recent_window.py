@@ -199,3 +199,21 @@ def test_a_chunk_longer_than_the_window_keeps_its_last_rows() -> None:
     torch.testing.assert_close(layer.keys[-1], keys[2])
     torch.testing.assert_close(layer.keys[0], keys[4])
     torch.testing.assert_close(layer.keys[4:7], keys[7:10])
+
+
+def test_cache_chooses_the_window(tiny: Model) -> None:
+    from dyngen_core import Cache
+
+    assert Cache(tiny, max_tokens=64, mode="q4", page_size=PAGE).storage.recent_window == 16
+    assert Cache(tiny, max_tokens=64, mode="q8", page_size=PAGE).storage.recent_window == 0
+    off = Cache(tiny, max_tokens=64, mode="q4", page_size=PAGE, recent_window=0).storage
+    off.reserve_sequences(4)
+    assert isinstance(off, QuantStorage) and off.recent is None
+    wide = Cache(tiny, max_tokens=64, mode="q8", page_size=PAGE, recent_window=32).storage
+    wide.reserve_sequences(4)
+    assert isinstance(wide, QuantStorage) and wide.recent is not None
+    assert wide.recent.window == 32
+    with pytest.raises(ValueError, match="quantized modes"):
+        Cache(tiny, max_tokens=64, page_size=PAGE, recent_window=8)
+    with pytest.raises(ValueError, match=">= 0"):
+        Cache(tiny, max_tokens=64, mode="q4", page_size=PAGE, recent_window=-1)
