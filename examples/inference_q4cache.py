@@ -2,7 +2,9 @@
 
 Keys and values are rotated (a 32-point Hadamard transform spreads outlier channels), quantized
 to 4 bits with one float16 scale per 32 values as they are written, and dequantized when read.
-benchmarks/cache_quality.py measures what that costs in prediction quality.
+The first slot of every page and each running sequence's last 16 positions stay unquantized
+(`Cache(..., recent_window=...)` changes the latter). benchmarks/cache_quality.py measures what
+it all costs in prediction quality.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ tokenizer = Tokenizer.from_model_dir(folder)
 sixteen_bit = model.config.kv_bytes_per_token_fp16  # keys and values of all layers, 2 bytes each
 print(f"16-bit cache: {sixteen_bit:,} bytes per token")
 for mode in ("q8", "q6", "q4"):
-    per_token = Cache(model, max_tokens=256, mode=mode).nbytes() / 256
+    storage = Cache(model, max_tokens=256, mode=mode).storage
+    # Codes and scales of a token, plus its share of the page's unquantized head row.
+    per_token = storage.bytes_per_token() + storage.bytes_per_page_head() / 256  # type: ignore[attr-defined]
     print(f"{mode} cache: {per_token:,.0f} bytes per token, {sixteen_bit / per_token:.2f}x the "
           "tokens of a 16-bit cache in the same memory")
 
