@@ -38,7 +38,7 @@ def attend_exact_rows(q, m_i, l_i, acc, lo, hi, position, kv_head, dims,
     rows (``fresh_*``: [T, kv_heads, head_dim], position ``step_start + i`` at row
     ``q_start + i``) and earlier positions still in the recent window (``ring_*``: rows
     ``ring_base + position % WINDOW``). A row reads the positions in
-    (``position - WINDOW``, ``position``] that `_window_holds`."""
+    (``position - WINDOW``, ``position``] that `window_holds`."""
     col_valid = (dims < HEAD_DIM)[None, :]
     for e0 in range(lo, hi, BLOCK_N):
         keys = e0 + tl.arange(0, BLOCK_N)
