@@ -15,14 +15,22 @@ tokens tied at the ``bound``-th place is kept, as when the full-width path compa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from dyngen_core.sampling import filters
 from dyngen_core.sampling.request import SampleRequest
-from dyngen_core.sampling.rng import gumbel_noise
-from dyngen_core.sampling.rows import RowList, column, on_rows, rows_using
-from dyngen_core.sampling.shaping import shape_tail, temperature_stage
+from dyngen_core.sampling.rng import perturb, row_keys
+from dyngen_core.sampling.rows import RowList, on_rows, rows_using
+from dyngen_core.sampling.shaping import (
+    column_values,
+    shape_tail,
+    temperature_rows,
+    temperature_stage,
+)
+from dyngen_core.sampling.upload import Staging
 from dyngen_core.sampling.vocab import VocabTables
 
 
@@ -37,28 +45,50 @@ def compact_bound(rows: RowList, width: int, vocab_size: int) -> int:
     return bound
 
 
+class CompactDraw(NamedTuple):
+    """What `draw_compact` chose: the shaped candidate logits ``values`` ``[rows, bound]``
+    float32 (removed ones ``-inf``), their ``token_ids``, the column drawn in each row
+    ``pick`` ``[rows, 1]``, and ``best``, the drawn column's perturbed logit (finite exactly
+    when its logit is: the Gumbel noise is always finite)."""
+
+    values: torch.Tensor
+    token_ids: torch.Tensor
+    pick: torch.Tensor
+    best: torch.Tensor
+
+
 def draw_compact(
     x: torch.Tensor,
     rows: RowList,
     requests: Sequence[SampleRequest],
     vocab: VocabTables,
-    keys: torch.Tensor,
+    staging: Staging,
     bound: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> CompactDraw:
     """Stages 4-14 on the top ``bound`` columns of the edited logits ``x`` ``[rows, vocab]``
-    (not modified). Returns ``(values, token_ids, pick)``: the shaped candidate logits
-    ``[rows, bound]`` float32 (removed ones ``-inf``), their token ids, and the column drawn in
-    each row ``[rows, 1]``."""
+    (not modified). Every per-row parameter (RNG keys, temperatures, top_k, the tail stages'
+    columns) reaches the device in one copy through ``staging``."""
+    temperature = temperature_rows(rows, "temperature")
+    # A row whose top_k is the bound keeps all of its top `bound` values: no work to do.
+    cut = [i for i in rows_using(rows, "top_k") if rows[i].settings.top_k < bound]
+    tail = column_values(rows)
+    ints = [row_keys(rows.seed_keys, rows.counters)]
+    if cut:
+        ints.append(np.array([rows[i].settings.top_k for i in cut], np.int64).reshape(-1, 1))
+    floats = [np.array(values, np.float32).reshape(-1, 1) for values in tail.values()]
+    if temperature.fixed:
+        floats.append(np.array(temperature.temps, np.float32).reshape(-1, 1))
+    (keys, *ks), columns = staging.send(ints, floats)
     values, token_ids = torch.topk(x, bound, dim=-1)
     values = values.to(torch.float32)
-    temperature_stage(values, rows, "temperature")
-    picked = rows_using(rows, "top_k")
-    ks = [rows[i].settings.top_k for i in picked]
-    on_rows(values, picked, lambda sub: filters.top_k(
-        sub, column(ks, x.device, torch.int64), max(ks)))
-    shape_tail(values, rows, requests, vocab, token_ids)
-    pick = (values + gumbel_noise(keys, token_ids)).argmax(-1, keepdim=True)
-    return values, token_ids, pick
+    temperature_stage(values, rows, "temperature", temperature,
+                      columns[-1] if temperature.fixed else None)
+    if cut:
+        k_max = max(rows[i].settings.top_k for i in cut)
+        on_rows(values, cut, lambda sub: filters.top_k(sub, ks[0], k_max))
+    shape_tail(values, rows, requests, vocab, token_ids, dict(zip(tail, columns)))
+    best, pick = perturb(values, keys, token_ids).max(-1, keepdim=True)
+    return CompactDraw(values, token_ids, pick, best)
 
 
 def full_rows(values: torch.Tensor, token_ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -69,11 +99,9 @@ def full_rows(values: torch.Tensor, token_ids: torch.Tensor, width: int) -> torc
     return full.scatter_(1, token_ids, values)
 
 
-def fetch_compact(values: torch.Tensor, pick: torch.Tensor,
-                  choice: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """One transfer: each row's chosen token (``choice``) and whether its chosen logit (column
-    ``pick`` of ``values``) is finite, as `draw.fetch_choices` reports them."""
-    finite = torch.isfinite(values.gather(1, pick).squeeze(1))
-    flat = torch.cat([choice.to(torch.float64), finite.to(torch.float64)]).tolist()
-    n = values.shape[0]
-    return [int(v) for v in flat[:n]], [v > 0 for v in flat[n:]]
+def fetch_compact(best: torch.Tensor, choice: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """One transfer: each row's chosen token (``choice``) and whether its chosen logit is
+    finite (``best`` is), as `draw.fetch_choices` reports them."""
+    # abs(v) < inf is False for NaN and +-inf: invalid rows come back as -1.
+    ids = torch.where(best.squeeze(1).abs() < float("inf"), choice, -1).tolist()
+    return ids, [token >= 0 for token in ids]

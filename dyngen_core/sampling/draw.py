@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dyngen_core.sampling.rng import gumbel_noise
+from dyngen_core.sampling.rng import perturb
 
 
 def _rows_of(x: torch.Tensor, rows: Sequence[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -57,7 +57,7 @@ def choose(
         choice.index_copy_(0, index, sub.argmax(-1))
     index, sub = _rows_of(x, sampled_rows)
     values, tokens = _candidates(sub, candidate_bound)
-    pick = (values + gumbel_noise(keys, tokens)).argmax(-1, keepdim=True)
+    pick = perturb(values, keys, tokens).argmax(-1, keepdim=True)
     picked = tokens.gather(1, pick).squeeze(1)
     if index is None:
         return picked

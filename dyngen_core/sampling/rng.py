@@ -90,16 +90,37 @@ def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     keys: int64 ``[rows, 2]`` (the words from `row_key`), on the device.
     token_ids: int64 ``[n]`` or ``[rows, n]``: the token each column stands for.
     """
+    return _log_neg_log_uniform(keys, token_ids).neg_()
+
+
+def perturb(values: torch.Tensor, keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``values + gumbel_noise(keys, token_ids)``, bit for bit (IEEE ``v - w`` is
+    ``v + (-w)``), one kernel fewer: the noise's last negation is folded into the sum.
+
+    values: float32 ``[rows, n]``, the logits of the tokens ``token_ids`` stands for.
+    """
+    return values.sub(_log_neg_log_uniform(keys, token_ids))
+
+
+def _log_neg_log_uniform(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``log(-log(u))`` of every row's hashed uniforms: minus the Gumbel noise."""
     a = keys[:, :1]
     b = keys[:, 1:]
     h = _mix32((token_ids + a).bitwise_and_(_MASK32))
     h = _mix32(h.bitwise_xor_(b))
-    return open_uniform(h).log_().neg_().log_().neg_()
+    return open_uniform(h).log_().neg_().log_()
 
 
 def open_uniform(h: torch.Tensor) -> torch.Tensor:
-    """Hashes in [0, 2**32) to float32 uniforms strictly inside (0, 1).
+    """Hashes in [0, 2**32) to float32 uniforms strictly inside (0, 1): ``(k + 0.5) / 2**23``
+    with ``k`` the top 23 bits.
 
     23 bits, not 24: (2**24 - 1) + 0.5 rounds to 2**24 in float32, which gave u == 1.0 and
-    +inf noise, so a filtered-out (-inf) token could win the argmax as NaN."""
-    return (h >> 9).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
+    +inf noise, so a filtered-out (-inf) token could win the argmax as NaN. Computed as
+    ``(2k + 1) * 2**-24`` (``2k + 1`` is ``(h >> 8) | 1``): every step is exact in float32
+    (``2k + 1 < 2**24``; a power-of-two scale), so it is the same value, in one kernel fewer
+    where the integer-to-float conversion happens inside the multiplication."""
+    odd = (h >> 8).bitwise_or_(1)
+    if torch.get_default_dtype() == torch.float32:  # int * float scalar gives float32
+        return odd.mul(1.0 / (1 << 24))
+    return odd.to(torch.float32).mul_(1.0 / (1 << 24))

@@ -40,6 +40,7 @@ from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingEr
 from dyngen_core.sampling.rng import row_keys
 from dyngen_core.sampling.rows import Row, RowList, expand_rows
 from dyngen_core.sampling.shaping import shape_distribution
+from dyngen_core.sampling.upload import Staging
 from dyngen_core.sampling.vocab import VocabTables
 
 # Stages 1-3: they edit whole logits rows, so x must be a float32 copy.
@@ -69,6 +70,7 @@ class Sampler:
         self.device = torch.device(device)
         self._vocab = VocabTables(vocab_size, token_pieces, eos_token_ids)
         self._seeds = random.Random()
+        self._staging = Staging(self.device)
 
     def sample(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest]
@@ -118,9 +120,6 @@ class Sampler:
                 f"logits must be [{len(rows)}, >= {self.vocab_size}] (one row per request row); "
                 f"got {tuple(logits.shape)}"
             )
-        keys = None
-        if rows.sampled:
-            keys = torch.from_numpy(row_keys(rows.seed_keys, rows.counters)).to(logits.device)
         width, vocab_size = logits.shape[1], self.vocab_size
         wider = width > vocab_size
         edits = rows.any_mask or any(used & _EDITS for used in rows.groups)
@@ -135,12 +134,14 @@ class Sampler:
                 x[:, vocab_size:] = float("-inf")
             apply_edits(x, rows, requests, self._vocab)
         if bound:
-            assert keys is not None
-            values, token_ids, pick = draw_compact(x, rows, requests, self._vocab, keys, bound)
-            choice = token_ids.gather(1, pick).squeeze(1)
+            drawn = draw_compact(x, rows, requests, self._vocab, self._staging, bound)
+            choice = drawn.token_ids.gather(1, drawn.pick).squeeze(1)
             if rows.prob_rows or rows.any_top_tokens:  # these read whole rows
-                return _Drawn(full_rows(values, token_ids, width), choice)
-            return _Drawn(None, choice, values, pick)
+                return _Drawn(full_rows(drawn.values, drawn.token_ids, width), choice)
+            return _Drawn(None, choice, drawn.best)
+        keys = None
+        if rows.sampled:
+            (keys,), _ = self._staging.send([row_keys(rows.seed_keys, rows.counters)], [])
         shape_distribution(x, rows, requests, self._vocab)
         bound = min(rows.top_k_bound, vocab_size) if rows.top_k_bound else vocab_size
         return _Drawn(x, choose(x, rows.sampled, keys, bound))
@@ -233,13 +234,12 @@ class Sampler:
 
 class _Drawn(NamedTuple):
     """What `Sampler._draw` chose: ``choice`` per row, with the final logits ``x`` when whole
-    rows are needed (probabilities, top tokens), else the compact draw's ``values`` and the
-    ``pick``ed column of each row."""
+    rows are needed (probabilities, top tokens), else the compact draw's ``best`` (each row's
+    drawn, perturbed logit)."""
 
     x: torch.Tensor | None
     choice: torch.Tensor
-    values: torch.Tensor | None = None
-    pick: torch.Tensor | None = None
+    best: torch.Tensor | None = None
 
 
 def _fetch(drawn: _Drawn, rows: RowList) -> tuple[list[int], dict[int, float]]:
@@ -249,8 +249,8 @@ def _fetch(drawn: _Drawn, rows: RowList) -> tuple[list[int], dict[int, float]]:
     if drawn.x is not None:
         ids, valid, probs = fetch_choices(drawn.x, drawn.choice, rows.prob_rows)
     else:
-        assert drawn.values is not None and drawn.pick is not None
-        ids, valid = fetch_compact(drawn.values, drawn.pick, drawn.choice)
+        assert drawn.best is not None
+        ids, valid = fetch_compact(drawn.best, drawn.choice)
     if not all(valid):
         dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
         raise SamplingError(

@@ -4,7 +4,8 @@ k-th logit are kept by top_k but may be cut when rows are compacted to their top
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -16,9 +17,6 @@ from dyngen_core.sampling.vocab import VocabTables
 from dyngen_core.settings import SamplerSettings
 
 _XTC_STREAM = 0xFFFFFFFF  # host-uniform stream of XTC's coin; never a token id
-
-StageFn = Callable[[torch.Tensor, list[SamplerSettings]], torch.Tensor]
-
 
 def candidate_bound(settings: Sequence[SamplerSettings], vocab_size: int) -> int:
     """Most candidates any of these rows can have after top_k (the vocab size when a row has
@@ -67,33 +65,45 @@ def shape_distribution(
     on_rows(x, tail, compact_tail)
 
 
+# Tail stages whose only per-row parameter is the settings attribute of the same name.
+COLUMN_STAGES = ("top_p", "min_p", "typical", "tfs", "top_a")
+
+
 def shape_tail(
     x: torch.Tensor,
     rows: Sequence[Row],
     requests: Sequence[SampleRequest],
     vocab: VocabTables,
     token_ids: torch.Tensor | None,
+    columns: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Stages 6-13 on ``x``, whose columns are ``token_ids`` (None: the whole vocabulary)."""
+    """Stages 6-13 on ``x``, whose columns are ``token_ids`` (None: the whole vocabulary).
+
+    columns: the parameter columns of `COLUMN_STAGES` already on the device (see
+        `column_values`), by stage name; the missing ones are copied here.
+    """
     dev = x.device
     width = x.shape[1]
-
-    def stage(name: str, fn: StageFn, picked: list[int] | None = None) -> None:
-        chosen = rows_using(rows, name) if picked is None else picked
-        settings = [rows[i].settings for i in chosen]
-        on_rows(x, chosen, lambda sub: fn(sub, settings))
 
     def col(values: list[float]) -> torch.Tensor:
         return column(values, dev)
 
-    stage("top_p", lambda sub, ss: filters.top_p(
-        sub, col([s.top_p for s in ss]), candidate_bound(ss, width)))
-    stage("min_p", lambda sub, ss: filters.min_p(sub, col([s.min_p for s in ss])))
-    stage("typical", lambda sub, ss: filters.typical(
-        sub, col([s.typical for s in ss]), candidate_bound(ss, width)))
-    stage("tfs", lambda sub, ss: filters.tail_free(
-        sub, col([s.tfs for s in ss]), candidate_bound(ss, width)))
-    stage("top_a", lambda sub, ss: filters.top_a(sub, col([s.top_a for s in ss])))
+    def stage(name: str, fn: Callable[[torch.Tensor, list[SamplerSettings], torch.Tensor],
+                                      torch.Tensor]) -> None:
+        chosen = rows_using(rows, name)
+        if not chosen:
+            return
+        settings = [rows[i].settings for i in chosen]
+        param = columns.get(name) if columns else None
+        if param is None:
+            param = col([getattr(s, name) for s in settings])
+        on_rows(x, chosen, lambda sub: fn(sub, settings, param))
+
+    stage("top_p", lambda sub, ss, p: filters.top_p(sub, p, candidate_bound(ss, width)))
+    stage("min_p", lambda sub, ss, p: filters.min_p(sub, p))
+    stage("typical", lambda sub, ss, p: filters.typical(sub, p, candidate_bound(ss, width)))
+    stage("tfs", lambda sub, ss, p: filters.tail_free(sub, p, candidate_bound(ss, width)))
+    stage("top_a", lambda sub, ss, p: filters.top_a(sub, p))
     fired = [i for i in rows_using(rows, "xtc") if host_uniform(
         rows[i].seed, rows[i].counter, _XTC_STREAM) < rows[i].settings.xtc_probability]
     if fired:
@@ -109,26 +119,61 @@ def shape_tail(
     on_rows(x, mirostat_rows, lambda sub: filters.mirostat(sub, col(mus)))
 
 
-def temperature_stage(x: torch.Tensor, rows: Sequence[Row], name: str) -> None:
-    dev = x.device
-    picked = rows_using(rows, name)
-    if not picked:
-        return
-    fixed: list[int] = []
-    dynamic: list[int] = []
-    temps: list[float] = []
+def column_values(rows: Sequence[Row]) -> dict[str, list[float]]:
+    """The parameter of each of `COLUMN_STAGES` that some row uses, for the rows using it (in
+    `rows_using` order): what `shape_tail` would copy to the device one stage at a time."""
+    values: dict[str, list[float]] = {}
+    for name in COLUMN_STAGES:
+        picked = rows_using(rows, name)
+        if picked:
+            values[name] = [getattr(rows[i].settings, name) for i in picked]
+    return values
+
+
+class TemperatureRows(NamedTuple):
+    """The rows of a temperature stage: ``fixed`` ones with their ``temps``, and ``dynamic``
+    ones (dynamic temperature)."""
+
+    fixed: list[int]
+    temps: list[float]
+    dynamic: list[int]
+
+
+def temperature_rows(rows: Sequence[Row], name: str) -> TemperatureRows:
+    """The rows using temperature stage ``name``, fixed or dynamic."""
+    split = TemperatureRows([], [], [])
     seen: dict[int, tuple[bool, float]] = {}  # by settings object: their attributes are slow
-    for i in picked:
+    for i in rows_using(rows, name):
         settings = rows[i].settings
         known = seen.get(id(settings))
         if known is None:
             known = seen[id(settings)] = (settings.uses_dynamic_temperature, settings.temperature)
         if known[0]:
-            dynamic.append(i)
+            split.dynamic.append(i)
         else:
-            fixed.append(i)
-            temps.append(known[1])
-    on_rows(x, fixed, lambda sub: filters.temperature(sub, column(temps, dev)))
+            split.fixed.append(i)
+            split.temps.append(known[1])
+    return split
+
+
+def temperature_stage(
+    x: torch.Tensor,
+    rows: Sequence[Row],
+    name: str,
+    split: TemperatureRows | None = None,
+    fixed_temps: torch.Tensor | None = None,
+) -> None:
+    """Temperature stage ``name`` ("temperature" or "temperature_last") in place on ``x``.
+
+    split: `temperature_rows` of ``rows``, when already known.
+    fixed_temps: ``split.temps`` as a ``[rows, 1]`` float32 column on the device, when already
+        there.
+    """
+    dev = x.device
+    fixed, temps, dynamic = split if split is not None else temperature_rows(rows, name)
+    if fixed:
+        temp = fixed_temps if fixed_temps is not None else column(temps, dev)
+        on_rows(x, fixed, lambda sub: filters.temperature(sub, temp))
     ss = [rows[i].settings for i in dynamic]
     on_rows(x, dynamic, lambda sub: filters.dynamic_temperature(
         sub, column([s.min_temp for s in ss], dev), column([s.max_temp for s in ss], dev),

@@ -1,0 +1,75 @@
+"""`Staging`: a sampling call's per-row parameters (RNG keys, temperatures, top_k, top_p...)
+reach the device in one copy.
+
+Why: each ``torch.tensor(values, device="cuda")`` is its own host-to-device copy from pageable
+memory, which also waits for the GPU to finish the work queued before it. Packing every column
+into one pinned buffer and copying it once, without waiting, lets the host queue the whole draw
+and wait only for the sampled ids. The columns are then views of the one device buffer: int64
+columns first, float32 columns after them, in the order given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class Staging:
+    """Packs host columns and sends them to ``device`` in one non-blocking copy.
+
+    device: where the columns are wanted. On the CPU the packed buffer is used as it is (no
+    copy); on a GPU the host buffer is pinned and reused from call to call (the previous copy
+    is waited for before it is overwritten, which it has long finished when a step has read
+    its sampled ids back).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def send(
+        self, ints: Sequence[np.ndarray], floats: Sequence[np.ndarray]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The ``ints`` (each converted to int64) and ``floats`` (each to float32) on the
+        device, with their shapes, as views of one buffer copied once."""
+        int_sizes = [a.size for a in ints]
+        float_sizes = [a.size for a in floats]
+        split = 8 * sum(int_sizes)
+        nbytes = split + 4 * sum(float_sizes)
+        host = self._host_buffer(nbytes)
+        packed = host.numpy()
+        _fill(packed[:split].view(np.int64), ints, int_sizes)
+        _fill(packed[split:nbytes].view(np.float32), floats, float_sizes)
+        device = host if self.device.type == "cpu" else self._copy(host)
+        int_flat = device[:split].view(torch.int64).split(int_sizes)
+        float_flat = device[split:nbytes].view(torch.float32).split(float_sizes)
+        return ([t.view(a.shape) for t, a in zip(int_flat, ints, strict=True)],
+                [t.view(a.shape) for t, a in zip(float_flat, floats, strict=True)])
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy out of the buffer is done
+        if self._pinned is None or self._pinned.numel() < nbytes:
+            # Grown geometrically: pinning memory is slow, so it happens only a few times.
+            size = max(nbytes, 2 * (0 if self._pinned is None else self._pinned.numel()), 4096)
+            self._pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return self._pinned[:nbytes]
+
+    def _copy(self, host: torch.Tensor) -> torch.Tensor:
+        device = host.to(self.device, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+        return device
+
+
+def _fill(target: np.ndarray, arrays: Sequence[np.ndarray], sizes: Sequence[int]) -> None:
+    start = 0
+    for array, size in zip(arrays, sizes, strict=True):
+        target[start:start + size] = array.reshape(-1)
+        start += size
