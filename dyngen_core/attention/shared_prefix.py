@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dyngen_core.pages.pool import common_prefix_len
+
 # Levels of sharing walked below a first page (system prompt, document, examples...: real
 # prompts have a few); past it a level's members form one group. Bounds planning to about
 # MAX_LEVELS slice comparisons per decode even for tables that part at every page.
@@ -171,8 +173,8 @@ def _best_groups(members: list[int], depth: int, tables: Sequence[Sequence[int]]
 def _common_length(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
     """How many leading page ids ``a`` and ``b`` share, knowing the first ``lo`` agree and
     looking no further than ``hi``. Tables sharing a prefix usually part near their ends, so
-    the search gallops back from ``hi`` (1, 2, 4... pages), then bisects; each step is a slice
-    comparison, which runs in C."""
+    the search gallops back from ``hi`` (1, 2, 4... pages) before the pool's bisection; each
+    step is a slice comparison, which runs in C."""
     if a[lo:hi] == b[lo:hi]:
         return hi
     step = 1
@@ -182,13 +184,7 @@ def _common_length(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
             lo = below
             break
         hi, step = below, step * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return common_prefix_len(a, b, lo, hi)
 
 
 __all__ = ["CascadePlan", "CascadePolicy", "PrefixGroup", "plan_shared_prefixes"]

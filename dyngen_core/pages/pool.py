@@ -53,13 +53,15 @@ def chain_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the longest common prefix of two tuples (binary search over C-speed slice
-    comparisons rather than a Python loop)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+def common_prefix_len(a: Sequence[int], b: Sequence[int], lo: int = 0,
+                      hi: int | None = None) -> int:
+    """Length of the longest common prefix of two sequences (binary search over C-speed slice
+    comparisons rather than a Python loop), given that the first ``lo`` items agree and looking
+    no further than ``hi`` (default: the shorter length)."""
+    n = min(len(a), len(b)) if hi is None else hi
+    if a[lo:n] == b[lo:n]:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    hi = n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
