@@ -41,7 +41,8 @@ class _Group:
         None for decode groups (one query per sequence, no padding).
     mask: [G, 1, max_query, key_len] True where a query may see a key; None when every query
         sees every key (decodes of equal context length).
-    layout: where the group's sequences and query rows sit in the batch (for the recent window).
+    layout: where the group's sequences and query rows sit in the batch, for the recent window
+        of quantized storage; None when the step reads no window.
     """
 
     page_table: torch.Tensor
@@ -52,7 +53,7 @@ class _Group:
     max_query: int
     key_len: int
     mask: torch.Tensor | None
-    layout: GroupLayout
+    layout: GroupLayout | None
 
 
 class SdpaBackend:
@@ -69,14 +70,16 @@ class SdpaBackend:
     def __init__(self, *, read_slots: bool = True) -> None:
         self.read_slots = read_slots
         # The layout of the batch being run, reused by every layer of the same forward.
-        self._cached: tuple[ForwardBatch, torch.device, list[_Group]] | None = None
+        self._cached: tuple[ForwardBatch, torch.device, bool, list[_Group]] | None = None
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
         storage.write(layer, k, v, batch.slot_mapping)
-        groups = self._groups(batch, q.device)
+        recent = (isinstance(storage, QuantStorage) and storage.recent is not None
+                  and batch.seq_slots is not None)
+        groups = self._groups(batch, q.device, recent)
         if len(groups) == 1 and groups[0].token_rows is None:
             out = self._attend(layer, q, k, v, storage, batch, groups[0], scale)
         else:
@@ -99,18 +102,19 @@ class SdpaBackend:
                 scale: float) -> torch.Tensor:
         keys, values = self._read(layer, storage, group)
         mask = group.mask
-        if (isinstance(storage, QuantStorage) and storage.recent is not None
-                and batch.seq_slots is not None):
+        if group.layout is not None:  # planned for a quantized storage with recent windows
+            assert isinstance(storage, QuantStorage) and batch.seq_slots is not None
             keys, values, mask = extend_with_recent(storage, layer, batch.seq_slots, k, v,
                                                     group.layout, keys, values)
         return _attend_group(q, keys, values, group, scale, mask)
 
-    def _groups(self, batch: ForwardBatch, device: torch.device) -> list[_Group]:
+    def _groups(self, batch: ForwardBatch, device: torch.device, recent: bool) -> list[_Group]:
+        """The batch's groups, with the window layout only when ``recent`` needs it."""
         cached = self._cached
-        if cached is not None and cached[0] is batch and cached[1] == device:
-            return cached[2]
-        groups = _plan_groups(batch, device)
-        self._cached = (batch, device, groups)
+        if cached is not None and cached[0] is batch and cached[1:3] == (device, recent):
+            return cached[3]
+        groups = _plan_groups(batch, device, recent)
+        self._cached = (batch, device, recent, groups)
         return groups
 
     def _read(self, layer: int, storage: KVStorage,
@@ -164,18 +168,18 @@ def _attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gro
     return out.transpose(1, 2)[group.seq_of_row, group.pos_in_seq]
 
 
-def _plan_groups(batch: ForwardBatch, device: torch.device) -> list[_Group]:
+def _plan_groups(batch: ForwardBatch, device: torch.device, recent: bool) -> list[_Group]:
     seqs = range(batch.num_seqs)
     decodes = [i for i in seqs if batch.query_lens_host[i] == 1]
     prefills = [i for i in seqs if batch.query_lens_host[i] != 1]
     if not decodes or not prefills:
-        return [_make_group(batch, list(seqs), device, whole_batch=True)]
-    return [_make_group(batch, decodes, device, whole_batch=False),
-            _make_group(batch, prefills, device, whole_batch=False)]
+        return [_make_group(batch, list(seqs), device, whole_batch=True, recent=recent)]
+    return [_make_group(batch, decodes, device, whole_batch=False, recent=recent),
+            _make_group(batch, prefills, device, whole_batch=False, recent=recent)]
 
 
 def _make_group(batch: ForwardBatch, seq_ids: list[int], device: torch.device,
-                whole_batch: bool) -> _Group:
+                whole_batch: bool, recent: bool) -> _Group:
     all_starts = [0, *accumulate(batch.query_lens_host)]
     query_lens = [batch.query_lens_host[i] for i in seq_ids]
     context_lens = [batch.context_lens_host[i] for i in seq_ids]
@@ -202,7 +206,8 @@ def _make_group(batch: ForwardBatch, seq_ids: list[int], device: torch.device,
         max_query=max_query,
         key_len=key_len,
         mask=None if sees_all else _causal_mask(context_lens, query_lens, key_len, device),
-        layout=_layout(seq_ids, all_starts, query_lens, context_lens, max_query, device),
+        layout=_layout(seq_ids, all_starts, query_lens, context_lens, max_query, device)
+        if recent else None,
     )
 
 
