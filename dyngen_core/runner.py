@@ -1,11 +1,11 @@
 """`ModelRunner`: turns a `StepPlan` into tensors, runs the model, returns logits.
 
 It owns nothing of the scheduler's: it executes the plan's page copies, gives each job a
-sequence slot (`seq_slots`), builds the forward metadata, runs one forward over every slice,
-and hands back float32 logits for the sample rows in slice order (``1 + len(draft_ids)`` rows
-per sampling slice). On CUDA with a capturable attention backend, decode-only steps replay CUDA
-graphs (`graphs.DecodeGraphs`) instead of an eager forward, unless the backend prefers an eager
-one for the step (shared-prefix attention).
+sequence slot (`seq_slots`) when the storage keeps per-sequence state, builds the forward
+metadata, runs one forward over every slice, and hands back float32 logits for the sample rows
+in slice order (``1 + len(draft_ids)`` rows per sampling slice). On CUDA with a capturable
+attention backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`) instead of an
+eager forward, unless the backend prefers an eager one for the step (shared-prefix attention).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.slots = SequenceSlots(max_batch_size)
-        cache.storage.reserve_sequences(max_batch_size)
+        # Sequence slots only for storages that keep per-sequence state (q6/q4 windows).
+        self.slots = (SequenceSlots(max_batch_size)
+                      if cache.storage.reserve_sequences(max_batch_size) else None)
         max_context = min(model.config.max_position_embeddings, cache.max_tokens)
         self.graphs = decode_graphs_for(
             model, cache.storage, backend, page_size=cache.page_size, max_context=max_context,
@@ -53,9 +54,11 @@ class ModelRunner:
             self.cache.storage.copy_pages(plan.copies)
         if not plan.slices:
             return None
-        seq_slots, fresh = self.slots.assign([s.job_id for s in plan.slices])
-        if fresh:
-            self.cache.storage.clear_sequences(fresh)
+        seq_slots = None
+        if self.slots is not None:
+            seq_slots, fresh = self.slots.assign([s.job_id for s in plan.slices])
+            if fresh:
+                self.cache.storage.clear_sequences(fresh)
         if (self.graphs is not None and self.graphs.can_run(plan)
                 and not self.backend.prefers_eager_plan(plan, self.cache.storage)):
             return self.graphs.run(plan, seq_slots)

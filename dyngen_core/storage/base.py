@@ -37,9 +37,10 @@ class KVStorage(Protocol):
         """Keys and values of the pages in ``page_table`` [B, P], in compute dtype, as
         [B, P * page_size, num_kv_heads, head_dim]. Quantized modes dequantize only these pages."""
 
-    def reserve_sequences(self, count: int) -> None:
-        """Make room for per-sequence state of ``count`` sequences at once (slots 0 .. count-1);
-        a no-op for storages that keep none."""
+    def reserve_sequences(self, count: int) -> bool:
+        """Make room for per-sequence state of ``count`` sequences at once (slots 0 .. count-1).
+        True when the storage keeps such state (readers then pass sequence slots); False and a
+        no-op for storages that keep none."""
 
     def clear_sequences(self, seq_slots: Sequence[int]) -> None:
         """Forget the per-sequence state of ``seq_slots`` (they now belong to new sequences)."""

@@ -139,13 +139,15 @@ class QuantStorage:
         self.recent_window = window
         self.recent = None
 
-    def reserve_sequences(self, count: int) -> None:
+    def reserve_sequences(self, count: int) -> bool:
         """Make room for the recent-token windows of ``count`` sequences at once (sequence
-        slots 0 .. count - 1); earlier windows are dropped. No-op when ``recent_window`` is 0."""
+        slots 0 .. count - 1); earlier windows are dropped. False (and nothing kept) when
+        ``recent_window`` is 0."""
         if self.recent_window == 0:
-            return
+            return False
         self.recent = RecentWindow(self.recent_window, count, self.num_kv_heads, self.head_dim,
                                    self.dtype, self.devices)
+        return True
 
     def clear_sequences(self, seq_slots: Sequence[int]) -> None:
         """Forget the recent rows of ``seq_slots`` (handed to new sequences)."""

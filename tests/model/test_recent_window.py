@@ -217,3 +217,22 @@ def test_cache_chooses_the_window(tiny: Model) -> None:
         Cache(tiny, max_tokens=64, page_size=PAGE, recent_window=8)
     with pytest.raises(ValueError, match=">= 0"):
         Cache(tiny, max_tokens=64, mode="q4", page_size=PAGE, recent_window=-1)
+
+
+def test_the_runner_assigns_slots_only_where_storage_keeps_windows(tiny: Model) -> None:
+    from dyngen_core import Cache
+    from dyngen_core.runner import ModelRunner
+
+    def runner(mode: str) -> ModelRunner:
+        cache = Cache(tiny, max_tokens=64, mode=mode, page_size=PAGE)
+        return ModelRunner(tiny, cache, SdpaBackend(), cuda_graphs=False, max_batch_size=4)
+
+    assert runner("fp16").slots is None and runner("q8").slots is None
+    windowed = runner("q4")
+    assert windowed.slots is not None and windowed.slots.capacity == 4
+    plan = StepPlan([SequenceSlice(7, IDS[:5], 0, [0], True)])
+    assert windowed.run(plan) is not None
+    storage = windowed.cache.storage
+    assert isinstance(storage, QuantStorage)
+    held = storage.gather_recent(0, torch.tensor(windowed.slots.assign([7])[0]))
+    assert held is not None and held[2].max().item() == 4  # job 7's window holds positions 0-4
