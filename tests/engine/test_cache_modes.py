@@ -27,10 +27,11 @@ def model_and_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model
     return Model.load(folder, device="cpu", dtype="float32"), Tokenizer.from_model_dir(folder)
 
 
-def _generator(parts, mode: str, cache_tokens: int, **options) -> DynamicGenerator:
+def _generator(parts, mode: str, cache_tokens: int, recent_window=None,
+               **options) -> DynamicGenerator:
     model, tokenizer = parts
-    return DynamicGenerator(model=model, cache=Cache(model, max_tokens=cache_tokens, mode=mode),
-                            tokenizer=tokenizer, **options)
+    cache = Cache(model, max_tokens=cache_tokens, mode=mode, recent_window=recent_window)
+    return DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, **options)
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -66,6 +67,18 @@ def test_dedup_and_prompt_cache_in_every_mode(model_and_tokenizer, mode):
         # prefix does not bring along: the suffix's first queries read those keys quantized.
         assert again == first  # same cache contents, same greedy choices
     assert generator.stats().pages_referenced == 0
+
+
+@pytest.mark.parametrize("mode", ["q6", "q4"])
+def test_without_a_window_a_cached_prefix_changes_nothing(model_and_tokenizer, mode):
+    """What q6/q4 give up for their recent window: with it off, a prompt-cache hit gives the
+    same greedy text as computing the prefix, as fp16 and q8 always do."""
+    generator = _generator(model_and_tokenizer, mode, 8192, recent_window=0)
+    prompts = [_ids(512, seed=1) + _ids(20, seed=10 + i) for i in range(4)]
+    first, _ = _run(generator, prompts)
+    again, finals = _run(generator, prompts)
+    assert all(f["cached_tokens"] >= 512 for f in finals.values())
+    assert again == first
 
 
 @pytest.mark.parametrize("mode", MODES)
