@@ -174,9 +174,17 @@ def split_count(keys: int, programs: int, target_programs: int, max_splits: int,
     return max(1, min(max_splits, wanted, by_length))
 
 
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 4 for the Triton interpreter on the CPU (a few
+    splits still exercise the merges)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
+
+
 def _pow2_at_least_2(n: int) -> int:
     return max(2, 1 << (max(1, n) - 1).bit_length())
 
 
 __all__ = ["CascadeTables", "PrefixLaunch", "attend_prefixes", "cascade_tables",
-           "merge_partials", "split_count"]
+           "merge_partials", "multiprocessors", "split_count"]

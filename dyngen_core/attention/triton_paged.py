@@ -13,9 +13,9 @@ small table built once per forward on the host.
 Shared prefixes: in an eager decode-only forward over unquantized pages, decodes whose page
 tables begin with the same pages (prefix dedup) are planned into groups on the host
 (`shared_prefix`), and each group's shared keys are read once for all its members
-(`triton_cascade`). Replayed CUDA graphs carry no host page tables and never cascade;
-`TritonPagedBackend.prefers_eager` tells the runner when an eager forward would. Quantized pages
-keep the plain path.
+(`triton_cascade_path` decides and launches it). Replayed CUDA graphs carry no host page tables
+and never cascade; `TritonPagedBackend.prefers_eager` tells the runner when an eager forward
+would. Quantized pages keep the plain path.
 """
 
 from __future__ import annotations
@@ -25,15 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy, plan_shared_prefixes
-from dyngen_core.attention.triton_cascade import (
-    CascadeTables,
-    PrefixLaunch,
-    attend_prefixes,
-    cascade_tables,
-    merge_partials,
-    split_count,
-)
+from dyngen_core.attention.shared_prefix import CascadePolicy
+from dyngen_core.attention.triton_cascade import multiprocessors
+from dyngen_core.attention.triton_cascade_path import CascadeOptions, CascadePath
 from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
 from dyngen_core.attention.triton_kernels import (
     ROTATION_GROUP,
@@ -126,17 +120,12 @@ class TritonPagedBackend:
         self.programs_per_sm = programs_per_sm
         self.decode_warps = decode_warps
         self.prefill_warps = prefill_warps
-        self.cascade = None if cascade_min_saved_keys is None else CascadePolicy(
-            cascade_min_members, cascade_min_prefix_pages, cascade_min_saved_keys)
-        if cascade_rows < 16 or cascade_rows & (cascade_rows - 1):
-            raise ValueError(f"cascade_rows must be a power of two >= 16 (a tl.dot tile); "
-                             f"got {cascade_rows}")
-        self.cascade_rows = cascade_rows
-        self.cascade_warps = cascade_warps
-        self.cascade_programs_per_sm = cascade_programs_per_sm
+        self.cascade = CascadePath(CascadeOptions(
+            policy=None if cascade_min_saved_keys is None else CascadePolicy(
+                cascade_min_members, cascade_min_prefix_pages, cascade_min_saved_keys),
+            rows=cascade_rows, warps=cascade_warps, programs_per_sm=cascade_programs_per_sm,
+            block_n=block_n, max_splits=max_splits, decode_programs_per_sm=programs_per_sm))
         self._blocks: tuple[ForwardBatch, int, _QueryBlocks] | None = None
-        self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
-        self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
         self._rotations: dict[torch.device, torch.Tensor] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -160,9 +149,16 @@ class TritonPagedBackend:
         heads = _HeadShape.of(q, ops)
         rotation = self._rotation(q.device) if ops.key_bits or ops.value_bits else q
         page_args = page_arguments(ops, rotation)
-        tables = self._cascade_tables(batch, storage, heads, q.device)
+        tables = self.cascade.tables(batch, storage, heads, q.device)
         if tables is not None:
-            return self._attend_cascade(q, ops, page_args, batch, tables, scale, heads)
+            def launch_remainder(out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor],
+                                 splits: int, kv_start: torch.Tensor) -> None:
+                self._launch_paged(q, ops, page_args, batch, heads, out, partials, scale,
+                                   rows=max(16, heads.group_pad), block_q=1, blocks=None,
+                                   splits=splits, kv_start=kv_start)
+
+            return self.cascade.attend(q, ops, page_args, batch, tables, scale, heads,
+                                       launch_remainder)
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)
         if batch.is_decode_only:
@@ -187,43 +183,12 @@ class TritonPagedBackend:
         """True when `attend_cached` would run ``batch`` as a cascade: then the runner should
         run the step eagerly rather than replay a CUDA graph (a replayed graph never cascades).
         The plan is kept for the forward of this very batch object."""
-        return self._cascade_plan(batch, storage) is not None
+        return self.cascade.plan(batch, storage) is not None
 
     def prefers_eager_plan(self, plan: StepPlan, storage: KVStorage) -> bool:
         """`prefers_eager` for the batch ``plan`` would build, from the plan alone (for the
         runner's choice before building a batch; the forward plans again, cheaply)."""
-        slices = plan.slices
-        if (self.cascade is None or not _cascade_reads(storage) or not slices
-                or any(piece.num_tokens != 1 for piece in slices)):
-            return False
-        return plan_shared_prefixes([piece.page_table for piece in slices],
-                                    [piece.end_pos for piece in slices], [1] * len(slices),
-                                    storage.page_size, self.cascade) is not None
-
-    def _attend_cascade(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
-                        batch: ForwardBatch, tables: CascadeTables, scale: float,
-                        heads: _HeadShape) -> torch.Tensor:
-        """Own keys of every sequence, shared prefixes of every group, merged per query row."""
-        num_tokens, num_heads, _ = q.shape
-        sms = _multiprocessors(q.device)
-        min_keys = 4 * self.block_n
-        rem_splits = split_count(tables.max_remainder, batch.num_seqs * heads.num_kv_heads,
-                                 self.programs_per_sm * sms, self.max_splits, min_keys)
-        remainder = _split_buffers(num_tokens, num_heads, rem_splits, heads.head_pad, q.device,
-                                   always=True)
-        out = torch.empty_like(q)
-        self._launch_paged(q, ops, page_args, batch, heads, out, remainder, scale,
-                           rows=max(16, heads.group_pad), block_q=1, blocks=None,
-                           splits=rem_splits, kv_start=tables.kv_start)
-        rows = max(self.cascade_rows, heads.group_pad)
-        launch = PrefixLaunch(
-            group=heads.group, group_pad=heads.group_pad, rows=rows, block_n=self.block_n,
-            head_pad=heads.head_pad, warps=self.cascade_warps,
-            splits=split_count(tables.max_prefix, tables.num_blocks * heads.num_kv_heads,
-                               self.cascade_programs_per_sm * sms, self.max_splits, min_keys))
-        prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
-        merge_partials(out, remainder, prefix, tables)
-        return out
+        return self.cascade.plan_step(plan, storage) is not None
 
     def _launch_paged(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
                       batch: ForwardBatch, heads: _HeadShape, out: torch.Tensor,
@@ -258,36 +223,10 @@ class TritonPagedBackend:
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
 
-    def _cascade_plan(self, batch: ForwardBatch, storage: KVStorage) -> CascadePlan | None:
-        """The batch's shared-prefix plan (once per batch), or None when it runs no cascade."""
-        if (self.cascade is None or not _cascade_reads(storage)
-                or batch.page_tables_host is None or not batch.is_decode_only):
-            return None
-        cached = self._plan
-        if cached is not None and cached[0] is batch:
-            return cached[1]
-        plan = plan_shared_prefixes(batch.page_tables_host, batch.context_lens_host,
-                                    batch.query_lens_host, batch.page_size, self.cascade)
-        self._plan = (batch, plan)
-        return plan
-
-    def _cascade_tables(self, batch: ForwardBatch, storage: KVStorage, heads: _HeadShape,
-                        device: torch.device) -> CascadeTables | None:
-        plan = self._cascade_plan(batch, storage)
-        if plan is None:
-            return None
-        members_per_block = max(self.cascade_rows, heads.group_pad) // heads.group_pad
-        cached = self._tables
-        if cached is not None and cached[0] is batch and cached[1] == members_per_block:
-            return cached[2]
-        tables = cascade_tables(plan, batch.context_lens_host, members_per_block, device)
-        self._tables = (batch, members_per_block, tables)
-        return tables
-
     def _decode_splits(self, programs: int, device: torch.device) -> int:
         """Split count from the batch shape only (never from context lengths), so a captured
         graph stays valid for every context length."""
-        sms = _multiprocessors(device)
+        sms = multiprocessors(device)
         wanted = -(-self.programs_per_sm * sms // programs)
         return max(1, min(self.max_splits, wanted))
 
@@ -344,14 +283,6 @@ def page_arguments(ops: PageOperands, rotation: torch.Tensor) -> tuple[object, .
             *_strides3(ks), *_strides3(vs), rotation)
 
 
-def _cascade_reads(storage: KVStorage) -> bool:
-    """Whether the cascade serves this storage: unquantized pages only. Its kernels read
-    quantized pages too (same loaders and rotation as the plain kernel, and they agree with it
-    on the q8/q6/q4 page formats), but quantized storages are gaining per-sequence state
-    outside the pages (a recent-token window) that the plain path must handle first."""
-    return storage.mode == "fp16"
-
-
 def triton_next_pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (max(1, n) - 1).bit_length()
@@ -361,22 +292,16 @@ def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def _split_buffers(tokens: int, heads: int, splits: int, head_pad: int, device: torch.device,
-                   always: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_buffers(tokens: int, heads: int, splits: int, head_pad: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials [T, H, splits, head_pad] and log2-sum-exp [T, H, splits] (float32); with one
-    split and not ``always``, placeholders (the kernel writes the output directly)."""
-    if splits == 1 and not always:
+    split, placeholders (the kernel writes the output directly)."""
+    if splits == 1:
         empty = torch.empty(1, dtype=torch.float32, device=device)
         return empty, empty
     parts = torch.empty(tokens, heads, splits, head_pad, dtype=torch.float32, device=device)
     lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
     return parts, lse
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4  # the Triton interpreter on the CPU: a few splits still exercise the merge
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

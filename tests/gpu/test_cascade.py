@@ -158,16 +158,16 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     """Prefix and own keys split along the context (several programs per group and sequence),
     with members ending exactly at the prefix (their own keys: none, so their rows rest on
     the prefix partials alone) next to a long sequence in no group."""
-    from dyngen_core.attention import triton_paged
+    from dyngen_core.attention import triton_cascade_path
 
     splits: list[tuple[int, int]] = []
-    merge = triton_paged.merge_partials
+    merge = triton_cascade_path.merge_partials
 
     def spy(out, remainder, prefix, tables):  # type: ignore[no-untyped-def]
         splits.append((remainder[1].shape[2], prefix[1].shape[2]))
         merge(out, remainder, prefix, tables)
 
-    monkeypatch.setattr(triton_paged, "merge_partials", spy)
+    monkeypatch.setattr(triton_cascade_path, "merge_partials", spy)
     layout = Layout(groups=[(9, [9 * PAGE, 9 * PAGE, 9 * PAGE + 40])], loners=[5 * PAGE + 3])
     many = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16,
                 programs_per_sm=64, cascade_programs_per_sm=64)
@@ -194,7 +194,7 @@ def test_no_sharing_plans_no_cascade(device: torch.device) -> None:
     batch = build_forward_batch(StepPlan(slices=shared), PAGE, device)
     assert backend.prefers_eager(batch, storage)
     batch.page_tables_host = None
-    assert not backend._cascade_plan(batch, storage)  # graphs pass no host tables
+    assert not backend.cascade.plan(batch, storage)  # graphs pass no host tables
     from dyngen_core.storage.quant import QuantStorage
 
     quant = QuantStorage(config, num_pages, PAGE, torch.float32, [device], mode="q8")

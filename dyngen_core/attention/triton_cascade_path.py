@@ -1,0 +1,147 @@
+"""When and how `TritonPagedBackend` runs a decode step as shared-prefix ("cascade") attention.
+
+`CascadePath` owns the cascade side of the backend: the policy (`shared_prefix.CascadePolicy`),
+the per-forward plan and device tables, and the launch of one layer's cascade (the remainder
+pass through the backend's paged kernel, the shared-prefix kernel, the merge). The backend keeps
+the plain paged launch and hands it in as a callable, so this module never imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy, plan_shared_prefixes
+from dyngen_core.attention.triton_cascade import (
+    CascadeTables,
+    PrefixLaunch,
+    attend_prefixes,
+    cascade_tables,
+    merge_partials,
+    multiprocessors,
+    split_count,
+)
+from dyngen_core.plan import StepPlan
+from dyngen_core.storage.base import KVStorage
+
+if TYPE_CHECKING:
+    from dyngen_core.attention.triton_paged import PageOperands, _HeadShape
+
+LOG2_E = 1.4426950408889634
+# (out, (partials, lse), splits, kv_start): one REMAINDER launch of the backend's paged kernel.
+RemainderLaunch = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], int, torch.Tensor],
+                           None]
+
+
+@dataclass(frozen=True)
+class CascadeOptions:
+    """The backend's cascade settings (as `TritonPagedBackend` documents them).
+
+    policy: when a plan pays (None: never cascade).
+    rows, warps, programs_per_sm: the shared-prefix kernel's query rows and warps per program,
+        and its programs aimed for per multiprocessor.
+    block_n, max_splits, decode_programs_per_sm: the backend's keys per inner step, most splits
+        and plain decode programs per multiprocessor (the remainder pass's split count).
+    """
+
+    policy: CascadePolicy | None
+    rows: int
+    warps: int
+    programs_per_sm: int
+    block_n: int
+    max_splits: int
+    decode_programs_per_sm: int
+
+
+class CascadePath:
+    """Plans, tables and launches of the cascade for one backend (see `CascadeOptions`)."""
+
+    def __init__(self, options: CascadeOptions) -> None:
+        if options.rows < 16 or options.rows & (options.rows - 1):
+            raise ValueError(f"cascade_rows must be a power of two >= 16 (a tl.dot tile); "
+                             f"got {options.rows}")
+        self.options = options
+        self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
+        self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
+
+    def plan(self, batch: ForwardBatch, storage: KVStorage) -> CascadePlan | None:
+        """The batch's shared-prefix plan (once per batch), or None when it runs no cascade."""
+        policy = self.options.policy
+        if (policy is None or not cascade_reads(storage)
+                or batch.page_tables_host is None or not batch.is_decode_only):
+            return None
+        cached = self._plan
+        if cached is not None and cached[0] is batch:
+            return cached[1]
+        plan = plan_shared_prefixes(batch.page_tables_host, batch.context_lens_host,
+                                    batch.query_lens_host, batch.page_size, policy)
+        self._plan = (batch, plan)
+        return plan
+
+    def plan_step(self, plan: StepPlan, storage: KVStorage) -> CascadePlan | None:
+        """The shared-prefix plan of the decode-only batch ``plan`` would build, from the plan
+        alone (no batch, no tensors); None when it runs no cascade."""
+        slices = plan.slices
+        policy = self.options.policy
+        if (policy is None or not cascade_reads(storage) or not slices
+                or any(piece.num_tokens != 1 for piece in slices)):
+            return None
+        return plan_shared_prefixes([piece.page_table for piece in slices],
+                                    [piece.end_pos for piece in slices], [1] * len(slices),
+                                    storage.page_size, policy)
+
+    def tables(self, batch: ForwardBatch, storage: KVStorage, heads: _HeadShape,
+               device: torch.device) -> CascadeTables | None:
+        """The device tables of the batch's plan (once per batch), or None: no cascade."""
+        plan = self.plan(batch, storage)
+        if plan is None:
+            return None
+        members_per_block = max(self.options.rows, heads.group_pad) // heads.group_pad
+        cached = self._tables
+        if cached is not None and cached[0] is batch and cached[1] == members_per_block:
+            return cached[2]
+        tables = cascade_tables(plan, batch.context_lens_host, members_per_block, device)
+        self._tables = (batch, members_per_block, tables)
+        return tables
+
+    def attend(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
+               batch: ForwardBatch, tables: CascadeTables, scale: float, heads: _HeadShape,
+               launch_remainder: RemainderLaunch) -> torch.Tensor:
+        """Own keys of every sequence, shared prefixes of every group, merged per query row."""
+        options = self.options
+        num_tokens, num_heads, _ = q.shape
+        sms = multiprocessors(q.device)
+        min_keys = 4 * options.block_n
+        rem_splits = split_count(tables.max_remainder, batch.num_seqs * heads.num_kv_heads,
+                                 options.decode_programs_per_sm * sms, options.max_splits,
+                                 min_keys)
+        remainder = (
+            torch.empty(num_tokens, num_heads, rem_splits, heads.head_pad, dtype=torch.float32,
+                        device=q.device),
+            torch.empty(num_tokens, num_heads, rem_splits, dtype=torch.float32, device=q.device))
+        out = torch.empty_like(q)
+        launch_remainder(out, remainder, rem_splits, tables.kv_start)
+        launch = PrefixLaunch(
+            group=heads.group, group_pad=heads.group_pad,
+            rows=max(options.rows, heads.group_pad), block_n=options.block_n,
+            head_pad=heads.head_pad, warps=options.warps,
+            splits=split_count(tables.max_prefix, tables.num_blocks * heads.num_kv_heads,
+                               options.programs_per_sm * sms, options.max_splits, min_keys))
+        prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
+        merge_partials(out, remainder, prefix, tables)
+        return out
+
+
+def cascade_reads(storage: KVStorage) -> bool:
+    """Whether the cascade serves this storage: unquantized pages only. Its kernels read
+    quantized pages too (same loaders and rotation as the plain kernel, and they agree with it
+    on the q8/q6/q4 page formats), but quantized storages are gaining per-sequence state
+    outside the pages (a recent-token window) that the plain path must handle first."""
+    return storage.mode == "fp16"
+
+
+__all__ = ["CascadeOptions", "CascadePath", "RemainderLaunch", "cascade_reads"]
