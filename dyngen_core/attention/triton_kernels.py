@@ -208,7 +208,10 @@ def log2_sum_exp(m_i, l_i):
     return tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
 
 
-@triton.jit
+# The page table's width changes with the longest sequence of each batch; left specialized
+# (Triton compiles separately for 1, multiples of 16 and the rest), the first long prefill after
+# short ones paid a fresh compile of this kernel inside the step.
+@triton.jit(do_not_specialize=["stride_pt"])
 def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
