@@ -1,6 +1,7 @@
 """Where one decode step's GPU time goes: a kernel-time breakdown (torch.profiler) of the
 forward for ``--batch`` sequences at ``--context`` tokens, Llama-3-8B shape, random weights,
-Triton attention, no CUDA graph (kernel times are the same). fp16 pages hold random values;
+Triton attention, no CUDA graph (kernel times are the same), or with ``--graph [--compile]`` the
+replay of a captured (compiled) decode graph. fp16 pages hold random values;
 quantized pages (``--mode q8|q6|q4``) stay zero, which costs the kernel the same work.
 
 Prints the top kernels by total CUDA time and the share of attention vs everything else, plus
@@ -39,6 +40,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--mode", default="fp16")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--graph", action="store_true",
+                        help="profile the replay of a captured decode CUDA graph")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --graph: capture the torch.compile'd forward")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = bench_config(args)
@@ -57,11 +62,23 @@ def main() -> None:
     def step() -> torch.Tensor:
         return model.forward(batch, storage, backend)
 
+    if args.graph:
+        from dyngen_core.graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(model, storage, backend, page_size=PAGE,
+                              max_context=pages_per_seq * PAGE, max_batch_size=args.batch,
+                              buckets=[args.batch], compile_model=args.compile)
+        plan = StepPlan(slices=slices)
+
+        def step() -> torch.Tensor:
+            return graphs.run(plan)
+
     seconds = cuda_seconds(step, repeats=10)
     kv_bytes = (args.batch * args.context * model.config.num_layers * 2
                 * model.config.num_kv_heads * model.config.head_dim * 2)
     floor = (weight_bytes(model) + kv_bytes) / copy_bandwidth(device)
     report("profile_step", batch=args.batch, context=args.context, mode=args.mode,
+           graph=args.graph, compiled=args.compile,
            step_ms=seconds * 1e3, floor_ms=floor * 1e3, fraction=floor / seconds)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
