@@ -57,8 +57,11 @@ class ActiveJob:
         # A plain greedy job's token is always the argmax of its logits row: no stage, mask
         # (no constraint; no banned strings, so no banned positions; no min_new_tokens, so stop
         # tokens are never banned) and no extra output. A batch of them skips the general sampler.
-        # Only banned strings (their rewinds) and min_new_tokens ever ban a token at a position.
-        self.may_ban = bool(job.banned_strings or job.min_new_tokens)
+        # Only banned strings (their rewinds) and min_new_tokens ever ban a token at a position,
+        # and min_new_tokens only bans stop tokens: with none (lengths forced, as benchmarks
+        # do), it bans nothing.
+        self.may_ban = bool(job.banned_strings
+                            or (job.min_new_tokens and self.stream.stop_token_ids))
         # A plain stream's accepted token needs no constraint check and its result no extras.
         self.plain_stream = self.matcher is None and not self.wants_extras
         self.plain_greedy = bool(

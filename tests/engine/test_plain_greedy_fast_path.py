@@ -130,10 +130,10 @@ def test_a_job_off_the_fast_path_switches_the_batch_to_the_general_path(make_gen
     def jobs() -> list[Job]:
         out = [Job(input_ids=p, max_new_tokens=10, stop_conditions=[], gen_settings=GREEDY,
                    identifier=i) for i, p in enumerate(prompts)]
-        # min_new_tokens makes the job non-plain (its stop tokens are banned for a while);
-        # it ends early, after which the others run on the fast path again.
+        # min_new_tokens with a stop token makes the job non-plain (its stop token is banned
+        # for a while); it ends early, after which the others run on the fast path again.
         out.append(Job(input_ids=prompts[0], max_new_tokens=3, min_new_tokens=2,
-                       stop_conditions=[], gen_settings=GREEDY, identifier=99))
+                       stop_conditions=[7], gen_settings=GREEDY, identifier=99))
         out.append(Job(input_ids=prompts[1], max_new_tokens=5, stop_conditions=[],
                        gen_settings=GREEDY, identifier=98, return_probs=True))
         return out
@@ -141,6 +141,20 @@ def test_a_job_off_the_fast_path_switches_the_batch_to_the_general_path(make_gen
     fast, general, calls = _both(make_generator, monkeypatch, jobs)
     assert fast == general
     assert calls.greedy > 0 and calls.general > 0
+
+
+def test_min_new_tokens_without_stop_tokens_stays_on_the_fast_path(make_generator, monkeypatch):
+    # Lengths forced (min = max, no stop condition), as the benchmarks run: min_new_tokens has
+    # no stop token to ban, so the jobs are plain greedy.
+    prompts = _prompts(4, seed=5)
+
+    def jobs() -> list[Job]:
+        return [Job(input_ids=p, max_new_tokens=6, min_new_tokens=6, stop_conditions=[],
+                    gen_settings=GREEDY, identifier=i) for i, p in enumerate(prompts)]
+
+    fast, general, calls = _both(make_generator, monkeypatch, jobs)
+    assert fast == general
+    assert calls.greedy > 0 and calls.general == 0
 
 
 def test_cancel_mid_run_matches_the_general_path(make_generator, monkeypatch):
