@@ -10,21 +10,37 @@ Rows of a bucket beyond the batch repeat the batch's last sequence (same token, 
 and pages), so they write the very same key/value into the same slot and need no spare page;
 their logits are dropped.
 
-Capture runs the forward a few times to warm up, which writes keys/values to slot 0 of page 0:
-build the graphs before the cache holds data (the generator does it at construction).
+Shared prefixes: with a backend that can run shared-prefix ("cascade") attention in a graph
+(`attention.base.SharedPrefixGraphs`), every step is planned on the host; a step with groups
+fills their tables into a region of the same static buffer (same copy) and replays its bucket's
+cascade graph instead. Those graphs are captured lazily, the first time a bucket sees a cascade
+step, from that step's own staged inputs: the warm-up forwards then write exactly the keys and
+values the step itself writes (its tokens, at its slots) and read only what it reads, so a
+capture in the middle of a generation touches no other cache data.
+
+The plain graphs are captured at construction, warming up on rows that write slot 0 of page 0:
+build them before the cache holds data (the generator does it at construction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.attention.base import AttentionBackend, ForwardBatch, SharedPrefixGraphs
+from dyngen_core.attention.shared_prefix import CascadePlan
+from dyngen_core.attention.triton_cascade_tables import CascadeTables, StaticCascadeLayout
 from dyngen_core.models import Model
+from dyngen_core.overlap import TokenFeed
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 GRAPH_BACKENDS = ("triton", "flash")
 StepFunction = Callable[[ForwardBatch], torch.Tensor]
@@ -49,7 +65,8 @@ class _StaticInputs:
     """The device buffers every graph reads, and their pinned host staging twins.
 
     longs [3, B]: input_ids, positions, slot_mapping rows. ints: B context lengths, B sequence
-    slots, then the page table [B, width], flat, so what a bucket reads is one contiguous prefix.
+    slots, the shared-prefix tables (``cascade_size`` entries), then the page table [B, width],
+    flat, so what a bucket reads is one contiguous prefix.
     """
 
     longs: torch.Tensor
@@ -61,15 +78,21 @@ class _StaticInputs:
     copied: torch.cuda.Event
     capacity: int
     width: int
+    cascade_size: int
 
     def page_table(self, ints: torch.Tensor) -> torch.Tensor:
-        return ints[2 * self.capacity:].view(self.capacity, self.width)
+        return ints[2 * self.capacity + self.cascade_size:].view(self.capacity, self.width)
+
+    def cascade_region(self, ints: torch.Tensor) -> torch.Tensor:
+        return ints[2 * self.capacity:2 * self.capacity + self.cascade_size]
 
     def seq_slots(self, ints: torch.Tensor) -> torch.Tensor:
         return ints[self.capacity:2 * self.capacity]
 
-    def batch(self, size: int, page_size: int) -> ForwardBatch:
-        """The ForwardBatch of a bucket: views of the first ``size`` rows."""
+    def batch(self, size: int, page_size: int,
+              cascade: CascadeTables | None = None) -> ForwardBatch:
+        """The ForwardBatch of a bucket: views of the first ``size`` rows (and ``cascade``,
+        views of the shared-prefix region, for a cascade graph)."""
         return ForwardBatch(
             input_ids=self.longs[0, :size], positions=self.longs[1, :size],
             slot_mapping=self.longs[2, :size], query_start=self.query_start[:size + 1],
@@ -77,7 +100,7 @@ class _StaticInputs:
             logits_indices=self.logits_indices[:size],
             query_lens_host=[1] * size, context_lens_host=[1] * size, page_size=page_size,
             seq_slots=self.seq_slots(self.ints)[:size],
-            token_seq_slots=self.seq_slots(self.ints)[:size],
+            token_seq_slots=self.seq_slots(self.ints)[:size], cascade=cascade,
         )
 
 
@@ -88,6 +111,7 @@ class DecodeGraphs:
     storage: the cache's KVStorage.
     backend: an attention backend whose decode launch depends on the batch size alone
         ("triton", "flash"); the sdpa backend reads host-side lengths and cannot be captured.
+        One that is also `SharedPrefixGraphs` gets cascade graphs for steps it plans groups in.
     page_size: the cache's slots per page.
     max_context: the longest sequence (prompt + generated) a graphed decode may hold; it sets
         the width of the static page table.
@@ -113,10 +137,20 @@ class DecodeGraphs:
         self.device = device
         self.compiled = compile_model
         self._step: StepFunction = self._make_step(compile_model)
+        self._planner = backend if isinstance(backend, SharedPrefixGraphs) else None
+        self._cascade: StaticCascadeLayout | None = None
+        if self._planner is not None:
+            config = model.config
+            self._cascade = self._planner.cascade_layout(
+                storage, config.num_heads, config.num_kv_heads, self.buckets[-1])
         self._inputs = self._allocate(self.buckets[-1])
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._capture_all()
+        # Keyed by (bucket, cascade); cascade graphs are captured on first use.
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._pool: _POOL_HANDLE | None = None
+        with self._capture_mode():
+            for size in reversed(self.buckets):  # largest first: smaller ones reuse its memory
+                self._capture(size, cascade=False)
 
     def can_run(self, plan: StepPlan) -> bool:
         """True for plans of decodes only (one token, sampled, no drafts) that fit a bucket."""
@@ -126,17 +160,33 @@ class DecodeGraphs:
         return all(len(s.token_ids) == 1 and s.sample and not s.draft_ids
                    and s.end_pos <= self.width * self.page_size for s in slices)
 
-    def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None) -> torch.Tensor:
+    def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None,
+            feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay the smallest bucket holding the plan; float32 logits [len(slices), vocab].
-        ``seq_slots``: each slice's sequence slot (-1 or None: none).
+        ``seq_slots``: each slice's sequence slot (-1 or None: none). ``feed``: input tokens
+        still on the device (an overlapped previous step's), written into the static inputs.
 
         The logits are a view of the graph's output buffer: read them before the next `run`.
         """
         size = len(plan.slices)
         bucket = next(b for b in self.buckets if b >= size)
-        self._stage(plan, bucket, seq_slots)
-        self._graphs[bucket].replay()
-        return self._outputs[bucket][:size]
+        cascade = self.plan_cascade(plan)
+        self._stage(plan, bucket, seq_slots, cascade)
+        if feed is not None:
+            feed.apply(self._inputs.longs[0, :bucket], size)
+        key = (bucket, cascade is not None)
+        if key not in self._graphs:
+            with self._capture_mode():  # the static inputs hold this very step (module doc)
+                self._capture(bucket, cascade=True)
+        self._graphs[key].replay()
+        return self._outputs[key][:size]
+
+    def plan_cascade(self, plan: StepPlan) -> CascadePlan | None:
+        """The shared-prefix groups a replay of ``plan`` attends once per group; None: the
+        plain graph (no groups worth it, or a backend or storage without the cascade)."""
+        if self._planner is None or self._cascade is None:
+            return None
+        return self._planner.plan_cascade(plan, self.storage)
 
     def _make_step(self, compile_model: bool) -> StepFunction:
         model, storage, backend = self.model, self.storage, self.backend
@@ -163,7 +213,9 @@ class DecodeGraphs:
     def _allocate(self, size: int) -> _StaticInputs:
         device = self.device
         host_longs = torch.zeros(3, size, dtype=torch.int64).pin_memory()
-        host_ints = torch.zeros(size * (2 + self.width), dtype=torch.int32).pin_memory()
+        cascade_size = self._cascade.size if self._cascade is not None else 0
+        host_ints = torch.zeros(size * (2 + self.width) + cascade_size,
+                                dtype=torch.int32).pin_memory()
         host_ints[:size] = 1  # every warm-up row sees one slot: slot 0 of page 0
         host_ints[size:2 * size] = -1  # and keeps no per-sequence state
         inputs = _StaticInputs(
@@ -171,39 +223,50 @@ class DecodeGraphs:
             query_start=torch.arange(size + 1, dtype=torch.int32, device=device),
             logits_indices=torch.arange(size, dtype=torch.int64, device=device),
             host_longs=host_longs, host_ints=host_ints, copied=torch.cuda.Event(),
-            capacity=size, width=self.width,
+            capacity=size, width=self.width, cascade_size=cascade_size,
         )
         inputs.copied.record()
         return inputs
 
-    def _capture_all(self) -> None:
+    def _capture_mode(self) -> ExitStack:
+        """What capture runs under: inference mode, or for the compiled step no_grad (compile
+        fails on inference-mode regions, pytorch#169477) with room for its recompiles."""
+        stack = ExitStack()
         if not self.compiled:
-            with torch.inference_mode():
-                self._capture_buckets()
-            return
+            stack.enter_context(torch.inference_mode())
+            return stack
         # Each layer recompiles its attention block (its layer index is a static int to dynamo);
         # under the default limit of 8 recompiles, layers past the 8th would stay eager.
         from torch._dynamo import config as dynamo_config
 
         limit = max(64, 2 * len(self.model.layers))
-        with torch.no_grad(), dynamo_config.patch(recompile_limit=limit):
-            self._capture_buckets()
+        stack.enter_context(torch.inference_mode(False))  # a lazy capture runs inside one
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(dynamo_config.patch(recompile_limit=limit))
+        return stack
 
-    def _capture_buckets(self) -> None:
-        pool = None
-        for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            batch = self._inputs.batch(size, self.page_size)
-            for _ in range(3):
-                self._step(batch)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._step(batch)
-            pool = graph.pool()
-            self._graphs[size] = graph
+    def _capture(self, size: int, *, cascade: bool) -> None:
+        """Warm up and capture the graph of bucket ``size`` over the static inputs as they are
+        (plain, or with the shared-prefix tables of the cascade region)."""
+        inputs = self._inputs
+        tables = None
+        if cascade:
+            assert self._cascade is not None
+            tables = self._cascade.tables(inputs.cascade_region(inputs.ints), size)
+        batch = inputs.batch(size, self.page_size, tables)
+        for _ in range(3):
+            self._step(batch)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a lazy capture must not fail on another thread's unrelated CUDA call.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._outputs[(size, cascade)] = self._step(batch)
+        self._pool = graph.pool()
+        self._graphs[(size, cascade)] = graph
         torch.cuda.synchronize(self.device)
 
-    def _stage(self, plan: StepPlan, bucket: int, seq_slots: Sequence[int] | None) -> None:
+    def _stage(self, plan: StepPlan, bucket: int, seq_slots: Sequence[int] | None,
+               cascade: CascadePlan | None) -> None:
         """Fill the pinned staging buffers and copy them into the static device inputs."""
         inputs = self._inputs
         inputs.copied.synchronize()  # the previous step's copy has read the staging buffers
@@ -227,7 +290,10 @@ class DecodeGraphs:
             ints[size:bucket] = ints[size - 1]
             slots[size:bucket] = slots[size - 1]
             tables[size:bucket] = tables[size - 1]
-        used = 2 * inputs.capacity + bucket * inputs.width
+        if cascade is not None:
+            assert self._cascade is not None
+            self._cascade.fill(cascade, size, inputs.cascade_region(inputs.host_ints).numpy())
+        used = 2 * inputs.capacity + inputs.cascade_size + bucket * inputs.width
         inputs.longs.copy_(inputs.host_longs, non_blocking=True)
         inputs.ints[:used].copy_(inputs.host_ints[:used], non_blocking=True)
         inputs.copied.record()

@@ -4,8 +4,8 @@ It owns nothing of the scheduler's: it executes the plan's page copies, gives ea
 sequence slot (`seq_slots`) when the storage keeps per-sequence state, builds the forward
 metadata, runs one forward over every slice, and hands back float32 logits for the sample rows
 in slice order (``1 + len(draft_ids)`` rows per sampling slice). On CUDA with a capturable
-attention backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`) instead of an
-eager forward, unless the backend prefers an eager one for the step (shared-prefix attention).
+attention backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`, shared-prefix
+attention included) instead of an eager forward.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dyngen_core.cache import Cache
 from dyngen_core.forward import build_forward_batch
 from dyngen_core.graphs import decode_graphs_for
 from dyngen_core.models import Model
+from dyngen_core.overlap import TokenFeed
 from dyngen_core.plan import StepPlan
 from dyngen_core.seq_slots import SequenceSlots
 
@@ -48,8 +49,10 @@ class ModelRunner:
         ) if cuda_graphs else None
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Copy pages, then run every slice in one forward; None when no slice samples."""
+    def run(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor | None:
+        """Copy pages, then run every slice in one forward; None when no slice samples.
+        ``feed``: inputs that are a previous step's sampled tokens still on the device (the
+        plan holds `scheduler.PENDING_TOKEN` there)."""
         if plan.copies:
             self.cache.storage.copy_pages(plan.copies)
         if not plan.slices:
@@ -59,9 +62,10 @@ class ModelRunner:
             seq_slots, fresh = self.slots.assign([s.job_id for s in plan.slices])
             if fresh:
                 self.cache.storage.clear_sequences(fresh)
-        if (self.graphs is not None and self.graphs.can_run(plan)
-                and not self.backend.prefers_eager_plan(plan, self.cache.storage)):
-            return self.graphs.run(plan, seq_slots)
+        if self.graphs is not None and self.graphs.can_run(plan):
+            return self.graphs.run(plan, seq_slots, feed)
         batch = build_forward_batch(plan, self.cache.page_size, self.model.device, seq_slots)
+        if feed is not None:
+            feed.apply(batch.input_ids, batch.num_tokens)
         logits = self.model.forward(batch, self.cache.storage, self.backend)
         return logits if logits.shape[0] else None

@@ -9,12 +9,16 @@ share a process).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
+
+if TYPE_CHECKING:
+    from dyngen_core.attention.shared_prefix import CascadePlan
+    from dyngen_core.attention.triton_cascade_tables import CascadeTables, StaticCascadeLayout
 
 
 @dataclass
@@ -32,6 +36,8 @@ class ForwardBatch:
     seq_slots: [B] (int32) each sequence's slot for per-sequence storage state (the recent
         window of quantized caches), -1 for none; token_seq_slots: [T] the same per token.
         None when the runner assigned no slots.
+    cascade: shared-prefix tables a CUDA graph's batch carries (views of its static buffers,
+        `SharedPrefixGraphs`); None elsewhere (an eager forward plans from page_tables_host).
     """
 
     input_ids: torch.Tensor
@@ -47,6 +53,7 @@ class ForwardBatch:
     page_tables_host: list[list[int]] | None = None
     seq_slots: torch.Tensor | None = None
     token_seq_slots: torch.Tensor | None = None
+    cascade: CascadeTables | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +89,22 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor: ...
 
-    def prefers_eager_plan(self, plan: StepPlan, storage: KVStorage) -> bool:
-        """True when ``plan`` should run as an eager forward even where a CUDA graph could
-        replay it (the Triton backend's shared-prefix attention cannot be captured)."""
+
+@runtime_checkable
+class SharedPrefixGraphs(Protocol):
+    """A backend that runs shared-prefix ("cascade") decode attention inside CUDA graphs.
+
+    `graphs.DecodeGraphs` plans every decode step (`plan_cascade`); a step with a plan fills
+    the tables into a region of its static buffers laid out by `cascade_layout` and replays a
+    graph whose batch carries them (``ForwardBatch.cascade``).
+    """
+
+    def cascade_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
+                       capacity: int) -> StaticCascadeLayout | None:
+        """The static tables' layout for batches of up to ``capacity`` sequences of this head
+        layout; None when this backend never cascades over ``storage``."""
+        ...
+
+    def plan_cascade(self, plan: StepPlan, storage: KVStorage) -> CascadePlan | None:
+        """The shared-prefix groups of the decode-only ``plan``; None when no cascade pays."""
         ...

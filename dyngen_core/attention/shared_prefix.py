@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from dyngen_core.pages.pool import common_prefix_len
 
@@ -40,18 +41,18 @@ class CascadePolicy:
         results a member's rows add per split, so even one page saves traffic in the kernels).
     min_saved_keys: fewest key reads per KV head and layer the whole plan must save, summed over
         groups as ``(members - 1) * prefix_tokens``, or the step plans no cascade. The cascade
-        runs only in eager forwards, so it must win back what a CUDA-graph replay saves: on the
-        H200 (Llama-3-8B shape, 64 decodes sharing an 8,000-token document: 500k keys saved)
-        the eager cascade step took 45 ms against 22 ms for the replayed plain one, its GPU work
-        ~10 ms; the eager forward's host time (kernel launches) is the loss. The default,
-        2,000,000 keys, is ~260 GB of KV reads per step for that shape (~60 ms at 4.2 TB/s):
-        beyond the measured eager cost. Until the cascade is captured in graphs it pays only
-        for very long shared prefixes and many members.
+        runs inside the decode CUDA graphs, so what it must win back is GPU time only: two more
+        kernels per layer (the shared-prefix pass and the merge; ~10 us together, an estimate:
+        a few us of launch and tail each) and the remainder's partials. It wins ~0.53 ns per
+        saved key and layer (H200, Llama-3-8B shape, 8 KV heads: 483 -> 216 us per layer for
+        64 decodes sharing 7,936 tokens, 500k keys saved). The default, 32,768 keys (e.g. 2
+        sequences sharing 128 pages, or 9 sharing 16), saves ~17 us per layer at that rate:
+        safely past the cost even for models with fewer KV heads (less saved per key).
     """
 
     min_members: int = 2
     min_prefix_pages: int = 1
-    min_saved_keys: int = 2_000_000
+    min_saved_keys: int = 32_768
 
     def __post_init__(self) -> None:
         if self.min_members < 2:
@@ -120,10 +121,15 @@ def plan_shared_prefixes(page_tables: Sequence[Sequence[int]], context_lens: Seq
         raise ValueError(f"{len(page_tables)} page tables, {len(context_lens)} context lengths "
                          f"and {len(query_lens)} query lengths: give one of each per sequence")
     min_context = policy.min_prefix_pages * page_size
+    candidates = [index for index, (table, ctx, qlen)
+                  in enumerate(zip(page_tables, context_lens, query_lens, strict=True))
+                  if qlen == 1 and ctx >= min_context and table]
+    firsts = [page_tables[index][0] for index in candidates]
+    if len(set(firsts)) == len(firsts):
+        return None  # no two decodes share even a first page (runs every step: keep it cheap)
     buckets: dict[int, list[int]] = {}
-    for index, (table, ctx, qlen) in enumerate(zip(page_tables, context_lens, query_lens)):
-        if qlen == 1 and ctx >= min_context and table:
-            buckets.setdefault(table[0], []).append(index)
+    for index, first in zip(candidates, firsts, strict=True):
+        buckets.setdefault(first, []).append(index)
     groups: list[PrefixGroup] = []
     for members in buckets.values():
         if len(members) >= policy.min_members:
@@ -150,16 +156,22 @@ def _best_groups(members: list[int], depth: int, tables: Sequence[Sequence[int]]
     levels_left -= 1
     reference = tables[members[0]]
     shared = visible[members[0]]
-    for member in members[1:]:
-        table = tables[member]
-        limit = min(shared, visible[member])
-        if limit < shared or table[depth:shared] != reference[depth:shared]:
-            shared = _common_length(table, reference, depth, limit)
+    # Usually every member shares all of the first member's pages: checked in C loops (map,
+    # count) before the member-by-member search for where some part.
+    member_visible = list(map(visible.__getitem__, members))
+    slices = map(itemgetter(slice(depth, shared)), map(tables.__getitem__, members))
+    if min(member_visible) < shared or list(slices).count(reference[depth:shared]) < len(members):
+        for member in members[1:]:
+            table = tables[member]
+            limit = min(shared, visible[member])
+            if limit < shared or table[depth:shared] != reference[depth:shared]:
+                shared = _common_length(table, reference, depth, limit)
     whole = (len(members) - 1) * shared if shared >= policy.min_prefix_pages else 0
     deeper: dict[int, list[int]] = {}
-    for member in members if levels_left > 0 else ():
-        if visible[member] > shared:
-            deeper.setdefault(tables[member][shared], []).append(member)
+    if levels_left > 0 and max(member_visible) > shared:
+        for member in members:
+            if visible[member] > shared:
+                deeper.setdefault(tables[member][shared], []).append(member)
     split_saved, split = 0, []
     for subset in deeper.values():
         saved, groups = _best_groups(subset, shared + 1, tables, visible, policy, levels_left)

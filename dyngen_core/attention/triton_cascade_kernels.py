@@ -38,6 +38,7 @@ def shared_prefix_kernel(
     rot_ptr,
     page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
     member_seq_ptr, group_end_ptr, group_prefix_ptr, block_group_ptr, block_first_ptr,
+    num_blocks_ptr,
     part_out_ptr, part_lse_ptr,
     scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -45,58 +46,63 @@ def shared_prefix_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (row blocks, kv heads, splits): one block of a group's members against one split of
-    the group's shared keys.
+    """Grid (programs, kv heads, splits): blocks of a group's members, each against one split of
+    the group's shared keys; program i takes blocks i, i + programs, ... below ``num_blocks``.
 
     member_seq [M]: the batch sequence of each member, groups one after another.
     group_end [groups]: one past each group's last member in ``member_seq``.
     group_prefix [groups]: shared keys of each group (whole pages).
     block_group, block_first [row blocks]: the group of a block and its first member; a block
         holds up to ``BLOCK_M // G_PAD`` members of one group, row = member * G_PAD + head.
+    num_blocks [1]: the row blocks in use (the tables may be longer: static graph buffers).
     Writes partials [M, H, NUM_SPLITS, HEAD_PAD] (float32) and log2-sum-exp [M, H, NUM_SPLITS].
     """
-    block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    group = tl.load(block_group_ptr + block)
-    first = tl.load(block_first_ptr + block)
-    end = tl.load(group_end_ptr + group)
-    prefix = tl.load(group_prefix_ptr + group)
+    # A fixed grid (CUDA graphs) may have fewer programs than blocks: each takes every
+    # num_programs(0)-th block; an eager grid has one program per block.
+    num_blocks = tl.load(num_blocks_ptr)
+    for block in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+        group = tl.load(block_group_ptr + block)
+        first = tl.load(block_first_ptr + block)
+        end = tl.load(group_end_ptr + group)
+        prefix = tl.load(group_prefix_ptr + group)
 
-    rows = tl.arange(0, BLOCK_M)
-    member = first + rows // G_PAD
-    head_in_group = rows % G_PAD
-    row_valid = (member < end) & (head_in_group < G)
-    head = kv_head * G + head_in_group
-    seq = tl.load(member_seq_ptr + member, mask=row_valid, other=0)
-    # Every prefix key is visible to every member (the planner's rule); the mask keeps it exact.
-    position = tl.load(context_lens_ptr + seq, mask=row_valid, other=0) - 1
-    token = tl.load(query_start_ptr + seq, mask=row_valid, other=0)
-    dims = tl.arange(0, HEAD_PAD)
-    q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
-    q = load_scaled_queries(q_ptr, q_rows, row_valid, dims, rot_ptr, scale_log2, K_BITS,
-                            HEAD_DIM, BLOCK_M, HEAD_PAD)
+        rows = tl.arange(0, BLOCK_M)
+        member = first + rows // G_PAD
+        head_in_group = rows % G_PAD
+        row_valid = (member < end) & (head_in_group < G)
+        head = kv_head * G + head_in_group
+        seq = tl.load(member_seq_ptr + member, mask=row_valid, other=0)
+        # Every prefix key is visible to every member (the planner's rule); the mask keeps
+        # it exact.
+        position = tl.load(context_lens_ptr + seq, mask=row_valid, other=0) - 1
+        token = tl.load(query_start_ptr + seq, mask=row_valid, other=0)
+        dims = tl.arange(0, HEAD_PAD)
+        q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
+        q = load_scaled_queries(q_ptr, q_rows, row_valid, dims, rot_ptr, scale_log2, K_BITS,
+                                HEAD_DIM, BLOCK_M, HEAD_PAD)
 
-    chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_lo = split * chunk
-    kv_hi = tl.minimum(kv_lo + chunk, prefix)
-    # Members share the prefix's page ids, so the first member's page-table row serves all.
-    leader = tl.load(member_seq_ptr + first)
-    table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
-    # Shared prefixes are planned over unquantized pages only: no head rows, no window.
-    m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
-    m_i, l_i, acc = attend_key_range(
-        q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_head, dims,
-        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
-        k_ptr, v_ptr, 0, 0, table_row, -1, 0, 0,
-        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, False, 0,
-        DOT_PRECISION)
-    acc = normalized_rows(acc, l_i, rot_ptr, V_BITS, BLOCK_M, HEAD_PAD)
-    part_row = (member.to(tl.int64) * tl.num_programs(1) * G + head) * NUM_SPLITS + split
-    tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
-             mask=row_valid[:, None])
-    tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+        chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_lo + chunk, prefix)
+        # Members share the prefix's page ids, so the first member's page-table row serves all.
+        leader = tl.load(member_seq_ptr + first)
+        table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
+        # Shared prefixes are planned over unquantized pages only: no head rows, no window.
+        m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
+        m_i, l_i, acc = attend_key_range(
+            q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_head, dims,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+            k_ptr, v_ptr, 0, 0, table_row, -1, 0, 0,
+            BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, False, 0,
+            DOT_PRECISION)
+        acc = normalized_rows(acc, l_i, rot_ptr, V_BITS, BLOCK_M, HEAD_PAD)
+        part_row = (member.to(tl.int64) * tl.num_programs(1) * G + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
 
 
 @triton.jit

@@ -1,9 +1,15 @@
 """When and how `TritonPagedBackend` runs a decode step as shared-prefix ("cascade") attention.
 
 `CascadePath` owns the cascade side of the backend: the policy (`shared_prefix.CascadePolicy`),
-the per-forward plan and device tables, and the launch of one layer's cascade (the remainder
-pass through the backend's paged kernel, the shared-prefix kernel, the merge). The backend keeps
-the plain paged launch and hands it in as a callable, so this module never imports it.
+the step's plan and device tables, and the launch of one layer's cascade (the remainder pass
+through the backend's paged kernel, the shared-prefix kernel, the merge). The backend keeps the
+plain paged launch and hands it in as a callable, so this module never imports it.
+
+Tables come from one of two places. An eager forward (host page tables at hand) plans its batch
+and builds tables sized to the plan, with split counts chosen from the lengths. A CUDA graph's
+batch carries them (``ForwardBatch.cascade``, views of the graph's static buffers, filled each
+step through `graph_layout`'s `StaticCascadeLayout`): then every grid and split count follows
+from the batch size alone, so one capture serves every plan of its bucket.
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ import torch
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy, plan_shared_prefixes
 from dyngen_core.attention.triton_cascade import (
-    CascadeTables,
     PrefixLaunch,
     attend_prefixes,
-    cascade_tables,
     merge_partials,
     multiprocessors,
     split_count,
+)
+from dyngen_core.attention.triton_cascade_tables import (
+    CascadeTables,
+    StaticCascadeLayout,
+    cascade_tables,
 )
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
@@ -32,6 +41,7 @@ if TYPE_CHECKING:
     from dyngen_core.attention.triton_paged import PageOperands, _HeadShape
 
 LOG2_E = 1.4426950408889634
+UNKNOWN_KEYS = 1 << 30  # a graph's lengths: never the bound on its split count
 # (out, (partials, lse), splits, kv_start): one REMAINDER launch of the backend's paged kernel.
 RemainderLaunch = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], int, torch.Tensor],
                            None]
@@ -94,13 +104,30 @@ class CascadePath:
                                     [piece.end_pos for piece in slices], [1] * len(slices),
                                     storage.page_size, policy)
 
+    def graph_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
+                     capacity: int) -> StaticCascadeLayout | None:
+        """Where a CUDA graph's static buffers hold the tables of batches of up to ``capacity``
+        sequences with this head layout; None when this backend never cascades over
+        ``storage``."""
+        if self.options.policy is None or not cascade_reads(storage):
+            return None
+        return StaticCascadeLayout(capacity, self.members_per_block(num_heads // num_kv_heads))
+
+    def members_per_block(self, group: int) -> int:
+        """Members in one shared-prefix program's rows for ``group`` query heads per KV head."""
+        group_pad = 1 << (max(1, group) - 1).bit_length()
+        return max(self.options.rows, group_pad) // group_pad
+
     def tables(self, batch: ForwardBatch, storage: KVStorage, heads: _HeadShape,
                device: torch.device) -> CascadeTables | None:
-        """The device tables of the batch's plan (once per batch), or None: no cascade."""
+        """The batch's device tables: a graph batch's own, else those of its plan (built once
+        per batch); None: no cascade."""
+        if batch.cascade is not None:
+            return batch.cascade
         plan = self.plan(batch, storage)
         if plan is None:
             return None
-        members_per_block = max(self.options.rows, heads.group_pad) // heads.group_pad
+        members_per_block = self.members_per_block(heads.group)
         cached = self._tables
         if cached is not None and cached[0] is batch and cached[1] == members_per_block:
             return cached[2]
@@ -116,7 +143,9 @@ class CascadePath:
         num_tokens, num_heads, _ = q.shape
         sms = multiprocessors(q.device)
         min_keys = 4 * options.block_n
-        rem_splits = split_count(tables.max_remainder, batch.num_seqs * heads.num_kv_heads,
+        # Graph tables leave the lengths unknown: splits from the batch shape alone.
+        rem_splits = split_count(_or_unknown(tables.max_remainder),
+                                 batch.num_seqs * heads.num_kv_heads,
                                  options.decode_programs_per_sm * sms, options.max_splits,
                                  min_keys)
         remainder = (
@@ -129,11 +158,16 @@ class CascadePath:
             group=heads.group, group_pad=heads.group_pad,
             rows=max(options.rows, heads.group_pad), block_n=options.block_n,
             head_pad=heads.head_pad, warps=options.warps,
-            splits=split_count(tables.max_prefix, tables.num_blocks * heads.num_kv_heads,
+            splits=split_count(_or_unknown(tables.max_prefix),
+                               tables.grid_blocks * heads.num_kv_heads,
                                options.programs_per_sm * sms, options.max_splits, min_keys))
         prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
         merge_partials(out, remainder, prefix, tables)
         return out
+
+
+def _or_unknown(keys: int | None) -> int:
+    return UNKNOWN_KEYS if keys is None else keys
 
 
 def cascade_reads(storage: KVStorage) -> bool:

@@ -10,12 +10,11 @@ kernel), so it can be captured in a CUDA graph and replayed with new page tables
 lengths. Batches with prefill chunks map query blocks to sequences with a
 small table built once per forward on the host.
 
-Shared prefixes: in an eager decode-only forward over unquantized pages, decodes whose page
-tables begin with the same pages (prefix dedup) are planned into groups on the host
-(`shared_prefix`), and each group's shared keys are read once for all its members
-(`triton_cascade_path` decides and launches it). Replayed CUDA graphs carry no host page tables
-and never cascade; `TritonPagedBackend.prefers_eager` tells the runner when an eager forward
-would. Quantized pages keep the plain path.
+Shared prefixes: in a decode-only forward over unquantized pages, decodes whose page tables
+begin with the same pages (prefix dedup) are planned into groups on the host (`shared_prefix`),
+and each group's shared keys are read once for all its members (`triton_cascade_path` decides
+and launches it), in eager forwards and in replayed CUDA graphs alike (`cascade_layout`,
+`plan_cascade`). Quantized pages keep the plain path.
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.shared_prefix import CascadePolicy
+from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy
 from dyngen_core.attention.triton_cascade import multiprocessors
 from dyngen_core.attention.triton_cascade_path import CascadeOptions, CascadePath
+from dyngen_core.attention.triton_cascade_tables import StaticCascadeLayout
 from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
 from dyngen_core.attention.triton_kernels import (
     ROTATION_GROUP,
@@ -94,8 +94,7 @@ class TritonPagedBackend:
     cascade_min_saved_keys, cascade_min_members, cascade_min_prefix_pages: when decode-only
         batches over unquantized pages use shared-prefix ("cascade") attention, as the fields
         of `shared_prefix.CascadePolicy` (whose defaults these are, with the reasons);
-        ``cascade_min_saved_keys=None`` never cascades. Only batches that carry host page
-        tables (``ForwardBatch.page_tables_host``, i.e. eager forwards) can cascade.
+        ``cascade_min_saved_keys=None`` never cascades.
     cascade_rows: query rows (members x heads of a KV group) per shared-prefix program; each
         program reads its group's shared keys once for all of them.
     cascade_warps: warps per shared-prefix program (its tiles are prefill-sized).
@@ -179,16 +178,14 @@ class TritonPagedBackend:
             )
         return out
 
-    def prefers_eager(self, batch: ForwardBatch, storage: KVStorage) -> bool:
-        """True when `attend_cached` would run ``batch`` as a cascade: then the runner should
-        run the step eagerly rather than replay a CUDA graph (a replayed graph never cascades).
-        The plan is kept for the forward of this very batch object."""
-        return self.cascade.plan(batch, storage) is not None
+    def cascade_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
+                       capacity: int) -> StaticCascadeLayout | None:
+        """Where CUDA graphs hold shared-prefix tables (`base.SharedPrefixGraphs`)."""
+        return self.cascade.graph_layout(storage, num_heads, num_kv_heads, capacity)
 
-    def prefers_eager_plan(self, plan: StepPlan, storage: KVStorage) -> bool:
-        """`prefers_eager` for the batch ``plan`` would build, from the plan alone (for the
-        runner's choice before building a batch; the forward plans again, cheaply)."""
-        return self.cascade.plan_step(plan, storage) is not None
+    def plan_cascade(self, plan: StepPlan, storage: KVStorage) -> CascadePlan | None:
+        """The shared-prefix groups of a decode-only ``plan`` (`base.SharedPrefixGraphs`)."""
+        return self.cascade.plan_step(plan, storage)
 
     def _launch_paged(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
                       batch: ForwardBatch, heads: _HeadShape, out: torch.Tensor,

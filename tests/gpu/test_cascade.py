@@ -96,8 +96,8 @@ def _run(layout: Layout, heads: tuple[int, int, int], dtype: torch.dtype, device
     v = storage.values[0].view(-1, num_kv_heads, head_dim)[batch.slot_mapping].clone()
     scale = head_dim ** -0.5
     cascade = _backend(True, **options)
-    assert cascade.prefers_eager(batch, storage), "the case must exercise the cascade"
-    assert cascade.prefers_eager_plan(StepPlan(slices=slices), storage)
+    assert cascade.cascade.plan(batch, storage), "the case must exercise the cascade"
+    assert cascade.plan_cascade(StepPlan(slices=slices), storage)
     return {
         "cascade": cascade.attend(0, q, k, v, storage, batch, scale).float(),
         "plain": _backend(False, **options).attend(0, q, k, v, storage, batch, scale).float(),
@@ -179,8 +179,8 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
 
 
 def test_no_sharing_plans_no_cascade(device: torch.device) -> None:
-    """A batch without shared pages, a replayed-graph batch (no host page tables), a quantized
-    cache and a batch with a prefill chunk never take the cascade."""
+    """A batch without shared pages, a batch with neither host page tables nor graph tables, a
+    quantized cache and a batch with a prefill chunk never take the cascade."""
     backend = _backend(True)
     slices, num_pages = _slices(Layout(groups=[], loners=[PAGE + 1, 3 * PAGE, 2]), seed=4)
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64,
@@ -188,17 +188,66 @@ def test_no_sharing_plans_no_cascade(device: torch.device) -> None:
                          head_dim=32)
     storage = FP16Storage(config, num_pages, PAGE, torch.float32, [device])
     batch = build_forward_batch(StepPlan(slices=slices), PAGE, device)
-    assert not backend.prefers_eager(batch, storage)
+    assert not backend.cascade.plan(batch, storage)
     shared, num_pages = _slices(Layout(groups=[(1, [PAGE + 1, PAGE + 2])], loners=[]), seed=5)
     storage = FP16Storage(config, num_pages, PAGE, torch.float32, [device])
     batch = build_forward_batch(StepPlan(slices=shared), PAGE, device)
-    assert backend.prefers_eager(batch, storage)
+    assert backend.cascade.plan(batch, storage)
     batch.page_tables_host = None
     assert not backend.cascade.plan(batch, storage)  # graphs pass no host tables
     from dyngen_core.storage.quant import QuantStorage
 
     quant = QuantStorage(config, num_pages, PAGE, torch.float32, [device], mode="q8")
-    assert not backend.prefers_eager_plan(StepPlan(slices=shared), quant)
+    assert not backend.plan_cascade(StepPlan(slices=shared), quant)
+    assert backend.cascade_layout(quant, 2, 1, 8) is None
+    assert backend.cascade_layout(storage, 2, 1, 8) is not None
+    assert _backend(False).cascade_layout(storage, 2, 1, 8) is None
     prefill = [*shared, SequenceSlice(job_id=9, token_ids=[1, 2], start_pos=0, page_table=[0],
                                       sample=True)]
-    assert not backend.prefers_eager_plan(StepPlan(slices=prefill), storage)
+    assert not backend.plan_cascade(StepPlan(slices=prefill), storage)
+
+
+def test_graph_tables_fixed_grid_with_padding_rows(device: torch.device) -> None:
+    """The launch a CUDA graph captures: tables staged into a fixed region larger than the
+    batch (`StaticCascadeLayout`), a bucket with padding rows (copies of the last sequence, in
+    no group), fewer prefix programs than row blocks (each loops over blocks), and split
+    counts from the bucket alone. Rows of the batch must equal sdpa's."""
+    import numpy as np
+
+    backend = _backend(True, cascade_rows=16, block_n=16)
+    # Three groups of two (one row block each at 4 members a block) and a loner: 7 sequences
+    # in a bucket of 8, whose 2 prefix programs take the 3 blocks in turn.
+    layout = Layout(groups=[(2, [2 * PAGE + 1, 3 * PAGE]), (1, [PAGE + 3, 2 * PAGE + 9]),
+                            (3, [3 * PAGE + 2, 4 * PAGE])], loners=[2 * PAGE + 5])
+    heads = (8, 2, 32)
+    slices, num_pages = _slices(layout, seed=6)
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=256,
+                         intermediate_size=64, num_layers=1, num_heads=8, num_kv_heads=2,
+                         head_dim=32)
+    storage = FP16Storage(config, num_pages, PAGE, torch.float32, [device])
+    gen = torch.Generator().manual_seed(6)
+    for pages in (storage.keys[0], storage.values[0]):
+        pages.copy_(torch.randn(pages.shape, generator=gen))
+    bucket, real = 8, len(slices)
+    plan = backend.plan_cascade(StepPlan(slices=slices), storage)
+    assert plan is not None and len(plan.groups) == 3
+    static = backend.cascade_layout(storage, heads[0], heads[1], capacity=12)
+    assert static is not None and static.members_per_block == 4
+    region = np.full(static.size, 12345, dtype=np.int32)  # stale entries must not be read
+    static.fill(plan, real, region)
+    padded = StepPlan(slices=[*slices, slices[-1]])
+    batch = build_forward_batch(padded, PAGE, device)
+    batch.page_tables_host = None  # as in a graph: the tables are all it has
+    batch.cascade = static.tables(torch.from_numpy(region).to(device), bucket)
+    assert batch.cascade.grid_blocks == 2
+    q = torch.randn(bucket, heads[0], heads[2], generator=gen).to(device)
+    q[real] = q[real - 1]  # the padding row repeats the last sequence
+    k = storage.keys[0].view(-1, heads[1], heads[2])[batch.slot_mapping].clone()
+    v = storage.values[0].view(-1, heads[1], heads[2])[batch.slot_mapping].clone()
+    scale = heads[2] ** -0.5
+    out = backend.attend(0, q, k, v, storage, batch, scale).float()
+    plain = build_forward_batch(StepPlan(slices=slices), PAGE, device)
+    ref = SdpaBackend().attend(0, q[:real], k[:real], v[:real], storage, plain, scale).float()
+    _check({"cascade": out[:real], "plain": ref, "sdpa": ref}, torch.float32)
+    # The padding row attends as its original does (its logits are dropped, but never NaN).
+    assert _relative_error(out[real], out[real - 1]) < 1e-4

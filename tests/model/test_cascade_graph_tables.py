@@ -1,0 +1,112 @@
+"""The shared-prefix tables of CUDA-graph steps: one fixed region, refilled every step.
+
+`StaticCascadeLayout` must give every plan over at most ``capacity`` sequences the same tables
+an eager forward builds for it, with padding rows (a bucket larger than the batch) in no group,
+with nothing left over from the previous step's plan where the kernels read, and with launch
+sizes that depend on the bucket alone. Checked on the CPU (no Triton, no CUDA).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dyngen_core.attention.shared_prefix import CascadePlan, PrefixGroup
+from dyngen_core.attention.triton_cascade_tables import (
+    CascadeTables,
+    StaticCascadeLayout,
+    cascade_tables,
+)
+
+PAGE = 16
+READ = ["member_seq", "group_end", "group_prefix", "block_group", "block_first"]
+
+
+def _read_by_kernels(tables: CascadeTables) -> dict[str, list[int]]:
+    """What the kernels can read of the tables: everything per sequence, and the per-member,
+    per-group and per-block entries the device-side counts reach."""
+    blocks = int(tables.num_blocks[0])
+    groups = int(tables.block_group[:blocks].max()) + 1 if blocks else 0
+    members = int(tables.group_end[groups - 1]) if groups else 0
+    return {
+        "seq_member": tables.seq_member.tolist(), "kv_start": tables.kv_start.tolist(),
+        "member_seq": tables.member_seq[:members].tolist(),
+        "group_end": tables.group_end[:groups].tolist(),
+        "group_prefix": tables.group_prefix[:groups].tolist(),
+        "block_group": tables.block_group[:blocks].tolist(),
+        "block_first": tables.block_first[:blocks].tolist(),
+    }
+
+
+def _staged(layout: StaticCascadeLayout, region: np.ndarray, plan: CascadePlan, num_seqs: int,
+            bucket: int) -> CascadeTables:
+    layout.fill(plan, num_seqs, region)
+    return layout.tables(torch.from_numpy(region), bucket)
+
+
+def test_graph_tables_equal_eager_tables_with_padding_rows() -> None:
+    plan = CascadePlan((PrefixGroup((0, 2, 3), 2), PrefixGroup((4, 6), 1)), page_size=PAGE)
+    contexts = [40, 7, 32, 50, 17, 30, 20]
+    layout = StaticCascadeLayout(capacity=12, members_per_block=2)
+    region = np.full(layout.size, 777, dtype=np.int32)  # stale values everywhere
+    graph = _staged(layout, region, plan, len(contexts), bucket=9)
+    eager = cascade_tables(plan, contexts, members_per_block=2, device=torch.device("cpu"))
+    staged = _read_by_kernels(graph)
+    expected = _read_by_kernels(eager)
+    # Rows 7 and 8 pad the bucket: in no group, reading all their keys themselves.
+    assert staged["seq_member"] == [*expected["seq_member"], -1, -1]
+    assert staged["kv_start"] == [*expected["kv_start"], 0, 0]
+    assert {k: staged[k] for k in READ} == {k: expected[k] for k in READ}
+    # Launch sizes come from the bucket only (a captured graph serves every plan).
+    assert (graph.grid_blocks, graph.member_rows) == (5, 9)
+    assert graph.max_prefix is None and graph.max_remainder is None
+
+
+def test_refill_after_a_group_disappears_leaves_nothing_readable_behind() -> None:
+    layout = StaticCascadeLayout(capacity=8, members_per_block=4)
+    region = np.zeros(layout.size, dtype=np.int32)
+    two = CascadePlan((PrefixGroup((0, 1, 2), 3), PrefixGroup((3, 5), 1)), page_size=PAGE)
+    before = _read_by_kernels(_staged(layout, region, two, 6, bucket=8))
+    assert before["block_group"] == [0, 1] and before["kv_start"][3] == PAGE
+    one = CascadePlan((PrefixGroup((1, 2), 3),), page_size=PAGE)
+    after = _read_by_kernels(_staged(layout, region, one, 5, bucket=8))
+    assert after == _read_by_kernels(
+        _with_padding(cascade_tables(one, [60] * 5, 4, torch.device("cpu")), 8))
+    assert after["seq_member"] == [-1, 0, 1, -1, -1, -1, -1, -1]  # 0, 3 and 5 left their groups
+    assert after["kv_start"] == [0, 3 * PAGE, 3 * PAGE, 0, 0, 0, 0, 0]
+
+
+def _with_padding(tables: CascadeTables, bucket: int) -> CascadeTables:
+    pad = bucket - tables.seq_member.shape[0]
+    return CascadeTables(
+        torch.cat([tables.seq_member, torch.full((pad,), -1, dtype=torch.int32)]),
+        torch.cat([tables.kv_start, torch.zeros(pad, dtype=torch.int32)]),
+        tables.member_seq, tables.group_end, tables.group_prefix, tables.block_group,
+        tables.block_first, tables.num_blocks, tables.grid_blocks, tables.member_rows,
+        tables.max_prefix, tables.max_remainder)
+
+
+def test_capacity_holds_the_most_groups_and_blocks() -> None:
+    """Every sequence in a two-member group (the most groups), one member per block (the most
+    blocks): all of it fits, and the kernels' counts read it back."""
+    capacity = 9
+    layout = StaticCascadeLayout(capacity=capacity, members_per_block=1)
+    groups = tuple(PrefixGroup((2 * i, 2 * i + 1), i + 1) for i in range(capacity // 2))
+    region = np.zeros(layout.size, dtype=np.int32)
+    tables = _read_by_kernels(_staged(layout, region, CascadePlan(groups, PAGE), capacity,
+                                      bucket=capacity))
+    assert tables["group_prefix"] == [PAGE * (i + 1) for i in range(capacity // 2)]
+    assert tables["block_first"] == list(range(2 * (capacity // 2)))
+    assert tables["seq_member"][-1] == -1
+
+
+def test_layout_rejects_batches_beyond_capacity() -> None:
+    layout = StaticCascadeLayout(capacity=4, members_per_block=2)
+    plan = CascadePlan((PrefixGroup((0, 1), 1),), page_size=PAGE)
+    with pytest.raises(ValueError, match="capacity"):
+        layout.fill(plan, 5, np.zeros(layout.size, dtype=np.int32))
+    with pytest.raises(ValueError, match="bucket"):
+        layout.tables(torch.zeros(layout.size, dtype=torch.int32), 5)
+    with pytest.raises(ValueError, match=">= 1"):
+        StaticCascadeLayout(capacity=0, members_per_block=2)
