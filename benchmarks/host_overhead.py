@@ -19,6 +19,8 @@ torch's thread pool from spinning against other processes (a [256, 1024] argmax 
 cumulative) over the measured steps. ``--gc-freeze`` moves every object alive before the
 measured steps out of the cyclic collector's reach, as a long-running server may do after
 loading: full collections then no longer walk the model's and libraries' objects.
+``--torch-draw`` keeps the sampler's torch draw on CUDA (by default the compact draw is one
+fused Triton kernel there when triton is installed), to compare the two.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from _common import GREEDY, device_name, report, word_tokenizer
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings
 from dyngen_core.config import ModelConfig
 from dyngen_core.plan import StepPlan
+from dyngen_core.sampling.fused import fused_draw_default
 
 SETTINGS = {"greedy": GREEDY,
             "top_p": SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)}
@@ -49,7 +52,9 @@ class FixedLogitsRunner:
         generator = torch.Generator(device=device).manual_seed(0)
         self.logits = torch.randn(rows, vocab, device=device, generator=generator)
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, feed: object = None) -> torch.Tensor | None:
+        """The logits of ``plan``'s sampling rows; ``feed`` (tokens read on the device) is
+        ignored: the logits do not depend on the inputs."""
         rows = sum(s.num_logits for s in plan.slices)
         return self.logits[:rows] if rows else None
 
@@ -79,13 +84,16 @@ class SamplerClock:
 
 
 def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettings,
-            steps: int, profile: int = 0, freeze_gc: bool = False) -> dict[str, float]:
+            steps: int, profile: int = 0, freeze_gc: bool = False,
+            torch_draw: bool = False) -> dict[str, float]:
     model = tiny_model(vocab, device)
     cache = Cache(model, max_tokens=jobs * 512, mode="fp16")
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=word_tokenizer(vocab),
                                  max_batch_size=jobs, attention_backend="sdpa")
     # The stand-in replaces the runner: the host work around it is what is measured.
     generator._runner = FixedLogitsRunner(vocab, jobs, device)
+    if torch_draw:
+        generator._bridge.sampler.fused_draw = False
     generator.enqueue([Job(input_ids=[100 + i, 200 + i, 300 + i], max_new_tokens=400,
                            stop_conditions=["t1 t2 t3", 5], gen_settings=settings, identifier=i)
                        for i in range(jobs)])
@@ -148,6 +156,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() once the jobs run (full collections skip older objects)")
+    parser.add_argument("--torch-draw", action="store_true",
+                        help="the sampler's torch draw on CUDA instead of the fused kernel")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,9 +167,11 @@ def main() -> None:
         device = torch.device(name)
         for label in args.sampling.split(","):
             figures = step_ms(device, args.jobs, args.vocab, SETTINGS[label], args.steps,
-                              args.profile, args.gc_freeze)
+                              args.profile, args.gc_freeze, args.torch_draw)
+            fused = not args.torch_draw and fused_draw_default(device)
             report("host_overhead.step", device=name, device_name=device_name(),
-                   jobs=args.jobs, vocab=args.vocab, sampling=label, target_ms=1.0, **figures)
+                   jobs=args.jobs, vocab=args.vocab, sampling=label, target_ms=1.0,
+                   fused_draw=fused, **figures)
 
 
 if __name__ == "__main__":

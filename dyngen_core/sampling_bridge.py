@@ -135,16 +135,16 @@ class SamplingBridge:
         """Sample one token for each active job (logits rows in the same order). A job whose
         row cannot be sampled (every token masked out) gets an exception instead."""
         bitmask = masks.result() if masks is not None else None
-        if bitmask is None:
-            requests = [self._request(a, None) for a in active]
-        else:
-            requests = [self._request(a, bitmask[i]) for i, a in enumerate(active)]
+        requests = self._requests(active, bitmask)
         rows = list(range(len(active)))
         failed: dict[int, Exception] = {}
         while rows:
             try:
-                rows_logits = logits if not failed else logits[rows]
-                ids, full = self.sampler.sample_tokens(rows_logits, [requests[i] for i in rows])
+                if failed:
+                    ids, full = self.sampler.sample_tokens(logits[rows],
+                                                           [requests[i] for i in rows])
+                else:
+                    ids, full = self.sampler.sample_tokens(logits, requests)
                 break
             except SamplingError as exc:
                 bad = {rows[i] for i in exc.request_indices}
@@ -157,8 +157,8 @@ class SamplingBridge:
             out.tokens = [-1] * len(active)
             for i, token in zip(rows, ids):
                 out.tokens[i] = token
-        for i in rows:
-            active[i].draws += 1
+        for a in active if not failed else [active[i] for i in rows]:
+            a.draws += 1
         for k, r in full.items():
             a = active[rows[k]]
             out.extras[a.job_id] = SampledTokens(
@@ -166,6 +166,24 @@ class SamplingBridge:
                 top_k_tokens=r.top_k_tokens, top_k_probs=r.top_k_probs, logits=r.logits,
             )
         return out
+
+    def _requests(self, active: Sequence[ActiveJob],
+                  bitmask: np.ndarray | None) -> list[SampleRequest]:
+        """Each job's `SampleRequest`, updated for this step."""
+        if bitmask is not None:
+            return [self._request(a, bitmask[i]) for i, a in enumerate(active)]
+        requests: list[SampleRequest] = []
+        append = requests.append
+        for a in active:
+            request = a.request
+            if request is None or a.may_ban:
+                append(self._request(a, None))
+                continue
+            # `_request` of a job that was built before and never bans a token.
+            request.counter = a.draws
+            request.allowed_tokens = None
+            append(request)
+        return requests
 
     def _request(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> SampleRequest:
         request = a.request

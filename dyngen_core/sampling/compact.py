@@ -22,9 +22,10 @@ import torch
 
 from dyngen_core.sampling import filters
 from dyngen_core.sampling.request import SampleRequest
-from dyngen_core.sampling.rng import perturb, row_keys
+from dyngen_core.sampling.rng import perturb
 from dyngen_core.sampling.rows import RowList, on_rows, rows_using
 from dyngen_core.sampling.shaping import (
+    TemperatureRows,
     column_values,
     shape_tail,
     temperature_rows,
@@ -57,6 +58,53 @@ class CompactDraw(NamedTuple):
     best: torch.Tensor
 
 
+class _Columns(NamedTuple):
+    """What `draw_compact` derives from its rows alone (kept in ``rows.memo``): the
+    temperature split, the rows cut below the bound by their top_k (with the largest such
+    top_k), the tail stages' parameter columns by stage name, and the host arrays to send."""
+
+    temperature: TemperatureRows
+    cut: list[int]
+    k_max: int
+    tail: list[str]
+    ints: list[np.ndarray]
+    floats: list[np.ndarray]
+
+
+def _columns(rows: RowList, bound: int) -> _Columns:
+    temperature = temperature_rows(rows, "temperature")
+    # A row whose top_k is the bound keeps all of its top `bound` values: no work to do.
+    cut = [i for i in rows_using(rows, "top_k") if rows[i].settings.top_k < bound]
+    tail = column_values(rows)
+    ints = []
+    if cut:
+        ints.append(np.array([rows[i].settings.top_k for i in cut], np.int64).reshape(-1, 1))
+    floats = [np.array(values, np.float32).reshape(-1, 1) for values in tail.values()]
+    if temperature.fixed:
+        floats.append(np.array(temperature.temps, np.float32).reshape(-1, 1))
+    k_max = max((rows[i].settings.top_k for i in cut), default=0)
+    return _Columns(temperature, cut, k_max, list(tail), ints, floats)
+
+
+def _keys_and_columns(
+    rows: RowList, staging: Staging, bound: int
+) -> tuple[_Columns, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The rows' columns, this step's RNG keys on the device, and the columns' device copies
+    (top_k values of the cut rows; tail and temperature columns): sent with the keys in one
+    copy the first time, then kept in ``rows.memo`` while the rows are reused."""
+    keys = rows.keys()
+    columns = rows.memo.get(("compact", bound))
+    if columns is None:
+        columns = rows.memo[("compact", bound)] = _columns(rows, bound)
+    sent = rows.memo.get(("compact-sent", bound))
+    if sent is None:
+        (keys_on, *ks), floats = staging.send([keys, *columns.ints], columns.floats)
+        rows.memo[("compact-sent", bound)] = (ks, floats)
+        return columns, keys_on, ks, floats
+    (keys_on,), _ = staging.send([keys], [])
+    return columns, keys_on, *sent
+
+
 def draw_compact(
     x: torch.Tensor,
     rows: RowList,
@@ -67,26 +115,17 @@ def draw_compact(
 ) -> CompactDraw:
     """Stages 4-14 on the top ``bound`` columns of the edited logits ``x`` ``[rows, vocab]``
     (not modified). Every per-row parameter (RNG keys, temperatures, top_k, the tail stages'
-    columns) reaches the device in one copy through ``staging``."""
-    temperature = temperature_rows(rows, "temperature")
-    # A row whose top_k is the bound keeps all of its top `bound` values: no work to do.
-    cut = [i for i in rows_using(rows, "top_k") if rows[i].settings.top_k < bound]
-    tail = column_values(rows)
-    ints = [row_keys(rows.seed_keys, rows.counters)]
-    if cut:
-        ints.append(np.array([rows[i].settings.top_k for i in cut], np.int64).reshape(-1, 1))
-    floats = [np.array(values, np.float32).reshape(-1, 1) for values in tail.values()]
-    if temperature.fixed:
-        floats.append(np.array(temperature.temps, np.float32).reshape(-1, 1))
-    (keys, *ks), columns = staging.send(ints, floats)
+    columns) reaches the device through ``staging``: all in one copy on the rows' first call,
+    then only the keys (the rest stays on the device with the rows, see `RowList.memo`)."""
+    columns, keys, ks, floats = _keys_and_columns(rows, staging, bound)
+    temperature, cut = columns.temperature, columns.cut
     values, token_ids = torch.topk(x, bound, dim=-1)
     values = values.to(torch.float32)
     temperature_stage(values, rows, "temperature", temperature,
-                      columns[-1] if temperature.fixed else None)
+                      floats[-1] if temperature.fixed else None)
     if cut:
-        k_max = max(rows[i].settings.top_k for i in cut)
-        on_rows(values, cut, lambda sub: filters.top_k(sub, ks[0], k_max))
-    shape_tail(values, rows, requests, vocab, token_ids, dict(zip(tail, columns)))
+        on_rows(values, cut, lambda sub: filters.top_k(sub, ks[0], columns.k_max))
+    shape_tail(values, rows, requests, vocab, token_ids, dict(zip(columns.tail, floats)))
     best, pick = perturb(values, keys, token_ids).max(-1, keepdim=True)
     return CompactDraw(values, token_ids, pick, best)
 

@@ -43,10 +43,10 @@ def row_key(seed: int, counter: int) -> tuple[int, int]:
     return k & _MASK32, k >> 32
 
 
-def row_keys(seed_keys: Sequence[int], counters: Sequence[int]) -> np.ndarray:
-    """`row_key` of many rows at once, from each row's `seed_key` and counter: int64
-    ``[rows, 2]`` (the words ``a``, ``b``). Vectorized splitmix64 (uint64 arithmetic wraps like
-    the masked Python integers); counters must fit in int64."""
+def row_keys(seed_keys: Sequence[int] | np.ndarray, counters: Sequence[int]) -> np.ndarray:
+    """`row_key` of many rows at once, from each row's `seed_key` (ints, or a uint64 array) and
+    counter: int64 ``[rows, 2]`` (the words ``a``, ``b``). Vectorized splitmix64 (uint64
+    arithmetic wraps like the masked Python integers); counters must fit in int64."""
     x = np.array(seed_keys, dtype=np.uint64)
     x ^= np.array(counters, dtype=np.int64).view(np.uint64)
     x += np.uint64(0x9E3779B97F4A7C15)

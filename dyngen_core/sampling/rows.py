@@ -4,12 +4,15 @@ that run a stage on a subset of rows (rows that do not use a stage are left unto
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.sampling.rng import row_keys
 from dyngen_core.settings import SamplerSettings
 
 
@@ -38,6 +41,9 @@ class RowList(list[Row]):
         tokens / asks for raw logits.
     top_k_bound: the largest top_k of the sampled rows when every one has a top_k > 1, else 0.
     any_early_dynamic_temperature: some row takes a dynamic temperature before top_k.
+    memo: what stages derive from these rows alone (per-row parameter columns, on the host or
+        the device), kept with them: a `RowCache` hands the same list to later calls whose
+        requests have the same settings, so these are computed once per set of jobs.
     """
 
     def __init__(self) -> None:
@@ -52,6 +58,15 @@ class RowList(list[Row]):
         self.any_mask = self.any_top_tokens = self.any_logits = False
         self.top_k_bound = 0
         self.any_early_dynamic_temperature = False
+        self.memo: dict[Hashable, Any] = {}
+
+    def keys(self) -> np.ndarray:
+        """`rng.row_keys` of the sampled rows: int64 ``[len(sampled), 2]`` (their seed keys
+        converted once per list, kept in ``memo``)."""
+        seed_keys = self.memo.get("seed_keys")
+        if seed_keys is None:
+            seed_keys = self.memo["seed_keys"] = np.array(self.seed_keys, dtype=np.uint64)
+        return row_keys(seed_keys, self.counters)
 
 
 def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowList:

@@ -20,6 +20,11 @@ entirely when no row does; see `SamplerSettings.active_stages`):
 Only the sampled ids (and the chosen tokens' probabilities when a row needs them) cross to the
 host, in one transfer; top-k lists and raw logits cost one more transfer each, only when asked.
 
+On CUDA with triton, when every row has a top_k and only temperature, top_k and top_p shape
+its distribution, stages 4-14 after the top-k run as one fused kernel (`fused`). The rows of a
+call, and the per-row columns derived from them, are kept for the next call while the requests
+keep their settings (`row_cache`): only the RNG keys are computed and sent each step.
+
 `Sampler.greedy_ids` is the fast path for a batch of plain greedy requests (no stage, mask,
 draft or extra output): one max over the logits, a validity check and one small copy, with no
 per-row Python.
@@ -36,9 +41,10 @@ import torch
 from dyngen_core.sampling.compact import compact_bound, draw_compact, fetch_compact, full_rows
 from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
 from dyngen_core.sampling.edits import apply_edits
+from dyngen_core.sampling.fused import check_fused_device, draw_fused, fusable, fused_draw_default
 from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
-from dyngen_core.sampling.rng import row_keys
-from dyngen_core.sampling.rows import Row, RowList, expand_rows
+from dyngen_core.sampling.row_cache import RowCache
+from dyngen_core.sampling.rows import Row, RowList
 from dyngen_core.sampling.shaping import shape_distribution
 from dyngen_core.sampling.upload import Staging
 from dyngen_core.sampling.vocab import VocabTables
@@ -56,6 +62,10 @@ class Sampler:
         find newline tokens (which XTC never removes). Needed only when a job uses DRY with
         string breakers (the default breakers are strings).
     eos_token_ids: tokens XTC never removes.
+    fused_draw: whether the compact draw runs as one Triton kernel where it can (see
+        `dyngen_core.sampling.fused`); None (default): on CUDA when triton is installed. True
+        needs triton and CUDA (or ``TRITON_INTERPRET=1``, for tests); False keeps the torch
+        draw everywhere.
     """
 
     def __init__(
@@ -65,9 +75,14 @@ class Sampler:
         *,
         token_pieces: Sequence[str] | None = None,
         eos_token_ids: Sequence[int] = (),
+        fused_draw: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        if fused_draw:
+            check_fused_device(self.device)
+        self.fused_draw = fused_draw_default(self.device) if fused_draw is None else fused_draw
+        self._rows = RowCache()
         self._vocab = VocabTables(vocab_size, token_pieces, eos_token_ids)
         self._seeds = random.Random()
         self._staging = Staging(self.device)
@@ -81,7 +96,7 @@ class Sampler:
             request in request order, on ``device``; any float dtype; not modified.
         Raises `SamplingError` (naming the requests) when a row has no allowed token left.
         """
-        rows = expand_rows(requests, self._seeds)
+        rows = self._rows.rows(requests, self._seeds)
         return self._report(self._draw(logits, rows, requests), logits, rows, requests)
 
     def sample_tokens(
@@ -91,7 +106,7 @@ class Sampler:
         every request's token, and the full `SampleResult` of the requests that ask for
         probabilities, top tokens or logits (by request index). Mirostat states are updated
         and errors raised as by `sample`."""
-        rows = expand_rows(requests, self._seeds)
+        rows = self._rows.rows(requests, self._seeds)
         if not rows.single:
             raise ValueError("sample_tokens takes one row per request; use sample for drafts")
         drawn = self._draw(logits, rows, requests)
@@ -133,6 +148,8 @@ class Sampler:
             if wider:
                 x[:, vocab_size:] = float("-inf")
             apply_edits(x, rows, requests, self._vocab)
+        if bound and self.fused_draw and fusable(rows, bound):
+            return _Drawn(None, draw_fused(x, rows, self._staging, bound))
         if bound:
             drawn = draw_compact(x, rows, requests, self._vocab, self._staging, bound)
             choice = drawn.token_ids.gather(1, drawn.pick).squeeze(1)
@@ -141,7 +158,7 @@ class Sampler:
             return _Drawn(None, choice, drawn.best)
         keys = None
         if rows.sampled:
-            (keys,), _ = self._staging.send([row_keys(rows.seed_keys, rows.counters)], [])
+            (keys,), _ = self._staging.send([rows.keys()], [])
         shape_distribution(x, rows, requests, self._vocab)
         bound = min(rows.top_k_bound, vocab_size) if rows.top_k_bound else vocab_size
         return _Drawn(x, choose(x, rows.sampled, keys, bound))
@@ -235,7 +252,8 @@ class Sampler:
 class _Drawn(NamedTuple):
     """What `Sampler._draw` chose: ``choice`` per row, with the final logits ``x`` when whole
     rows are needed (probabilities, top tokens), else the compact draw's ``best`` (each row's
-    drawn, perturbed logit)."""
+    drawn, perturbed logit), or neither when the fused draw already marked rows without an
+    allowed token with -1."""
 
     x: torch.Tensor | None
     choice: torch.Tensor
@@ -248,9 +266,11 @@ def _fetch(drawn: _Drawn, rows: RowList) -> tuple[list[int], dict[int, float]]:
     probs: dict[int, float] = {}
     if drawn.x is not None:
         ids, valid, probs = fetch_choices(drawn.x, drawn.choice, rows.prob_rows)
-    else:
-        assert drawn.best is not None
+    elif drawn.best is not None:
         ids, valid = fetch_compact(drawn.best, drawn.choice)
+    else:
+        ids = drawn.choice.tolist()
+        valid = [token >= 0 for token in ids]
     if not all(valid):
         dead = sorted({rows[i].request for i, ok in enumerate(valid) if not ok})
         raise SamplingError(

@@ -1,0 +1,131 @@
+"""The fused compact draw: on CUDA with triton, everything the compact draw does after its one
+top-k (temperature, top_k, top_p, the counter-based Gumbel noise and the argmax, and the
+validity check) is one Triton kernel, `fused_kernel.compact_draw_kernel`.
+
+Why: the torch compact draw (`compact.draw_compact`) is about 45 small kernels per step (the
+integer hash alone is 26), each a few microseconds of host time to launch; this is one launch.
+The torch draw stays the CPU path, the path for any other stage, and the oracle the kernel is
+tested against (the same integer hash, so the same uniforms bit for bit).
+
+Where the two can differ: top_p sums probabilities (softmax, cumulative sum) in a different
+order than torch's kernels, so a token whose preceding mass is within float rounding of top_p
+may be kept by one and cut by the other. The compact and full-width torch draws already differ
+in the same way (their softmax sums run over different widths).
+
+triton is imported only when the fused draw runs (CI has none).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from dyngen_core.sampling.rows import RowList
+from dyngen_core.sampling.upload import Staging
+
+# Stages the fused draw handles: the edits run before the top-k, on the full rows.
+FUSED_STAGES = frozenset({"bias", "penalties", "dry", "temperature", "top_k", "top_p"})
+# One program holds a row's candidates in registers.
+MAX_FUSED_BOUND = 1024
+_NO_TOP_P = 2.0  # a top_p no mass reaches: the row is not cut
+
+
+def fused_draw_default(device: torch.device) -> bool:
+    """Whether a sampler on ``device`` uses the fused draw when not told: on CUDA, with triton
+    installed."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def check_fused_device(device: torch.device) -> None:
+    """Raise ValueError when the fused draw cannot run on ``device``."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("fused_draw=True needs triton installed; pass fused_draw=None")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused_draw=True needs a CUDA device (got {device}), or "
+                         "TRITON_INTERPRET=1 to run the kernel on the CPU in tests")
+
+
+def fusable(rows: RowList, bound: int) -> bool:
+    """Whether the compact draw of ``rows`` with ``bound`` candidates can be fused: every row's
+    stages are `FUSED_STAGES`, and no row needs its final logits back (probabilities, top
+    tokens: those read whole rows)."""
+    return (bound <= MAX_FUSED_BOUND and not rows.prob_rows and not rows.any_top_tokens
+            and not rows.any_early_dynamic_temperature
+            and all(used <= FUSED_STAGES for used in rows.groups))
+
+
+class FusedColumns(NamedTuple):
+    """Per-row parameters of the kernel, on the device: float32 ``temps`` (1.0: none), int64
+    ``top_k`` (clamped to the bound) and float32 ``top_p`` (2.0: none)."""
+
+    temps: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+
+def _host_columns(rows: RowList, bound: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    temps, top_k, top_p = [], [], []
+    for row in rows:
+        settings, stages = row.settings, row.stages
+        temps.append(settings.temperature if "temperature" in stages else 1.0)
+        top_k.append(min(max(settings.top_k, 1), bound))
+        top_p.append(settings.top_p if "top_p" in stages else _NO_TOP_P)
+    return (np.array(temps, np.float32), np.array(top_k, np.int64),
+            np.array(top_p, np.float32))
+
+
+def _keys_and_columns(rows: RowList, staging: Staging,
+                      bound: int) -> tuple[torch.Tensor, FusedColumns]:
+    """This step's row keys on the device, and the rows' columns: sent with the keys (one
+    copy) the first time, then kept in ``rows.memo`` while the rows are reused."""
+    keys = rows.keys()
+    memo_key = ("fused", bound)
+    columns = rows.memo.get(memo_key)
+    if columns is None:
+        temps, top_k, top_p = _host_columns(rows, bound)
+        (keys_on, top_k_on), (temps_on, top_p_on) = staging.send([keys, top_k], [temps, top_p])
+        columns = rows.memo[memo_key] = FusedColumns(temps_on, top_k_on, top_p_on)
+        return keys_on, columns
+    (keys_on,), _ = staging.send([keys], [])
+    return keys_on, columns
+
+
+def draw_fused(x: torch.Tensor, rows: RowList, staging: Staging, bound: int) -> torch.Tensor:
+    """The compact draw of ``x`` ``[rows, vocab]`` (edited logits, any float dtype; not
+    modified) with ``bound`` candidates per row, fused: int64 ``[rows]`` on the device, each
+    row's token, or -1 for a row with no allowed token (or a NaN logit)."""
+    from dyngen_core.sampling.fused_kernel import compact_draw_kernel
+
+    keys, columns = _keys_and_columns(rows, staging, bound)
+    values, token_ids = torch.topk(x, bound, dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    block = max(16, 1 << (bound - 1).bit_length())
+    compact_draw_kernel[(x.shape[0],)](
+        values, token_ids, keys, columns.temps, columns.top_k, columns.top_p, out, bound,
+        values.stride(0), token_ids.stride(0), BLOCK=block, LIBDEVICE=x.device.type == "cuda",
+        num_warps=1 if block <= 256 else 4)
+    return out
+
+
+def hashed_uniforms(keys: torch.Tensor, token_ids: torch.Tensor, *,
+                    noise: bool = False) -> torch.Tensor:
+    """What the kernel draws for ``token_ids`` int64 ``[rows, n]`` under ``keys`` int64
+    ``[rows, 2]``, float32 ``[rows, n]`` (for tests against `rng`).
+
+    noise: False gives the uniforms ``u`` (`rng.open_uniform` of the hash); True gives
+        ``log(-log(u))`` (`rng._log_neg_log_uniform`).
+    """
+    from dyngen_core.sampling.fused_kernel import uniform_noise_kernel
+
+    token_ids, keys = token_ids.contiguous(), keys.contiguous()
+    rows, n = token_ids.shape
+    out = torch.empty(rows, n, dtype=torch.float32, device=token_ids.device)
+    block = 128
+    uniform_noise_kernel[(rows, (n + block - 1) // block)](
+        token_ids, keys, out, n, BLOCK=block, NOISE=noise,
+        LIBDEVICE=token_ids.device.type == "cuda")
+    return out

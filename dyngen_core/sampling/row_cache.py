@@ -1,0 +1,66 @@
+"""`RowCache`: a sampler's `RowList` kept from one call to the next while its requests keep
+their settings, seeds and outputs; only the counters (and which requests carry a constraint
+mask) are refreshed.
+
+Why: while decoding, the same jobs are sampled step after step with the same settings and only
+their counters move. Building a `Row` per request, the stage index and the per-row parameter
+columns costs about 0.5 ms of Python per step at 256 rows; checking that nothing else changed
+is a few passes over the requests in C (`operator.attrgetter` through `map`). The columns the
+stages derive from the rows (`RowList.memo`) are then reused as well.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter, is_not
+from typing import Any
+
+from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.sampling.rows import RowList, expand_rows
+
+# Everything `expand_rows` reads of a request but its counter, allowed_tokens and draft_ids
+# (kept lists have none; these two may be arrays, whose == is elementwise: never compared).
+_SIGNATURE = attrgetter("settings", "seed", "return_probs", "return_top_tokens",
+                        "return_logits")
+_COUNTER = attrgetter("counter")
+_MASK = attrgetter("allowed_tokens")
+_DRAFTS = attrgetter("draft_ids")
+
+
+class RowCache:
+    """The last `RowList` of single-row, seeded requests, and what it was built from."""
+
+    def __init__(self) -> None:
+        self._rows: RowList | None = None
+        self._signature: list[tuple[Any, ...]] = []
+
+    def rows(self, requests: Sequence[SampleRequest], seeds: random.Random) -> RowList:
+        """`expand_rows(requests, seeds)`, or the previous call's list with its counters and
+        ``any_mask`` updated when every request has the same settings (the same object, or an
+        equal one), seed, draft ids and output options as then. Requests without a seed (a
+        fresh one each call) or with drafts are never kept."""
+        signature = list(map(_SIGNATURE, requests))
+        rows = self._rows
+        if rows is not None and signature == self._signature \
+                and not any(map(len, map(_DRAFTS, requests))):
+            _refresh(rows, requests)
+            return rows
+        rows = expand_rows(requests, seeds)
+        if rows.single and all(entry[1] is not None for entry in signature):
+            self._rows, self._signature = rows, signature
+        else:
+            self._rows, self._signature = None, []
+        return rows
+
+
+def _refresh(rows: RowList, requests: Sequence[SampleRequest]) -> None:
+    """What changes from step to step in a kept list: counters and constraint masks."""
+    counters = list(map(_COUNTER, requests))
+    for row, counter in zip(rows, counters, strict=True):
+        row.counter = counter
+    sampled = rows.sampled
+    rows.counters = counters if len(sampled) == len(rows) else [counters[i] for i in sampled]
+    # `is not None`, never `==`: a mask is an array, whose comparison is elementwise.
+    rows.any_mask = any(map(is_not, map(_MASK, requests), repeat(None)))
