@@ -3,7 +3,9 @@ launch shape (keys per step, warps), at long context, to choose the backend's de
 
 One layer of Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128), random pages, decode
 of every sequence at ``--context`` tokens. Bandwidth counts the page bytes (codes and scales)
-of the context read once.
+of the context read once. Quantized modes run as the runner does: with their default recent
+window (q4: 16 positions, q8: none) and page heads, by the general kernel and by the q8/q4
+decode kernel (`triton_quant`) in several launch shapes (the ``kernel`` field says which).
 
     python benchmarks/attention_kernels.py [--context 16384] [--batches 1,32]
 
@@ -34,6 +36,10 @@ from dyngen_core.storage.fp16 import FP16Storage
 from dyngen_core.storage.quant import QuantStorage
 
 VARIANTS = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (block_n, num_warps)
+# Quantized decode: (kernel, block_n, num_warps); "general" is paged_attention_kernel, "words"
+# the q8/q4 decode kernel of triton_quant.
+QUANT_VARIANTS = [("general", 64, 4), ("words", 32, 4), ("words", 64, 4), ("words", 64, 8),
+                  ("words", 128, 8)]
 
 
 def one_layer_storage(config: dict[str, Any], mode: str, tokens: int,
@@ -55,9 +61,12 @@ def one_layer_storage(config: dict[str, Any], mode: str, tokens: int,
 
 
 def decode_seconds(backend: TritonPagedBackend, q: torch.Tensor, storage: Any,
-                   batch: ForwardBatch) -> float:
-    """Median seconds of one attention call of layer 0 over the cache."""
-    return cuda_seconds(lambda: backend.attend_cached(0, q, storage, batch, q.shape[2] ** -0.5))
+                   batch: ForwardBatch,
+                   step_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+    """Median seconds of one attention call of layer 0 over the cache (``step_rows``: the
+    step's keys and values, which a quantized cache with a recent window reads exactly)."""
+    return cuda_seconds(lambda: backend.attend_cached(0, q, storage, batch, q.shape[2] ** -0.5,
+                                                      step_rows=step_rows))
 
 
 def shared_document(config: dict[str, Any], members: int, document: int,
@@ -127,28 +136,48 @@ def main() -> None:
     if args.shared:
         shared_document(config, args.members, args.document, device)
         return
-    heads, head_dim = config["num_attention_heads"], config["head_dim"]
     batches = [int(b) for b in args.batches.split(",")]
-    pages_per_seq = args.context // 256
     for mode in ("fp16", "q8", "q4"):
         storage = one_layer_storage(config, mode, max(batches) * args.context, device)
         per_token = storage.nbytes() / (storage.num_pages * 256)
+        windowed = mode != "fp16" and storage.reserve_sequences(max(batches))
         for batch_size in batches:
-            plan = StepPlan([SequenceSlice(i, [1], args.context - 1,
-                                           list(range(i * pages_per_seq, (i + 1) * pages_per_seq)),
-                                           True) for i in range(batch_size)])
-            batch = build_forward_batch(plan, 256, device)
-            q = torch.randn(batch_size, heads, head_dim, device=device, dtype=torch.bfloat16)
-            for block_n, warps in VARIANTS:
-                backend = TritonPagedBackend(block_n=block_n, decode_warps=warps)
-                seconds = decode_seconds(backend, q, storage, batch)
+            batch, q, step_rows = decode_inputs(config, batch_size, args.context, device,
+                                                windowed)
+            variants = (QUANT_VARIANTS if mode != "fp16"
+                        else [("general", n, w) for n, w in VARIANTS])
+            for kernel, block_n, warps in variants:
+                backend = (TritonPagedBackend(word_block_n=block_n, word_warps=warps)
+                           if kernel == "words" else
+                           TritonPagedBackend(block_n=block_n, decode_warps=warps,
+                                              word_block_n=None))
+                seconds = decode_seconds(backend, q, storage, batch, step_rows)
                 read = batch_size * args.context * per_token
                 report("attention_kernels.decode", device=device_name(), mode=mode,
-                       batch=batch_size, context=args.context, block_n=block_n, warps=warps,
+                       window=storage.recent_window if windowed else 0, batch=batch_size,
+                       context=args.context, kernel=kernel, block_n=block_n, warps=warps,
                        us=seconds * 1e6, GBps=read / seconds / 1e9)
         storage = None
         torch.cuda.empty_cache()
 
+
+def decode_inputs(config: dict[str, Any], batch_size: int, context: int, device: torch.device,
+                  windowed: bool
+                  ) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One decode of ``batch_size`` sequences at ``context`` tokens (sequence slots for the
+    recent windows when ``windowed``): the batch, the queries and the step's keys/values."""
+    pages_per_seq = context // 256
+    plan = StepPlan([SequenceSlice(i, [1], context - 1,
+                                   list(range(i * pages_per_seq, (i + 1) * pages_per_seq)), True)
+                     for i in range(batch_size)])
+    slots = list(range(batch_size)) if windowed else None
+    batch = build_forward_batch(plan, 256, device, seq_slots=slots)
+    head_dim = config["head_dim"]
+    q = torch.randn(batch_size, config["num_attention_heads"], head_dim, device=device,
+                    dtype=torch.bfloat16)
+    k = torch.randn(batch_size, config["num_key_value_heads"], head_dim, device=device,
+                    dtype=torch.bfloat16)
+    return batch, q, (k, torch.randn_like(k))
 
 if __name__ == "__main__":
     main()

@@ -34,6 +34,7 @@ from dyngen_core.attention.triton_kernels import (
     combine_splits_kernel,
     paged_attention_kernel,
 )
+from dyngen_core.attention.triton_quant import attend_word_decode, word_decode_fits
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
@@ -91,6 +92,10 @@ class TritonPagedBackend:
     decode_warps, prefill_warps: warps per program of decode-only and other batches. Decode:
         4 measured fastest on an H200 at 16k context (BENCHMARKS.md); prefill: 8 keeps its
         64-row tiles in registers without spills (ptxas, sm_90).
+    word_block_n, word_warps: keys per loop step and warps per program of `triton_quant`'s
+        kernel, which decode-only batches over q8/q4 pages take (it unpacks whole code words
+        per field instead of reshaping them); ``word_block_n=None`` decodes them with the
+        general kernel (for comparisons).
     cascade_min_saved_keys, cascade_min_members, cascade_min_prefix_pages: when decode-only
         batches over unquantized pages use shared-prefix ("cascade") attention, as the fields
         of `shared_prefix.CascadePolicy` (whose defaults these are, with the reasons);
@@ -112,8 +117,11 @@ class TritonPagedBackend:
                  cascade_min_members: int = CascadePolicy.min_members,
                  cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
                  cascade_rows: int = 64, cascade_warps: int = 8,
-                 cascade_programs_per_sm: int = 1) -> None:
+                 cascade_programs_per_sm: int = 1, word_block_n: int | None = 64,
+                 word_warps: int = 4) -> None:
         self.block_n = block_n
+        self.word_block_n = word_block_n
+        self.word_warps = word_warps
         self.prefill_rows = prefill_rows
         self.max_splits = max_splits
         self.programs_per_sm = programs_per_sm
@@ -158,6 +166,14 @@ class TritonPagedBackend:
 
             return self.cascade.attend(q, ops, page_args, batch, tables, scale, heads,
                                        launch_remainder)
+        word_block_n = self.word_block_n
+        if (word_block_n is not None and exact is not None
+                and word_decode_fits(batch, ops.key_bits, ops.value_bits, exact, word_block_n)):
+            return attend_word_decode(
+                q, page_args, batch, exact, scale * LOG2_E, key_bits=ops.key_bits,
+                value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
+                block_n=word_block_n, warps=self.word_warps,
+                splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device))
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)
         if batch.is_decode_only:

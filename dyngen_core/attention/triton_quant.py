@@ -1,0 +1,69 @@
+"""Decode over 4- and 8-bit quantized pages with `triton_quant_kernels.quant_decode_kernel`.
+
+`TritonPagedBackend` routes decode-only batches over q8/q4 pages here (`word_decode_fits`);
+prefill and mixed batches, and q6 pages, keep `triton_kernels.paged_attention_kernel`. The
+launch depends on the batch shape only (grid: sequences x KV heads x (splits + 1), the extra
+program per sequence and head attending the exact rows), so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.triton_exact import ExactOperands
+from dyngen_core.attention.triton_kernels import combine_splits_kernel
+from dyngen_core.attention.triton_quant_kernels import quant_decode_kernel
+
+WORD_BITS = (4, 8)
+# tl.dot needs 16 along every dimension: 16 words of codes per tile at least.
+MIN_TILE = 16
+
+
+def word_decode_fits(batch: ForwardBatch, key_bits: int, value_bits: int,
+                     exact: ExactOperands | None, block_n: int) -> bool:
+    """Whether `attend_word_decode` serves this attention call: a decode-only batch over q8/q4
+    pages (with their exact rows), whose pages hold whole blocks of ``block_n`` keys."""
+    return (batch.is_decode_only and exact is not None and key_bits in WORD_BITS
+            and value_bits in WORD_BITS and block_n >= MIN_TILE
+            and batch.page_size % block_n == 0)
+
+
+def word_dim_pad(head_dim: int, key_bits: int, value_bits: int) -> int:
+    """Columns the kernel works on: a power of two >= head_dim, with >= 16 words per row."""
+    return max(1 << (head_dim - 1).bit_length(), MIN_TILE * 32 // min(key_bits, value_bits))
+
+
+def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: ForwardBatch,
+                       exact: ExactOperands, scale_log2: float, *, key_bits: int,
+                       value_bits: int, num_kv_heads: int, block_n: int, splits: int,
+                       warps: int) -> torch.Tensor:
+    """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
+
+    page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
+        strides, rotation).
+    scale_log2: softmax scale times log2(e).
+    block_n: keys per loop step (divides the page size); splits: parts the keys before the
+        window are split into (from the batch shape only, for CUDA graphs); warps: per program.
+    """
+    tokens, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    dim_pad = word_dim_pad(head_dim, key_bits, value_bits)
+    parts = torch.empty(tokens, num_heads, splits + 1, dim_pad, dtype=torch.float32,
+                        device=q.device)
+    lse = torch.empty(tokens, num_heads, splits + 1, dtype=torch.float32, device=q.device)
+    quant_decode_kernel[(batch.num_seqs, num_kv_heads, splits + 1)](
+        q, q.stride(0), q.stride(1), *page_args,
+        batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
+        *exact.arguments(), parts, lse, scale_log2,
+        G=group, BLOCK_M=max(16, 1 << (group - 1).bit_length()), BLOCK_N=block_n,
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=batch.page_size, K_BITS=key_bits,
+        V_BITS=value_bits, NUM_SPLITS=splits, WINDOW=exact.window,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+    )
+    out = torch.empty_like(q)
+    combine_splits_kernel[(tokens, num_heads)](
+        parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=splits + 1,
+        SPLITS_PAD=1 << splits.bit_length(), HEAD_DIM=head_dim, HEAD_PAD=dim_pad, num_warps=4,
+    )
+    return out

@@ -1,0 +1,270 @@
+"""Triton decode kernel for 4- and 8-bit quantized pages that unpacks codes without reshapes.
+
+A page row of ``HEAD_DIM`` codes is ``WORDS`` int32 words of ``PER_WORD`` codes each (8 for 4
+bits, 4 for 8 bits; `storage.qformat`): dim ``d`` is field ``d % PER_WORD`` of word
+``d // PER_WORD``. Field ``i`` of every word of a block of keys is one tile [keys, W_PAD] whose
+column ``w`` is dim ``w * PER_WORD + i``, so a block is ``PER_WORD`` tiles taken from the same
+loaded words by a shift and a mask each: no reshape, no layout conversion per block. Dim ``d``'s
+scale group is ``d // 32 = w // (32 / PER_WORD)``: one scale tile [keys, W_PAD] (a gather whose
+repeated addresses hit the cache) serves every field. The query is split the same way once per
+program (``q_i`` = its columns ``w * PER_WORD + i``, `split_columns`), scores are
+``sum_i q_i . k_i``, values accumulate per field (``acc_i += p v_i``) and are joined back once.
+Codes become floats with the exponent trick (a field OR-ed into the mantissa of a power of two,
+minus that power and the code bias), in the dot dtype: no integer-to-float conversions.
+
+Exact rows (the rule of `attention.sdpa_recent`): the page-loop programs mask slot 0 of every
+page and stop before the recent window's first block; one more program per (sequence, KV head),
+the "tail", attends the rest (the last blocks with the window rule, every page's head row, and
+the window's exact rows) and writes one more partial result, merged with the splits' by
+`triton_kernels.combine_splits_kernel`. So the page loop carries no exact-row work at all.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dyngen_core.attention.triton_exact_kernels import (
+    attend_exact_rows,
+    attend_page_heads,
+    window_holds,
+)
+from dyngen_core.attention.triton_kernels import _rotate_rows, log2_sum_exp
+
+
+@triton.jit
+def split_columns(x, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
+    """x [BLOCK_M, W_PAD * PER_WORD] as PER_WORD tiles [BLOCK_M, W_PAD]: tile i holds the
+    columns ``w * PER_WORD + i``."""
+    if PER_WORD == 4:
+        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return (a0, b0, a1, b1)
+    else:
+        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2, 2)))
+        aa, ab = tl.split(a)
+        ba, bb = tl.split(b)
+        aaa, aab = tl.split(aa)
+        aba, abb = tl.split(ab)
+        baa, bab = tl.split(ba)
+        bba, bbb = tl.split(bb)
+        return (aaa, baa, aba, bba, aab, bab, abb, bbb)
+
+
+@triton.jit
+def join_columns(t, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
+    """The inverse of `split_columns`: tiles back to [BLOCK_M, W_PAD * PER_WORD]."""
+    if PER_WORD == 4:
+        y = tl.join(tl.join(t[0], t[2]), tl.join(t[1], t[3]))
+    else:
+        y = tl.join(tl.join(tl.join(t[0], t[4]), tl.join(t[2], t[6])),
+                    tl.join(tl.join(t[1], t[5]), tl.join(t[3], t[7])))
+    return tl.reshape(y, (BLOCK_M, W_PAD * PER_WORD))
+
+
+@triton.jit
+def field_values(words, scales, i: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Field ``i`` of int32 ``words`` dequantized (code times ``scales``, same shape) in ``DT``.
+    A field ``u`` (the code plus its bias, 8 or 128) OR-ed into the mantissa of 1024 (fp16),
+    128 (bf16, 4 bits) or 2**23 (fp32) reads as that power plus ``u``, exactly."""
+    field = (words >> (BITS * i)) & ((1 << BITS) - 1)
+    if BITS == 8:
+        field = field ^ 0x80  # signed byte -> byte + 128
+    BIAS: tl.constexpr = 8 if BITS == 4 else 128
+    if DT == tl.float16:
+        code = (field | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
+        return code * scales
+    elif DT == tl.bfloat16 and BITS == 4:
+        code = (field | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + BIAS)
+        return code * scales
+    else:
+        code = (field | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
+        return (code * scales.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def load_tile(base, slots, stride_s, key_valid, cols, col_ok, TRANSPOSED: tl.constexpr,
+              PADDED: tl.constexpr):
+    """Columns ``cols`` of the rows at ``slots`` of one page (``base``: that page and KV head):
+    [W_PAD, BLOCK_N] when TRANSPOSED else [BLOCK_N, W_PAD]; invalid keys and, when PADDED,
+    columns not ``col_ok`` read 0."""
+    if TRANSPOSED:
+        offsets = slots[None, :] * stride_s + cols[:, None]
+        mask = key_valid[None, :]
+        if PADDED:
+            mask = mask & col_ok[:, None]
+    else:
+        offsets = slots[:, None] * stride_s + cols[None, :]
+        mask = key_valid[:, None]
+        if PADDED:
+            mask = mask & col_ok[None, :]
+    return tl.load(base + offsets, mask=mask, other=0)
+
+
+@triton.jit
+def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
+                       k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                       stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh,
+                       stride_vsp, stride_vss, stride_vsh,
+                       ring_pos_ptr, ring_base, step_start, near_lo, position,
+                       BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                       WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
+    BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
+    ``position``, carrying (m_i, l_i, accs). Slot 0 of every page is skipped (its exact head
+    row is attended elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from
+    ``near_lo`` on) are skipped too."""
+    DT: tl.constexpr = qs[0].dtype
+    K_PER: tl.constexpr = 32 // K_BITS
+    V_PER: tl.constexpr = 32 // V_BITS
+    K_WPAD: tl.constexpr = DIM_PAD // K_PER
+    V_WPAD: tl.constexpr = DIM_PAD // V_PER
+    K_PADDED: tl.constexpr = HEAD_DIM // K_PER < K_WPAD
+    V_PADDED: tl.constexpr = HEAD_DIM // V_PER < V_WPAD
+    kw = tl.arange(0, K_WPAD)
+    vw = tl.arange(0, V_WPAD)
+    kw_ok = kw < HEAD_DIM // K_PER
+    vw_ok = vw < HEAD_DIM // V_PER
+    offs = tl.arange(0, BLOCK_N)
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    ks_head = ks_ptr + kv_head * stride_ksh
+    vs_head = vs_ptr + kv_head * stride_vsh
+    for n0 in range(lo, hi, BLOCK_N):
+        page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
+        slots = n0 % PAGE_SIZE + offs
+        keys = n0 + offs
+        key_valid = keys < hi
+        kwords = load_tile(k_head + page * stride_kp, slots, stride_ks, key_valid, kw, kw_ok,
+                           True, K_PADDED)
+        kscale = load_tile(ks_head + page * stride_ksp, slots, stride_kss, key_valid,
+                           kw // (32 // K_PER), kw_ok, True, K_PADDED).to(DT)
+        scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
+        for i in tl.static_range(K_PER):
+            scores = tl.dot(qs[i], field_values(kwords, kscale, i, K_BITS, DT), scores,
+                            input_precision=DOT_PRECISION)
+        visible = key_valid & (slots != 0)
+        if WINDOW > 0:
+            near = key_valid & (keys >= near_lo)
+            held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
+            visible = visible & ~(held & (keys > position - WINDOW))
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(DT)
+        vwords = load_tile(v_head + page * stride_vp, slots, stride_vs, key_valid, vw, vw_ok,
+                           False, V_PADDED)
+        vscale = load_tile(vs_head + page * stride_vsp, slots, stride_vss, key_valid,
+                           vw // (32 // V_PER), vw_ok, False, V_PADDED).to(DT)
+        new_accs = ()
+        for i in tl.static_range(V_PER):
+            acc_i = tl.dot(p, field_values(vwords, vscale, i, V_BITS, DT),
+                           accs[i] * alpha[:, None], input_precision=DOT_PRECISION)
+            new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
+        accs = new_accs
+        m_i = m_new
+    return m_i, l_i, accs
+
+
+@triton.jit
+def _zero_accs(BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
+    accs = ()
+    for _ in tl.static_range(PER_WORD):
+        accs = accs + (tl.zeros([BLOCK_M, W_PAD], tl.float32),)  # type: ignore[assignment]
+    return accs
+
+
+@triton.jit
+def quant_decode_kernel(
+    q_ptr, stride_qt, stride_qh,
+    k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    rot_ptr,
+    page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
+    head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, seq_slots_ptr,
+    fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh,
+    part_out_ptr, part_lse_ptr,
+    scale_log2,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (sequences, KV heads, NUM_SPLITS + 1) over a decode-only batch (sequence i is
+    query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys before
+    the window's first block; program NUM_SPLITS is the tail (module docstring). Each writes
+    its partial [T, H, NUM_SPLITS + 1, DIM_PAD] and log2-sum-exp [T, H, NUM_SPLITS + 1] in the
+    float32 buffers. Exact-row operands as `triton_kernels.paged_attention_kernel`'s
+    (``seq_slots`` unread when WINDOW is 0)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(query_start_ptr + seq)
+    ctx = tl.load(context_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < G
+    head = kv_head * G + rows
+    dims = tl.arange(0, DIM_PAD)
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + (head * stride_qh)[:, None]
+                + dims[None, :], mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    r32 = tl.arange(0, 32)
+    rot_t = tl.load(rot_ptr + r32[None, :] * 32 + r32[:, None])  # R^T
+    q = (_rotate_rows(q.to(tl.float32), rot_t, BLOCK_M, DIM_PAD) * scale_log2)
+    q = q.to(q_ptr.dtype.element_ty)
+    K_PER: tl.constexpr = 32 // K_BITS
+    V_PER: tl.constexpr = 32 // V_BITS
+    qs = split_columns(q, BLOCK_M, DIM_PAD // K_PER, K_PER)
+    position = ctx - 1
+    step_start = ctx - 1
+    near_lo = ctx - WINDOW
+    if WINDOW > 0:
+        seq_slot = tl.load(seq_slots_ptr + seq)
+        ring_base = tl.where(seq_slot >= 0, seq_slot * WINDOW, -1)
+        bulk_hi = (tl.maximum(near_lo, 0) // BLOCK_N) * BLOCK_N
+    else:
+        ring_base = ctx * 0 - 1
+        bulk_hi = ctx
+    table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    accs = _zero_accs(BLOCK_M, DIM_PAD // V_PER, V_PER)
+    if split < NUM_SPLITS:
+        chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        m_i, l_i, accs = attend_word_blocks(
+            qs, m_i, l_i, accs, table_row, lo, tl.minimum(lo + chunk, bulk_hi), kv_head,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+            stride_vsh, ring_pos_ptr, ring_base, step_start, near_lo, position,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION)
+        acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+    else:
+        m_i, l_i, accs = attend_word_blocks(
+            qs, m_i, l_i, accs, table_row, bulk_hi, ctx, kv_head,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+            stride_vsh, ring_pos_ptr, ring_base, step_start, near_lo, position,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION)
+        acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+        positions = ctx * 0 + position + rows * 0
+        m_i, l_i, acc = attend_page_heads(
+            q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head, dims,
+            head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base,
+            step_start, near_lo, PAGE_SIZE, BLOCK_N, HEAD_DIM, WINDOW, DOT_PRECISION)
+        if WINDOW > 0:
+            m_i, l_i, acc = attend_exact_rows(
+                q, m_i, l_i, acc, tl.maximum(near_lo, 0), ctx, positions, kv_head, dims,
+                fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, stride_er,
+                stride_eh, ring_base, step_start, token, BLOCK_N, HEAD_DIM, WINDOW,
+                DOT_PRECISION)
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
+                       BLOCK_M, DIM_PAD)
+    part_row = (token.to(tl.int64) * tl.num_programs(1) * G + head) * (NUM_SPLITS + 1) + split
+    tl.store(part_out_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc,
+             mask=row_valid[:, None])
+    tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)

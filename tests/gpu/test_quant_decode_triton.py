@@ -1,0 +1,120 @@
+"""The q8/q4 decode kernel (`triton_quant`) against the sdpa reference over the same storage:
+decodes of mixed context lengths (a single token, lengths below and across pages and blocks),
+with and without a recent window, sequences without a window slot, key offsets, page heads, and
+the keys before the window split several ways. Runs on CUDA, or on the CPU under
+TRITON_INTERPRET=1 (small shapes)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.sdpa import SdpaBackend
+from dyngen_core.config import ModelConfig
+from dyngen_core.forward import build_forward_batch
+from dyngen_core.plan import SequenceSlice, StepPlan
+from dyngen_core.storage.quant import QuantStorage
+from tests.gpu.conftest import interpreter_mode
+
+pytestmark = pytest.mark.gpu
+
+PAGE, WINDOW, HEADS, KV_HEADS = 16, 4, 8, 2
+# (context after this step's token, has a window slot) per sequence.
+DECODES = [(1, True), (2, True), (17, True), (33, False), (50, True), (64, True), (70, True)]
+
+
+def _setup(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+           seed: int) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
+    """A storage holding every sequence's history (and window) and the batch decoding the
+    next token of each; returns the step's keys and values too."""
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
+                         hidden_size=HEADS * head_dim, intermediate_size=64, num_layers=1,
+                         num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim)
+    num_pages = sum(math.ceil(ctx / PAGE) for ctx, _ in DECODES) + 1
+    storage = QuantStorage(config, num_pages, PAGE, dtype, [device], mode,
+                           recent_window=window)
+    storage.reserve_sequences(len(DECODES))
+    gen = torch.Generator().manual_seed(seed)
+    storage.set_key_offsets([torch.randn(KV_HEADS, head_dim, generator=gen)])
+    order = list(range(num_pages))
+    random.Random(seed).shuffle(order)
+    slices, slots, step_k, step_v, used = [], [], [], [], 0
+    for index, (ctx, has_slot) in enumerate(DECODES):
+        count = math.ceil(ctx / PAGE)
+        table, used = order[used:used + count], used + count
+        keys = (torch.randn(ctx, KV_HEADS, head_dim, generator=gen) * 2).to(device, dtype)
+        values = torch.randn(ctx, KV_HEADS, head_dim, generator=gen).to(device, dtype)
+        slot = index if has_slot else -1
+        if ctx > 1:
+            where = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(ctx - 1)],
+                                 device=device)
+            storage.write(0, keys[:-1], values[:-1], where)
+            storage.write_recent(0, keys[:-1], values[:-1],
+                                 torch.arange(ctx - 1, device=device),
+                                 torch.full((ctx - 1,), slot, device=device))
+        slices.append(SequenceSlice(index, [1], ctx - 1, table, True))
+        slots.append(slot)
+        step_k.append(keys[-1:])
+        step_v.append(values[-1:])
+    batch = build_forward_batch(StepPlan(slices), PAGE, device, seq_slots=slots)
+    return storage, batch, torch.cat(step_k), torch.cat(step_v)
+
+
+def _outputs(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+             backend: object, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(backend output, sdpa output) of one decode step over identical storages."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(DECODES), HEADS, head_dim, generator=gen).to(device, dtype)
+    results = []
+    for attend in (backend, SdpaBackend()):
+        storage, batch, k, v = _setup(mode, window, head_dim, dtype, device, seed)
+        results.append(attend.attend(0, q, k, v, storage, batch,  # type: ignore[attr-defined]
+                                     head_dim ** -0.5).float())
+    assert torch.isfinite(results[0]).all()
+    return results[0], results[1]
+
+
+def _backend(**options: int):  # type: ignore[no-untyped-def]
+    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+
+    return TritonPagedBackend(block_n=16, word_block_n=16, **options)
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("window", [0, WINDOW])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_word_decode_matches_sdpa(device: torch.device, mode: str, window: int,
+                                  head_dim: int) -> None:
+    """float32 (exact dots): the kernel and the reference agree to rounding."""
+    from dyngen_core.attention.triton_quant import word_decode_fits
+
+    storage, batch, _, _ = _setup(mode, window, head_dim, torch.float32, device, 0)
+    assert word_decode_fits(batch, storage.key_format.bits, storage.value_format.bits,
+                            object(), 16)  # type: ignore[arg-type]
+    out, ref = _outputs(mode, window, head_dim, torch.float32, device,
+                        _backend(max_splits=3, programs_per_sm=8))
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_word_decode_half_precision(device: torch.device, mode: str,
+                                    dtype: torch.dtype) -> None:
+    """fp16 and bf16 pages: the codes' exponent-trick conversion in each dot dtype."""
+    if dtype == torch.bfloat16 and interpreter_mode():
+        pytest.skip("Triton's interpreter has no bfloat16 (numpy)")
+    out, ref = _outputs(mode, WINDOW, 64, dtype, device, _backend(max_splits=2))
+    assert float((out - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_word_decode_splits_agree(device: torch.device) -> None:
+    """One split and many give the same output (the tail program merged as one more)."""
+    one, ref = _outputs("q4", WINDOW, 32, torch.float32, device, _backend(max_splits=1))
+    many, _ = _outputs("q4", WINDOW, 32, torch.float32, device,
+                       _backend(max_splits=8, programs_per_sm=64))
+    torch.testing.assert_close(one, ref, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(many, one, rtol=2e-4, atol=2e-4)
