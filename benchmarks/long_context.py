@@ -6,6 +6,11 @@ short. Each step is one decode of every sequence, replayed from its CUDA graph t
 runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
 
     python benchmarks/long_context.py [--layers 32] [--context 16384] [--batches 1,32]
+        [--quant-kernels 64x4,general]
+
+``--quant-kernels``: the decode kernels the quantized modes are timed with, one line each:
+``NxW`` is `triton_quant`'s q8/q4 kernel at N keys per step and W warps, ``general`` the
+general paged kernel; the first one listed enters the q4/fp16 ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from _common import (
 
 from dyngen_core import Cache
 from dyngen_core.attention import get_backend
+from dyngen_core.attention.base import AttentionBackend
 from dyngen_core.plan import SequenceSlice, StepPlan
 from dyngen_core.runner import ModelRunner
 
@@ -65,12 +71,24 @@ def decode_seconds(runner: ModelRunner, batch: int, context: int, pages_per_seq:
     return (time.perf_counter() - start) / steps
 
 
+def quant_backend(kernel: str, device: torch.device) -> AttentionBackend:
+    """The Triton backend decoding q8/q4 pages with ``kernel`` ("NxW" or "general")."""
+    from dyngen_core.attention.triton_paged import TritonPagedBackend
+
+    if kernel == "general":
+        return TritonPagedBackend(word_block_n=None)
+    block_n, warps = (int(part) for part in kernel.split("x"))
+    return TritonPagedBackend(word_block_n=block_n, word_warps=warps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_common_args(parser)
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quant-kernels", default="64x4",
+                        help="comma-separated: NxW (q8/q4 word kernel) or general")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
@@ -81,21 +99,26 @@ def main() -> None:
     report("long_context.setup", device=device_name(), layers=config["num_hidden_layers"],
            context=args.context, copy_GBps=bandwidth / 1e9, weight_GB=weights / 1e9)
     rates: dict[tuple[str, int], float] = {}
+    kernels = args.quant_kernels.split(",")
     for mode in MODES:
         cache = Cache(model, max_tokens=max(batches) * args.context, mode=mode)
         fill_random(cache)
-        runner = ModelRunner(model, cache, get_backend("triton", device),
-                             max_batch_size=max(batches))
         pages_per_seq = args.context // cache.page_size
         kv_bytes = cache.nbytes() / cache.max_tokens
-        for batch in batches:
-            seconds = decode_seconds(runner, batch, args.context, pages_per_seq, args.steps)
-            rates[(mode, batch)] = batch / seconds
-            floor = (weights + batch * args.context * kv_bytes) / bandwidth
-            report("long_context.decode", mode=mode, batch=batch, step_ms=seconds * 1e3,
-                   tok_s=batch / seconds, roofline_fraction=floor / seconds,
-                   cache_GB=cache.nbytes() / 1e9)
-        del runner, cache
+        for kernel in kernels if mode != "fp16" else ["general"]:
+            backend = (quant_backend(kernel, device) if mode != "fp16"
+                       else get_backend("triton", device))
+            runner = ModelRunner(model, cache, backend, max_batch_size=max(batches))
+            for batch in batches:
+                seconds = decode_seconds(runner, batch, args.context, pages_per_seq, args.steps)
+                rates.setdefault((mode, batch), batch / seconds)
+                floor = (weights + batch * args.context * kv_bytes) / bandwidth
+                report("long_context.decode", mode=mode, kernel=kernel, batch=batch,
+                       step_ms=seconds * 1e3, tok_s=batch / seconds,
+                       roofline_fraction=floor / seconds, cache_GB=cache.nbytes() / 1e9)
+            del runner
+            free_memory()
+        del cache
         free_memory()
     for batch in batches:
         report("long_context.q4_over_fp16", batch=batch,
