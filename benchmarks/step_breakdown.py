@@ -3,8 +3,9 @@ so it is the device time of the step's kernels plus their launch) against everyt
 `DynamicGenerator.iterate` (scheduling, sampling, emitting), split by step kind.
 
 Step kinds: ``decode`` (every slice one token), ``prefill`` (no decode slice), ``mixed``.
-Synchronizing around the forward stops the host from running ahead of the device, which the
-generator does not do today anyway (it reads each step's sampled ids back before the next).
+Synchronizing around the forward stops the host from running ahead of the device: the
+generator's step overlap (``overlap_steps``) cannot hide host work here, so ``other`` is the
+host time an overlapped run has to hide.
 
     python benchmarks/step_breakdown.py --workload throughput|shared-doc|shared-nodoc|batch1
         [--compile-decode]
@@ -54,10 +55,10 @@ class TimedRunner:
         self.inner = inner
         self.records: list[tuple[str, int, int, float]] = []
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, feed: Any = None) -> torch.Tensor | None:
         synchronize()
         start = time.perf_counter()
-        logits = self.inner.run(plan)
+        logits = self.inner.run(plan, feed)
         synchronize()
         tokens = sum(len(s.token_ids) for s in plan.slices)
         self.records.append((step_kind(plan), len(plan.slices), tokens,

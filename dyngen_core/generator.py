@@ -14,6 +14,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dyngen_core.active_job import ActiveJob
 from dyngen_core.attention import get_backend
 from dyngen_core.cache import Cache
@@ -22,11 +24,13 @@ from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.generate import run_generate
 from dyngen_core.job import Job
 from dyngen_core.models import Model
+from dyngen_core.overlap import GreedyLauncher, PendingStep, token_feed
 from dyngen_core.plan import SampledTokens, StepPlan
 from dyngen_core.results import EosReason, GeneratorStats, Result
 from dyngen_core.runner import ModelRunner
+from dyngen_core.sampling.request import SamplingError
 from dyngen_core.sampling_bridge import SamplingBridge, StepTokens
-from dyngen_core.scheduler import Scheduler
+from dyngen_core.scheduler import PENDING_TOKEN, Scheduler
 from dyngen_core.settings import SamplerSettings
 from dyngen_core.streaming import StreamUpdate
 from dyngen_core.tokenizer import Tokenizer
@@ -49,6 +53,11 @@ class DynamicGenerator:
             per batch-size bucket up to max_batch_size).
         compile_decode: run the captured decode step through torch.compile (fuses the small
             kernels of norms and rotary; slower start).
+        overlap_steps: let a step whose sampling jobs are all plain greedy (no sampler stage,
+            constraint, banned string, stop-token ban or extra output) finish on the host during
+            the next step's forward: its tokens are chosen on the device, the next step reads
+            them there, and they are emitted by the next `iterate` (one step later). Other
+            steps run as before. Outputs are the same either way.
     """
 
     def __init__(
@@ -64,6 +73,7 @@ class DynamicGenerator:
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        overlap_steps: bool = True,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -83,6 +93,9 @@ class DynamicGenerator:
         self._default_settings = SamplerSettings.from_generation_config(
             model.config.generation_defaults
         )
+        self._overlap = overlap_steps
+        self._greedy = GreedyLauncher(self._bridge.vocab_size, model.device)
+        self._pending: PendingStep | None = None
         self._active: dict[int, ActiveJob] = {}
         self._finished_results: list[Result] = []
         self._next_job_id = 0
@@ -164,6 +177,7 @@ class DynamicGenerator:
 
     def clear_queue(self) -> None:
         """Cancel every job, queued or running (no results are returned for them)."""
+        self._pending = None  # its jobs are cancelled below; their tokens are not wanted
         for job_id in list(self._active):
             self._scheduler.cancel(job_id)
             self._active.pop(job_id).job.finished = True
@@ -183,19 +197,43 @@ class DynamicGenerator:
     # ---- one step ----------------------------------------------------------------------------
 
     def iterate(self) -> list[Result]:
-        """Run one step and return the results it produced (possibly none)."""
+        """Run one step and return the results it produced (possibly none).
+
+        With ``overlap_steps``, a step whose sampling jobs are all plain greedy returns before
+        its tokens reach the host: they are emitted by the next call, after it has launched the
+        following step (so the device computes while the host emits)."""
         results, self._finished_results = self._finished_results, []
+        pending, self._pending = self._pending, None
         if not self._active:
             return results
         plan = self._scheduler.schedule()
         if plan.is_empty:
-            return results
+            self._resolve(pending, results)
+            return results + self._take_finished()
+        active_jobs = self._active
+        active = [active_jobs[s.job_id] for s in plan.slices if s.sample]
+        plain = self._bridge.all_plain(active)
         try:
-            sampled = self._run_and_sample(plan)
+            # Grammar masks overlap the forward.
+            masks = None if plain else self._bridge.start_masks(active)
+            logits = self._runner.run(plan, token_feed(plan, pending))
+            if active and logits is None:
+                raise RuntimeError(f"the runner returned no logits for {len(active)} sampling "
+                                   "slices")
         except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the engine
-            for s in plan.slices:
-                if s.job_id in self._active:
-                    self._end_job(s.job_id, EosReason.ERROR, error=exc)
+            self._resolve(pending, results)
+            self._fail(plan, exc)
+            return results + self._take_finished()
+        self._resolve(pending, results)
+        if plain and active and self._overlap:
+            assert logits is not None
+            self._pending = self._greedy.launch(logits, plan, active)
+            self._scheduler.apply_tokens(plan, [PENDING_TOKEN] * len(active))
+            return results + self._take_finished()
+        try:
+            sampled = self._sample(logits, active, plain, masks)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(plan, exc)
             return results + self._take_finished()
         for job_id, error in sampled.failed.items():
             self._end_job(job_id, EosReason.ERROR, error=error)
@@ -204,23 +242,37 @@ class DynamicGenerator:
         self._emit_step(plan, sampled, results)
         return results + self._take_finished()
 
-    def _run_and_sample(self, plan: StepPlan) -> StepTokens:
-        """Run the plan and sample a token for each sampling slice (in plan order)."""
-        active_jobs = self._active
-        active = [active_jobs[s.job_id] for s in plan.slices if s.sample]
-        plain = self._bridge.all_plain(active)
-        # Grammar masks overlap the forward.
-        masks = None if plain else self._bridge.start_masks(active)
-        logits = self._runner.run(plan)
+    def _sample(self, logits: torch.Tensor | None, active: list[ActiveJob], plain: bool,
+                masks: Any) -> StepTokens:
+        """A token for each sampling slice (in plan order), on the host."""
         if not active:
             return StepTokens([])
-        if logits is None:
-            raise RuntimeError(f"the runner returned no logits for {len(active)} sampling slices")
+        assert logits is not None
         if plain:
             tokens = self._bridge.sample_plain(logits, active)
             if tokens is not None:
                 return StepTokens(tokens)
         return self._bridge.sample(logits, active, masks)
+
+    def _resolve(self, pending: PendingStep | None, out: list[Result]) -> None:
+        """Wait for an overlapped step's tokens, put them in the scheduler and emit them."""
+        if pending is None:
+            return
+        tokens = pending.tokens()
+        active_jobs = self._active
+        for row, a in enumerate(pending.active):
+            a.draws += 1
+            if tokens[row] < 0 and a.job_id in active_jobs:
+                error = SamplingError(f"job {a.job_id}: its logits have no finite value (the "
+                                      "model produced NaN or inf); the job fails", [row])
+                self._end_job(a.job_id, EosReason.ERROR, error=error)
+        self._scheduler.resolve_tokens(pending.plan, tokens)
+        self._emit_step(pending.plan, StepTokens(tokens), out)
+
+    def _fail(self, plan: StepPlan, error: Exception) -> None:
+        for s in plan.slices:
+            if s.job_id in self._active:
+                self._end_job(s.job_id, EosReason.ERROR, error=error)
 
     def _emit_step(self, plan: StepPlan, sampled: StepTokens, out: list[Result]) -> None:
         """Append every job's results of this step to ``out``."""

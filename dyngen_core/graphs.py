@@ -35,6 +35,7 @@ from dyngen_core.attention.base import AttentionBackend, ForwardBatch, SharedPre
 from dyngen_core.attention.shared_prefix import CascadePlan
 from dyngen_core.attention.triton_cascade_tables import CascadeTables, StaticCascadeLayout
 from dyngen_core.models import Model
+from dyngen_core.overlap import TokenFeed
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
@@ -159,9 +160,11 @@ class DecodeGraphs:
         return all(len(s.token_ids) == 1 and s.sample and not s.draft_ids
                    and s.end_pos <= self.width * self.page_size for s in slices)
 
-    def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None) -> torch.Tensor:
+    def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None,
+            feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay the smallest bucket holding the plan; float32 logits [len(slices), vocab].
-        ``seq_slots``: each slice's sequence slot (-1 or None: none).
+        ``seq_slots``: each slice's sequence slot (-1 or None: none). ``feed``: input tokens
+        still on the device (an overlapped previous step's), written into the static inputs.
 
         The logits are a view of the graph's output buffer: read them before the next `run`.
         """
@@ -169,6 +172,8 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= size)
         cascade = self.plan_cascade(plan)
         self._stage(plan, bucket, seq_slots, cascade)
+        if feed is not None:
+            feed.apply(self._inputs.longs[0, :bucket], size)
         key = (bucket, cascade is not None)
         if key not in self._graphs:
             with self._capture_mode():  # the static inputs hold this very step (module doc)

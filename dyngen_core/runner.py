@@ -17,6 +17,7 @@ from dyngen_core.cache import Cache
 from dyngen_core.forward import build_forward_batch
 from dyngen_core.graphs import decode_graphs_for
 from dyngen_core.models import Model
+from dyngen_core.overlap import TokenFeed
 from dyngen_core.plan import StepPlan
 from dyngen_core.seq_slots import SequenceSlots
 
@@ -48,8 +49,10 @@ class ModelRunner:
         ) if cuda_graphs else None
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Copy pages, then run every slice in one forward; None when no slice samples."""
+    def run(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor | None:
+        """Copy pages, then run every slice in one forward; None when no slice samples.
+        ``feed``: inputs that are a previous step's sampled tokens still on the device (the
+        plan holds `scheduler.PENDING_TOKEN` there)."""
         if plan.copies:
             self.cache.storage.copy_pages(plan.copies)
         if not plan.slices:
@@ -60,7 +63,9 @@ class ModelRunner:
             if fresh:
                 self.cache.storage.clear_sequences(fresh)
         if self.graphs is not None and self.graphs.can_run(plan):
-            return self.graphs.run(plan, seq_slots)
+            return self.graphs.run(plan, seq_slots, feed)
         batch = build_forward_batch(plan, self.cache.page_size, self.model.device, seq_slots)
+        if feed is not None:
+            feed.apply(batch.input_ids, batch.num_tokens)
         logits = self.model.forward(batch, self.cache.storage, self.backend)
         return logits if logits.shape[0] else None

@@ -53,6 +53,9 @@ from dyngen_core.scheduling.sequence import (
 )
 
 DEFRAG_INTERVAL = 64
+# Stands for a sampled token still on the device (see `Scheduler.resolve_tokens`); never a
+# valid token id, and never fed to a model: the runner reads those inputs on the device.
+PENDING_TOKEN = -1
 ADMISSION_LOOKAHEAD = 64
 WATERMARK_FRACTION = 0.01
 
@@ -169,6 +172,8 @@ class Scheduler:
             if start != seq.num_computed:
                 if step.budget > 0:
                     self._schedule_prefill(seq, step)
+            elif len(tokens) - seq.prompt_len >= seq.max_new_tokens:
+                continue  # its last token is still in flight (`PENDING_TOKEN`); it ends there
             elif (start + seq.num_draft_tokens) // ps < len(seq.page_table):  # pages are there
                 slices[seq.job_id] = SequenceSlice(seq.job_id, [tokens[-1]], start,
                                                    seq.page_table[:], True)
@@ -208,6 +213,30 @@ class Scheduler:
             else:  # `_advance` for a decode of one token that fills no page: all it changes
                 seq.num_computed = start + 1
                 seq.token_ids.append(token)
+
+    def resolve_tokens(self, plan: StepPlan, tokens: SequenceOf[int]) -> None:
+        """Replace the `PENDING_TOKEN`s that ``apply_tokens(plan, [PENDING_TOKEN, ...])`` put
+        in place of ``plan``'s sampled tokens by the real ones (same order as `apply_tokens`).
+        Jobs finished since are skipped; preempted ones are resolved too (they recompute them).
+
+        This is how a step is overlapped with the next: the generator applies a step with
+        pending tokens right after launching it, so the next step can be planned (its decode
+        input is read on the device), and resolves them once the tokens reach the host. A
+        page is registered only when its last position is computed, by which time the token
+        there was resolved: no pending token is ever hashed."""
+        jobs, next_token = self._jobs, iter(tokens).__next__
+        for sl in plan.slices:
+            if not sl.sample:
+                continue
+            token = next_token()
+            seq = jobs.get(sl.job_id)
+            if seq is None:
+                continue
+            index = sl.end_pos
+            if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING_TOKEN:
+                raise RuntimeError(f"job {sl.job_id} has no pending token at position {index}; "
+                                   "resolve each overlapped step once, in order")
+            seq.token_ids[index] = token
 
     def _advance(self, seq: Sequence, sl: SequenceSlice, accepted: int,
                  new_tokens: SequenceOf[int]) -> None:

@@ -73,8 +73,11 @@ class _Calls:
 
 def _both(make_generator: Callable[..., DynamicGenerator], monkeypatch: pytest.MonkeyPatch,
           jobs: Callable[[], list[Job]], **options: Any) -> tuple[list[Any], list[Any], _Calls]:
-    """(fast-path results, general-path results, the fast run's sampler calls)."""
+    """(fast-path results, general-path results, the fast run's sampler calls). Both run
+    without step overlap (tests/engine/test_overlap_steps.py covers it), so the fast run's
+    tokens come from `Sampler.greedy_ids`."""
     cancel = options.pop("cancel", None)
+    options.setdefault("overlap_steps", False)
     with monkeypatch.context() as patch:
         calls = _Calls(patch)
         fast = _results(make_generator(**options), jobs(), cancel=cancel)
@@ -175,8 +178,8 @@ def test_a_row_with_no_finite_logit_fails_only_its_job(make_generator, monkeypat
     def poison(generator: DynamicGenerator) -> DynamicGenerator:
         run, steps = generator._runner.run, [0]
 
-        def run_with_a_dead_row(plan: StepPlan) -> torch.Tensor | None:
-            logits = run(plan)
+        def run_with_a_dead_row(plan: StepPlan, feed: Any = None) -> torch.Tensor | None:
+            logits = run(plan, feed)
             steps[0] += 1
             if logits is not None and steps[0] == 6:
                 logits = logits.clone()

@@ -1,0 +1,135 @@
+"""Overlapping a step's host work with the next step's forward: pending tokens and token feeds.
+
+A plain-greedy step's tokens are chosen on the device (`GreedyLauncher.launch`) and copied to a
+pinned host buffer without waiting: the step becomes a `PendingStep`. The generator applies it to
+the scheduler with `PENDING_TOKEN`s, plans and launches the next step at once, and only then
+waits for the tokens (by then the device is busy with the next forward), resolves them in the
+scheduler and emits them. The next step's decode inputs that are still pending are read on the
+device from the pending step's ids: a `TokenFeed` tells the runner which input rows take which
+sampled row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dyngen_core.active_job import ActiveJob
+from dyngen_core.plan import StepPlan
+from dyngen_core.scheduler import PENDING_TOKEN
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens are still on their way to the host.
+
+    plan: the step's plan; active: its sampling jobs, in plan order (row i is active[i]);
+    ids: [rows] int64 on the device, each row's argmax: always a valid token id, what the next
+        step reads (a row with no finite logit fails its job when resolved; its next input is
+        computed and dropped);
+    host: the rows being copied to the host, -1 where a row had no finite logit;
+    ready: recorded after the copy (None on the CPU).
+    """
+
+    plan: StepPlan
+    active: list[ActiveJob]
+    ids: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def tokens(self) -> list[int]:
+        """The sampled tokens (waits for the copy); -1 where a row had no finite logit."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host[: len(self.active)].tolist()
+
+
+class GreedyLauncher:
+    """Chooses plain-greedy tokens on the device and starts their copy to the host.
+
+    vocab_size: the tokenizer's vocabulary (columns past it are never chosen).
+    device: where the logits live; on CUDA the copy goes to one of two pinned buffers (the
+        previous step's may still be read), grown as needed.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def launch(self, logits: torch.Tensor, plan: StepPlan, active: list[ActiveJob]) -> PendingStep:
+        """The argmax of every row (the first maximum, like `Sampler.greedy_ids`), -1 for rows
+        with no finite value, copied to the host without waiting."""
+        x = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
+        values, ids = x.max(-1)
+        checked = torch.where(values.abs() < float("inf"), ids, -1)
+        if self.device.type != "cuda":
+            return PendingStep(plan, active, ids, checked, None)
+        host = self._buffer(ids.shape[0])
+        host[: ids.shape[0]].copy_(checked, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingStep(plan, active, ids, host, ready)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if len(self._buffers) < 2 or self._buffers[0].shape[0] < rows:
+            size = max(rows, 256)
+            self._buffers = [torch.empty(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._turn ^= 1
+        return self._buffers[self._turn]
+
+
+@dataclass
+class TokenFeed:
+    """Inputs of a step that are another step's sampled tokens, read on the device.
+
+    ids: the pending step's device ids; targets: flat input rows of this step to fill;
+    rows: for each target, the row of ``ids`` it takes.
+    """
+
+    ids: torch.Tensor
+    targets: list[int]
+    rows: list[int]
+
+    def apply(self, input_ids: torch.Tensor, count: int) -> None:
+        """Fill the targets of ``input_ids`` (the step's [count] inputs, then padding rows that
+        repeat the last input, as CUDA-graph buckets have) from ``ids``."""
+        targets, rows = self.targets, self.rows
+        if targets == rows and targets == list(range(len(targets))):
+            input_ids[: len(targets)].copy_(self.ids[: len(targets)])
+        else:
+            device = input_ids.device
+            index = torch.tensor(targets, dtype=torch.int64).to(device, non_blocking=True)
+            source = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+            input_ids.index_copy_(0, index, self.ids.index_select(0, source))
+        if input_ids.shape[0] > count and targets and targets[-1] == count - 1:
+            input_ids[count:].copy_(input_ids[count - 1].expand(input_ids.shape[0] - count))
+
+
+def token_feed(plan: StepPlan, pending: PendingStep | None) -> TokenFeed | None:
+    """The feed of ``plan``'s pending inputs from ``pending`` (None when it has none).
+
+    Only decode slices carry a pending token (a prefill's tokens are the prompt's, and a
+    preempted job is re-admitted only after its tokens were resolved)."""
+    if pending is None:
+        return None
+    row_of = {}
+    row = 0
+    for sl in pending.plan.slices:
+        if sl.sample:
+            row_of[sl.job_id] = row
+            row += 1
+    targets: list[int] = []
+    rows: list[int] = []
+    flat = 0
+    for sl in plan.slices:
+        if sl.token_ids[-1] == PENDING_TOKEN:
+            if len(sl.token_ids) != 1 or sl.job_id not in row_of:
+                raise RuntimeError(f"job {sl.job_id}: a pending token outside a decode of the "
+                                   "previous step; resolve the previous step first")
+            targets.append(flat)
+            rows.append(row_of[sl.job_id])
+        flat += len(sl.token_ids)
+    return TokenFeed(pending.ids, targets, rows) if targets else None
