@@ -18,6 +18,7 @@ import torch
 from _common import (
     add_common_args,
     bench_config,
+    cache_tokens_for,
     device_name,
     free_memory,
     hf_model,
@@ -35,9 +36,8 @@ DOCUMENT, QUESTION, NEW = 8000, 30, 128
 
 def run_case(name: str, model: Any, tokenizer: Any, prompts: list[list[int]],
              **options: Any) -> float:
-    tokens = sum(len(p) for p in prompts) + len(prompts) * NEW + 4096
-    generator = make_generator(model, tokenizer, cache_tokens=tokens, max_batch_size=len(prompts),
-                               max_chunk_size=16384, **options)
+    generator = make_generator(model, tokenizer, cache_tokens=cache_tokens_for(prompts, NEW),
+                               max_batch_size=len(prompts), max_chunk_size=16384, **options)
     warm = random_prompts(2, 64, model.config.vocab_size, seed=99)  # shares nothing with prompts
     run_jobs(generator, warm, 4)
     before = generator.stats()

@@ -22,6 +22,7 @@ import torch
 from _common import (
     add_common_args,
     bench_config,
+    cache_tokens_for,
     make_generator,
     random_model,
     random_prompts,
@@ -81,8 +82,8 @@ def main() -> None:
     vocab = config["vocab_size"]
     model = random_model(config, device)
     runs = [workload_prompts(spec, vocab, seed=2 * run) for run in range(args.repeat)]
-    tokens = sum(len(p) for p in runs[0]) + len(runs[0]) * spec["new"] + 4096
-    generator = make_generator(model, word_tokenizer(vocab), cache_tokens=tokens,
+    generator = make_generator(model, word_tokenizer(vocab),
+                               cache_tokens=cache_tokens_for(runs[0], spec["new"]),
                                max_batch_size=len(runs[0]), max_chunk_size=spec["chunk"],
                                compile_decode=args.compile_decode)
     run_jobs(generator, random_prompts(2, 64, vocab, seed=99), 4)

@@ -19,6 +19,7 @@ import torch
 from _common import (
     add_common_args,
     bench_config,
+    cache_tokens_for,
     copy_bandwidth,
     device_name,
     free_memory,
@@ -59,7 +60,7 @@ def run_dyngen(model, config: dict[str, Any], prompts: list[list[int]],  # type:
                compile_decode: bool = False) -> float:
     tokenizer = word_tokenizer(config["vocab_size"])
     started = time.perf_counter()
-    generator = make_generator(model, tokenizer, cache_tokens=len(prompts) * (PROMPT + NEW) + 4096,
+    generator = make_generator(model, tokenizer, cache_tokens=cache_tokens_for(prompts, NEW),
                                max_batch_size=len(prompts), max_chunk_size=16384,
                                compile_decode=compile_decode)
     report("throughput.dyngen_setup", seconds=time.perf_counter() - started,
