@@ -167,6 +167,18 @@ class SamplingBridge:
             )
         return out
 
+    def launch(self, logits: torch.Tensor, active: Sequence[ActiveJob]) -> torch.Tensor | None:
+        """The jobs' tokens chosen on the device and not waited for (`Sampler.launch_tokens`:
+        int64 ``[jobs]``, -1 for a job whose row has no allowed token), for a step whose
+        host work overlaps the next forward. None, with nothing drawn, when a job cannot take
+        part: it has a constraint, may ban a token at a position (banned strings,
+        min_new_tokens), asks for extra outputs or uses mirostat; `sample` it then. The caller
+        adds 1 to each job's ``draws`` once the tokens are taken, as `sample` does."""
+        for a in active:
+            if a.matcher is not None or a.may_ban or a.wants_extras:
+                return None
+        return self.sampler.launch_tokens(logits, self._requests(active, None))
+
     def _requests(self, active: Sequence[ActiveJob],
                   bitmask: np.ndarray | None) -> list[SampleRequest]:
         """Each job's `SampleRequest`, updated for this step."""

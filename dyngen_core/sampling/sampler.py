@@ -127,6 +127,29 @@ class Sampler:
             self._attach_extras(drawn.x, logits, rows, requests, range(len(requests)), full)
         return ids, wanted
 
+    def launch_tokens(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+    ) -> torch.Tensor | None:
+        """The tokens `sample_tokens` would return, left on the device without waiting for
+        them: int64 ``[rows]``, -1 for a row with no allowed token (where `sample_tokens` raises
+        `SamplingError`). For a caller that reads them later, overlapping the wait with other
+        work. None, with nothing drawn, when a request needs more than its token back
+        (probabilities, top tokens, logits, a mirostat update) or has drafts: call
+        `sample_tokens` then."""
+        rows = self._rows.rows(requests, self._seeds)
+        if not rows.single or rows.extra_requests or rows.prob_rows:
+            return None
+        drawn = self._draw(logits, rows, requests)
+        if drawn.x is None and drawn.best is None:
+            return drawn.choice  # the fused draw marked the rows without a token already
+        if drawn.best is not None:
+            chosen = drawn.best.squeeze(1)
+        else:
+            assert drawn.x is not None
+            chosen = drawn.x.gather(1, drawn.choice.unsqueeze(1)).squeeze(1)
+        # abs(v) < inf is False for NaN and +-inf, as `_fetch`'s checks are.
+        return torch.where(chosen.abs() < float("inf"), drawn.choice, -1)
+
     def _draw(self, logits: torch.Tensor, rows: RowList,
               requests: Sequence[SampleRequest]) -> _Drawn:
         """Every stage, then the draw."""

@@ -4,12 +4,15 @@
 - `RowList`'s stage index answers `rows_using` as a scan of the rows does.
 - `Sampler.sample_tokens` (no result object per request) equals `Sampler.sample`, including
   probabilities, top tokens, logits, masks and mirostat state updates.
+- `Sampler.launch_tokens` leaves `sample_tokens`'s ids on the device (-1 for rows without an
+  allowed token), and declines requests that need more than their token back.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -194,3 +197,67 @@ def test_compact_draw_is_skipped_when_a_row_needs_the_whole_vocabulary() -> None
     assert bound([top_p, SamplerSettings(temperature=0.8, top_p=0.9)]) == 0  # no top_k
     assert bound([SamplerSettings(temperature=1.0, top_k=50, min_temp=0.5, max_temp=1.5)]) == 0
     assert bound([top_p], width=150) == 0  # 50 is not much below 150
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_launch_tokens_are_the_sample_tokens_left_on_the_device(seed: int) -> None:
+    """Greedy, full-width and compact draws: the ids `launch_tokens` leaves on the device are
+    `sample_tokens`'s, with -1 where sample_tokens reports a row without an allowed token."""
+    sampler = Sampler(1024)
+    logits = torch.randn(40, 1024, generator=torch.Generator().manual_seed(seed)) * 3
+    pools = {0: _settings(), 1: _top_k_settings()[:3], 2: _top_k_settings()[:1]}
+    rng = random.Random(seed)
+    requests = [SampleRequest(settings=rng.choice(pools[seed]), seed=rng.getrandbits(63),
+                              counter=rng.randrange(100), history=[1, 2, 3])
+                for _ in range(40)]
+    requests = [r for r in requests if not r.settings.mirostat]
+    logits = logits[: len(requests)]
+    launched = sampler.launch_tokens(logits, requests)
+    assert launched is not None and launched.dtype == torch.int64
+    ids, extras = sampler.sample_tokens(logits, copy.deepcopy(requests))
+    assert launched.tolist() == ids and not extras
+    logits[3] = float("-inf")
+    launched = sampler.launch_tokens(logits, requests)
+    assert launched is not None and launched[3] == -1
+    assert launched[:3].tolist() == ids[:3]
+
+
+@pytest.mark.parametrize("extra", ["probs", "top_tokens", "logits", "mirostat", "drafts"])
+def test_launch_tokens_declines_requests_that_need_more_than_a_token(extra: str) -> None:
+    requests = [SampleRequest(settings=SamplerSettings(temperature=0.8, top_k=50), seed=i)
+                for i in range(4)]
+    target = requests[2]
+    if extra == "probs":
+        target.return_probs = True
+    elif extra == "top_tokens":
+        target.return_top_tokens = 2
+    elif extra == "logits":
+        target.return_logits = True
+    elif extra == "mirostat":
+        target.settings = SamplerSettings(temperature=1.0, mirostat=True)
+    else:
+        target.draft_ids = [1]
+    assert Sampler(VOCAB).launch_tokens(torch.randn(4, VOCAB), requests) is None
+
+
+def test_bridge_launch_gives_the_tokens_sample_gives(make_generator: Any) -> None:
+    """`SamplingBridge.launch` draws what `SamplingBridge.sample` draws for the same jobs and
+    counters, and declines a batch holding a job with banned strings."""
+    from dyngen_core import Job
+
+    generator = make_generator()
+    settings = [SamplerSettings(temperature=0.8, top_p=0.9, top_k=50),
+                SamplerSettings(temperature=0.7, token_repetition_penalty=1.2)]
+    generator.enqueue([Job(input_ids=[5 + i, 6, 7], max_new_tokens=8, seed=i,
+                           gen_settings=settings[i % 2]) for i in range(6)])
+    generator.iterate()
+    bridge, active = generator._bridge, list(generator._active.values())
+    vocab = bridge.vocab_size
+    logits = torch.randn(len(active), vocab, generator=torch.Generator().manual_seed(0)) * 3
+    launched = bridge.launch(logits, active)
+    assert launched is not None
+    assert launched.tolist() == bridge.sample(logits, active).tokens
+    generator.enqueue(Job(input_ids=[9, 9, 9], max_new_tokens=8, banned_strings=["xyz"]))
+    generator.iterate()
+    active = list(generator._active.values())
+    assert bridge.launch(torch.zeros(len(active), vocab), active) is None

@@ -105,7 +105,9 @@ def test_fused_draw_picks_what_the_torch_draw_picks(device: torch.device, dtype:
         expected, _ = torch_draw.sample_tokens(logits, copy.deepcopy(requests))
         assert ids == expected, step
         assert all(0 <= t < VOCAB for t in ids)
-    assert len(calls) == step + 1
+        launched = fused.launch_tokens(logits, requests)
+        assert launched is not None and launched.tolist() == ids
+    assert len(calls) == 2 * (step + 1)
 
 
 def test_fused_draw_reports_rows_without_an_allowed_token(device: torch.device) -> None:
@@ -116,10 +118,13 @@ def test_fused_draw_reports_rows_without_an_allowed_token(device: torch.device) 
     requests = _requests(FUSABLE[:2], 6, 0)
     requests[5].allowed_tokens = mask
     for fused_draw in (True, False):
+        sampler = Sampler(VOCAB, device, fused_draw=fused_draw)
         with pytest.raises(SamplingError) as info:
-            Sampler(VOCAB, device, fused_draw=fused_draw).sample_tokens(
-                logits, copy.deepcopy(requests))
+            sampler.sample_tokens(logits, copy.deepcopy(requests))
         assert info.value.request_indices == [2, 4, 5], fused_draw
+        launched = sampler.launch_tokens(logits, copy.deepcopy(requests))
+        assert launched is not None
+        assert [i for i, t in enumerate(launched.tolist()) if t < 0] == [2, 4, 5]
 
 
 @pytest.mark.parametrize("other", [
