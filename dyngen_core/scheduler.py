@@ -21,6 +21,8 @@ Python; the scheduler owns every job's `Sequence` and the `PagePool`, and knows 
 - Defragmentation is planned when the queue is empty (every ``DEFRAG_INTERVAL`` steps, or on
   `defragment()`); its page copies lead the next plan's ``copies``, so the runner only ever runs
   plans.
+- Overlapped steps: a step may be applied with `PENDING_TOKEN`s before its tokens are known
+  (`apply_tokens`), the next one planned, and the tokens put in later (`resolve_tokens`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dyngen_core.scheduling.bookkeeping import (
     record_partial_page,
     register_full_pages,
     release_pages,
+    resolve_pending,
     sampled_tokens,
 )
 from dyngen_core.scheduling.prefix import InflightIndex, PrefixMatch, match_prefix
@@ -215,28 +218,10 @@ class Scheduler:
                 seq.token_ids.append(token)
 
     def resolve_tokens(self, plan: StepPlan, tokens: SequenceOf[int]) -> None:
-        """Replace the `PENDING_TOKEN`s that ``apply_tokens(plan, [PENDING_TOKEN, ...])`` put
-        in place of ``plan``'s sampled tokens by the real ones (same order as `apply_tokens`).
-        Jobs finished since are skipped; preempted ones are resolved too (they recompute them).
-
-        This is how a step is overlapped with the next: the generator applies a step with
-        pending tokens right after launching it, so the next step can be planned (its decode
-        input is read on the device), and resolves them once the tokens reach the host. A
-        page is registered only when its last position is computed, by which time the token
-        there was resolved: no pending token is ever hashed."""
-        jobs, next_token = self._jobs, iter(tokens).__next__
-        for sl in plan.slices:
-            if not sl.sample:
-                continue
-            token = next_token()
-            seq = jobs.get(sl.job_id)
-            if seq is None:
-                continue
-            index = sl.end_pos
-            if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING_TOKEN:
-                raise RuntimeError(f"job {sl.job_id} has no pending token at position {index}; "
-                                   "resolve each overlapped step once, in order")
-            seq.token_ids[index] = token
+        """Put the real tokens (same order as `apply_tokens`) where
+        ``apply_tokens(plan, [PENDING_TOKEN] * n)`` left placeholders: how the generator
+        overlaps a step with the next (see `scheduling.bookkeeping.resolve_pending`)."""
+        resolve_pending(self._jobs, plan, tokens, PENDING_TOKEN)
 
     def _advance(self, seq: Sequence, sl: SequenceSlice, accepted: int,
                  new_tokens: SequenceOf[int]) -> None:

@@ -6,10 +6,11 @@ the sequence-side invariant checks."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from collections.abc import Sequence as SeqOf
 
 from dyngen_core.errors import JobTooLargeError
 from dyngen_core.pages.pool import ROOT_HASH, PagePool
-from dyngen_core.plan import SequenceSlice, StepOutcome
+from dyngen_core.plan import SequenceSlice, StepOutcome, StepPlan
 from dyngen_core.scheduling.sequence import Sequence, SequenceStatus
 
 
@@ -165,3 +166,26 @@ def _check_running(seq: Sequence, pool: PagePool) -> None:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(f"sequence invariant violated: {message}")
+
+
+def resolve_pending(jobs: Mapping[int, Sequence], plan: StepPlan, tokens: SeqOf[int],
+                    pending: int) -> None:
+    """Replace the ``pending`` placeholders of ``plan``'s sampled tokens by ``tokens`` (one
+    per sampling slice, in plan order). Jobs finished since are skipped; preempted ones are
+    resolved too (they recompute their tokens later).
+
+    A page is registered only when its last position is computed, one step after the token
+    there was sampled: by then it was resolved, so no placeholder is ever hashed."""
+    next_token = iter(tokens).__next__
+    for sl in plan.slices:
+        if not sl.sample:
+            continue
+        token = next_token()
+        seq = jobs.get(sl.job_id)
+        if seq is None:
+            continue
+        index = sl.end_pos
+        if index >= len(seq.token_ids) or seq.token_ids[index] != pending:
+            raise RuntimeError(f"job {sl.job_id} has no pending token at position {index}; "
+                               "resolve each overlapped step once, in order")
+        seq.token_ids[index] = token

@@ -9,12 +9,13 @@ the fake KV store checks every computed slot (see `fake_engine`).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
 from dyngen_core.plan import StepPlan
-from dyngen_core.scheduler import Scheduler
+from dyngen_core.scheduler import PENDING_TOKEN, Scheduler
 from tests.unit.fake_engine import FakeEngine, true_continuation
 
 PS = 32
@@ -131,3 +132,92 @@ def test_apply_tokens_matches_apply_across_rewinds(seed: int) -> None:
             fast.s.rewind(job, back)
         assert _plan(general.step()) == _plan(fast.step())
         assert _state(general) == _state(fast)
+
+
+class PendingEngine(TokensEngine):
+    """Overlapped steps as the generator runs them: plan step k, run it with its pending inputs
+    taken from step k-1's outcome (the device feed), resolve step k-1, then apply step k with
+    `PENDING_TOKEN`s."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__(scheduler)
+        self.pending: tuple[StepPlan, list[int]] | None = None
+
+    def step(self) -> StepPlan:
+        plan = self.s.schedule()
+        fed = self._fed(plan)
+        outcome = self.run(fed)
+        if self.pending is not None:
+            self.s.resolve_tokens(*self.pending)
+        tokens = [outcome.sampled[sl.job_id].token_ids[0] for sl in plan.slices if sl.sample]
+        self.s.apply_tokens(plan, [PENDING_TOKEN] * len(tokens))
+        self.pending = (plan, tokens)
+        for job_id, sampled in outcome.sampled.items():
+            self.generated[job_id].extend(sampled.token_ids)
+        self.last_plan = fed
+        return fed
+
+    def _fed(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with its pending inputs replaced by the previous step's tokens."""
+        if self.pending is None:
+            return plan
+        previous, tokens = self.pending
+        by_job = dict(zip([sl.job_id for sl in previous.slices if sl.sample], tokens,
+                          strict=True))
+        slices = [replace(sl, token_ids=[by_job[sl.job_id] if t == PENDING_TOKEN else t
+                                         for t in sl.token_ids]) for sl in plan.slices]
+        return StepPlan(slices=slices, copies=plan.copies)
+
+    def resolved_state(self) -> object:
+        """`_state` once the pending step is resolved (on a copy of nothing: resolves now)."""
+        if self.pending is not None:
+            self.s.resolve_tokens(*self.pending)
+            self.pending = None
+        self.verify()
+        return _state(self)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlapped_steps_match_apply_step_by_step(seed: int) -> None:
+    rng = random.Random(seed)
+    cache = CacheConfig(max_tokens=6 * PS, page_size=PS)
+    config = SchedulerConfig(max_chunk_size=40, max_batch_size=5)
+    general = FakeEngine(Scheduler(cache, config))
+    overlapped = PendingEngine(Scheduler(cache, config))
+    shared = [rng.randrange(50) for _ in range(40)]
+    limits = {}
+    for j in range(9):
+        prompt = (shared if j % 3 == 0 else []) + [rng.randrange(50) for _ in range(3 + 5 * j)]
+        limits[j] = 30 + rng.randrange(60)
+        general.add(j, prompt, limits[j])
+        overlapped.add(j, prompt, limits[j])
+    done: set[int] = set()
+    for _ in range(2000):
+        for j, limit in limits.items():
+            seq = general.s.sequence(j)
+            if j not in done and seq is not None and seq.num_generated >= limit:
+                general.s.finish(j)
+                overlapped.s.finish(j)  # its pending token, if any, is never resolved
+                done.add(j)
+        if len(done) == len(limits):
+            break
+        assert _plan(general.step()) == _plan(overlapped.step())
+        if rng.random() < 0.2:  # now and then, compare the states with nothing pending
+            assert _state(general) == overlapped.resolved_state()
+    assert len(done) == len(limits)
+    stats = overlapped.s.stats()
+    assert stats.preemptions > 0 and stats.prefill_tokens_reused > 0
+    for j, limit in limits.items():
+        assert overlapped.generated[j][:limit] == general.generated[j][:limit]
+
+
+def test_resolving_twice_or_out_of_order_is_an_error() -> None:
+    _, engine = _pair(8)
+    engine.add(0, [1, 2, 3], 5)
+    engine.step()
+    plan = engine.s.schedule()
+    engine.s.apply_tokens(plan, [PENDING_TOKEN])
+    engine.s.resolve_tokens(plan, [9])
+    assert engine.s.sequence(0).token_ids[-1] == 9  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="no pending token"):
+        engine.s.resolve_tokens(plan, [9])
