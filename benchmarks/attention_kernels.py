@@ -36,10 +36,12 @@ from dyngen_core.storage.fp16 import FP16Storage
 from dyngen_core.storage.quant import QuantStorage
 
 VARIANTS = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (block_n, num_warps)
-# Quantized decode: (kernel, block_n, num_warps); "general" is paged_attention_kernel, "words"
-# the q8/q4 decode kernel of triton_quant.
-QUANT_VARIANTS = [("general", 64, 4), ("words", 32, 4), ("words", 64, 4), ("words", 64, 8),
-                  ("words", 128, 8)]
+# Quantized decode: (kernel, block_n, num_warps, launches); "general" is
+# paged_attention_kernel, "words" the q8/q4 decode kernel of triton_quant (its page and tail
+# programs in one launch or two).
+QUANT_VARIANTS = [("general", 64, 4, 1), ("words", 32, 4, 1), ("words", 64, 4, 1),
+                  ("words", 64, 8, 1), ("words", 128, 8, 1), ("words", 32, 4, 2),
+                  ("words", 64, 4, 2), ("words", 64, 8, 2)]
 
 
 def one_layer_storage(config: dict[str, Any], mode: str, tokens: int,
@@ -145,9 +147,10 @@ def main() -> None:
             batch, q, step_rows = decode_inputs(config, batch_size, args.context, device,
                                                 windowed)
             variants = (QUANT_VARIANTS if mode != "fp16"
-                        else [("general", n, w) for n, w in VARIANTS])
-            for kernel, block_n, warps in variants:
-                backend = (TritonPagedBackend(word_block_n=block_n, word_warps=warps)
+                        else [("general", n, w, 1) for n, w in VARIANTS])
+            for kernel, block_n, warps, launches in variants:
+                backend = (TritonPagedBackend(word_block_n=block_n, word_warps=warps,
+                                              word_launches=launches)
                            if kernel == "words" else
                            TritonPagedBackend(block_n=block_n, decode_warps=warps,
                                               word_block_n=None))
@@ -156,7 +159,7 @@ def main() -> None:
                 report("attention_kernels.decode", device=device_name(), mode=mode,
                        window=storage.recent_window if windowed else 0, batch=batch_size,
                        context=args.context, kernel=kernel, block_n=block_n, warps=warps,
-                       us=seconds * 1e6, GBps=read / seconds / 1e9)
+                       launches=launches, us=seconds * 1e6, GBps=read / seconds / 1e9)
         storage = None
         torch.cuda.empty_cache()
 

@@ -9,8 +9,9 @@ runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
         [--quant-kernels 64x4,general]
 
 ``--quant-kernels``: the decode kernels the quantized modes are timed with, one line each:
-``NxW`` is `triton_quant`'s q8/q4 kernel at N keys per step and W warps, ``general`` the
-general paged kernel; the first one listed enters the q4/fp16 ratio.
+``NxW`` is `triton_quant`'s q8/q4 kernel at N keys per step and W warps (``NxWs``: its page
+and tail programs in two launches), ``general`` the general paged kernel; the first one listed
+enters the q4/fp16 ratio.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def quant_backend(kernel: str, device: torch.device) -> AttentionBackend:
 
     if kernel == "general":
         return TritonPagedBackend(word_block_n=None)
-    block_n, warps = (int(part) for part in kernel.split("x"))
-    return TritonPagedBackend(word_block_n=block_n, word_warps=warps)
+    block_n, warps = (int(part) for part in kernel.rstrip("s").split("x"))
+    return TritonPagedBackend(word_block_n=block_n, word_warps=warps,
+                              word_launches=2 if kernel.endswith("s") else 1)
 
 
 def main() -> None:

@@ -109,12 +109,16 @@ def variants(group: int, head_dim: int) -> list[tuple[str, Any, dict[str, Any], 
             "REMAINDER": False, "WRITE_PARTIALS": True, "HEADS": heads, "WINDOW": window,
             "DOT_PRECISION": "tf32"}, 4, bits))
     for bits, window in ((8, 0), (4, 0), (4, 16)):
-        for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
-            pad = max(head_dim, 16 * 32 // bits)
-            out.append((f"new-q{bits}-w{window}-n{block_n}x{warps}", quant_decode_kernel, {
-                "G": group, "BLOCK_M": rows, "BLOCK_N": block_n, "HEAD_DIM": head_dim,
-                "DIM_PAD": pad, "PAGE_SIZE": 256, "K_BITS": bits, "V_BITS": bits,
-                "NUM_SPLITS": 4, "WINDOW": window, "DOT_PRECISION": "tf32"}, warps, bits))
+        for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+            for programs, role in (("both", 0), ("pages", 1), ("tail", 2)):
+                pad = max(head_dim, 16 * 32 // bits)
+                out.append((f"new-q{bits}-w{window}-n{block_n}x{warps}-{programs}",
+                            quant_decode_kernel, {
+                                "G": group, "BLOCK_M": rows, "BLOCK_N": block_n,
+                                "HEAD_DIM": head_dim, "DIM_PAD": pad, "PAGE_SIZE": 256,
+                                "K_BITS": bits, "V_BITS": bits, "NUM_SPLITS": 4,
+                                "WINDOW": window, "DOT_PRECISION": "tf32",
+                                "PROGRAMS": role}, warps, bits))
     return out
 
 
@@ -128,12 +132,12 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, default=None)
     args = parser.parse_args()
     columns = ("regs", "stack", "smem", "convert", "local_alloc", "sass", *SASS_KINDS)
-    print(f"{'variant':28}" + "".join(f"{c:>7}" for c in columns))
+    print(f"{'variant':34}" + "".join(f"{c:>7}" for c in columns))
     for label, fn, constexprs, warps, bits in variants(args.group, args.head_dim):
         if args.only not in label:
             continue
         figures = measure(fn, constexprs, warps, args.dtype, bits, args.arch, args.dump, label)
-        print(f"{label:28}" + "".join(f"{figures[c]:>7}" for c in columns), flush=True)
+        print(f"{label:34}" + "".join(f"{figures[c]:>7}" for c in columns), flush=True)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,10 @@ class TritonPagedBackend:
         kernel, which decode-only batches over q8/q4 pages take (it unpacks whole code words
         per field instead of reshaping them); ``word_block_n=None`` decodes them with the
         general kernel (for comparisons).
+    word_launches: 1 runs that kernel's page programs and its exact-row ("tail") programs in
+        one grid, 2 in two launches (neither's code then takes registers from the other: at
+        64 keys x 4 warps with q4's window, one grid spills 760 bytes a thread, the page
+        programs alone none; benchmarks/triton_resources.py).
     cascade_min_saved_keys, cascade_min_members, cascade_min_prefix_pages: when decode-only
         batches over unquantized pages use shared-prefix ("cascade") attention, as the fields
         of `shared_prefix.CascadePolicy` (whose defaults these are, with the reasons);
@@ -118,10 +122,11 @@ class TritonPagedBackend:
                  cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
                  cascade_rows: int = 64, cascade_warps: int = 8,
                  cascade_programs_per_sm: int = 1, word_block_n: int | None = 64,
-                 word_warps: int = 4) -> None:
+                 word_warps: int = 4, word_launches: int = 2) -> None:
         self.block_n = block_n
         self.word_block_n = word_block_n
         self.word_warps = word_warps
+        self.word_launches = word_launches
         self.prefill_rows = prefill_rows
         self.max_splits = max_splits
         self.programs_per_sm = programs_per_sm
@@ -172,7 +177,7 @@ class TritonPagedBackend:
             return attend_word_decode(
                 q, page_args, batch, exact, scale * LOG2_E, key_bits=ops.key_bits,
                 value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
-                block_n=word_block_n, warps=self.word_warps,
+                block_n=word_block_n, warps=self.word_warps, launches=self.word_launches,
                 splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device))
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)

@@ -37,7 +37,7 @@ def word_dim_pad(head_dim: int, key_bits: int, value_bits: int) -> int:
 def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: ForwardBatch,
                        exact: ExactOperands, scale_log2: float, *, key_bits: int,
                        value_bits: int, num_kv_heads: int, block_n: int, splits: int,
-                       warps: int) -> torch.Tensor:
+                       warps: int, launches: int = 1) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -45,22 +45,29 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     scale_log2: softmax scale times log2(e).
     block_n: keys per loop step (divides the page size); splits: parts the keys before the
         window are split into (from the batch shape only, for CUDA graphs); warps: per program.
+    launches: 1 runs the page programs and the tail programs in one grid, 2 in two launches
+        (each kernel then holds only its own code's registers).
     """
+    if launches not in (1, 2):
+        raise ValueError(f"launches must be 1 or 2, not {launches}")
     tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     dim_pad = word_dim_pad(head_dim, key_bits, value_bits)
     parts = torch.empty(tokens, num_heads, splits + 1, dim_pad, dtype=torch.float32,
                         device=q.device)
     lse = torch.empty(tokens, num_heads, splits + 1, dtype=torch.float32, device=q.device)
-    quant_decode_kernel[(batch.num_seqs, num_kv_heads, splits + 1)](
-        q, q.stride(0), q.stride(1), *page_args,
-        batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
-        *exact.arguments(), parts, lse, scale_log2,
-        G=group, BLOCK_M=max(16, 1 << (group - 1).bit_length()), BLOCK_N=block_n,
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=batch.page_size, K_BITS=key_bits,
-        V_BITS=value_bits, NUM_SPLITS=splits, WINDOW=exact.window,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
-    )
+    arguments = (q, q.stride(0), q.stride(1), *page_args,
+                 batch.page_table, batch.page_table.stride(0), batch.context_lens,
+                 batch.query_start, *exact.arguments(), parts, lse, scale_log2)
+    shape = {"G": group, "BLOCK_M": max(16, 1 << (group - 1).bit_length()), "BLOCK_N": block_n,
+             "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "PAGE_SIZE": batch.page_size,
+             "K_BITS": key_bits, "V_BITS": value_bits, "NUM_SPLITS": splits,
+             "WINDOW": exact.window,
+             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+    grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
+    for programs, role in grids:
+        quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
+            *arguments, **shape, PROGRAMS=role, num_warps=warps)
     out = torch.empty_like(q)
     combine_splits_kernel[(tokens, num_heads)](
         parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=splits + 1,

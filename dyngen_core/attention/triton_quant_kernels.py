@@ -192,17 +192,22 @@ def quant_decode_kernel(
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
     V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + 1) over a decode-only batch (sequence i is
     query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys before
     the window's first block; program NUM_SPLITS is the tail (module docstring). Each writes
     its partial [T, H, NUM_SPLITS + 1, DIM_PAD] and log2-sum-exp [T, H, NUM_SPLITS + 1] in the
     float32 buffers. Exact-row operands as `triton_kernels.paged_attention_kernel`'s
-    (``seq_slots`` unread when WINDOW is 0)."""
+    (``seq_slots`` unread when WINDOW is 0). PROGRAMS: 0 runs both kinds in one grid; 1 only
+    the page programs (grid z NUM_SPLITS), 2 only the tail (grid z 1): two launches, so
+    neither kind's code takes registers from the other."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if PROGRAMS == 2:
+        split = tl.program_id(2) + NUM_SPLITS
+    else:
+        split = tl.program_id(2)
     token = tl.load(query_start_ptr + seq)
     ctx = tl.load(context_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
@@ -218,8 +223,6 @@ def quant_decode_kernel(
     K_PER: tl.constexpr = 32 // K_BITS
     V_PER: tl.constexpr = 32 // V_BITS
     qs = split_columns(q, BLOCK_M, DIM_PAD // K_PER, K_PER)
-    position = ctx - 1
-    step_start = ctx - 1
     near_lo = ctx - WINDOW
     if WINDOW > 0:
         seq_slot = tl.load(seq_slots_ptr + seq)
@@ -232,34 +235,38 @@ def quant_decode_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     accs = _zero_accs(BLOCK_M, DIM_PAD // V_PER, V_PER)
-    if split < NUM_SPLITS:
-        chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        m_i, l_i, accs = attend_word_blocks(
-            qs, m_i, l_i, accs, table_row, lo, tl.minimum(lo + chunk, bulk_hi), kv_head,
+    if PROGRAMS == 1:
+        m_i, l_i, acc = _page_program(
+            qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
             k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
-            stride_vsh, ring_pos_ptr, ring_base, step_start, near_lo, position,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION)
-        acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+            stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
+            NUM_SPLITS, DOT_PRECISION)
+    elif PROGRAMS == 2:
+        m_i, l_i, acc = _tail_program(
+            q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+            stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
+            fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
+            BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
+            DOT_PRECISION)
     else:
-        m_i, l_i, accs = attend_word_blocks(
-            qs, m_i, l_i, accs, table_row, bulk_hi, ctx, kv_head,
-            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
-            stride_vsh, ring_pos_ptr, ring_base, step_start, near_lo, position,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION)
-        acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
-        positions = ctx * 0 + position + rows * 0
-        m_i, l_i, acc = attend_page_heads(
-            q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head, dims,
-            head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base,
-            step_start, near_lo, PAGE_SIZE, BLOCK_N, HEAD_DIM, WINDOW, DOT_PRECISION)
-        if WINDOW > 0:
-            m_i, l_i, acc = attend_exact_rows(
-                q, m_i, l_i, acc, tl.maximum(near_lo, 0), ctx, positions, kv_head, dims,
-                fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, stride_er,
-                stride_eh, ring_base, step_start, token, BLOCK_N, HEAD_DIM, WINDOW,
+        if split < NUM_SPLITS:
+            m_i, l_i, acc = _page_program(
+                qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+                stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
+                NUM_SPLITS, DOT_PRECISION)
+        else:
+            m_i, l_i, acc = _tail_program(
+                q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+                stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
+                fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
+                BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
                 DOT_PRECISION)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
@@ -268,3 +275,59 @@ def quant_decode_kernel(
     tl.store(part_out_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc,
              mask=row_valid[:, None])
     tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+
+
+@triton.jit
+def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
+                  k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                  stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
+                  stride_vss, stride_vsh,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
+                  V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Page program ``split``: its share of the keys before ``bulk_hi`` (no exact rows)."""
+    V_PER: tl.constexpr = 32 // V_BITS
+    chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    m_i, l_i, accs = attend_word_blocks(
+        qs, m_i, l_i, accs, table_row, lo, tl.minimum(lo + chunk, bulk_hi), kv_head,
+        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+        table_row, -1, 0, 0, 0,
+        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION)
+    return m_i, l_i, join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+
+
+@triton.jit
+def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
+                  k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                  stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
+                  stride_vss, stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr,
+                  ring_pos_ptr, fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
+                  V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The tail program: keys from ``bulk_hi`` on with the window rule, every page's head
+    row, and the window's exact rows, for the decode query at ``ctx - 1``."""
+    V_PER: tl.constexpr = 32 // V_BITS
+    position = ctx - 1
+    near_lo = ctx - WINDOW
+    m_i, l_i, accs = attend_word_blocks(
+        qs, m_i, l_i, accs, table_row, bulk_hi, ctx, kv_head,
+        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+        ring_pos_ptr, ring_base, position, near_lo, position,
+        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION)
+    acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+    positions = position + tl.zeros([BLOCK_M], tl.int32)
+    m_i, l_i, acc = attend_page_heads(
+        q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head, dims,
+        head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base, position,
+        near_lo, PAGE_SIZE, BLOCK_N, HEAD_DIM, WINDOW, DOT_PRECISION)
+    if WINDOW > 0:
+        m_i, l_i, acc = attend_exact_rows(
+            q, m_i, l_i, acc, tl.maximum(near_lo, 0), ctx, positions, kv_head, dims,
+            fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, stride_er,
+            stride_eh, ring_base, position, token, BLOCK_N, HEAD_DIM, WINDOW, DOT_PRECISION)
+    return m_i, l_i, acc

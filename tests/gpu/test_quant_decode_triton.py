@@ -111,10 +111,13 @@ def test_word_decode_half_precision(device: torch.device, mode: str,
     assert float((out - ref).norm() / ref.norm()) < 2e-2
 
 
-def test_word_decode_splits_agree(device: torch.device) -> None:
-    """One split and many give the same output (the tail program merged as one more)."""
-    one, ref = _outputs("q4", WINDOW, 32, torch.float32, device, _backend(max_splits=1))
+@pytest.mark.parametrize("launches", [1, 2])
+def test_word_decode_splits_agree(device: torch.device, launches: int) -> None:
+    """One split and many give the same output (the tail program merged as one more), with
+    the page and tail programs in one launch or two."""
+    one, ref = _outputs("q4", WINDOW, 32, torch.float32, device,
+                        _backend(max_splits=1, word_launches=launches))
     many, _ = _outputs("q4", WINDOW, 32, torch.float32, device,
-                       _backend(max_splits=8, programs_per_sm=64))
+                       _backend(max_splits=8, programs_per_sm=64, word_launches=launches))
     torch.testing.assert_close(one, ref, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(many, one, rtol=2e-4, atol=2e-4)
