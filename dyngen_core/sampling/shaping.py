@@ -88,22 +88,20 @@ def shape_tail(
     def col(values: list[float]) -> torch.Tensor:
         return column(values, dev)
 
-    def stage(name: str, fn: Callable[[torch.Tensor, list[SamplerSettings], torch.Tensor],
-                                      torch.Tensor]) -> None:
-        chosen = rows_using(rows, name)
+    def stage(name: str, fn: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]) -> None:
+        chosen, bound, values = _stage_rows(rows, name, width)
         if not chosen:
             return
-        settings = [rows[i].settings for i in chosen]
         param = columns.get(name) if columns else None
         if param is None:
-            param = col([getattr(s, name) for s in settings])
-        on_rows(x, chosen, lambda sub: fn(sub, settings, param))
+            param = col(values)
+        on_rows(x, chosen, lambda sub: fn(sub, bound, param))
 
-    stage("top_p", lambda sub, ss, p: filters.top_p(sub, p, candidate_bound(ss, width)))
-    stage("min_p", lambda sub, ss, p: filters.min_p(sub, p))
-    stage("typical", lambda sub, ss, p: filters.typical(sub, p, candidate_bound(ss, width)))
-    stage("tfs", lambda sub, ss, p: filters.tail_free(sub, p, candidate_bound(ss, width)))
-    stage("top_a", lambda sub, ss, p: filters.top_a(sub, p))
+    stage("top_p", lambda sub, bound, p: filters.top_p(sub, p, bound))
+    stage("min_p", lambda sub, bound, p: filters.min_p(sub, p))
+    stage("typical", lambda sub, bound, p: filters.typical(sub, p, bound))
+    stage("tfs", lambda sub, bound, p: filters.tail_free(sub, p, bound))
+    stage("top_a", lambda sub, bound, p: filters.top_a(sub, p))
     fired = [i for i in rows_using(rows, "xtc") if host_uniform(
         rows[i].seed, rows[i].counter, _XTC_STREAM) < rows[i].settings.xtc_probability]
     if fired:
@@ -117,6 +115,22 @@ def shape_tail(
     mirostat_rows = rows_using(rows, "mirostat")
     mus = [requests[rows[i].request].state.current_mu(rows[i].settings) for i in mirostat_rows]
     on_rows(x, mirostat_rows, lambda sub: filters.mirostat(sub, col(mus)))
+
+
+def _stage_rows(rows: Sequence[Row], name: str, width: int) -> tuple[list[int], int, list[float]]:
+    """The rows using column stage ``name``, the `candidate_bound` of their settings for
+    ``width`` columns, and their parameter values; kept in ``rows.memo`` for a `RowList` (it
+    depends on the rows' settings alone)."""
+    memo = rows.memo if isinstance(rows, RowList) else None
+    found = memo.get(("stage", name, width)) if memo is not None else None
+    if found is None:
+        chosen = rows_using(rows, name)
+        settings = [rows[i].settings for i in chosen]
+        found = (chosen, candidate_bound(settings, width),
+                 [getattr(s, name) for s in settings])
+        if memo is not None:
+            memo[("stage", name, width)] = found
+    return found
 
 
 def column_values(rows: Sequence[Row]) -> dict[str, list[float]]:
