@@ -59,9 +59,9 @@ def test_gpu_generator_with_dedup_and_preemption_matches_sdpa_alone(
     replays = []
     original_run = DecodeGraphs.run
 
-    def counting_run(self: DecodeGraphs, plan, seq_slots=None):  # type: ignore[no-untyped-def]
+    def counting_run(self: DecodeGraphs, plan, *args):  # type: ignore[no-untyped-def]
         replays.append(len(plan.slices))
-        return original_run(self, plan, seq_slots)
+        return original_run(self, plan, *args)
 
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     shared = _prompts(1, seed=2, lo=300, hi=301)[0]
