@@ -24,7 +24,7 @@ from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.generate import run_generate
 from dyngen_core.job import Job
 from dyngen_core.models import Model
-from dyngen_core.overlap import GreedyLauncher, PendingStep, token_feed
+from dyngen_core.overlap import PendingStep, TokenLauncher, token_feed
 from dyngen_core.plan import SampledTokens, StepPlan
 from dyngen_core.results import EosReason, GeneratorStats, Result
 from dyngen_core.runner import ModelRunner
@@ -53,11 +53,11 @@ class DynamicGenerator:
             per batch-size bucket up to max_batch_size).
         compile_decode: run the captured decode step through torch.compile (fuses the small
             kernels of norms and rotary; slower start).
-        overlap_steps: let a step whose sampling jobs are all plain greedy (no sampler stage,
-            constraint, banned string, stop-token ban or extra output) finish on the host during
-            the next step's forward: its tokens are chosen on the device, the next step reads
-            them there, and they are emitted by the next `iterate` (one step later). Other
-            steps run as before. Outputs are the same either way.
+        overlap_steps: let a step finish on the host during the next step's forward when none
+            of its sampling jobs has a constraint, banned string, stop-token ban, extra output
+            or mirostat: its tokens are chosen on the device, the next step reads them there,
+            and they are emitted by the next `iterate` (one step later). Other steps run as
+            before. Outputs are the same either way.
     """
 
     def __init__(
@@ -94,7 +94,7 @@ class DynamicGenerator:
             model.config.generation_defaults
         )
         self._overlap = overlap_steps
-        self._greedy = GreedyLauncher(self._bridge.vocab_size, model.device)
+        self._launcher = TokenLauncher(self._bridge.vocab_size, model.device)
         self._pending: PendingStep | None = None
         self._active: dict[int, ActiveJob] = {}
         self._finished_results: list[Result] = []
@@ -199,8 +199,8 @@ class DynamicGenerator:
     def iterate(self) -> list[Result]:
         """Run one step and return the results it produced (possibly none).
 
-        With ``overlap_steps``, a step whose sampling jobs are all plain greedy returns before
-        its tokens reach the host: they are emitted by the next call, after it has launched the
+        With ``overlap_steps``, a step whose tokens can be chosen on the device returns before
+        they reach the host: they are emitted by the next call, after it has launched the
         following step (so the device computes while the host emits)."""
         results, self._finished_results = self._finished_results, []
         pending, self._pending = self._pending, None
@@ -225,11 +225,12 @@ class DynamicGenerator:
             self._fail(plan, exc)
             return results + self._take_finished()
         self._resolve(pending, results)
-        if plain and active and self._overlap:
+        if active and self._overlap:
             assert logits is not None
-            self._pending = self._greedy.launch(logits, plan, active)
-            self._scheduler.apply_tokens(plan, [PENDING_TOKEN] * len(active))
-            return results + self._take_finished()
+            self._pending = self._launch(logits, plan, active, plain)
+            if self._pending is not None:
+                self._scheduler.apply_tokens(plan, [PENDING_TOKEN] * len(active))
+                return results + self._take_finished()
         try:
             sampled = self._sample(logits, active, plain, masks)
         except Exception as exc:  # noqa: BLE001
@@ -241,6 +242,19 @@ class DynamicGenerator:
         self._scheduler.apply_tokens(plan, sampled.tokens)
         self._emit_step(plan, sampled, results)
         return results + self._take_finished()
+
+    def _launch(self, logits: torch.Tensor, plan: StepPlan, active: list[ActiveJob],
+                plain: bool) -> PendingStep | None:
+        """The step's tokens chosen on the device and on their way to the host, or None when
+        a job needs the host to sample (`SamplingBridge.launch`)."""
+        if plain:
+            fed, ids = self._launcher.greedy(logits)
+            return self._launcher.launch(ids, plan, active, fed)
+        try:
+            sampled = self._bridge.launch(logits, active)
+        except SamplingError:
+            return None  # `sample` reports the jobs it cannot sample
+        return None if sampled is None else self._launcher.launch(sampled, plan, active)
 
     def _sample(self, logits: torch.Tensor | None, active: list[ActiveJob], plain: bool,
                 masks: Any) -> StepTokens:
@@ -263,8 +277,9 @@ class DynamicGenerator:
         for row, a in enumerate(pending.active):
             a.draws += 1
             if tokens[row] < 0 and a.job_id in active_jobs:
-                error = SamplingError(f"job {a.job_id}: its logits have no finite value (the "
-                                      "model produced NaN or inf); the job fails", [row])
+                error = SamplingError(f"job {a.job_id}: its logits row left no token to choose "
+                                      "(NaN or inf from the model, or token_bias removed every "
+                                      "token); the job fails", [row])
                 self._end_job(a.job_id, EosReason.ERROR, error=error)
         self._scheduler.resolve_tokens(pending.plan, tokens)
         self._emit_step(pending.plan, StepTokens(tokens), out)

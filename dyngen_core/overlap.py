@@ -1,7 +1,8 @@
 """Overlapping a step's host work with the next step's forward: pending tokens and token feeds.
 
-A plain-greedy step's tokens are chosen on the device (`GreedyLauncher.launch`) and copied to a
-pinned host buffer without waiting: the step becomes a `PendingStep`. The generator applies it to
+A step's tokens chosen on the device (plain greedy: `TokenLauncher.greedy`; sampled:
+`SamplingBridge.launch`) are copied to a pinned host buffer without waiting
+(`TokenLauncher.launch`): the step becomes a `PendingStep`. The generator applies it to
 the scheduler with `PENDING_TOKEN`s, plans and launches the next step at once, and only then
 waits for the tokens (by then the device is busy with the next forward), resolves them in the
 scheduler and emits them. The next step's decode inputs that are still pending are read on the
@@ -45,10 +46,10 @@ class PendingStep:
         return self.host[: len(self.active)].tolist()
 
 
-class GreedyLauncher:
-    """Chooses plain-greedy tokens on the device and starts their copy to the host.
+class TokenLauncher:
+    """Starts the copy of a step's device-chosen tokens to the host, without waiting.
 
-    vocab_size: the tokenizer's vocabulary (columns past it are never chosen).
+    vocab_size: the tokenizer's vocabulary (columns past it are never chosen by `greedy`).
     device: where the logits live; on CUDA the copy goes to one of two pinned buffers (the
         previous step's may still be read), grown as needed.
     """
@@ -59,19 +60,27 @@ class GreedyLauncher:
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
 
-    def launch(self, logits: torch.Tensor, plan: StepPlan, active: list[ActiveJob]) -> PendingStep:
-        """The argmax of every row (the first maximum, like `Sampler.greedy_ids`), -1 for rows
-        with no finite value, copied to the host without waiting."""
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the argmax of every row: the first maximum, like `Sampler.greedy_ids`; the same
+        with -1 for rows with no finite value)."""
         x = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
         values, ids = x.max(-1)
-        checked = torch.where(values.abs() < float("inf"), ids, -1)
+        return ids, torch.where(values.abs() < float("inf"), ids, -1)
+
+    def launch(self, ids: torch.Tensor, plan: StepPlan, active: list[ActiveJob],
+               fed: torch.Tensor | None = None) -> PendingStep:
+        """A `PendingStep` of ``ids`` ([rows] int64 on the device, -1 for a row without a
+        token); ``fed``: what the next step reads instead (valid ids everywhere), default
+        ``ids`` with -1 read as token 0 (its job fails when resolved; that row is dropped)."""
+        if fed is None:
+            fed = ids.clamp(min=0)
         if self.device.type != "cuda":
-            return PendingStep(plan, active, ids, checked, None)
+            return PendingStep(plan, active, fed, ids, None)
         host = self._buffer(ids.shape[0])
-        host[: ids.shape[0]].copy_(checked, non_blocking=True)
+        host[: ids.shape[0]].copy_(ids, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return PendingStep(plan, active, ids, host, ready)
+        return PendingStep(plan, active, fed, host, ready)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         if len(self._buffers) < 2 or self._buffers[0].shape[0] < rows:

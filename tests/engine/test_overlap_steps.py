@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.overlap import GreedyLauncher
+from dyngen_core.overlap import TokenLauncher
 from dyngen_core.plan import StepPlan
 
 GREEDY = SamplerSettings.greedy()
@@ -58,14 +58,14 @@ def _both(make: Callable[..., DynamicGenerator], monkeypatch: pytest.MonkeyPatch
           **options: Any) -> tuple[list[Any], list[Any], int]:
     """(overlapped results, synchronous results, overlapped steps launched)."""
     launches = [0]
-    launch = GreedyLauncher.launch
+    launch = TokenLauncher.launch
 
-    def counted(self: GreedyLauncher, *args: Any) -> Any:
+    def counted(self: TokenLauncher, *args: Any) -> Any:
         launches[0] += 1
         return launch(self, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(GreedyLauncher, "launch", counted)
+        patch.setattr(TokenLauncher, "launch", counted)
         overlapped = _results(make(overlap_steps=True, **options), jobs(), cancel)
     synchronous = _results(make(overlap_steps=False, **options), jobs(), cancel)
     return overlapped, synchronous, launches[0]
@@ -106,8 +106,9 @@ def test_plain_and_other_jobs_in_one_batch_match(make_generator, monkeypatch):
 
     def jobs() -> list[Job]:
         out = _greedy_jobs(prompts, 10)
-        # Sampled (seeded), a stop-token ban (min_new_tokens) and extra outputs: these steps
-        # sample synchronously, after the pending step before them is resolved.
+        # Sampled (seeded: overlapped too, through SamplingBridge.launch), a stop-token ban
+        # (min_new_tokens) and extra outputs (these steps sample synchronously, after the
+        # pending step before them is resolved).
         out.append(Job(input_ids=prompts[0], max_new_tokens=6, stop_conditions=[],
                        gen_settings=SamplerSettings(temperature=0.9, top_p=0.8), seed=5,
                        identifier=99))
