@@ -183,7 +183,9 @@ class DecodeGraphs:
 
     def plan_cascade(self, plan: StepPlan) -> CascadePlan | None:
         """The shared-prefix groups a replay of ``plan`` attends once per group; None: the
-        plain graph (no groups worth it, or a backend or storage without the cascade)."""
+        plain graph (no groups worth it, or a backend or storage without the cascade). The
+        backend plans again only when a step changed a shared page (a step that did not gets
+        the previous plan object back, and `StaticCascadeLayout.fill` then writes nothing)."""
         if self._planner is None or self._cascade is None:
             return None
         return self._planner.plan_cascade(plan, self.storage)

@@ -173,10 +173,13 @@ def _best_groups(members: list[int], depth: int, tables: Sequence[Sequence[int]]
             if visible[member] > shared:
                 deeper.setdefault(tables[member][shared], []).append(member)
     split_saved, split = 0, []
+    min_members = policy.min_members
     for subset in deeper.values():
-        saved, groups = _best_groups(subset, shared + 1, tables, visible, policy, levels_left)
-        split_saved += saved
-        split += groups
+        if len(subset) >= min_members:  # most subsets are one sequence's own pages
+            saved, groups = _best_groups(subset, shared + 1, tables, visible, policy,
+                                         levels_left)
+            split_saved += saved
+            split += groups
     if whole > 0 and whole >= split_saved:
         return whole, [PrefixGroup(tuple(members), shared)]
     return split_saved, split

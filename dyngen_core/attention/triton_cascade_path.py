@@ -9,7 +9,9 @@ Tables come from one of two places. An eager forward (host page tables at hand) 
 and builds tables sized to the plan, with split counts chosen from the lengths. A CUDA graph's
 batch carries them (``ForwardBatch.cascade``, views of the graph's static buffers, filled each
 step through `graph_layout`'s `StaticCascadeLayout`): then every grid and split count follows
-from the batch size alone, so one capture serves every plan of its bucket.
+from the batch size alone, so one capture serves every plan of its bucket. Graph steps are
+planned by `plan_step` through a `SharedPrefixTracker`, which plans again only when a step
+changed a page some decodes share.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy, plan_shared_prefixes
+from dyngen_core.attention.shared_prefix_tracker import SharedPrefixTracker
 from dyngen_core.attention.triton_cascade import (
     PrefixLaunch,
     attend_prefixes,
@@ -77,6 +80,7 @@ class CascadePath:
         self.options = options
         self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
         self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
+        self._tracker: SharedPrefixTracker | None = None  # graph steps: reuses plans
 
     def plan(self, batch: ForwardBatch, storage: KVStorage) -> CascadePlan | None:
         """The batch's shared-prefix plan (once per batch), or None when it runs no cascade."""
@@ -94,15 +98,16 @@ class CascadePath:
 
     def plan_step(self, plan: StepPlan, storage: KVStorage) -> CascadePlan | None:
         """The shared-prefix plan of the decode-only batch ``plan`` would build, from the plan
-        alone (no batch, no tensors); None when it runs no cascade."""
-        slices = plan.slices
+        alone (no batch, no tensors); None when it runs no cascade. Successive steps go
+        through one `SharedPrefixTracker`: a step that changed no shared page reuses the
+        previous step's plan (the same object when the batch order is unchanged)."""
         policy = self.options.policy
-        if (policy is None or not cascade_reads(storage) or not slices
-                or any(piece.num_tokens != 1 for piece in slices)):
+        if policy is None or not cascade_reads(storage) or not plan.slices:
             return None
-        return plan_shared_prefixes([piece.page_table for piece in slices],
-                                    [piece.end_pos for piece in slices], [1] * len(slices),
-                                    storage.page_size, policy)
+        tracker = self._tracker
+        if tracker is None or tracker.page_size != storage.page_size:
+            tracker = self._tracker = SharedPrefixTracker(storage.page_size, policy)
+        return tracker.plan(plan.slices)
 
     def graph_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
                      capacity: int) -> StaticCascadeLayout | None:

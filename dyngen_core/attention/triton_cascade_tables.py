@@ -19,11 +19,15 @@ This module needs no Triton (CPU tests and CI build and check the tables).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 from dyngen_core.attention.shared_prefix import CascadePlan
+
+_members, _prefix_pages = attrgetter("members"), attrgetter("prefix_pages")
 
 
 @dataclass(frozen=True)
@@ -139,22 +143,61 @@ class StaticCascadeLayout:
         groups = max(1, capacity // 2)
         self._lengths = [capacity, capacity, capacity, groups, groups, capacity, capacity, 1]
         self.size = sum(self._lengths)
+        self._last: tuple[CascadePlan, int, np.ndarray] | None = None  # what fill last wrote
 
     def fill(self, plan: CascadePlan, num_seqs: int, region: np.ndarray) -> None:
         """Write the tables of ``plan`` (over a batch of ``num_seqs``) into ``region`` (int32,
         ``size`` entries). Rows from ``num_seqs`` to ``capacity`` (a bucket's padding) are in
         no group; entries past a plan's members, groups and blocks are left as they were
-        (never read: ``num_blocks`` and ``group_end`` bound every read)."""
+        (never read: ``num_blocks`` and ``group_end`` bound every read).
+
+        Writing the plan object the layout last wrote, with the same ``num_seqs``, into the
+        same memory writes nothing (a planner reuses its plan object while nothing changed):
+        only this layout may write the region."""
         if num_seqs > self.capacity:
             raise ValueError(f"{num_seqs} sequences exceed the cascade tables' capacity "
                              f"{self.capacity}; build the graphs for a larger batch")
-        lists = table_lists(plan, num_seqs, self.members_per_block)
-        offset = 0
-        for part, length in zip(lists.parts(), self._lengths, strict=True):
+        if region.shape != (self.size,) or region.dtype != np.int32:
+            raise ValueError(f"the cascade region must be int32 of {self.size} entries; got "
+                             f"{region.dtype} of shape {region.shape}")
+        last = self._last
+        address = region.__array_interface__["data"][0]
+        if (last is not None and last[0] is plan and last[1] == num_seqs
+                and last[2].__array_interface__["data"][0] == address):
+            return
+        self._write(plan, num_seqs, region)
+        # Holding the region keeps its memory from being freed and handed to another array.
+        self._last = (plan, num_seqs, region)
+
+    def _write(self, plan: CascadePlan, num_seqs: int, region: np.ndarray) -> None:
+        """`fill` in a few array operations (numpy loops, not Python ones)."""
+        capacity = self.capacity
+        sizes = np.fromiter(map(len, map(_members, plan.groups)), dtype=np.int64,
+                            count=len(plan.groups))
+        members = np.fromiter(chain.from_iterable(map(_members, plan.groups)), dtype=np.int64,
+                              count=int(sizes.sum()))
+        prefixes = np.fromiter(map(_prefix_pages, plan.groups), dtype=np.int64,
+                               count=len(plan.groups)) * plan.page_size
+        ends = np.cumsum(sizes)
+        blocks = -(-sizes // self.members_per_block)
+        block_group = np.repeat(np.arange(len(sizes)), blocks)
+        # A block's first member: its group's first, plus members_per_block per earlier block
+        # of the group.
+        first_block = np.cumsum(blocks) - blocks
+        within = np.arange(int(blocks.sum())) - np.repeat(first_block, blocks)
+        block_first = np.repeat(ends - sizes, blocks) + within * self.members_per_block
+        seq_member = region[:capacity]
+        kv_start = region[capacity:2 * capacity]
+        seq_member[:] = -1  # rows in no group, padding rows included,
+        kv_start[:] = 0  # read all their keys themselves
+        seq_member[members] = np.arange(len(members))
+        kv_start[members] = np.repeat(prefixes, sizes)
+        offset = 2 * capacity
+        parts = (members, ends, prefixes, block_group, block_first,
+                 np.array([len(block_group)]))
+        for part, length in zip(parts, self._lengths[2:], strict=True):
             region[offset:offset + len(part)] = part
             offset += length
-        region[num_seqs:self.capacity] = -1  # padding rows: in no group,
-        region[self.capacity + num_seqs:2 * self.capacity] = 0  # all keys their own
 
     def tables(self, region: torch.Tensor, bucket: int) -> CascadeTables:
         """The tables of a graph of ``bucket`` sequences, as views of the device ``region``:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dyngen_core.attention.shared_prefix import CascadePlan, PrefixGroup
 from dyngen_core.attention.triton_cascade_tables import (
@@ -110,3 +112,59 @@ def test_layout_rejects_batches_beyond_capacity() -> None:
         layout.tables(torch.zeros(layout.size, dtype=torch.int32), 5)
     with pytest.raises(ValueError, match=">= 1"):
         StaticCascadeLayout(capacity=0, members_per_block=2)
+
+
+@st.composite
+def _plans(draw: st.DrawFn) -> tuple[CascadePlan, int, int]:
+    """A plan over up to 20 sequences (disjoint groups of 2+, at least one), its batch size and
+    a members-per-block."""
+    num_seqs = draw(st.integers(2, 20))
+    order = draw(st.permutations(range(num_seqs)))
+    groups: list[PrefixGroup] = []
+    taken = 0
+    while num_seqs - taken >= 2 and (not groups or draw(st.booleans())):
+        size = draw(st.integers(2, num_seqs - taken))
+        groups.append(PrefixGroup(tuple(sorted(order[taken:taken + size])),
+                                  draw(st.integers(1, 5))))
+        taken += size
+    groups.sort(key=lambda group: group.members[0])
+    return CascadePlan(tuple(groups), PAGE), num_seqs, draw(st.integers(1, 5))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_plans(), st.integers(0, 4))
+def test_any_plan_fills_what_eager_tables_hold(case: tuple[CascadePlan, int, int],
+                                               padding: int) -> None:
+    plan, num_seqs, per_block = case
+    layout = StaticCascadeLayout(capacity=num_seqs + padding, members_per_block=per_block)
+    region = np.full(layout.size, 777, dtype=np.int32)
+    staged = _read_by_kernels(_staged(layout, region, plan, num_seqs, num_seqs + padding))
+    expected = _read_by_kernels(_with_padding(
+        cascade_tables(plan, [6 * PAGE] * num_seqs, per_block, torch.device("cpu")),
+        num_seqs + padding))
+    assert staged == expected
+
+
+def test_refilling_the_written_plan_is_free_but_never_stale() -> None:
+    """The plan the region holds is not written again; any other plan, batch size or region
+    is."""
+    layout = StaticCascadeLayout(capacity=6, members_per_block=2)
+    one = CascadePlan((PrefixGroup((0, 1, 2), 2),), page_size=PAGE)
+    two = CascadePlan((PrefixGroup((0, 1), 1), PrefixGroup((3, 4), 3)), page_size=PAGE)
+    region = np.zeros(layout.size, dtype=np.int32)
+    layout.fill(one, 5, region)
+    held = region.copy()
+    region[:] = 555  # only the layout writes the region: a repeat of its last fill is skipped
+    layout.fill(one, 5, region)
+    assert (region == 555).all()
+    region[:] = held
+    for plan, seqs in ((two, 5), (one, 5), (one, 4)):
+        layout.fill(plan, seqs, region)
+        assert _read_by_kernels(layout.tables(torch.from_numpy(region), 6)) == _read_by_kernels(
+            _with_padding(cascade_tables(plan, [6 * PAGE] * seqs, 2, torch.device("cpu")), 6))
+    other = np.zeros(layout.size, dtype=np.int32)
+    layout.fill(one, 4, other)
+    assert _read_by_kernels(layout.tables(torch.from_numpy(other), 6)) == _read_by_kernels(
+        layout.tables(torch.from_numpy(region), 6))
+    with pytest.raises(ValueError, match="int32 of"):
+        layout.fill(one, 4, np.zeros(layout.size, dtype=np.int64))
