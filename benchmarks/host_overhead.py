@@ -85,11 +85,12 @@ class SamplerClock:
 
 def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettings,
             steps: int, profile: int = 0, freeze_gc: bool = False,
-            torch_draw: bool = False) -> dict[str, float]:
+            torch_draw: bool = False, overlap: bool = True) -> dict[str, float]:
     model = tiny_model(vocab, device)
     cache = Cache(model, max_tokens=jobs * 512, mode="fp16")
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=word_tokenizer(vocab),
-                                 max_batch_size=jobs, attention_backend="sdpa")
+                                 max_batch_size=jobs, attention_backend="sdpa",
+                                 overlap_steps=overlap)
     # The stand-in replaces the runner: the host work around it is what is measured.
     generator._runner = FixedLogitsRunner(vocab, jobs, device)
     if torch_draw:
@@ -156,6 +157,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() once the jobs run (full collections skip older objects)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="generator with overlap_steps=False (each step waits for its tokens)")
     parser.add_argument("--torch-draw", action="store_true",
                         help="the sampler's torch draw on CUDA instead of the fused kernel")
     args = parser.parse_args()
@@ -167,11 +170,12 @@ def main() -> None:
         device = torch.device(name)
         for label in args.sampling.split(","):
             figures = step_ms(device, args.jobs, args.vocab, SETTINGS[label], args.steps,
-                              args.profile, args.gc_freeze, args.torch_draw)
+                              args.profile, args.gc_freeze, args.torch_draw,
+                              not args.no_overlap)
             fused = not args.torch_draw and fused_draw_default(device)
             report("host_overhead.step", device=name, device_name=device_name(),
                    jobs=args.jobs, vocab=args.vocab, sampling=label, target_ms=1.0,
-                   fused_draw=fused, **figures)
+                   fused_draw=fused, overlap=not args.no_overlap, **figures)
 
 
 if __name__ == "__main__":

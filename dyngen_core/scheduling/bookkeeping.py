@@ -184,7 +184,7 @@ def resolve_pending(jobs: Mapping[int, Sequence], plan: StepPlan, tokens: SeqOf[
         seq = jobs.get(sl.job_id)
         if seq is None:
             continue
-        index = sl.end_pos
+        index = sl.start_pos + len(sl.token_ids)  # `end_pos`, inlined: this runs per job
         if index >= len(seq.token_ids) or seq.token_ids[index] != pending:
             raise RuntimeError(f"job {sl.job_id} has no pending token at position {index}; "
                                "resolve each overlapped step once, in order")
