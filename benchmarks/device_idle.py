@@ -1,0 +1,88 @@
+"""How busy the GPU is while the generator runs: the union of kernel intervals over the wall time
+of a decode run (torch.profiler), i.e. how much of the host's per-step work still shows.
+
+Runs one job of ``--prompt`` tokens and ``--new-tokens`` new tokens at batch 1 (or ``--jobs``
+jobs) through the generator (compiled decode graphs unless ``--no-compile``) and prints the busy
+fraction, the largest idle gaps and the kernels launched outside CUDA graphs, per step. The
+chrome trace goes to ``--trace`` when given.
+
+    python benchmarks/device_idle.py [--jobs 1] [--new-tokens 64] [--trace trace.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+from _common import (
+    add_common_args,
+    bench_config,
+    make_generator,
+    random_model,
+    random_prompts,
+    report,
+    run_jobs,
+    word_tokenizer,
+)
+
+
+def busy_intervals(events: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """(total busy time, idle gaps) of the union of [start, end) intervals."""
+    busy, gaps = 0.0, []
+    current_start = current_end = None
+    for start, end in sorted(events):
+        if current_end is None or start > current_end:
+            if current_end is not None and current_start is not None:
+                busy += current_end - current_start
+                gaps.append(start - current_end)
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_start is not None and current_end is not None:
+        busy += current_end - current_start
+    return busy, gaps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--trace", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise SystemExit("device_idle needs CUDA (it reads kernel times from the profiler)")
+    config = bench_config(args)
+    vocab = config["vocab_size"]
+    model = random_model(config, device)
+    generator = make_generator(model, word_tokenizer(vocab), cache_tokens=args.jobs * 2048 + 4096,
+                               max_batch_size=args.jobs, compile_decode=not args.no_compile,
+                               overlap_steps=not args.no_overlap)
+    run_jobs(generator, random_prompts(args.jobs, args.prompt, vocab, seed=1), 8)
+    prompts = random_prompts(args.jobs, args.prompt, vocab, seed=2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run = run_jobs(generator, prompts, args.new_tokens)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    busy, gaps = busy_intervals(spans)
+    first = min(s for s, _ in spans)
+    last = max(e for _, e in spans)
+    steps = args.new_tokens
+    names = Counter(e.name for e in kernels)
+    report("device_idle", jobs=args.jobs, new_tokens=args.new_tokens, wall_s=run.wall,
+           tok_s=run.new_tokens / run.wall, kernel_span_ms=(last - first) / 1e3,
+           busy_fraction=busy / (last - first),
+           idle_ms_per_step=(last - first - busy) / 1e3 / steps,
+           largest_gaps_us=sorted(gaps, reverse=True)[:8],
+           common_kernels={k: v for k, v in names.most_common(12)})
+
+
+if __name__ == "__main__":
+    main()
