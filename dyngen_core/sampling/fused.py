@@ -17,8 +17,6 @@ triton is imported only when the fused draw runs (CI has none).
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +24,7 @@ import torch
 
 from dyngen_core.sampling.rows import RowList
 from dyngen_core.sampling.upload import Staging
+from dyngen_core.triton_support import require_triton, triton_by_default
 
 # Stages the fused draw handles: the edits run before the top-k, on the full rows.
 FUSED_STAGES = frozenset({"bias", "penalties", "dry", "temperature", "top_k", "top_p"})
@@ -35,18 +34,13 @@ _NO_TOP_P = 2.0  # a top_p no mass reaches: the row is not cut
 
 
 def fused_draw_default(device: torch.device) -> bool:
-    """Whether a sampler on ``device`` uses the fused draw when not told: on CUDA, with triton
-    installed."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    """Whether ``device`` uses the kernel when not told (`triton_support.triton_by_default`)."""
+    return triton_by_default(device)
 
 
 def check_fused_device(device: torch.device) -> None:
-    """Raise ValueError when the fused draw cannot run on ``device``."""
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("fused_draw=True needs triton installed; pass fused_draw=None")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"fused_draw=True needs a CUDA device (got {device}), or "
-                         "TRITON_INTERPRET=1 to run the kernel on the CPU in tests")
+    """Raise ValueError when the kernel cannot run on ``device``."""
+    require_triton(device, "fused_draw")
 
 
 def fusable(rows: RowList, bound: int) -> bool:

@@ -18,26 +18,21 @@ runs (CI has none).
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from contextlib import nullcontext
 
 import torch
 
+from dyngen_core.triton_support import require_triton, triton_by_default
+
 
 def triton_write_default(device: torch.device) -> bool:
-    """Whether a storage layer on ``device`` writes with the kernel when not told: on CUDA,
-    with triton installed."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    """Whether ``device`` uses the kernel when not told (`triton_support.triton_by_default`)."""
+    return triton_by_default(device)
 
 
 def check_triton_write(device: torch.device) -> None:
-    """Raise ValueError when the kernel cannot write to a layer on ``device``."""
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("triton_write=True needs triton installed; pass triton_write=None")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"triton_write=True needs CUDA devices (got {device}), or "
-                         "TRITON_INTERPRET=1 to run the kernel on the CPU in tests")
+    """Raise ValueError when the kernel cannot run on ``device``."""
+    require_triton(device, "triton_write")
 
 
 def write_rows_torch(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor,
