@@ -210,7 +210,9 @@ def test_many_tokens_at_once_and_nothing_after_flush() -> None:
 
 
 TEXT = st.text(
-    alphabet=st.characters(blacklist_characters="\ufffd"),  # surrogates are excluded by default
+    # Lone surrogates are not text (no tokenizer takes them); newer hypothesis versions draw
+    # them unless told not to.
+    alphabet=st.characters(exclude_characters="\ufffd", exclude_categories=("Cs",)),
     max_size=30,
 )
 
