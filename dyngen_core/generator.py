@@ -25,12 +25,12 @@ from dyngen_core.generate import run_generate
 from dyngen_core.job import Job
 from dyngen_core.models import Model
 from dyngen_core.overlap import PendingStep, TokenLauncher, token_feed
-from dyngen_core.plan import SampledTokens, StepPlan
+from dyngen_core.plan import PENDING_TOKEN, SampledTokens, StepPlan
 from dyngen_core.results import EosReason, GeneratorStats, Result
 from dyngen_core.runner import ModelRunner
 from dyngen_core.sampling.request import SamplingError
 from dyngen_core.sampling_bridge import SamplingBridge, StepTokens
-from dyngen_core.scheduler import PENDING_TOKEN, Scheduler
+from dyngen_core.scheduler import Scheduler
 from dyngen_core.settings import SamplerSettings
 from dyngen_core.streaming import StreamUpdate
 from dyngen_core.tokenizer import Tokenizer

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dyngen_core.active_job import ActiveJob
-from dyngen_core.plan import StepPlan
-from dyngen_core.scheduler import PENDING_TOKEN
+from dyngen_core.plan import PENDING_TOKEN, StepPlan
 
 _PENDING_ONLY = [PENDING_TOKEN]
 

@@ -21,6 +21,11 @@ class PageCopy:
     num_slots: int
 
 
+# A token id in a slice that stands for a sampled token still on the device (an overlapped
+# step's, see `Scheduler.resolve_tokens`): never a valid id; the runner reads it on the device.
+PENDING_TOKEN = -1
+
+
 @dataclass
 class SequenceSlice:
     """One job's share of a step.

@@ -36,7 +36,7 @@ from dyngen_core.config import CacheConfig, SchedulerConfig
 from dyngen_core.errors import JobError
 from dyngen_core.pages.defrag import plan_defrag
 from dyngen_core.pages.pool import PagePool
-from dyngen_core.plan import PageCopy, SequenceSlice, StepOutcome, StepPlan
+from dyngen_core.plan import PENDING_TOKEN, PageCopy, SequenceSlice, StepOutcome, StepPlan
 from dyngen_core.scheduling.bookkeeping import (
     check_fits,
     check_sequences,
@@ -47,7 +47,12 @@ from dyngen_core.scheduling.bookkeeping import (
     resolve_pending,
     sampled_tokens,
 )
-from dyngen_core.scheduling.prefix import InflightIndex, PrefixMatch, match_prefix
+from dyngen_core.scheduling.prefix import (
+    InflightIndex,
+    PrefixMatch,
+    match_prefix,
+    take_prefix_pages,
+)
 from dyngen_core.scheduling.sequence import (
     SchedulerStats,
     Sequence,
@@ -56,9 +61,6 @@ from dyngen_core.scheduling.sequence import (
 )
 
 DEFRAG_INTERVAL = 64
-# Stands for a sampled token still on the device (see `Scheduler.resolve_tokens`); never a
-# valid token id, and never fed to a model: the runner reads those inputs on the device.
-PENDING_TOKEN = -1
 ADMISSION_LOOKAHEAD = 64
 WATERMARK_FRACTION = 0.01
 
@@ -218,9 +220,8 @@ class Scheduler:
                 seq.token_ids.append(token)
 
     def resolve_tokens(self, plan: StepPlan, tokens: SequenceOf[int]) -> None:
-        """Put the real tokens (same order as `apply_tokens`) where
-        ``apply_tokens(plan, [PENDING_TOKEN] * n)`` left placeholders: how the generator
-        overlaps a step with the next (see `scheduling.bookkeeping.resolve_pending`)."""
+        """Put the real tokens where ``apply_tokens(plan, [PENDING_TOKEN] * n)`` left
+        placeholders (overlapped steps; see `scheduling.bookkeeping.resolve_pending`)."""
         resolve_pending(self._jobs, plan, tokens, PENDING_TOKEN)
 
     def _advance(self, seq: Sequence, sl: SequenceSlice, accepted: int,
@@ -371,22 +372,9 @@ class Scheduler:
         return match_prefix(seq, self.pool, inflight, share_running=self.config.dedup)
 
     def _try_admit(self, seq: Sequence, match: PrefixMatch, step: _Step) -> bool:
-        pool, ps = self.pool, self.page_size
-        cached_hits = sum(1 for p in match.hit_pages if pool.ref_count(p) == 0)
-        src_cached = match.copy_src is not None and pool.ref_count(match.copy_src) == 0
-        need = (-(-seq.num_tokens // ps) - len(match.hit_pages) + cached_hits + src_cached)
-        watermark = max(1, int(pool.num_pages * WATERMARK_FRACTION)) if self._running else 0
-        if need > pool.free_count() - watermark:
+        watermark = max(1, int(self.pool.num_pages * WATERMARK_FRACTION)) if self._running else 0
+        if not take_prefix_pages(seq, match, self.pool, watermark, step.copies):
             return False
-        for page in match.hit_pages:
-            pool.ref(page)
-        seq.page_table = list(match.hit_pages)
-        if match.copy_src is not None:
-            pool.ref(match.copy_src)  # so allocating the copy's page cannot evict its source
-            dst = pool.allocate()
-            pool.release(match.copy_src)
-            step.copies.append(PageCopy(match.copy_src, dst, match.copy_len))
-            seq.page_table.append(dst)
         self._waiting.remove(seq)
         self._start_running(seq, match.reused_tokens)
         self._schedule_prefill(seq, step)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dyngen_core.pages.pool import MIN_PARTIAL_MATCH, ROOT_HASH, PagePool, common_prefix_len
+from dyngen_core.plan import PageCopy
 from dyngen_core.scheduling.sequence import Sequence
 
 
@@ -114,3 +115,25 @@ def match_prefix(seq: Sequence, pool: PagePool, inflight: InflightIndex | None, 
     if src is None or n < MIN_PARTIAL_MATCH:
         return PrefixMatch(hits, None, 0, ps)
     return PrefixMatch(hits, src, n, ps)
+
+
+def take_prefix_pages(seq: Sequence, match: PrefixMatch, pool: PagePool, watermark: int,
+                      copies: list[PageCopy]) -> bool:
+    """Give ``seq`` its matched prefix pages (referenced) and, for a partly matching page, a
+    fresh page with a copy queued in ``copies``, if the pages its whole prefill still needs
+    fit while keeping ``watermark`` pages free; False (nothing taken) otherwise."""
+    cached_hits = sum(1 for p in match.hit_pages if pool.ref_count(p) == 0)
+    src_cached = match.copy_src is not None and pool.ref_count(match.copy_src) == 0
+    need = -(-seq.num_tokens // pool.page_size) - len(match.hit_pages) + cached_hits + src_cached
+    if need > pool.free_count() - watermark:
+        return False
+    for page in match.hit_pages:
+        pool.ref(page)
+    seq.page_table = list(match.hit_pages)
+    if match.copy_src is not None:
+        pool.ref(match.copy_src)  # so allocating the copy's page cannot evict its source
+        dst = pool.allocate()
+        pool.release(match.copy_src)
+        copies.append(PageCopy(match.copy_src, dst, match.copy_len))
+        seq.page_table.append(dst)
+    return True
