@@ -52,7 +52,7 @@ class ModelRunner:
     def run(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor | None:
         """Copy pages, then run every slice in one forward; None when no slice samples.
         ``feed``: inputs that are a previous step's sampled tokens still on the device (the
-        plan holds `scheduler.PENDING_TOKEN` there)."""
+        plan holds `plan.PENDING_TOKEN` there)."""
         if plan.copies:
             self.cache.storage.copy_pages(plan.copies)
         if not plan.slices:
