@@ -55,6 +55,7 @@ def exact_operands(storage: KVStorage, layer: int, batch: ForwardBatch,
         unused = batch.query_start
         return ExactOperands(*heads, heads[0], heads[1], unused, unused, heads[0], heads[1], 0)
     ring = recent.layers[layer]
+    # The rows the storage's write just prepared for these tensors: no kernel runs here.
     fresh_keys, fresh_values = storage.exact_rows(layer, *step_rows)
     return ExactOperands(*heads, ring.keys, ring.values, ring.positions, batch.seq_slots,
                          fresh_keys.contiguous(), fresh_values.contiguous(), recent.window)

@@ -90,8 +90,14 @@ def quantize(x: torch.Tensor, fmt: QuantFormat,
     Returns packed codes [..., packed_bytes] in ``fmt.code_dtype`` and float16 scales
     [..., head_dim / 32]. ``rotation`` is `hadamard.hadamard_matrix(32)`.
     """
-    rotated = rotate(x, rotation)
-    groups = rotated.reshape(*x.shape[:-1], x.shape[-1] // GROUP_SIZE, GROUP_SIZE)
+    return quantize_rotated(rotate(x, rotation), fmt)
+
+
+def quantize_rotated(rotated: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` of rows already rotated (``hadamard.rotate(x, rotation)``, float32): what
+    a caller that also needs the rotated rows (the storage's exact rows) quantizes."""
+    shape = rotated.shape
+    groups = rotated.reshape(*shape[:-1], shape[-1] // GROUP_SIZE, GROUP_SIZE)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     extreme = torch.where((groups == amax).any(dim=-1, keepdim=True), amax, -amax)
     scales16 = (extreme / float(fmt.lowest)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
@@ -99,8 +105,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat,
     nonzero = scales != 0
     ratio = torch.where(nonzero, groups / torch.where(nonzero, scales, 1.0), 0.0)
     codes = ratio.round().clamp(fmt.lowest, fmt.highest).to(torch.int32)
-    codes = codes.reshape(x.shape)
-    return pack(codes, fmt), scales16.squeeze(-1)
+    return pack(codes.reshape(shape), fmt), scales16.squeeze(-1)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat,

@@ -17,13 +17,19 @@ tokens) 6/6 gives a mean next-token KL of 3.7e-3 against 7.1e-3 for 8/4, because
 
 Two kinds of rows are kept unquantized beside the pages, because a query leans hardest on them:
 the first slot of every page (``key_heads`` / ``value_heads`` [num_pages + 1, kv_heads,
-head_dim]; slot 0 of a sequence's first page is its first token, the "attention sink" most heads
-attend to; one row per page costs 1.4 % of a q4 page, so q4 still holds 3.5x the tokens of fp16)
-and, once `reserve_sequences` has made room, each running sequence's most recent positions
-(`recent.RecentWindow`). Both hold `exact_rows`: the compute dtype, rotated like the codes, so a
-kernel attending in the rotated space reads them as they are. `gather` returns the page heads
-(un-rotated) in place of their quantized rows; readers take the recent rows from
-`gather_recent`.
+head_dim], the halves of one ``head_rows`` tensor; slot 0 of a sequence's first page is its
+first token, the "attention sink" most heads attend to; one row per page costs 1.4 % of a q4
+page, so q4 still holds 3.5x the tokens of fp16) and, once `reserve_sequences` has made room,
+each running sequence's most recent positions (`recent.RecentWindow`). Both hold `exact_rows`:
+the compute dtype, rotated like the codes, so a kernel attending in the rotated space reads them
+as they are. `gather` returns the page heads (un-rotated) in place of their quantized rows;
+readers take the recent rows from `gather_recent`.
+
+Per layer and step, the rows are prepared once (`step_rows`): keys minus their offsets and
+values in one [2, T, ...] tensor, rotated by one matrix product, cast once; the head rows, the
+window rows and attention's exact operands all read that result, and the row indices of heads
+and window are computed once per forward, not per layer (a batch-1 GPU decode step is mostly
+such small kernels: benchmarks/storage_ops.py counts them).
 
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
 from every key before it is quantized and never added back: attention scores of a query all move
@@ -41,15 +47,22 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.plan import PageCopy
 from dyngen_core.storage import native
-from dyngen_core.storage.hadamard import hadamard_matrix, rotate, rotation_signs, unrotate
+from dyngen_core.storage.hadamard import hadamard_matrix, rotation_signs, unrotate
 from dyngen_core.storage.qformat import (
     GROUP_SIZE,
     QuantFormat,
     check_head_dim,
     dequantize,
-    quantize,
+    quantize_rotated,
 )
-from dyngen_core.storage.recent import RecentWindow
+from dyngen_core.storage.recent import RecentWindow, WindowIndex
+from dyngen_core.storage.step_rows import (
+    ExactStepRows,
+    StepMemo,
+    head_index,
+    offset_keys,
+    prepare_rows,
+)
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
@@ -65,8 +78,17 @@ class QuantLayer:
     key_scales: torch.Tensor
     value_codes: torch.Tensor
     value_scales: torch.Tensor
-    key_heads: torch.Tensor
-    value_heads: torch.Tensor
+    head_rows: torch.Tensor  # [2, num_pages + 1, kv_heads, head_dim]: key heads, value heads
+
+    @property
+    def key_heads(self) -> torch.Tensor:
+        """The unquantized first key row of every page, [num_pages + 1, kv_heads, head_dim]."""
+        return self.head_rows[0]
+
+    @property
+    def value_heads(self) -> torch.Tensor:
+        """The unquantized first value row of every page, like `key_heads`."""
+        return self.head_rows[1]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The [num_pages, page_size, ...] tensors (what page copies move slot by slot)."""
@@ -124,6 +146,7 @@ class QuantStorage:
         wants_native = use_native and any(d.type == "cuda" for d in self.devices)
         self._native = native.load_native() if wants_native else None
         self.key_offsets: list[torch.Tensor] | None = None
+        self._memo = StepMemo()
         self.recent: RecentWindow | None = None
         self.recent_window = 0
         self.set_recent_window(recent_window)
@@ -159,6 +182,7 @@ class QuantStorage:
         ``layer`` from now on (None: subtract nothing). Set it before the first write: keys
         already stored keep the offsets they were written with, and a query must see one offset
         across all keys it attends to."""
+        self._memo.clear()
         if offsets is None:
             self.key_offsets = None
             return
@@ -180,12 +204,10 @@ class QuantStorage:
         def scales() -> torch.Tensor:
             return torch.zeros((*rows, groups), dtype=torch.float16, device=device)
 
-        def heads() -> torch.Tensor:
-            shape = (self.num_pages + 1, self.num_kv_heads, self.head_dim)
-            return torch.zeros(shape, dtype=self.dtype, device=device)
-
+        heads = torch.zeros((2, self.num_pages + 1, self.num_kv_heads, self.head_dim),
+                            dtype=self.dtype, device=device)
         return QuantLayer(codes(self.key_format), scales(), codes(self.value_format), scales(),
-                          heads(), heads())
+                          heads)
 
     def _kernels(self, layer: int) -> native.NativeKernels | None:
         return self._native if self.devices[layer].type == "cuda" else None
@@ -194,10 +216,17 @@ class QuantStorage:
               slot_mapping: torch.Tensor) -> None:
         """Quantize key/value rows [T, num_kv_heads, head_dim] and store them at the flat
         slots ``slot_mapping`` [T] (page * page_size + offset); rows landing on slot 0 of a
-        page also become that page's exact head row."""
-        key = self.stored_keys(layer, key)
-        self._write_pages(layer, key, value, slot_mapping)
-        self._write_heads(layer, *self._rotated(layer, key, value), slot_mapping)
+        page also become that page's exact head row. Values are taken in the keys' dtype (the
+        model gives both in its own)."""
+        rows = self._prepare_rows(layer, key, value)
+        self._memo.keep_rows(layer, key, value, rows)
+        self._write_pages(layer, rows, slot_mapping)
+        device = self.devices[layer]
+        index = self._memo.index("heads", layer, device, (slot_mapping,), lambda: head_index(
+            slot_mapping, self.page_size, self.num_pages, device))
+        heads = self.layers[layer].head_rows
+        heads.view(-1, *heads.shape[2:]).index_copy_(0, index,
+                                                     rows.exact.view(-1, *heads.shape[2:]))
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
@@ -205,57 +234,64 @@ class QuantStorage:
         (``positions``, ``seq_slots``: [T], -1 for no slot). Call it after the layer's
         attention: a prefill chunk's rows would otherwise replace window rows of earlier
         positions its first queries still read. No-op without `reserve_sequences`."""
-        if self.recent is not None:
-            self.recent.write(layer, *self.exact_rows(layer, key, value), positions, seq_slots)
+        recent = self.recent
+        if recent is None:
+            return
+        device = self.devices[layer]
+        index: WindowIndex = self._memo.index(
+            "window", layer, device, (positions, seq_slots),
+            lambda: recent.index(positions, seq_slots, device))
+        recent.write_rows(layer, self.step_rows(layer, key, value).exact, index)
 
     def exact_rows(self, layer: int, key: torch.Tensor,
                    value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key/value rows [T, num_kv_heads, head_dim] in the form the exact rows (page heads,
         recent windows) are stored: keys minus the key offsets, both rotated like the codes
-        (`hadamard.rotate`), in the compute dtype. A kernel attending in the rotated space
-        reads them as they are."""
-        return self._rotated(layer, self.stored_keys(layer, key), value)
-
-    def _rotated(self, layer: int, key: torch.Tensor,
-                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rotation = self._rotation[self.devices[layer]]
-        return (rotate(key, rotation).to(self.dtype), rotate(value, rotation).to(self.dtype))
+        (`hadamard.rotate`), in the compute dtype; contiguous. A kernel attending in the
+        rotated space reads them as they are."""
+        exact = self.step_rows(layer, key, value).exact
+        return exact[0], exact[1]
 
     def stored_keys(self, layer: int, key: torch.Tensor) -> torch.Tensor:
         """Keys [T, num_kv_heads, head_dim] as this storage holds them: minus the layer's key
         offsets (what a reader mixing the step's own keys with stored ones must use)."""
         if self.key_offsets is None:
             return key
-        return (key.to(torch.float32) - self.key_offsets[layer]).to(key.dtype)
+        rows = self._memo.rows(layer, key)
+        if rows is not None:
+            return rows.stored[0]
+        return offset_keys(key, self.key_offsets[layer], torch.empty_like(key))
 
-    def _write_pages(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
+    def step_rows(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> ExactStepRows:
+        """``key``/``value`` [T, num_kv_heads, head_dim] of ``layer`` prepared as the storage
+        keeps them (`step_rows.prepare_rows`): those `write` prepared when given the same
+        tensors (`exact_rows` and `write_recent` after it), else computed."""
+        rows = self._memo.rows(layer, key, value)
+        return rows if rows is not None else self._prepare_rows(layer, key, value)
+
+    def _prepare_rows(self, layer: int, key: torch.Tensor,
+                      value: torch.Tensor) -> ExactStepRows:
+        offsets = self.key_offsets[layer] if self.key_offsets is not None else None
+        return prepare_rows(key, value, offsets, self._rotation[self.devices[layer]],
+                            self.dtype)
+
+    def _write_pages(self, layer: int, rows: ExactStepRows, slot_mapping: torch.Tensor) -> None:
         pages = self.layers[layer]
-        device = self.devices[layer]
         kernels = self._kernels(layer)
         if kernels is not None:
-            kernels.quantize_write(key, value, slot_mapping, pages.key_codes, pages.key_scales,
-                                   pages.value_codes, pages.value_scales, self._signs[device],
+            kernels.quantize_write(rows.stored[0], rows.stored[1], slot_mapping,
+                                   pages.key_codes, pages.key_scales, pages.value_codes,
+                                   pages.value_scales, self._signs[self.devices[layer]],
                                    self.key_format.bits, self.value_format.bits)
             return
         slots = slot_mapping.to(torch.int64)
-        for rows, codes, scales, fmt in (
-            (key, pages.key_codes, pages.key_scales, self.key_format),
-            (value, pages.value_codes, pages.value_scales, self.value_format),
+        for rotated, codes, scales, fmt in (
+            (rows.rotated[0], pages.key_codes, pages.key_scales, self.key_format),
+            (rows.rotated[1], pages.value_codes, pages.value_scales, self.value_format),
         ):
-            packed, row_scales = quantize(rows, fmt, self._rotation[device])
+            packed, row_scales = quantize_rotated(rotated, fmt)
             codes.view(-1, *codes.shape[2:]).index_copy_(0, slots, packed)
             scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, row_scales)
-
-    def _write_heads(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
-        """Rows written to slot 0 of a page also go to the page's head row; the others to the
-        spare last row (no data-dependent shapes, so this can be captured in a CUDA graph)."""
-        pages = self.layers[layer]
-        slots = slot_mapping.to(device=pages.key_heads.device, dtype=torch.int64)
-        rows = torch.where(slots % self.page_size == 0, slots // self.page_size, self.num_pages)
-        pages.key_heads.index_copy_(0, rows, key.to(self.dtype))
-        pages.value_heads.index_copy_(0, rows, value.to(self.dtype))
 
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of the pages in ``page_table`` [B, P], each
@@ -321,12 +357,11 @@ class QuantStorage:
         self._copy_heads(copies)
 
     def _copy_heads(self, copies: Sequence[PageCopy]) -> None:
-        """Every copy starts at slot 0, so the destination takes the source's head row; in
-        order, as a later copy may read what an earlier one wrote."""
+        """Every copy starts at slot 0, so the destination takes the source's head rows (key
+        and value at once); in order, as a later copy may read what an earlier one wrote."""
         for pages in self.layers:
-            for heads in pages.heads():
-                for c in copies:
-                    heads[c.dst].copy_(heads[c.src])
+            for c in copies:
+                pages.head_rows[:, c.dst].copy_(pages.head_rows[:, c.src])
 
     def _check_copy(self, copy: PageCopy) -> None:
         for page in (copy.src, copy.dst):

@@ -7,13 +7,14 @@ first token's, which `quant.QuantStorage` keeps exact as a page head). Reading t
 positions unquantized cuts q4's next-token KL about 3x (BENCHMARKS.md, cache quality); KIVI
 (Liu et al., 2024) keeps such a full-precision residual for the same reason.
 
-Layout, per layer on the layer's device: ``keys`` / ``values`` [slots * window + 1, kv_heads,
-head_dim] in the compute dtype and ``positions`` [slots * window + 1] int32. Sequence slot ``s``
-owns rows ``s * window ... s * window + window - 1``; position ``p`` goes to row
-``s * window + p % window``, and ``positions`` records which position a row holds (-1: none),
-so a reader can tell a row it may use from a stale one (a slot handed to another sequence, a
-sequence that restarted from a cached prefix). The last row is a spare that absorbs writes of
-tokens without a slot, so a write never needs a data-dependent shape (CUDA graphs).
+Layout, per layer on the layer's device: ``rows`` [2, slots * window + 1, kv_heads, head_dim] in
+the compute dtype, whose halves are ``keys`` and ``values`` (one tensor, so a step's keys and
+values go in with one ``index_copy_``), and ``positions`` [slots * window + 1] int32. Sequence
+slot ``s`` owns rows ``s * window ... s * window + window - 1``; position ``p`` goes to row
+``s * window + p % window``, and ``positions`` records which position a row holds (-1: none), so a
+reader can tell a row it may use from a stale one (a slot handed to another sequence, a sequence
+that restarted from a cached prefix). The last row is a spare that absorbs writes of tokens
+without a slot, so a write never needs a data-dependent shape (CUDA graphs).
 
 A query at position ``p`` reads key ``j`` from here when ``p - window < j <= p`` and the window
 holds ``j`` (keys written in the same step are read from the step's own rows instead: see
@@ -32,12 +33,35 @@ import torch
 class RecentLayer:
     """One layer's window rows (see the module docstring for the layout)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    rows: torch.Tensor
     positions: torch.Tensor
 
+    @property
+    def keys(self) -> torch.Tensor:
+        """[slots * window + 1, kv_heads, head_dim], contiguous."""
+        return self.rows[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[slots * window + 1, kv_heads, head_dim], contiguous."""
+        return self.rows[1]
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.keys, self.values, self.positions)
+        return (self.rows, self.positions)
+
+
+@dataclass(frozen=True)
+class WindowIndex:
+    """Where one step's tokens go in every layer's window (`RecentWindow.index`).
+
+    rows: [2T] int64, the window row of each token's key, then of each token's value (in the
+        [2 * (slots * window + 1)] rows of a layer's ``rows`` tensor; unkept tokens go to the
+        spare rows).
+    positions: [T] int32, the position each token's row then holds (-1: none).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
 
 
 class RecentWindow:
@@ -59,8 +83,7 @@ class RecentWindow:
         rows = slots * window + 1
         self.layers = [
             RecentLayer(
-                keys=torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device),
-                values=torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device),
+                rows=torch.zeros(2, rows, num_kv_heads, head_dim, dtype=dtype, device=device),
                 positions=torch.full((rows,), -1, dtype=torch.int32, device=device),
             )
             for device in devices
@@ -71,8 +94,21 @@ class RecentWindow:
         """Store rows [T, kv_heads, head_dim] of tokens at ``positions`` [T] of the sequences in
         ``seq_slots`` [T] (-1 or out of range: not kept); of a sequence's tokens, those within
         ``window`` of its newest one."""
+        device = self.layers[layer].rows.device
+        self.write_rows(layer, torch.stack((key, value)), self.index(positions, seq_slots, device))
+
+    def write_rows(self, layer: int, rows: torch.Tensor, index: WindowIndex) -> None:
+        """Store a step's keys and values ``rows`` [2, T, kv_heads, head_dim] where ``index``
+        (`index`, the same for every layer of a forward) puts them."""
         target = self.layers[layer]
-        device = target.keys.device
+        flat = target.rows.view(-1, *target.rows.shape[2:])
+        flat.index_copy_(0, index.rows, rows.reshape(-1, *rows.shape[2:]).to(flat.dtype))
+        target.positions.index_copy_(0, index.rows[: index.positions.shape[0]], index.positions)
+
+    def index(self, positions: torch.Tensor, seq_slots: torch.Tensor,
+              device: torch.device) -> WindowIndex:
+        """Where tokens at ``positions`` [T] of the sequences in ``seq_slots`` [T] go (see
+        `write`), on ``device``: the same in every layer."""
         slots = seq_slots.to(device=device, dtype=torch.int64)
         pos = positions.to(device=device, dtype=torch.int64)
         spare = self.slots * self.window
@@ -84,9 +120,8 @@ class RecentWindow:
         newest = newest.scatter_reduce(0, owner, pos, "amax")
         kept &= pos > newest[owner] - self.window
         rows = torch.where(kept, slots * self.window + pos % self.window, spare)
-        target.keys.index_copy_(0, rows, key.to(target.keys.dtype))
-        target.values.index_copy_(0, rows, value.to(target.values.dtype))
-        target.positions.index_copy_(0, rows, torch.where(kept, pos, -1).to(torch.int32))
+        return WindowIndex(rows=torch.cat((rows, rows + (spare + 1))),
+                           positions=torch.where(kept, pos, -1).to(torch.int32))
 
     def gather(self, layer: int, seq_slots: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,7 +129,7 @@ class RecentWindow:
         [G, window, kv_heads, head_dim] and the position each row holds [G, window] (-1 where
         the row holds nothing usable)."""
         target = self.layers[layer]
-        device = target.keys.device
+        device = target.rows.device
         slots = seq_slots.to(device=device, dtype=torch.int64)
         kept = (slots >= 0) & (slots < self.slots)
         base = torch.where(kept, slots, 0) * self.window
