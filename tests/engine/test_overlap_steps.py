@@ -155,3 +155,15 @@ def test_a_dead_row_fails_only_its_job(make_generator, monkeypatch):
     assert overlapped == synchronous and launches > 0
     errors = [r for r in overlapped if r["eos"] and r["eos_reason"] == "error"]
     assert len(errors) == 1 and errors[0]["error"] == "SamplingError"
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_tiny_budgets_end_with_and_without_overlap(make_generator, monkeypatch, budget):
+    # A job whose last token is in flight at max_new_tokens is not scheduled again: the tiny
+    # budgets are where a wrong count would show (a hang, or a token too many).
+    prompts = _prompts(3, seed=6)
+    overlapped, synchronous, _ = _both(make_generator, monkeypatch,
+                                       lambda: _greedy_jobs(prompts, budget))
+    assert overlapped == synchronous
+    finals = [r for r in overlapped if r["eos"]]
+    assert len(finals) == 3 and all(r["new_tokens"] == budget for r in finals)
