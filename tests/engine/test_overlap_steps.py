@@ -15,20 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
 from dyngen_core.overlap import TokenLauncher
-from dyngen_core.plan import StepPlan
+from tests.engine.step_helpers import kill_row, mixed_prompts
 
 GREEDY = SamplerSettings.greedy()
 TIMINGS = {"time_enqueued", "time_prefill", "time_generate"}
-
-
-def _prompts(n: int, seed: int, shared: list[int] | None = None) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [3, 40, 300, 7, 90, 260, 12, 5][:n]
-    return [(shared or []) + [rng.randrange(10, 500) for _ in range(k)] for k in lengths]
 
 
 def _results(generator: DynamicGenerator, jobs: list[Job],
@@ -77,7 +70,7 @@ def _greedy_jobs(prompts: list[list[int]], budget: int = 10, **extra: Any) -> li
 
 
 def test_stops_budgets_and_chunked_prefills_match(make_generator, monkeypatch):
-    prompts = _prompts(8, seed=1)
+    prompts = mixed_prompts(8, seed=1)
 
     def jobs() -> list[Job]:
         out = []
@@ -94,7 +87,7 @@ def test_stops_budgets_and_chunked_prefills_match(make_generator, monkeypatch):
 
 
 def test_cancel_while_a_step_is_pending_matches(make_generator, monkeypatch):
-    prompts = _prompts(5, seed=3)
+    prompts = mixed_prompts(5, seed=3)
     overlapped, synchronous, launches = _both(
         make_generator, monkeypatch, lambda: _greedy_jobs(prompts, 12), cancel={1: 4, 3: 9})
     assert overlapped == synchronous and launches > 0
@@ -102,7 +95,7 @@ def test_cancel_while_a_step_is_pending_matches(make_generator, monkeypatch):
 
 
 def test_plain_and_other_jobs_in_one_batch_match(make_generator, monkeypatch):
-    prompts = _prompts(6, seed=2)
+    prompts = mixed_prompts(6, seed=2)
 
     def jobs() -> list[Job]:
         out = _greedy_jobs(prompts, 10)
@@ -126,7 +119,7 @@ def test_preemption_and_shared_prefixes_match(make_generator, monkeypatch):
     # A small cache forces preemptions (a preempted job's pending token is resolved before it
     # is prefilled again); a shared 300-token prefix exercises dedup and the prompt cache.
     shared = [random.Random(9).randrange(10, 500) for _ in range(300)]
-    prompts = _prompts(6, seed=4, shared=shared)
+    prompts = mixed_prompts(6, seed=4, shared=shared)
     overlapped, synchronous, launches = _both(
         make_generator, monkeypatch, lambda: _greedy_jobs(prompts, 40), cache_tokens=3 * 1024,
         max_chunk_size=256)
@@ -134,22 +127,10 @@ def test_preemption_and_shared_prefixes_match(make_generator, monkeypatch):
 
 
 def test_a_dead_row_fails_only_its_job(make_generator, monkeypatch):
-    prompts = _prompts(4, seed=4)
+    prompts = mixed_prompts(4, seed=4)
 
     def make(**options: Any) -> DynamicGenerator:
-        generator = make_generator(**options)
-        run, steps = generator._runner.run, [0]
-
-        def run_with_a_dead_row(plan: StepPlan, feed: Any = None) -> torch.Tensor | None:
-            logits = run(plan, feed)
-            steps[0] += 1
-            if logits is not None and steps[0] == 6:
-                logits = logits.clone()
-                logits[1] = float("nan")
-            return logits
-
-        generator._runner.run = run_with_a_dead_row  # type: ignore[method-assign]
-        return generator
+        return kill_row(make_generator(**options), step=6, row=1, value=float("nan"))
 
     overlapped, synchronous, launches = _both(make, monkeypatch, lambda: _greedy_jobs(prompts, 9))
     assert overlapped == synchronous and launches > 0
@@ -161,7 +142,7 @@ def test_a_dead_row_fails_only_its_job(make_generator, monkeypatch):
 def test_tiny_budgets_end_with_and_without_overlap(make_generator, monkeypatch, budget):
     # A job whose last token is in flight at max_new_tokens is not scheduled again: the tiny
     # budgets are where a wrong count would show (a hang, or a token too many).
-    prompts = _prompts(3, seed=6)
+    prompts = mixed_prompts(3, seed=6)
     overlapped, synchronous, _ = _both(make_generator, monkeypatch,
                                        lambda: _greedy_jobs(prompts, budget))
     assert overlapped == synchronous

@@ -9,7 +9,6 @@ compares every result (all keys but timings) in order.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -17,19 +16,13 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.plan import StepPlan
 from dyngen_core.sampling.request import SampleRequest, SamplingError
 from dyngen_core.sampling.sampler import Sampler
 from dyngen_core.sampling_bridge import SamplingBridge
+from tests.engine.step_helpers import kill_row, mixed_prompts
 
 GREEDY = SamplerSettings.greedy()
 TIMINGS = {"time_enqueued", "time_prefill", "time_generate"}
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [3, 40, 300, 7, 90, 260, 12, 5][:n]
-    return [[rng.randrange(10, 500) for _ in range(k)] for k in lengths]
 
 
 def _results(generator: DynamicGenerator, jobs: list[Job], *, cancel: dict[int, int] | None = None,
@@ -101,7 +94,7 @@ def _reference_text(make_generator: Callable[..., DynamicGenerator], prompt: lis
 
 
 def test_stop_strings_tokens_and_budgets_match_the_general_path(make_generator, monkeypatch):
-    prompts = _prompts(8, seed=1)
+    prompts = mixed_prompts(8, seed=1)
     # Stop strings taken from the jobs' own greedy text, so they do match mid-run.
     texts = [_reference_text(make_generator, p) for p in prompts[:3]]
     stop_a = texts[0][len(texts[0]) // 2:len(texts[0]) // 2 + 3]
@@ -128,7 +121,7 @@ def test_stop_strings_tokens_and_budgets_match_the_general_path(make_generator, 
 
 def test_a_job_off_the_fast_path_switches_the_batch_to_the_general_path(make_generator,
                                                                          monkeypatch):
-    prompts = _prompts(6, seed=2)
+    prompts = mixed_prompts(6, seed=2)
 
     def jobs() -> list[Job]:
         out = [Job(input_ids=p, max_new_tokens=10, stop_conditions=[], gen_settings=GREEDY,
@@ -149,7 +142,7 @@ def test_a_job_off_the_fast_path_switches_the_batch_to_the_general_path(make_gen
 def test_min_new_tokens_without_stop_tokens_stays_on_the_fast_path(make_generator, monkeypatch):
     # Lengths forced (min = max, no stop condition), as the benchmarks run: min_new_tokens has
     # no stop token to ban, so the jobs are plain greedy.
-    prompts = _prompts(4, seed=5)
+    prompts = mixed_prompts(4, seed=5)
 
     def jobs() -> list[Job]:
         return [Job(input_ids=p, max_new_tokens=6, min_new_tokens=6, stop_conditions=[],
@@ -161,7 +154,7 @@ def test_min_new_tokens_without_stop_tokens_stays_on_the_fast_path(make_generato
 
 
 def test_cancel_mid_run_matches_the_general_path(make_generator, monkeypatch):
-    prompts = _prompts(5, seed=3)
+    prompts = mixed_prompts(5, seed=3)
 
     def jobs() -> list[Job]:
         return [Job(input_ids=p, max_new_tokens=12, stop_conditions=[], gen_settings=GREEDY,
@@ -173,24 +166,10 @@ def test_cancel_mid_run_matches_the_general_path(make_generator, monkeypatch):
 
 
 def test_a_row_with_no_finite_logit_fails_only_its_job(make_generator, monkeypatch):
-    prompts = _prompts(4, seed=4)
-
-    def poison(generator: DynamicGenerator) -> DynamicGenerator:
-        run, steps = generator._runner.run, [0]
-
-        def run_with_a_dead_row(plan: StepPlan, feed: Any = None) -> torch.Tensor | None:
-            logits = run(plan, feed)
-            steps[0] += 1
-            if logits is not None and steps[0] == 6:
-                logits = logits.clone()
-                logits[1] = float("-inf")
-            return logits
-
-        generator._runner.run = run_with_a_dead_row
-        return generator
+    prompts = mixed_prompts(4, seed=4)
 
     def make(**options: Any) -> DynamicGenerator:
-        return poison(make_generator(**options))
+        return kill_row(make_generator(**options), step=6, row=1, value=float("-inf"))
 
     def jobs() -> list[Job]:
         return [Job(input_ids=p, max_new_tokens=9, stop_conditions=[], gen_settings=GREEDY,
