@@ -75,7 +75,12 @@ class Result(Mapping[str, Any]):
 
 @dataclass(frozen=True)
 class GeneratorStats:
-    """A snapshot of the engine: pages by state, prefill work done and saved, jobs, drafts."""
+    """A snapshot of the engine: pages by state, prefill work done and saved, jobs, drafts.
+
+    preemptions: running jobs sent back to the queue because the cache ran out of pages, so
+    far (each recomputes its tokens, mostly from cached pages); a cache too small for the load
+    shows here first.
+    """
 
     pages_total: int
     pages_referenced: int
@@ -87,6 +92,7 @@ class GeneratorStats:
     jobs_pending: int
     draft_tokens_accepted: int = 0
     draft_tokens_rejected: int = 0
+    preemptions: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

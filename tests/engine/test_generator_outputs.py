@@ -53,6 +53,7 @@ def test_small_cache_waits_and_preempts_with_same_outputs(make_generator):
     small = make_generator(cache_tokens=1024)
     together, _ = _run(small, prompts, max_new_tokens=16)
     assert together == alone
+    assert small.stats().preemptions > 0
 
 
 def test_prompt_cache_and_dedup_keep_outputs(make_generator):
