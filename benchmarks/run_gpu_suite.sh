@@ -2,7 +2,7 @@
 # The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
 # Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke kernels decode
 #        decode-compiled long host load sampler throughput shared shared-fast kernels-shared
-#        profile. Logs and JSON lines go to $OUT (default ./bench_out).
+#        profile breakdown idle storage. Logs and JSON lines go to $OUT (default ./bench_out).
 # Every phase runs under its own time limit so one hang cannot eat the whole run.
 set -u
 OUT=${OUT:-./bench_out}
@@ -35,6 +35,11 @@ for phase in "$@"; do
     sampler) run 240 bench.log $PY benchmarks/sampler.py --repeats 7 ;;
     profile) run 150 profile.log bash -c "$PY -m cProfile -s tottime benchmarks/shared_document.py --skip-off --no-hf | head -70" ;;
     throughput) run 300 bench.log $PY benchmarks/throughput.py ;;
+    breakdown)
+      run 240 bench.log $PY benchmarks/step_breakdown.py --workload throughput --compile-decode
+      run 150 bench.log $PY benchmarks/step_breakdown.py --workload shared-doc --repeat 2 ;;
+    idle) run 150 bench.log $PY benchmarks/device_idle.py --jobs 1 --new-tokens 64 --trace "$OUT/idle_trace.json" ;;
+    storage) run 120 bench.log $PY benchmarks/profile_step.py --mode q4 --batch 1 --context 16384 --graph --top 25 ;;
     shared) run 300 bench.log $PY benchmarks/shared_document.py ;;
     *) echo "unknown phase $phase" ;;
   esac
