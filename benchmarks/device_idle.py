@@ -27,18 +27,26 @@ from _common import (
 )
 
 
-def busy_intervals(events: list[tuple[float, float]]) -> tuple[float, list[float]]:
-    """(total busy time, idle gaps) of the union of [start, end) intervals."""
-    busy, gaps = 0.0, []
+Gap = tuple[float, str, str]
+
+
+def busy_intervals(events: list[tuple[float, float, str]]) -> tuple[float, list[Gap]]:
+    """(total busy time, idle gaps as (length, name of the op before, name of the op after))
+    of the union of [start, end) intervals of named device ops."""
+    busy, gaps = 0.0, list[Gap]()
     current_start = current_end = None
-    for start, end in sorted(events):
+    last_name = ""
+    for start, end, name in sorted(events):
         if current_end is None or start > current_end:
             if current_end is not None and current_start is not None:
                 busy += current_end - current_start
-                gaps.append(start - current_end)
+                gaps.append((start - current_end, last_name, name))
             current_start, current_end = start, end
+        elif end <= current_end:
+            continue
         else:
-            current_end = max(current_end, end)
+            current_end = end
+        last_name = name
     if current_start is not None and current_end is not None:
         busy += current_end - current_start
     return busy, gaps
@@ -70,18 +78,24 @@ def main() -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    spans = [(e.time_range.start, e.time_range.end, e.name[:70]) for e in kernels]
     busy, gaps = busy_intervals(spans)
-    first = min(s for s, _ in spans)
-    last = max(e for _, e in spans)
+    first = min(s for s, _, _ in spans)
+    last = max(e for _, e, _ in spans)
     steps = args.new_tokens
     names = Counter(e.name for e in kernels)
     report("device_idle", jobs=args.jobs, new_tokens=args.new_tokens, wall_s=run.wall,
            tok_s=run.new_tokens / run.wall, kernel_span_ms=(last - first) / 1e3,
            busy_fraction=busy / (last - first),
            idle_ms_per_step=(last - first - busy) / 1e3 / steps,
-           largest_gaps_us=sorted(gaps, reverse=True)[:8],
+           largest_gaps_us=[round(g[0], 1) for g in sorted(gaps, reverse=True)[:8]],
            common_kernels={k: v for k, v in names.most_common(12)})
+    # What borders the gaps: the ops the GPU waited between (by total idle time per pair).
+    pairs: Counter[tuple[str, str]] = Counter()
+    for length, before, after in gaps:
+        pairs[(before, after)] += length
+    for (before, after), total in pairs.most_common(8):
+        print(f"idle {total / 1e3:8.2f} ms  after {before!r}  before {after!r}")
 
 
 if __name__ == "__main__":
