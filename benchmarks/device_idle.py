@@ -26,7 +26,6 @@ from _common import (
     word_tokenizer,
 )
 
-
 Gap = tuple[float, str, str]
 
 
