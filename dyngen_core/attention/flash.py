@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
 FLASH_PAGE_MULTIPLE = 256
@@ -68,10 +67,6 @@ class FlashBackend:
             softmax_scale=scale, causal=True, block_table=batch.page_table,
         )
         return out
-
-    def prefers_eager_plan(self, plan: StepPlan, storage: KVStorage) -> bool:
-        """Never: nothing here needs an eager forward."""
-        return False
 
     def _cu_seqlens_k(self, batch: ForwardBatch) -> torch.Tensor:
         cached = self._cu_seqlens

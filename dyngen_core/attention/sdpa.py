@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.sdpa_recent import GroupLayout, extend_with_recent
-from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 from dyngen_core.storage.fp16 import FP16Storage
 from dyngen_core.storage.quant import QuantStorage
@@ -92,10 +91,6 @@ class SdpaBackend:
         if batch.token_seq_slots is not None:
             storage.write_recent(layer, k, v, batch.positions, batch.token_seq_slots)
         return out
-
-    def prefers_eager_plan(self, plan: StepPlan, storage: KVStorage) -> bool:
-        """Never: nothing here needs an eager forward."""
-        return False
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 storage: KVStorage, batch: ForwardBatch, group: _Group,
