@@ -30,7 +30,8 @@ from dyngen_core.attention.triton_kernels import (
 )
 
 
-@triton.jit
+# As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
+@triton.jit(do_not_specialize=["stride_pt"])
 def shared_prefix_kernel(
     q_ptr, stride_qt, stride_qh,
     k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,

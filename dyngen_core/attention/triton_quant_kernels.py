@@ -178,7 +178,8 @@ def _zero_accs(BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexp
     return accs
 
 
-@triton.jit
+# As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
+@triton.jit(do_not_specialize=["stride_pt"])
 def quant_decode_kernel(
     q_ptr, stride_qt, stride_qh,
     k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
