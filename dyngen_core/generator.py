@@ -94,7 +94,7 @@ class DynamicGenerator:
             model.config.generation_defaults
         )
         self._overlap = overlap_steps
-        self._launcher = TokenLauncher(self._bridge.vocab_size, model.device)
+        self._launcher = TokenLauncher(model.device)
         self._pending: PendingStep | None = None
         self._active: dict[int, ActiveJob] = {}
         self._finished_results: list[Result] = []
@@ -248,7 +248,7 @@ class DynamicGenerator:
         """The step's tokens chosen on the device and on their way to the host, or None when
         a job needs the host to sample (`SamplingBridge.launch`)."""
         if plain:
-            fed, ids = self._launcher.greedy(logits)
+            fed, ids = self._bridge.launch_plain(logits, active)
             return self._launcher.launch(ids, plan, active, fed)
         try:
             sampled = self._bridge.launch(logits, active)

@@ -1,6 +1,6 @@
 """Overlapping a step's host work with the next step's forward: pending tokens and token feeds.
 
-A step's tokens chosen on the device (plain greedy: `TokenLauncher.greedy`; sampled:
+A step's tokens chosen on the device (plain greedy: `Sampler.greedy_on_device`; sampled:
 `SamplingBridge.launch`) are copied to a pinned host buffer without waiting
 (`TokenLauncher.launch`): the step becomes a `PendingStep`. The generator applies it to
 the scheduler with `PENDING_TOKEN`s, plans and launches the next step at once, and only then
@@ -55,24 +55,15 @@ class PendingStep:
 class TokenLauncher:
     """Starts the copy of a step's device-chosen tokens to the host, without waiting.
 
-    vocab_size: the tokenizer's vocabulary (columns past it are never chosen by `greedy`).
-    device: where the logits live; on CUDA the copy goes to one of two pinned buffers (the
+    device: where the tokens live; on CUDA the copy goes to one of two pinned buffers (the
         previous step's may still be read), grown as needed.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event] = []
         self._turn = 0
-
-    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the argmax of every row: the first maximum, like `Sampler.greedy_ids`; the same
-        with -1 for rows with no finite value)."""
-        x = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
-        values, ids = x.max(-1)
-        return ids, torch.where(values.abs() < float("inf"), ids, -1)
 
     def launch(self, ids: torch.Tensor, plan: StepPlan, active: list[ActiveJob],
                fed: torch.Tensor | None = None) -> PendingStep:

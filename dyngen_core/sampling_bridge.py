@@ -130,6 +130,16 @@ class SamplingBridge:
             a.draws += 1
         return tokens
 
+    def launch_plain(self, logits: torch.Tensor,
+                     active: Sequence[ActiveJob]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_plain` left on the device for an overlapped step: (each row's argmax, what
+        the next step reads; the same with -1 for rows without a finite logit, what goes to the
+        host), see `Sampler.greedy_on_device`. The caller counts the draws when it takes the
+        tokens."""
+        if logits.shape[0] != len(active):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(active)} sampling jobs")
+        return self.sampler.greedy_on_device(logits)
+
     def sample(self, logits: torch.Tensor, active: Sequence[ActiveJob],
                masks: Future[np.ndarray] | None = None) -> StepTokens:
         """Sample one token for each active job (logits rows in the same order). A job whose

@@ -196,6 +196,18 @@ class Sampler:
         Raises `SamplingError` naming the rows (request ``i`` is row ``i``) whose logits have no
         finite value, as `sample` does.
         """
+        chosen = self.greedy_on_device(logits)[1].tolist()
+        if -1 in chosen:
+            dead = [i for i, token in enumerate(chosen) if token < 0]
+            raise SamplingError(
+                f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
+                "constraint mask removed every token); fail those jobs", dead)
+        return chosen
+
+    def greedy_on_device(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_ids` left on the device: (each row's argmax, always a valid token id; the
+        same with -1 for rows that have no finite value), int64 [rows], nothing waited for.
+        What an overlapped step feeds to the next one and copies to the host."""
         if logits.ndim != 2 or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits must be [rows, >= {self.vocab_size}]; got {tuple(logits.shape)}")
@@ -205,14 +217,8 @@ class Sampler:
         x = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
         values, ids = x.max(-1)
         # abs(v) < inf is False for NaN and +-inf, like `sample`'s isfinite check: two kernels
-        # instead of isfinite's four. Invalid rows come back as -1, in the same single copy.
-        chosen = torch.where(values.abs() < float("inf"), ids, -1).tolist()
-        if -1 in chosen:
-            dead = [i for i, token in enumerate(chosen) if token < 0]
-            raise SamplingError(
-                f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
-                "constraint mask removed every token); fail those jobs", dead)
-        return chosen
+        # instead of isfinite's four.
+        return ids, torch.where(values.abs() < float("inf"), ids, -1)
 
     def _report(
         self,

@@ -212,3 +212,8 @@ def test_greedy_ids_rejects_the_rows_sample_rejects(bad):
     assert fast.value.request_indices == general.value.request_indices
     assert 1 in fast.value.request_indices
     assert str(fast.value) == str(general.value)
+    # Left on the device (overlapped steps): the rejected rows read -1, the fed ids stay valid.
+    fed, checked = sampler.greedy_on_device(logits)
+    rejected = [i for i, token in enumerate(checked.tolist()) if token < 0]
+    assert rejected == fast.value.request_indices
+    assert all(0 <= token < 20 for token in fed.tolist())
