@@ -95,18 +95,20 @@ class TokenFeed:
     """Inputs of a step that are another step's sampled tokens, read on the device.
 
     ids: the pending step's device ids; targets: flat input rows of this step to fill;
-    rows: for each target, the row of ``ids`` it takes.
+    rows: for each target, the row of ``ids`` it takes; in_order: targets and rows are both
+    0, 1, 2, ... (steady decoding: one contiguous copy).
     """
 
     ids: torch.Tensor
     targets: list[int]
     rows: list[int]
+    in_order: bool = False
 
     def apply(self, input_ids: torch.Tensor, count: int) -> None:
         """Fill the targets of ``input_ids`` (the step's [count] inputs, then padding rows that
         repeat the last input, as CUDA-graph buckets have) from ``ids``."""
         targets, rows = self.targets, self.rows
-        if targets == rows and targets == list(range(len(targets))):
+        if self.in_order:
             input_ids[: len(targets)].copy_(self.ids[: len(targets)])
         else:
             device = input_ids.device
@@ -129,7 +131,7 @@ def token_feed(plan: StepPlan, pending: PendingStep | None) -> TokenFeed | None:
             sl.token_ids == _PENDING_ONLY for sl in plan.slices):
         # Steady decoding: the same jobs in the same order, every input pending.
         every = list(range(len(sampled)))
-        return TokenFeed(pending.ids, every, every)
+        return TokenFeed(pending.ids, every, every, in_order=True)
     row_of = {}
     row = 0
     for sl in pending.plan.slices:
