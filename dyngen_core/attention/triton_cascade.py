@@ -5,8 +5,9 @@ runs three kernels instead of one or two:
 
 1. `triton_kernels.paged_attention_kernel` with ``REMAINDER``: every sequence against its own
    keys, from its group's prefix end (0 for sequences in no group) to its context length;
-2. `triton_cascade_kernels.shared_prefix_kernel`: every group's query rows against the group's
-   shared pages, read once per block of up to ``rows // G_PAD`` members;
+2. `triton_cascade_kernels.prefix_tiles_kernel` (float pages whose page size the key tile
+   divides; else the general `shared_prefix_kernel`): every group's query rows against the
+   group's shared pages, read once per block of up to ``rows // G_PAD`` members;
 3. `triton_cascade_kernels.merge_cascade_kernel`: both partials of every query row merged by
    log-sum-exp into the output.
 
@@ -23,7 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.attention.triton_cascade_kernels import merge_cascade_kernel, shared_prefix_kernel
+from dyngen_core.attention.triton_cascade_kernels import (
+    merge_cascade_kernel,
+    prefix_tiles_kernel,
+    shared_prefix_kernel,
+)
 
 if TYPE_CHECKING:
     from dyngen_core.attention.base import ForwardBatch
@@ -38,7 +43,10 @@ class PrefixLaunch:
     group, group_pad: query heads per KV head, and that rounded up to a power of two.
     rows: query rows per program (members x group_pad); block_n: keys per inner step.
     head_pad: head_dim padded for the kernel; splits: parts the prefixes are split into.
-    warps: warps per program.
+    warps: warps per program; stages: software-pipelining stages of the key loop (Triton's
+        ``num_stages``).
+    tiles: run `prefix_tiles_kernel` (float pages, ``block_n`` dividing the page size: see
+        `tiles_fit`) instead of the general `shared_prefix_kernel`.
     """
 
     group: int
@@ -48,6 +56,8 @@ class PrefixLaunch:
     head_pad: int
     splits: int
     warps: int
+    stages: int = 3
+    tiles: bool = True
 
 
 def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
@@ -64,6 +74,22 @@ def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object,
                         dtype=torch.float32, device=q.device)
     lse = torch.empty(tables.member_rows, num_heads, launch.splits, dtype=torch.float32,
                       device=q.device)
+    if launch.tiles:
+        keys, values = ops.keys, ops.values
+        prefix_tiles_kernel[(tables.grid_blocks, num_kv_heads, launch.splits)](
+            q, q.stride(0), q.stride(1), keys, values, *keys.stride()[:3], *values.stride()[:3],
+            batch.page_table, batch.page_table.stride(0), batch.query_start,
+            tables.member_seq, tables.group_end, tables.group_prefix, tables.block_group,
+            tables.block_first, tables.num_blocks,
+            parts, lse,
+            scale_log2,
+            G=launch.group, G_PAD=launch.group_pad, BLOCK_M=launch.rows,
+            BLOCK_N=launch.block_n, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
+            PAGE_SIZE=batch.page_size,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=launch.warps, num_stages=launch.stages,
+        )
+        return parts, lse
     shared_prefix_kernel[(tables.grid_blocks, num_kv_heads, launch.splits)](
         q, q.stride(0), q.stride(1), *page_args,
         batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
@@ -75,7 +101,7 @@ def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object,
         HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=batch.page_size,
         K_BITS=ops.key_bits, V_BITS=ops.value_bits, NUM_SPLITS=launch.splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=launch.warps,
+        num_warps=launch.warps, num_stages=launch.stages,
     )
     return parts, lse
 
@@ -95,6 +121,23 @@ def merge_partials(out: torch.Tensor, remainder: tuple[torch.Tensor, torch.Tenso
         PRE_SPLITS=pre_splits, PRE_PAD=_pow2_at_least_2(pre_splits),
         HEAD_DIM=head_dim, HEAD_PAD=rem_parts.shape[3], num_warps=4,
     )
+
+
+def tiles_fit(ops: PageOperands, page_size: int, block_n: int) -> bool:
+    """Whether `prefix_tiles_kernel` serves these pages with ``block_n`` keys a tile: float
+    pages, and tiles (a power of two, at least 16: a ``tl.dot`` side) that never straddle a
+    page, so a prefix of whole pages is whole tiles."""
+    return (ops.key_bits == 0 and ops.value_bits == 0 and block_n >= 16
+            and block_n & (block_n - 1) == 0 and page_size % block_n == 0)
+
+
+def tile_keys(page_size: int, wanted: int) -> int:
+    """Keys per tile of `prefix_tiles_kernel`: ``wanted`` (a power of two), halved until it
+    divides ``page_size``."""
+    keys = max(1, wanted)
+    while keys > 1 and page_size % keys:
+        keys //= 2
+    return keys
 
 
 def split_count(keys: int, programs: int, target_programs: int, max_splits: int,
@@ -121,4 +164,4 @@ def _pow2_at_least_2(n: int) -> int:
 
 
 __all__ = ["PrefixLaunch", "attend_prefixes", "merge_partials", "multiprocessors",
-           "split_count"]
+           "split_count", "tile_keys", "tiles_fit"]

@@ -14,6 +14,9 @@ for every query row, the remainder's partials with its group's prefix partials b
 Sequences in no group pass through the same merge with their remainder partials alone.
 
 Float and quantized pages are read by the same helpers as the plain kernel (`_load_rows`).
+`prefix_tiles_kernel` is the same pass for float pages with the per-key work taken out of its
+loop (one page id per tile, no masks, offsets from one scalar base): the launch
+(`triton_cascade`) prefers it wherever its tile divides the page size.
 """
 
 from __future__ import annotations
@@ -141,3 +144,93 @@ def merge_cascade_kernel(rem_out_ptr, rem_lse_ptr, pre_out_ptr, pre_lse_ptr, seq
     out = total / (tl.sum(rem_weight, 0) + tl.sum(pre_weight, 0))
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _page_tile(ptr, slot, slots, stride_s, dims, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Rows ``slot + slots`` (stride ``stride_s`` elements) of the page and head at ``ptr``,
+    [BLOCK_N, HEAD_PAD]; columns past HEAD_DIM read as 0 (masked only when the head is padded,
+    so a full head loads with no mask at all). The offsets depend on ``slot``, so the compiler
+    recomputes them per tile instead of holding a hoisted [BLOCK_N, HEAD_PAD] int32 offset
+    tile in registers across the loop (64 registers a thread at 64 x 128 and 8 warps)."""
+    offsets = ((slot + slots) * stride_s)[:, None] + dims[None, :]
+    if HEAD_DIM == HEAD_PAD:
+        tile = tl.load(ptr + offsets)
+    else:
+        tile = tl.load(ptr + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    return tile
+
+
+# As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
+@triton.jit(do_not_specialize=["stride_pt"])
+def prefix_tiles_kernel(
+    q_ptr, stride_qt, stride_qh,
+    k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    page_table_ptr, stride_pt, query_start_ptr,
+    member_seq_ptr, group_end_ptr, group_prefix_ptr, block_group_ptr, block_first_ptr,
+    num_blocks_ptr,
+    part_out_ptr, part_lse_ptr,
+    scale_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`shared_prefix_kernel` for float pages, with nothing in its key loop but the two dots,
+    the online softmax and two unmasked tile loads. Same grid, tables and partials (its split
+    count is the grid's third axis, so a new count does not compile a new kernel).
+
+    What lets the loop drop the general kernel's work: a prefix is whole pages that every
+    member sees entirely (`shared_prefix`'s rule), and ``PAGE_SIZE % BLOCK_N == 0`` (the
+    launch's duty), so every tile of BLOCK_N keys is valid for every row and lies in one page:
+    one page id per tile instead of one per key, one scalar base plus a fixed offset tile
+    instead of per-key 64-bit address arithmetic, no key or visibility mask.
+    """
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    num_heads = tl.num_programs(1) * G
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_PAD)
+    slots = tl.arange(0, BLOCK_N)
+    head_in_group = rows % G_PAD
+    head = kv_head * G + head_in_group
+    num_blocks = tl.load(num_blocks_ptr)
+    for block in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+        group = tl.load(block_group_ptr + block)
+        first = tl.load(block_first_ptr + block)
+        end = tl.load(group_end_ptr + group)
+        prefix = tl.load(group_prefix_ptr + group)
+        member = first + rows // G_PAD
+        row_valid = (member < end) & (head_in_group < G)
+        seq = tl.load(member_seq_ptr + member, mask=row_valid, other=0)
+        token = tl.load(query_start_ptr + seq, mask=row_valid, other=0)
+        q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
+        # K_BITS 0: no rotation, so q_ptr stands in for the rotation's pointer.
+        q = load_scaled_queries(q_ptr, q_rows, row_valid, dims, q_ptr, scale_log2, 0,
+                                HEAD_DIM, BLOCK_M, HEAD_PAD)
+        chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_lo + chunk, prefix)
+        leader = tl.load(member_seq_ptr + first)
+        table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
+        m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
+        for n0 in range(kv_lo, kv_hi, BLOCK_N):
+            page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
+            slot = n0 % PAGE_SIZE
+            k = _page_tile(k_ptr + page * stride_kp + kv_head * stride_kh, slot, slots, stride_ks,
+                           dims, HEAD_DIM, HEAD_PAD)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _page_tile(v_ptr + page * stride_vp + kv_head * stride_vh, slot, slots, stride_vs,
+                           dims, HEAD_DIM, HEAD_PAD)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        part_row = (member.to(tl.int64) * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)

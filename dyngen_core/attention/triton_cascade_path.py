@@ -31,6 +31,8 @@ from dyngen_core.attention.triton_cascade import (
     merge_partials,
     multiprocessors,
     split_count,
+    tile_keys,
+    tiles_fit,
 )
 from dyngen_core.attention.triton_cascade_tables import (
     CascadeTables,
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from dyngen_core.attention.triton_paged import PageOperands, _HeadShape
 
 LOG2_E = 1.4426950408889634
+PREFIX_KERNELS = ("tiles", "general")
 UNKNOWN_KEYS = 1 << 30  # a graph's lengths: never the bound on its split count
 # (out, (partials, lse), splits, kv_start): one REMAINDER launch of the backend's paged kernel.
 RemainderLaunch = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], int, torch.Tensor],
@@ -59,6 +62,12 @@ class CascadeOptions:
         and its programs aimed for per multiprocessor.
     block_n, max_splits, decode_programs_per_sm: the backend's keys per inner step, most splits
         and plain decode programs per multiprocessor (the remainder pass's split count).
+    prefix_kernel: "tiles" runs the shared prefixes through `prefix_tiles_kernel` wherever it
+        fits (float pages; its tile is ``prefix_block_n`` keys, halved until it divides the
+        page size, at least 16), "general" always through `shared_prefix_kernel` (the first
+        version, kept for comparison).
+    prefix_block_n: keys per inner step of the shared-prefix kernel (None: ``block_n``).
+    stages: software-pipelining stages of the shared-prefix kernel's key loop.
     """
 
     policy: CascadePolicy | None
@@ -68,6 +77,9 @@ class CascadeOptions:
     block_n: int
     max_splits: int
     decode_programs_per_sm: int
+    prefix_kernel: str = "tiles"
+    prefix_block_n: int | None = None
+    stages: int = 3
 
 
 class CascadePath:
@@ -77,6 +89,11 @@ class CascadePath:
         if options.rows < 16 or options.rows & (options.rows - 1):
             raise ValueError(f"cascade_rows must be a power of two >= 16 (a tl.dot tile); "
                              f"got {options.rows}")
+        if options.prefix_kernel not in PREFIX_KERNELS:
+            raise ValueError(f"cascade prefix_kernel must be one of {PREFIX_KERNELS}; got "
+                             f"{options.prefix_kernel!r}")
+        if options.stages < 1:
+            raise ValueError(f"cascade stages must be >= 1; got {options.stages}")
         self.options = options
         self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
         self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
@@ -159,16 +176,29 @@ class CascadePath:
             torch.empty(num_tokens, num_heads, rem_splits, dtype=torch.float32, device=q.device))
         out = torch.empty_like(q)
         launch_remainder(out, remainder, rem_splits, tables.kv_start)
-        launch = PrefixLaunch(
-            group=heads.group, group_pad=heads.group_pad,
-            rows=max(options.rows, heads.group_pad), block_n=options.block_n,
-            head_pad=heads.head_pad, warps=options.warps,
-            splits=split_count(_or_unknown(tables.max_prefix),
-                               tables.grid_blocks * heads.num_kv_heads,
-                               options.programs_per_sm * sms, options.max_splits, min_keys))
+        launch = self._prefix_launch(ops, batch, tables, heads, sms)
         prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
         merge_partials(out, remainder, prefix, tables)
         return out
+
+    def _prefix_launch(self, ops: PageOperands, batch: ForwardBatch, tables: CascadeTables,
+                       heads: _HeadShape, sms: int) -> PrefixLaunch:
+        """The shared-prefix kernel's launch: which kernel, its tile and its split count (from
+        the bucket alone in a graph)."""
+        options = self.options
+        block_n = options.prefix_block_n or options.block_n
+        tiles = False
+        if options.prefix_kernel == "tiles":
+            tile_n = tile_keys(batch.page_size, block_n)
+            tiles = tiles_fit(ops, batch.page_size, tile_n)
+            block_n = tile_n if tiles else block_n
+        splits = split_count(_or_unknown(tables.max_prefix),
+                             tables.grid_blocks * heads.num_kv_heads,
+                             options.programs_per_sm * sms, options.max_splits, 4 * block_n)
+        return PrefixLaunch(group=heads.group, group_pad=heads.group_pad,
+                            rows=max(options.rows, heads.group_pad), block_n=block_n,
+                            head_pad=heads.head_pad, splits=splits, warps=options.warps,
+                            stages=options.stages, tiles=tiles)
 
 
 def _or_unknown(keys: int | None) -> int:
@@ -183,4 +213,5 @@ def cascade_reads(storage: KVStorage) -> bool:
     return storage.mode == "fp16"
 
 
-__all__ = ["CascadeOptions", "CascadePath", "RemainderLaunch", "cascade_reads"]
+__all__ = ["PREFIX_KERNELS", "CascadeOptions", "CascadePath", "RemainderLaunch",
+           "cascade_reads"]

@@ -9,6 +9,7 @@ slot, so the three runs see identical pages even where members end inside a shar
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 from dataclasses import dataclass
@@ -40,17 +41,24 @@ class Layout:
     loners: list[int]
 
 
-def _backend(cascade: bool, **options: int) -> TritonPagedBackend:
+def _backend(cascade: bool, prefix: dict[str, object] | None = None,
+             **options: int) -> TritonPagedBackend:
+    """The Triton backend with or without the cascade; ``prefix``: `CascadeOptions` fields to
+    replace (the shared-prefix kernel's own settings)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
+    from dyngen_core.attention.triton_cascade_path import CascadePath
     from dyngen_core.attention.triton_paged import TritonPagedBackend
 
     if not cascade:
         return TritonPagedBackend(cascade_min_saved_keys=None, **options)
-    return TritonPagedBackend(cascade_min_saved_keys=0, **options)
+    backend = TritonPagedBackend(cascade_min_saved_keys=0, **options)
+    if prefix:
+        backend.cascade = CascadePath(dataclasses.replace(backend.cascade.options, **prefix))
+    return backend
 
 
-def _slices(layout: Layout, seed: int) -> tuple[list[SequenceSlice], int]:
+def _slices(layout: Layout, seed: int, page: int = PAGE) -> tuple[list[SequenceSlice], int]:
     """Decode slices with dedup-shaped page tables over shuffled page ids; and the page count."""
     tables: list[tuple[list[int], int]] = []
     next_page = 0
@@ -63,10 +71,10 @@ def _slices(layout: Layout, seed: int) -> tuple[list[SequenceSlice], int]:
     for shared_pages, contexts in layout.groups:
         shared = take(shared_pages)
         for ctx in contexts:
-            assert ctx >= shared_pages * PAGE, "a member must see its whole prefix"
-            tables.append((shared + take(-(-ctx // PAGE) - shared_pages), ctx))
+            assert ctx >= shared_pages * page, "a member must see its whole prefix"
+            tables.append((shared + take(-(-ctx // page) - shared_pages), ctx))
     for ctx in layout.loners:
-        tables.append((take(-(-ctx // PAGE)), ctx))
+        tables.append((take(-(-ctx // page)), ctx))
     ids = list(range(1, next_page + 1))  # page 0 stays unused, as in the real pool
     random.Random(seed).shuffle(ids)
     order = list(range(len(tables)))
@@ -78,24 +86,25 @@ def _slices(layout: Layout, seed: int) -> tuple[list[SequenceSlice], int]:
 
 
 def _run(layout: Layout, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-         seed: int = 0, **options: int) -> dict[str, torch.Tensor]:
+         seed: int = 0, prefix: dict[str, object] | None = None, page: int = PAGE,
+         **options: int) -> dict[str, torch.Tensor]:
     num_heads, num_kv_heads, head_dim = heads
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=num_heads * head_dim, intermediate_size=64, num_layers=1,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    slices, num_pages = _slices(layout, seed)
-    storage = FP16Storage(config, num_pages, PAGE, dtype, [device])
+    slices, num_pages = _slices(layout, seed, page)
+    storage = FP16Storage(config, num_pages, page, dtype, [device])
     gen = torch.Generator().manual_seed(seed)
     for pages in (storage.keys[0], storage.values[0]):
         pages.copy_(torch.randn(pages.shape, generator=gen).to(dtype))
-    batch = build_forward_batch(StepPlan(slices=slices), PAGE, device)
+    batch = build_forward_batch(StepPlan(slices=slices), page, device)
     q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen).to(device, dtype)
     # The step's keys/values are what the cache already holds at each slot: rewriting them is a
     # no-op, so members whose current slot lies in a shared page agree on its contents.
     k = storage.keys[0].view(-1, num_kv_heads, head_dim)[batch.slot_mapping].clone()
     v = storage.values[0].view(-1, num_kv_heads, head_dim)[batch.slot_mapping].clone()
     scale = head_dim ** -0.5
-    cascade = _backend(True, **options)
+    cascade = _backend(True, prefix, **options)
     assert cascade.cascade.plan(batch, storage), "the case must exercise the cascade"
     assert cascade.plan_cascade(StepPlan(slices=slices), storage)
     return {
@@ -176,6 +185,44 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     _check(one, torch.float32)
     assert splits == [(2, 3), (1, 1)]  # remainder, prefix splits of each cascade run
     assert _relative_error(many["cascade"], one["cascade"]) < 1e-4
+
+
+@pytest.mark.parametrize(("prefix", "heads", "tiles", "block_n"), [
+    # Tiles of 16 keys in pages of 32: two tiles a page, the second at slot 16.
+    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (8, 2, 32), True, 16),
+    # A 64-key tile wanted: halved to the page (32), one tile a page.
+    ({"prefix_kernel": "tiles"}, (8, 2, 32), True, 32),
+    # A padded head (24 of 32 columns) and a group of 3 heads padded to 4 rows.
+    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (6, 2, 24), True, 16),
+    # No tile of at least 16 keys divides a page of 32 at 8 wanted: the general kernel.
+    ({"prefix_kernel": "tiles", "prefix_block_n": 8}, (8, 2, 32), False, 8),
+    ({"prefix_kernel": "general"}, (8, 2, 32), False, 64),
+])
+def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                        prefix: dict[str, object], heads: tuple[int, int, int], tiles: bool,
+                        block_n: int) -> None:
+    """Both shared-prefix kernels (and the choice between them) against plain and sdpa, over
+    prefixes of several tiles a page split many ways (chunks of whole tiles, some splits
+    empty), 128 rows a program (a block of 32 members at GQA 4 holds two groups' worth of
+    rows, most of them past the group's end)."""
+    from dyngen_core.attention import triton_cascade_path
+
+    launches: list[tuple[bool, int]] = []
+    attend = triton_cascade_path.attend_prefixes
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        launch = args[-1]
+        launches.append((launch.tiles, launch.block_n))
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(triton_cascade_path, "attend_prefixes", spy)
+    page = 32
+    layout = Layout(groups=[(3, [3 * page, 3 * page + 1, 4 * page + 5, 3 * page + 17]),
+                            (1, [page + 2, 2 * page])], loners=[page + 7])
+    outs = _run(layout, heads, torch.float32, device, seed=7, prefix=prefix, page=page,
+                cascade_rows=128, programs_per_sm=64, cascade_programs_per_sm=64)
+    _check(outs, torch.float32)
+    assert launches == [(tiles, block_n)]
 
 
 def test_no_sharing_plans_no_cascade(device: torch.device) -> None:
