@@ -34,6 +34,7 @@ from dyngen_core.attention.triton_kernels import (
     combine_splits_kernel,
     paged_attention_kernel,
 )
+from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
 from dyngen_core.attention.triton_quant import attend_word_decode, word_decode_fits
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
@@ -111,6 +112,10 @@ class TritonPagedBackend:
         how many parts a prefix is split into (each part adds partial results to merge). 1: at
         64 rows and 8 warps the kernel takes 226 registers a thread (ptxas, sm_90, bf16), so
         one program fits a multiprocessor at a time, and one wave of them fills the GPU.
+    prefill_kernel: "tiled" runs prefill batches over unquantized pages with
+        `triton_prefill`'s tiled causal kernel (``prefill_options`` tune it, see
+        `TiledPrefillOptions`); "paged" runs them with the general paged kernel (as quantized
+        pages always are).
     """
 
     name = "triton"
@@ -122,7 +127,11 @@ class TritonPagedBackend:
                  cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
                  cascade_rows: int = 64, cascade_warps: int = 8,
                  cascade_programs_per_sm: int = 1, word_block_n: int | None = 64,
-                 word_warps: int = 4, word_launches: int = 2) -> None:
+                 word_warps: int = 4, word_launches: int = 2, prefill_kernel: str = "tiled",
+                 prefill_options: TiledPrefillOptions | None = None) -> None:
+        if prefill_kernel not in ("tiled", "paged"):
+            raise ValueError(f"prefill_kernel must be 'tiled' or 'paged', not {prefill_kernel!r}")
+        self.tiled_prefill = TiledPrefill(prefill_options) if prefill_kernel == "tiled" else None
         self.block_n = block_n
         self.word_block_n = word_block_n
         self.word_warps = word_warps
@@ -185,6 +194,10 @@ class TritonPagedBackend:
             rows, block_q, blocks = max(16, heads.group_pad), 1, None
             splits = self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device)
         else:
+            tiled = self.tiled_prefill
+            if tiled is not None and tiled.takes(batch, q, ops.keys, ops.key_bits,
+                                                 ops.value_bits):
+                return tiled.attend(q, ops.keys, ops.values, batch, scale, out)
             rows = max(self.prefill_rows, heads.group_pad)
             block_q, splits = rows // heads.group_pad, 1
             blocks = self._query_blocks(batch, block_q, q.device)
