@@ -4,8 +4,10 @@ One program serves one block of query rows of one sequence against one KV head: 
 ``BLOCK_Q`` tokens x ``G_PAD`` query heads of that KV head's group (GQA), so a decode program
 reads each key and value of the group once for all its query heads. A third grid axis splits the
 context ("split-K", flash-decoding): each split writes a partial result with its log-sum-exp and
-`combine_splits_kernel` merges them. The query loading, the key loop and the normalization are
-helpers (`load_scaled_queries`, `attend_key_range`, `normalized_rows`) that the shared-prefix
+`combine_splits_kernel` merges them, or with ``MERGE`` (decodes) the split program that
+finishes last merges them in the same launch (`triton_decode_merge`). The query loading, the
+key loop and the normalization are helpers (`load_scaled_queries`, `attend_key_range`,
+`normalized_rows`) that the shared-prefix
 kernel of `triton_cascade_kernels` reuses; with ``REMAINDER`` this kernel attends only each
 sequence's keys after its group's shared prefix (the cascade's second pass).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dyngen_core.attention.triton_decode_merge import count_in_and_merge
 from dyngen_core.attention.triton_exact_kernels import (
     attend_exact_rows,
     exact_row_of_page,
@@ -222,13 +225,14 @@ def paged_attention_kernel(
     head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, seq_slots_ptr,
     fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh,
     out_ptr, stride_ot, stride_oh,
-    part_out_ptr, part_lse_ptr,
+    part_out_ptr, part_lse_ptr, counter_ptr,
     scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, REMAINDER: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
     HEADS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MERGE: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1,
 ):
     """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
     else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
@@ -236,6 +240,10 @@ def paged_attention_kernel(
     prefix before it is attended by `triton_cascade_kernels.shared_prefix_kernel`).
     WRITE_PARTIALS: write each split's output and log-sum-exp for a later merge (required when
     NUM_SPLITS > 1 or REMAINDER) instead of the output itself.
+    MERGE (DECODE with WRITE_PARTIALS, not REMAINDER): the last split program of each
+    (sequence, KV head) to finish merges the partials into the output, ``SPLIT_BLOCK`` splits
+    at a time (`triton_decode_merge.count_in_and_merge`; ``counter_ptr``: one zeroed int32
+    per (sequence, KV head), row-major).
     HEADS, WINDOW: the exact rows of quantized storage (`attend_key_range`,
     `attend_exact_rows`; the reference rule is `attention.sdpa_recent`): head rows, and with
     WINDOW > 0 each sequence's recent window (slot per sequence in ``seq_slots``, -1: none)
@@ -324,6 +332,18 @@ def paged_attention_kernel(
         tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
                  mask=row_valid[:, None])
         tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+        if MERGE:
+            # Splits past the last non-empty one hold no key; the window's exact rows are
+            # attended by the last split, so then all are read.
+            if WINDOW > 0:
+                splits_read = NUM_SPLITS
+            else:
+                splits_read = tl.cdiv(kv_end - kv_begin, tl.maximum(chunk, 1))
+            count_in_and_merge(
+                counter_ptr + seq * tl.num_programs(1) + kv_head, part_out_ptr, part_lse_ptr,
+                out_ptr, q_start.to(tl.int64) * stride_ot, stride_oh,
+                (q_start.to(tl.int64) * tl.num_programs(1) + kv_head) * G, kv_head * G,
+                splits_read, NUM_SPLITS, G, G_PAD, SPLIT_BLOCK, HEAD_DIM, HEAD_PAD)
     else:
         o_ptrs = out_ptr + (out_token * stride_ot + head * stride_oh)[:, None] + dims[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),

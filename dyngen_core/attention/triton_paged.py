@@ -6,8 +6,9 @@ dequantized copy of the cache. Quantized storage's exact rows (page heads, recen
 read by the same kernel (`triton_exact`), and the step's rows enter the windows after it.
 Decode-only batches take a launch whose shape depends on the batch size alone (one program per
 sequence and KV head, the context split into a fixed number of parts merged by a second
-kernel), so it can be captured in a CUDA graph and replayed with new page tables and context
-lengths. Batches with prefill chunks map query blocks to sequences with a
+kernel, or with ``merge_in_kernel`` by the last split program of each sequence and KV head,
+`triton_decode_merge`), so it can be captured in a CUDA graph and replayed with new page
+tables and context lengths. Batches with prefill chunks map query blocks to sequences with a
 small table built once per forward on the host.
 
 Shared prefixes: in a decode-only forward over unquantized pages, decodes whose page tables
@@ -28,6 +29,7 @@ from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy
 from dyngen_core.attention.triton_cascade import multiprocessors
 from dyngen_core.attention.triton_cascade_path import CascadeOptions, CascadePath
 from dyngen_core.attention.triton_cascade_tables import StaticCascadeLayout
+from dyngen_core.attention.triton_decode_merge import SplitCounters
 from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
 from dyngen_core.attention.triton_kernels import (
     ROTATION_GROUP,
@@ -112,6 +114,13 @@ class TritonPagedBackend:
         how many parts a prefix is split into (each part adds partial results to merge). 1: at
         64 rows and 8 warps the kernel takes 226 registers a thread (ptxas, sm_90, bf16), so
         one program fits a multiprocessor at a time, and one wave of them fills the GPU.
+    merge_in_kernel: decode-only launches over several splits merge them in the attention
+        kernel (its last split program per sequence and KV head, `triton_decode_merge`)
+        instead of a second launch (`combine_splits_kernel`): one kernel boundary less per
+        layer, which is what a batch-1 CUDA-graph step pays for. The counters it needs are
+        allocated by the first eager call of each batch size (``split_counters``).
+    merge_rows: query rows x splits per load round of that merge (its splits are read
+        ``merge_rows // group`` at a time).
     prefill_kernel: "tiled" runs prefill batches over unquantized pages with
         `triton_prefill`'s tiled causal kernel (``prefill_options`` tune it, see
         `TiledPrefillOptions`); "paged" runs them with the general paged kernel (as quantized
@@ -127,12 +136,16 @@ class TritonPagedBackend:
                  cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
                  cascade_rows: int = 64, cascade_warps: int = 8,
                  cascade_programs_per_sm: int = 1, word_block_n: int | None = 64,
-                 word_warps: int = 4, word_launches: int = 2, prefill_kernel: str = "tiled",
+                 word_warps: int = 4, word_launches: int = 2, merge_in_kernel: bool = False,
+                 merge_rows: int = 64, prefill_kernel: str = "tiled",
                  prefill_options: TiledPrefillOptions | None = None) -> None:
         if prefill_kernel not in ("tiled", "paged"):
             raise ValueError(f"prefill_kernel must be 'tiled' or 'paged', not {prefill_kernel!r}")
         self.tiled_prefill = TiledPrefill(prefill_options) if prefill_kernel == "tiled" else None
         self.block_n = block_n
+        self.merge_in_kernel = merge_in_kernel
+        self.merge_rows = merge_rows
+        self.split_counters = SplitCounters()
         self.word_block_n = word_block_n
         self.word_warps = word_warps
         self.word_launches = word_launches
@@ -202,9 +215,14 @@ class TritonPagedBackend:
             block_q, splits = rows // heads.group_pad, 1
             blocks = self._query_blocks(batch, block_q, q.device)
         parts, lse = _split_buffers(num_tokens, num_heads, splits, heads.head_pad, q.device)
+        counters = None
+        if self.merge_in_kernel and blocks is None and splits > 1:
+            counters = self.split_counters.for_launch(q.device,
+                                                      batch.num_seqs * heads.num_kv_heads)
         self._launch_paged(q, ops, page_args, batch, heads, out, (parts, lse), scale,
-                           rows=rows, block_q=block_q, blocks=blocks, splits=splits, exact=exact)
-        if splits > 1:
+                           rows=rows, block_q=block_q, blocks=blocks, splits=splits, exact=exact,
+                           counters=counters)
+        if splits > 1 and counters is None:
             combine_splits_kernel[(num_tokens, num_heads)](
                 parts, lse, out, out.stride(0), out.stride(1), num_heads,
                 NUM_SPLITS=splits, SPLITS_PAD=triton_next_pow2(splits),
@@ -226,9 +244,11 @@ class TritonPagedBackend:
                       partials: tuple[torch.Tensor, torch.Tensor], scale: float, *, rows: int,
                       block_q: int, blocks: _QueryBlocks | None, splits: int,
                       kv_start: torch.Tensor | None = None,
-                      exact: ExactOperands | None = None) -> None:
+                      exact: ExactOperands | None = None,
+                      counters: torch.Tensor | None = None) -> None:
         """One `paged_attention_kernel` launch; ``kv_start`` makes it a cascade's remainder,
-        ``exact`` reads quantized storage's exact rows."""
+        ``exact`` reads quantized storage's exact rows, ``counters`` (a decode over several
+        splits) merges the splits in the kernel."""
         grid0 = batch.num_seqs if blocks is None else int(blocks.seq.shape[0])
         parts, lse = partials
         unused = batch.query_start
@@ -242,7 +262,7 @@ class TritonPagedBackend:
             kv_start if kv_start is not None else unused,
             *exact_args,
             out, out.stride(0), out.stride(1),
-            parts, lse,
+            parts, lse, counters if counters is not None else unused,
             scale * LOG2_E,
             G=heads.group, G_PAD=heads.group_pad, BLOCK_Q=block_q, BLOCK_M=rows,
             BLOCK_N=self.block_n, HEAD_DIM=heads.head_dim, HEAD_PAD=heads.head_pad,
@@ -252,6 +272,9 @@ class TritonPagedBackend:
             HEADS=exact is not None, WINDOW=exact.window if exact is not None else 0,
             num_warps=self.decode_warps if blocks is None else self.prefill_warps,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            MERGE=counters is not None,
+            SPLIT_BLOCK=min(triton_next_pow2(splits),
+                            max(1, self.merge_rows // heads.group_pad)),
         )
 
     def _decode_splits(self, programs: int, device: torch.device) -> int:

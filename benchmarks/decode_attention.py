@@ -1,0 +1,142 @@
+"""Per-layer decode attention of the Triton paged backend: the split merge as a second launch
+("two-launch", `combine_splits_kernel`) vs inside the attention kernel ("merged",
+``merge_in_kernel=True``), timed the way a decode step runs it: 32 layer calls captured in one
+CUDA graph (launch gaps included), us per call = replay time / 32, median of replays.
+
+Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128), bf16 256-token pages, every
+sequence decoding at the same context; batches 1, 8, 32, 64, 256 x contexts 640, 4k, 16k. The
+calls cycle over enough distinct layers that the pages they read exceed the 50 MB L2 three
+times over (a batch-1 640-token layer is 2.6 MB: the cache would otherwise serve it).
+
+Floors (H200: 4.25 TB/s copy, 780 TFLOP/s bf16): KV bytes per call = batch x context x 4096
+(keys and values, 8 heads x 128 x 2 bytes each); FLOPs = batch x context x 16384.
+
+    batch  ctx 640    ctx 4k     ctx 16k     (bytes floor; FLOPs floor is 5-6x lower)
+    1      0.62 us    3.9 us     15.8 us
+    8      4.9 us     31.6 us    126 us
+    32     19.7 us    126 us     505 us
+    64     39.5 us    253 us     1010 us
+    256    158 us     1010 us    4040 us
+
+At batch 1-8 the call is latency bound (a few microseconds of launch and merge): the merged
+variant should save about one kernel boundary (1-3 us) per call there. Batches whose split
+count is 1 (256 here) run no merge at all: both variants are the same kernel.
+
+    python benchmarks/decode_attention.py [--batches 1,8,32,64,256] [--contexts 640,4096,16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from _common import device_name, report
+
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.triton_paged import TritonPagedBackend
+from dyngen_core.config import ModelConfig
+from dyngen_core.forward import build_forward_batch
+from dyngen_core.plan import SequenceSlice, StepPlan
+from dyngen_core.storage.fp16 import FP16Storage
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 256
+CALLS = 32  # layer calls per captured graph
+L2_BYTES = 50 << 20
+COPY_RATE, MATMUL_RATE = 4.25e12, 780e12
+VARIANTS = {"two-launch": {"merge_in_kernel": False}, "merged": {"merge_in_kernel": True}}
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    return batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def make_case(batch: int, context: int, device: torch.device
+              ) -> tuple[FP16Storage, ForwardBatch, torch.Tensor, int]:
+    """Random pages for ``layers`` distinct layers, the decode batch, the queries."""
+    layers = max(1, min(CALLS, -(-3 * L2_BYTES // kv_bytes(batch, context))))
+    pages_per_seq = -(-context // PAGE)
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
+                         hidden_size=HEADS * HEAD_DIM, intermediate_size=64, num_layers=layers,
+                         num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    storage = FP16Storage(config, batch * pages_per_seq, PAGE, torch.bfloat16,
+                          [device] * layers)
+    for layer in range(layers):
+        storage.keys[layer].normal_()
+        storage.values[layer].normal_()
+    slices = [SequenceSlice(i, [1], context - 1,
+                            list(range(i * pages_per_seq, (i + 1) * pages_per_seq)), True)
+              for i in range(batch)]
+    forward = build_forward_batch(StepPlan(slices), PAGE, device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    return storage, forward, q, layers
+
+
+def graph_us_per_call(backend: TritonPagedBackend, storage: FP16Storage, batch: ForwardBatch,
+                      q: torch.Tensor, layers: int, replays: int = 10
+                      ) -> tuple[float, torch.Tensor]:
+    """Median us per call over replays of a graph of CALLS calls; and layer 0's output."""
+    scale = HEAD_DIM ** -0.5
+
+    def calls() -> list[torch.Tensor]:
+        return [backend.attend_cached(i % layers, q, storage, batch, scale)
+                for i in range(CALLS)]
+
+    calls()  # compiles, allocates the merge counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = calls()
+    times = []
+    for _ in range(replays + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    del graph
+    return sorted(times[2:])[len(times[2:]) // 2], outs[0].clone()
+
+
+def run_case(batch: int, context: int, device: torch.device) -> dict[str, Any]:
+    storage, forward, q, layers = make_case(batch, context, device)
+    row: dict[str, Any] = {"batch": batch, "context": context,
+                           "floor_us": max(kv_bytes(batch, context) / COPY_RATE,
+                                           batch * context * 16384 / MATMUL_RATE) * 1e6}
+    outputs = {}
+    for name, options in VARIANTS.items():
+        backend = TritonPagedBackend(cascade_min_saved_keys=None, **options)
+        row["splits"] = backend._decode_splits(batch * KV_HEADS, device)
+        row[name], outputs[name] = graph_us_per_call(backend, storage, forward, q, layers)
+        if options["merge_in_kernel"]:
+            row["counters_zero"] = all(int(c.abs().sum()) == 0
+                                       for c in backend.split_counters.held(device))
+    ref = outputs["two-launch"].float()
+    row["max_rel_diff"] = float((outputs["merged"].float() - ref).norm() / ref.norm())
+    report("decode_attention", device=device_name(), layers=layers, **row)
+    del storage
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,8,32,64,256")
+    parser.add_argument("--contexts", default="640,4096,16384")
+    args = parser.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = [run_case(b, c, device) for b in map(int, args.batches.split(","))
+            for c in map(int, args.contexts.split(","))]
+    print(f"\n{'batch':>5} {'ctx':>6} {'splits':>6} {'floor':>8} {'2-launch':>9} {'merged':>8} "
+          f"{'saved':>7} {'rel diff':>9} counters0")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>6} {r['splits']:>6} {r['floor_us']:>8.2f} "
+              f"{r['two-launch']:>9.2f} {r['merged']:>8.2f} "
+              f"{r['two-launch'] - r['merged']:>7.2f} {r['max_rel_diff']:>9.1e} "
+              f"{r.get('counters_zero')}")
+    print("(us per layer call inside a 32-call CUDA graph; floor: KV bytes at 4.25 TB/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The split merge of decode attention inside the attention kernel, and the counters it needs.
+
+A decode launch splits each sequence's context into ``NUM_SPLITS`` parts (flash-decoding); the
+parts used to be merged by a second kernel (`triton_kernels.combine_splits_kernel`). In a
+CUDA-graph decode step at batch 1 that second launch costs more than the merge's bytes: every
+kernel boundary adds one to three microseconds. Here each split program, once its partial
+result is stored, counts in at its (sequence, KV head) counter; the program that counts last
+merges every split's partial into the output (`count_in_and_merge`) and puts the counter back
+to 0, so the counters are zero between launches, also across replays of a captured graph.
+
+Ordering: the program's threads all store their partials before a barrier, then one thread's
+acquire-release atomic publishes them (release) and, in the last program, makes every other
+program's partials visible (acquire) before it reads them, from L2 (``.cg``: never a line
+an earlier launch left in this multiprocessor's L1).
+
+Counters (`SplitCounters`): one int32 per (sequence, KV head) of the largest decode batch seen,
+per device, zeroed when allocated. A captured graph holds their address, so a buffer is never
+freed or replaced in place: a larger batch adds a larger buffer, and all earlier ones stay.
+They must exist before a capture uses them (CUDA-graph runners warm up eagerly first, which
+allocates them). Launches sharing one device's counters must not run concurrently (one stream
+per device, as the runner does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_COUNTERS = 256
+
+
+@triton.jit
+def count_in_and_merge(counter_ptr, part_out_ptr, part_lse_ptr, out_ptr, out_base,
+                       stride_oh, first_row, first_head, splits_read,
+                       NUM_SPLITS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                       SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       HEAD_PAD: tl.constexpr):
+    """Count this program in at ``counter_ptr``; the last of the ``NUM_SPLITS`` programs of
+    one (sequence, KV head) merges the partials of splits [0, splits_read) of its ``G`` query
+    rows into the output and resets the counter.
+
+    Partials: [rows, NUM_SPLITS, HEAD_PAD] float32 at ``part_out_ptr`` and log2-sum-exp
+    [rows, NUM_SPLITS] at ``part_lse_ptr``; this KV head's rows start at ``first_row`` (int64).
+    Output row g goes to ``out_ptr + out_base + (first_head + g) * stride_oh``. Splits past
+    ``splits_read`` are never read (empty ones: they hold no key, so weigh 0)."""
+    tl.debug_barrier()  # every thread's partial stores come before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if arrived == NUM_SPLITS - 1:
+        _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, out_base, stride_oh, first_row,
+                        first_head, splits_read, NUM_SPLITS, G, G_PAD, SPLIT_BLOCK, HEAD_DIM,
+                        HEAD_PAD)
+        tl.store(counter_ptr, 0)
+
+
+@triton.jit
+def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, out_base, stride_oh, first_row,
+                    first_head, splits_read, NUM_SPLITS: tl.constexpr, G: tl.constexpr,
+                    G_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_PAD: tl.constexpr):
+    """Log-sum-exp merge of ``SPLIT_BLOCK`` splits at a time for all G rows (one round of
+    loads in flight at a short context, instead of one per split)."""
+    group = tl.arange(0, G_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    split_rows = (first_row + group) * NUM_SPLITS
+    top = tl.full([G_PAD], -1.0e30, tl.float32)
+    total = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
+    for s0 in range(0, splits_read, SPLIT_BLOCK):
+        splits = s0 + tl.arange(0, SPLIT_BLOCK)
+        mask = (group < G)[:, None] & (splits < splits_read)[None, :]
+        rows = split_rows[:, None] + splits[None, :]
+        lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        new_top = tl.maximum(top, tl.max(lse, 1))
+        weight = tl.exp2(lse - new_top[:, None])
+        alpha = tl.exp2(top - new_top)
+        parts = tl.load(part_out_ptr + rows[:, :, None] * HEAD_PAD + dims[None, None, :],
+                        mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.sum(parts * weight[:, :, None], 1)
+        total = total * alpha + tl.sum(weight, 1)
+        top = new_top
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    o_ptrs = out_ptr + out_base + (first_head + group)[:, None] * stride_oh + dims[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=(group < G)[:, None] & (dims < HEAD_DIM)[None, :])
+
+
+class SplitCounters:
+    """The zeroed int32 counters of in-kernel split merges, per device (module docstring)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+    def for_launch(self, device: torch.device, count: int) -> torch.Tensor:
+        """At least ``count`` zeroed counters on ``device``; allocates (outside a CUDA-graph
+        capture only) when none held is large enough. Raises RuntimeError when a capture
+        would need a new buffer (run the same batch eagerly once before capturing it)."""
+        held = self._buffers.get(device)
+        if held and held[-1].numel() >= count:
+            return held[-1]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"decode split counters for {count} (sequence, KV head) pairs are needed "
+                f"inside a CUDA-graph capture but were never allocated: run the batch eagerly "
+                f"once before capturing it (a warm-up forward allocates them)")
+        size = max(MIN_COUNTERS, 1 << (max(1, count) - 1).bit_length())
+        buffer = torch.zeros(size, dtype=torch.int32, device=device)
+        self._buffers.setdefault(device, []).append(buffer)  # captured graphs keep older ones
+        return buffer
+
+    def held(self, device: torch.device) -> list[torch.Tensor]:
+        """Every counter buffer allocated on ``device``, oldest first (all zero between
+        launches)."""
+        return list(self._buffers.get(device, []))
+
+
+__all__ = ["SplitCounters", "count_in_and_merge"]
