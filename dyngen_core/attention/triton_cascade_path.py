@@ -176,12 +176,12 @@ class CascadePath:
             torch.empty(num_tokens, num_heads, rem_splits, dtype=torch.float32, device=q.device))
         out = torch.empty_like(q)
         launch_remainder(out, remainder, rem_splits, tables.kv_start)
-        launch = self._prefix_launch(ops, batch, tables, heads, sms)
+        launch = self.prefix_launch(ops, batch, tables, heads, sms)
         prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
         merge_partials(out, remainder, prefix, tables)
         return out
 
-    def _prefix_launch(self, ops: PageOperands, batch: ForwardBatch, tables: CascadeTables,
+    def prefix_launch(self, ops: PageOperands, batch: ForwardBatch, tables: CascadeTables,
                        heads: _HeadShape, sms: int) -> PrefixLaunch:
         """The shared-prefix kernel's launch: which kernel, its tile and its split count (from
         the bucket alone in a graph)."""

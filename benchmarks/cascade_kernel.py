@@ -1,0 +1,260 @@
+"""Shared-prefix ("cascade") decode attention, one layer, inside CUDA graphs: plain paged decode
+against the cascade's first kernel and its launch variants, to choose the cascade's defaults.
+
+Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16 pages of 256 tokens). A case
+is ``members`` decodes whose page tables share a document's full pages (the prefix), each with
+``document % 256 + 40`` tokens of its own (the document's last partial page, copied by dedup,
+and a ~40-token question). Timed, per call, as median graph replays:
+
+- ``plain``: the plain paged decode over every member's whole context;
+- ``no_document``: the plain decode of the same members over their 40 own tokens alone (what
+  the issue's no-document run pays per layer);
+- ``cascade:<variant>``: the whole cascade (remainder pass, shared-prefix kernel, merge), with
+  tables in a fixed region and launches sized by the batch, as a replayed decode graph runs it;
+- ``prefix:<variant>``: the shared-prefix kernel alone, same launch.
+
+Each graph runs the call over ``copies`` disjoint copies of the pages and queries (more bytes
+than the 50 MB L2 in all) and the time is divided by the copies. The last lines are a table.
+
+Floors (H200: 4.25 TB/s copy, 780 TFLOP/s bf16; 4,096 bytes of KV per token and layer; FLOPs
+members x 32 heads x keys x 128 x 4):
+
+| case            | prefix bytes | own bytes | bytes floor | prefix FLOPs  | FLOP floor |
+| 64 x 8,030 doc  | 32.5 MB      | 35.1 MB   | 15.9 us     | 8.3 GFLOP     | 10.7 us    |
+| 16 x 8,030 doc  | 32.5 MB      | 8.8 MB    | 9.7 us      | 2.1 GFLOP     | 2.7 us     |
+| 64 x 2,048 doc  | 8.4 MB       | 10.5 MB   | 4.4 us      | 2.1 GFLOP     | 2.8 us     |
+| 16 x 2,048 doc  | 8.4 MB       | 2.6 MB    | 2.6 us      | 0.5 GFLOP     | 0.7 us     |
+
+The shared-prefix kernel alone: prefix bytes / 4.25 TB/s (7.6 us at 8,030, 2.0 us at 2,048)
+against its FLOPs / 780 TFLOP/s. Plain decode reads members x context x 4,096 bytes (64 x
+8,030: 2.1 GB, ~500 us).
+
+    python benchmarks/cascade_kernel.py [--cases 64x8030,16x8030,64x2048,16x2048]
+        [--variants old,tiles64,tiles64x2,tiles128,tiles128s2,tiles64w4]
+
+On the CPU (``TRITON_INTERPRET=1``, ``--small``) it runs each call once, without graphs, to
+check the script and that every variant agrees with the plain decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import add_common_args, bench_config, device_name, report
+
+from dyngen_core.attention.triton_cascade import attend_prefixes, multiprocessors
+from dyngen_core.attention.triton_cascade_path import LOG2_E, CascadePath
+from dyngen_core.attention.triton_paged import (
+    TritonPagedBackend,
+    _HeadShape,
+    page_arguments,
+    page_operands,
+)
+from dyngen_core.config import ModelConfig
+from dyngen_core.forward import build_forward_batch
+from dyngen_core.plan import SequenceSlice, StepPlan
+from dyngen_core.storage.fp16 import FP16Storage
+
+PAGE = 256
+QUESTION = 40
+# name: CascadeOptions fields replaced (the backend's own defaults otherwise).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "old": {"prefix_kernel": "general", "rows": 64, "warps": 8, "programs_per_sm": 1},
+    "tiles64": {"prefix_kernel": "tiles", "rows": 64, "warps": 8, "programs_per_sm": 1},
+    "tiles64x2": {"prefix_kernel": "tiles", "rows": 64, "warps": 8, "programs_per_sm": 2},
+    "tiles128": {"prefix_kernel": "tiles", "rows": 128, "warps": 8, "programs_per_sm": 1},
+    "tiles128s2": {"prefix_kernel": "tiles", "rows": 128, "warps": 8, "programs_per_sm": 1,
+                   "stages": 2},
+    "tiles64w4": {"prefix_kernel": "tiles", "rows": 64, "warps": 4, "programs_per_sm": 2},
+}
+L2_BYTES = 50 << 20
+
+
+@dataclasses.dataclass
+class Case:
+    """One shape on the device: ``copies`` batches over disjoint pages, their queries."""
+
+    members: int
+    document: int
+    storage: FP16Storage
+    plans: list[StepPlan]
+    no_doc_plans: list[StepPlan]
+    queries: list[torch.Tensor]
+
+
+def build_case(config: dict[str, Any], members: int, document: int, device: torch.device,
+               page: int, max_copies: int) -> Case:
+    """Random pages for ``copies`` copies of the shape (enough to overflow the L2 twice)."""
+    heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
+                                 config["head_dim"])
+    shared_pages, own = document // page, document % page + QUESTION
+    own_pages = -(-own // page)
+    per_token = 2 * kv_heads * head_dim * 2  # K and V, bf16
+    touched = (shared_pages * page + members * own) * per_token
+    copies = max(1, min(max_copies, -(-2 * L2_BYTES // touched)))
+    pages_per_copy = shared_pages + members * own_pages
+    shape = ModelConfig.from_dict({**config, "num_hidden_layers": 1})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    storage = FP16Storage(shape, copies * pages_per_copy + 1, page, dtype, [device])
+    storage.keys[0].normal_()
+    storage.values[0].normal_()
+    plans, no_doc, queries = [], [], []
+    for copy in range(copies):
+        base = 1 + copy * pages_per_copy
+        shared = list(range(base, base + shared_pages))
+        own_tables = [list(range(base + shared_pages + i * own_pages,
+                                 base + shared_pages + (i + 1) * own_pages))
+                      for i in range(members)]
+        plans.append(StepPlan([SequenceSlice(i, [1], shared_pages * page + own - 1,
+                                             shared + own_tables[i], True)
+                               for i in range(members)]))
+        no_doc.append(StepPlan([SequenceSlice(i, [1], QUESTION - 1, own_tables[i], True)
+                                for i in range(members)]))
+        queries.append(torch.randn(members, heads, head_dim, device=device, dtype=dtype))
+    return Case(members, document, storage, plans, no_doc, queries)
+
+
+def cascade_backend(variant: dict[str, Any]) -> TritonPagedBackend:
+    """A backend that cascades every shared prefix, with the variant's options."""
+    backend = TritonPagedBackend(cascade_min_saved_keys=0)
+    backend.cascade = CascadePath(dataclasses.replace(backend.cascade.options, **variant))
+    return backend
+
+
+def graph_calls(case: Case, backend: TritonPagedBackend, device: torch.device
+                ) -> tuple[list[Callable[[], torch.Tensor]], list[Callable[[], torch.Tensor]]]:
+    """Per copy: the whole cascade and the shared-prefix kernel alone, with graph tables."""
+    storage, scale = case.storage, case.queries[0].shape[2] ** -0.5
+    heads, kv_heads = case.queries[0].shape[1], storage.keys[0].shape[2]
+    cascade_plan = backend.plan_cascade(case.plans[0], storage)
+    layout = backend.cascade_layout(storage, heads, kv_heads, capacity=case.members)
+    if cascade_plan is None or layout is None:
+        raise RuntimeError("the case planned no cascade")
+    region = torch.zeros(layout.size, dtype=torch.int32)
+    layout.fill(cascade_plan, case.members, region.numpy())
+    tables = layout.tables(region.to(device), case.members)
+    ops = page_operands(storage, 0)
+    whole, prefix = [], []
+    for plan, q in zip(case.plans, case.queries, strict=True):
+        batch = dataclasses.replace(build_forward_batch(plan, storage.page_size, device),
+                                    page_tables_host=None, cascade=tables)
+        head_shape = _HeadShape.of(q, ops)
+        launch = backend.cascade.prefix_launch(ops, batch, tables, head_shape,
+                                               multiprocessors(device))
+        page_args = page_arguments(ops, q)
+        whole.append(lambda q=q, batch=batch: backend.attend_cached(0, q, storage, batch,
+                                                                    scale))
+        prefix.append(lambda q=q, batch=batch, launch=launch, page_args=page_args:
+                      attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E,
+                                      launch)[0])
+    return whole, prefix
+
+
+def plain_calls(case: Case, plans: list[StepPlan], device: torch.device
+                ) -> list[Callable[[], torch.Tensor]]:
+    backend = TritonPagedBackend(cascade_min_saved_keys=None)
+    scale = case.queries[0].shape[2] ** -0.5
+    calls = []
+    for plan, q in zip(plans, case.queries, strict=True):
+        batch = build_forward_batch(plan, case.storage.page_size, device)
+        calls.append(lambda q=q, batch=batch: backend.attend_cached(0, q, case.storage, batch,
+                                                                    scale))
+    return calls
+
+
+def time_calls(calls: list[Callable[[], torch.Tensor]], repeats: int
+               ) -> tuple[float, torch.Tensor]:
+    """Median seconds per call of one graph running every call in turn (compiled and warmed up
+    first), and the first call's output. Without CUDA: one eager pass, untimed (0)."""
+    if not torch.cuda.is_available():
+        return 0.0, calls[0]()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [call() for call in calls]
+    for _ in range(2):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / len(calls))
+    return sorted(times)[len(times) // 2], outs[0]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm())
+
+
+def run_case(case: Case, variants: list[str], device: torch.device, repeats: int
+             ) -> list[tuple[str, float, float]]:
+    """(name, us per call, relative error against plain) of every timed call of a case."""
+    rows: list[tuple[str, float, float]] = []
+    plain_s, plain_out = time_calls(plain_calls(case, case.plans, device), repeats)
+    rows.append(("plain", plain_s * 1e6, 0.0))
+    no_doc_s, _ = time_calls(plain_calls(case, case.no_doc_plans, device), repeats)
+    rows.append(("no_document", no_doc_s * 1e6, float("nan")))
+    for name in variants:
+        whole, prefix = graph_calls(case, cascade_backend(VARIANTS[name]), device)
+        seconds, out = time_calls(whole, repeats)
+        rows.append((f"cascade:{name}", seconds * 1e6, relative_error(out, plain_out)))
+        prefix_s, _ = time_calls(prefix, repeats)
+        rows.append((f"prefix:{name}", prefix_s * 1e6, float("nan")))
+    for name, us, error in rows:
+        report("cascade_kernel", device=device_name(), members=case.members,
+               document=case.document, copies=len(case.plans), call=name, us=us,
+               relative_error=error)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--cases", default="64x8030,16x8030,64x2048,16x2048",
+                        help="members x document tokens, comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--max-copies", type=int, default=16)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        # The interpreter needs the GPU tests' patch for Triton 3.6 with numpy >= 2.4.
+        import tests.gpu.conftest  # noqa: F401
+    config = bench_config(args)
+    variants = args.variants.split(",")
+    page = PAGE if not args.small else 16
+    table: list[tuple[str, list[tuple[str, float, float]]]] = []
+    for spec in args.cases.split(","):
+        members, document = (int(x) for x in spec.split("x"))
+        if args.small:
+            members, document = min(members, 8), min(document, 70)
+        case = build_case(config, members, document, device, page,
+                          args.max_copies if device.type == "cuda" else 1)
+        table.append((f"{members}x{document}", run_case(case, variants, device, args.repeats)))
+        del case
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"\n{'call':22}" + "".join(f"{label:>16}" for label, _ in table))
+    for index, (name, _, _) in enumerate(table[0][1]):
+        cells = "".join(f"{rows[index][1]:>9.1f} {rows[index][2]:>6.0e}"
+                        if rows[index][2] == rows[index][2] else f"{rows[index][1]:>16.1f}"
+                        for _, rows in table)
+        print(f"{name:22}{cells}")
+    print("(us per call; relative error of the cascade's output against plain)")
+
+
+if __name__ == "__main__":
+    main()
