@@ -37,25 +37,30 @@ class PrefillTile:
 class TiledPrefillOptions:
     """How the tiled prefill picks its tiles.
 
-    rows: query rows (heads x tokens) per program for 16-bit pages; 128 fills two warpgroups'
-        tensor-core tiles. short_rows: the rows used instead (when fewer) when every query of
-        the batch fits in half a tile's tokens, so less of the tile is padding.
+    rows: query rows (heads x tokens) per program of 16-bit pages; 128 fills two warpgroups'
+        tensor-core tiles. While a launch's longest query fits in half a tile's tokens, its
+        rows are halved, down to ``min_rows``, so short chunks are not mostly padding.
     heads_per_tile: query heads of one KV group per tile, sharing its key and value loads;
-        None: the whole group (padded to a power of two), capped so a tile keeps 16 tokens.
+        None: the whole group (padded to a power of two), capped so a full tile keeps 16
+        tokens.
     block_n: keys per loop step (a divisor of the page size). warps: per program of
-        ``rows`` rows (half of them for ``short_rows``, at least 4). stages: software
+        ``rows`` rows (fewer rows: proportionally fewer, at least 4). stages: software
         pipelining depth of the key loop.
+    short_query: in a batch that also holds longer chunks, sequences of at most this many
+        queries (decodes, draft verification) run in a second launch with their own small
+        tile instead of padding a large one.
     min_query: batches whose longest query is shorter take the paged kernel instead.
     float32_rows, float32_block_n, float32_stages: the smaller tile of float32 pages (their
         dots run without tensor-core tiles and their key tiles take twice the shared memory).
     """
 
     rows: int = 128
-    short_rows: int = 64
+    min_rows: int = 16
     heads_per_tile: int | None = None
     block_n: int = 64
     warps: int = 8
     stages: int = 2
+    short_query: int = 16
     min_query: int = 2
     float32_rows: int = 64
     float32_block_n: int = 32
@@ -63,19 +68,21 @@ class TiledPrefillOptions:
 
 
 @dataclass(frozen=True)
-class _Blocks:
-    """Query block i is sequence ``seq[i]`` from its query token ``first[i]``."""
+class _Launch:
+    """One kernel launch: its tile, and query block i = sequence ``seq[i]`` from its query
+    token ``first[i]``."""
 
+    tile: PrefillTile
     seq: torch.Tensor
     first: torch.Tensor
 
 
 class TiledPrefill:
-    """The tiled prefill path of one backend (it caches the current batch's block table)."""
+    """The tiled prefill path of one backend (it caches the current batch's launches)."""
 
     def __init__(self, options: TiledPrefillOptions | None = None) -> None:
         self.options = options or TiledPrefillOptions()
-        self._blocks: tuple[ForwardBatch, int, _Blocks] | None = None
+        self._launches: tuple[ForwardBatch, torch.dtype, int, list[_Launch]] | None = None
 
     def takes(self, batch: ForwardBatch, q: torch.Tensor, keys: torch.Tensor,
               key_bits: int, value_bits: int) -> bool:
@@ -83,25 +90,24 @@ class TiledPrefill:
         page size the key step divides, and a longest query of at least ``min_query``."""
         if key_bits or value_bits or keys.dtype != q.dtype or not batch.query_lens_host:
             return False
-        tile = self.tile(batch, q.dtype, q.shape[1] // keys.shape[2])
         return (max(batch.query_lens_host) >= self.options.min_query
-                and batch.page_size % tile.block_n == 0)
+                and batch.page_size % self._block_n(q.dtype) == 0)
 
-    def tile(self, batch: ForwardBatch, dtype: torch.dtype, group: int) -> PrefillTile:
-        """The launch shape for ``batch`` (depends on its longest query, the dtype and the
-        group size only)."""
+    def tile(self, longest: int, dtype: torch.dtype, group: int) -> PrefillTile:
+        """The launch shape for sequences whose longest query is ``longest`` tokens, of
+        ``group`` query heads per KV head."""
         opts = self.options
-        rows = opts.float32_rows if dtype == torch.float32 else opts.rows
+        full = opts.float32_rows if dtype == torch.float32 else opts.rows
         group_pad = _next_pow2(group)
-        heads = opts.heads_per_tile or group_pad
-        heads = max(1, min(heads, group_pad, rows // 16))
-        if max(batch.query_lens_host) * 2 <= rows // heads and opts.short_rows < rows:
-            rows = opts.short_rows
-            heads = max(1, min(heads, rows // 16))
-        warps = max(4, opts.warps * rows // opts.rows)
+        heads = max(1, min(opts.heads_per_tile or group_pad, group_pad, full // 16))
+        rows = full
+        while rows > opts.min_rows and longest * 2 <= rows // heads:
+            rows //= 2
+            heads = min(heads, rows)
         if dtype == torch.float32:
             return PrefillTile(rows // heads, heads, opts.float32_block_n, 4,
                                opts.float32_stages)
+        warps = max(4, opts.warps * rows // full)
         return PrefillTile(rows // heads, heads, opts.block_n, warps, opts.stages)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -110,46 +116,63 @@ class TiledPrefill:
         into ``out`` [T, H, D]; keys/values [pages, page_size, kv_heads, D]."""
         num_kv_heads, head_dim = keys.shape[2], keys.shape[3]
         group = q.shape[1] // num_kv_heads
-        tile = self.tile(batch, q.dtype, group)
-        if batch.page_size % tile.block_n:
-            raise ValueError(f"the prefill key step ({tile.block_n}) must divide the page size "
-                             f"({batch.page_size}): choose a smaller block_n")
-        subgroups = -(-group // tile.heads_per_tile)
-        blocks = self._query_blocks(batch, tile.block_q, q.device)
-        head_programs = num_kv_heads * subgroups
-        grid = (int(blocks.seq.shape[0]) * head_programs,)
-        tiled_prefill_kernel[grid](
-            q, q.stride(0), q.stride(1),
-            keys, values, *keys.stride()[:3], *values.stride()[:3],
-            batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
-            blocks.seq, blocks.first,
-            out, out.stride(0), out.stride(1),
-            scale * LOG2_E, head_programs,
-            G=group, SUBGROUPS=subgroups, HEADS_PER_TILE=tile.heads_per_tile,
-            BLOCK_Q=tile.block_q, BLOCK_N=tile.block_n, HEAD_DIM=head_dim,
-            HEAD_PAD=max(16, _next_pow2(head_dim)), PAGE_SIZE=batch.page_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=tile.warps, num_stages=tile.stages,
-        )
+        if batch.page_size % self._block_n(q.dtype):
+            raise ValueError(f"the prefill key step ({self._block_n(q.dtype)}) must divide "
+                             f"the page size ({batch.page_size}): choose a smaller block_n")
+        for launch in self.launches(batch, q.dtype, group, q.device):
+            tile = launch.tile
+            subgroups = -(-group // tile.heads_per_tile)
+            head_programs = num_kv_heads * subgroups
+            tiled_prefill_kernel[(int(launch.seq.shape[0]) * head_programs,)](
+                q, q.stride(0), q.stride(1),
+                keys, values, *keys.stride()[:3], *values.stride()[:3],
+                batch.page_table, batch.page_table.stride(0), batch.context_lens,
+                batch.query_start, launch.seq, launch.first,
+                out, out.stride(0), out.stride(1),
+                scale * LOG2_E, head_programs,
+                G=group, SUBGROUPS=subgroups, HEADS_PER_TILE=tile.heads_per_tile,
+                BLOCK_Q=tile.block_q, BLOCK_N=tile.block_n, HEAD_DIM=head_dim,
+                HEAD_PAD=max(16, _next_pow2(head_dim)), PAGE_SIZE=batch.page_size,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                num_warps=tile.warps, num_stages=tile.stages,
+            )
         return out
 
-    def _query_blocks(self, batch: ForwardBatch, block_q: int,
-                      device: torch.device) -> _Blocks:
-        """Every sequence's query blocks, the ones with the most keys to read first (each
-        layer of a forward reuses the table)."""
-        cached = self._blocks
-        if cached is not None and cached[0] is batch and cached[1] == block_q:
-            return cached[2]
-        work: list[tuple[int, int, int]] = []
-        for seq, (qlen, ctx) in enumerate(zip(batch.query_lens_host, batch.context_lens_host,
-                                              strict=True)):
-            for first in range(0, qlen, block_q):
-                work.append((ctx - qlen + min(first + block_q, qlen), seq, first))
-        work.sort(key=lambda item: -item[0])
-        blocks = _Blocks(_to_device([w[1] for w in work], device),
-                         _to_device([w[2] for w in work], device))
-        self._blocks = (batch, block_q, blocks)
-        return blocks
+    def launches(self, batch: ForwardBatch, dtype: torch.dtype, group: int,
+                 device: torch.device) -> list[_Launch]:
+        """The batch's launches (built once per forward, reused by every layer): one, or two
+        when short sequences (``short_query``) sit beside longer chunks; each lists its
+        query blocks with the most keys to read first, so the long tiles start first."""
+        cached = self._launches
+        if cached is not None and cached[0] is batch and cached[1:3] == (dtype, group):
+            return cached[3]
+        lens = batch.query_lens_host
+        short = [i for i, qlen in enumerate(lens) if qlen <= self.options.short_query]
+        long = [i for i, qlen in enumerate(lens) if qlen > self.options.short_query]
+        parts = [part for part in (long, short) if part]
+        launches = []
+        for seqs in parts:
+            tile = self.tile(max(lens[i] for i in seqs), dtype, group)
+            seq, first = _query_blocks(batch, seqs, tile.block_q)
+            launches.append(_Launch(tile, _to_device(seq, device), _to_device(first, device)))
+        self._launches = (batch, dtype, group, launches)
+        return launches
+
+    def _block_n(self, dtype: torch.dtype) -> int:
+        return self.options.float32_block_n if dtype == torch.float32 else self.options.block_n
+
+
+def _query_blocks(batch: ForwardBatch, seqs: list[int],
+                  block_q: int) -> tuple[list[int], list[int]]:
+    """(sequence, first query token) of every ``block_q``-token block of ``seqs``, those
+    whose last position is furthest first (their tiles read the most keys)."""
+    work: list[tuple[int, int, int]] = []
+    for seq in seqs:
+        qlen, ctx = batch.query_lens_host[seq], batch.context_lens_host[seq]
+        for first in range(0, qlen, block_q):
+            work.append((ctx - qlen + min(first + block_q, qlen), seq, first))
+    work.sort(key=lambda item: -item[0])
+    return [w[1] for w in work], [w[2] for w in work]
 
 
 def _next_pow2(n: int) -> int:

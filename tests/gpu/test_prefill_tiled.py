@@ -116,12 +116,14 @@ def test_tiled_prefill_head_dims(device: torch.device, head_dim: int) -> None:
 
 @pytest.mark.parametrize("options", [
     {"heads_per_tile": 1}, {"heads_per_tile": 2, "block_n": 16},
-    {"rows": 64, "short_rows": 32, "block_n": 128, "stages": 3},
+    {"rows": 64, "min_rows": 32, "block_n": 128, "stages": 3},
+    {"short_query": 0}, {"short_query": 100},
     {"float32_rows": 32, "float32_block_n": 16},
 ])
 def test_tiled_prefill_tile_shapes(device: torch.device, options: dict[str, int]) -> None:
     """Other tiles: one head per tile (tokens only), tiles splitting a group, key steps
-    smaller and larger (on CUDA) than the default, a small float32 tile."""
+    smaller and larger (on CUDA) than the default, a small float32 tile, the short chunks
+    in the long chunks' launch or more chunks in the short launch."""
     if _small(device):
         options = {**options, "block_n": 16}
     small_float = _small(device) or "float32_rows" in options
@@ -137,7 +139,7 @@ def test_short_chunks_over_a_long_prefix(device: torch.device, longest: str) -> 
     longest chunk filling most of a tile's tokens, and one taking the short tile."""
     if _small(device):
         lens = [(15, 90), (5, 85), (12, 40)] if longest == "question" else [(7, 90), (3, 40)]
-        options = {"float32_rows": 128, "short_rows": 64}
+        options = {"float32_rows": 128}
     else:
         lens = ([(30, 8060), (17, 4000)] * 3 if longest == "question"
                 else [(9, 8039), (16, 700), (2, 300)])
@@ -162,7 +164,7 @@ def test_backend_takes_the_tiled_path_and_agrees(device: torch.device) -> None:
     tiled = TritonPagedBackend(prefill_kernel="tiled", prefill_options=options)
     out = tiled.attend(0, q, k, v, storage, batch, 0.2).float()
     paged = TritonPagedBackend(prefill_kernel="paged").attend(0, q, k, v, storage, batch, 0.2)
-    assert tiled.tiled_prefill is not None and tiled.tiled_prefill._blocks is not None
+    assert tiled.tiled_prefill is not None and tiled.tiled_prefill._launches is not None
     tolerance = 2e-3 if dtype == torch.float32 else 1.5e-2
     assert float((out - ref).norm() / ref.norm()) < tolerance
     assert float((paged.float() - ref).norm() / ref.norm()) < tolerance
@@ -170,12 +172,18 @@ def test_backend_takes_the_tiled_path_and_agrees(device: torch.device) -> None:
         TritonPagedBackend(prefill_kernel="flash")
 
 
-def test_block_table_orders_heaviest_first() -> None:
-    """Query blocks are listed by keys read, most first, covering every query token once."""
-    storage, batch, *_ = _setup([(40, 40), (10, 200), (1, 5)], 4, 2, 16, 16, torch.float32,
-                                torch.device("cpu"))
-    tiled = _tiled()
-    blocks = tiled._query_blocks(batch, 16, torch.device("cpu"))  # type: ignore[attr-defined]
-    pairs = list(zip(blocks.seq.tolist(), blocks.first.tolist(), strict=True))
-    assert pairs == [(1, 0), (0, 32), (0, 16), (0, 0), (2, 0)]
-    assert blocks.seq.dtype == blocks.first.dtype == torch.int32
+def test_launches_split_short_chunks_and_order_blocks() -> None:
+    """A batch with long and short chunks takes two launches, the short one a smaller tile;
+    each lists its query blocks by keys read, most first, every query token once."""
+    from dyngen_core.attention.triton_prefill import TiledPrefill
+
+    _, batch, *_ = _setup([(40, 40), (3, 200), (1, 5), (3, 50), (70, 90)], 4, 1, 16, 16,
+                          torch.float32, torch.device("cpu"))
+    long, short = TiledPrefill().launches(batch, torch.bfloat16, 4, torch.device("cpu"))
+    assert (long.tile.block_q, long.tile.heads_per_tile, long.tile.warps) == (32, 4, 8)
+    assert (short.tile.block_q, short.tile.heads_per_tile, short.tile.warps) == (4, 4, 4)
+    assert list(zip(long.seq.tolist(), long.first.tolist(), strict=True)) == [
+        (4, 64), (4, 32), (4, 0), (0, 32), (0, 0)]
+    assert list(zip(short.seq.tolist(), short.first.tolist(), strict=True)) == [
+        (1, 0), (3, 0), (2, 0)]
+    assert long.seq.dtype == long.first.dtype == torch.int32
