@@ -53,6 +53,10 @@ class DynamicGenerator:
             per batch-size bucket up to max_batch_size).
         compile_decode: run the captured decode step through torch.compile (fuses the small
             kernels of norms and rotary; slower start).
+        skinny_matmul_rows: route matrix products of at most this many rows (batch-1 and
+            small-batch decode) through the Triton skinny matmul on CUDA, bf16/fp16 (0: off,
+            every product is F.linear; None: leave the model's own setting, off by default);
+            see `Model.set_skinny_matmul`.
         overlap_steps: let a step finish on the host during the next step's forward when none
             of its sampling jobs has a constraint, banned string, stop-token ban, extra output
             or mirostat: its tokens are chosen on the device, the next step reads them there,
@@ -74,6 +78,7 @@ class DynamicGenerator:
         cuda_graphs: bool = True,
         compile_decode: bool = False,
         overlap_steps: bool = True,
+        skinny_matmul_rows: int | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -88,6 +93,7 @@ class DynamicGenerator:
         self._runner = ModelRunner(
             model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
             max_batch_size=max_batch_size, compile_decode=compile_decode,
+            skinny_matmul_rows=skinny_matmul_rows,
         )
         self._bridge = SamplingBridge(model, tokenizer)
         self._default_settings = SamplerSettings.from_generation_config(

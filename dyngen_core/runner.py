@@ -31,12 +31,17 @@ class ModelRunner:
         sequences whose per-sequence storage state (the recent window of quantized caches) is
         kept at once.
     compile_decode: run the captured decode forward through torch.compile (slower start).
+    skinny_matmul_rows: when not None, `Model.set_skinny_matmul` is called with it before
+        graphs are captured (products of that many rows or fewer run the Triton skinny matmul on
+        CUDA; 0 turns it off); None leaves the model as it is.
     """
 
     def __init__(self, model: Model, cache: Cache, backend: AttentionBackend, *,
                  cuda_graphs: bool = True, max_batch_size: int = 256,
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, skinny_matmul_rows: int | None = None) -> None:
         self.model = model
+        if skinny_matmul_rows is not None:
+            model.set_skinny_matmul(skinny_matmul_rows)
         self.cache = cache
         self.backend = backend
         # Sequence slots only for storages that keep per-sequence state (q6/q4 windows).

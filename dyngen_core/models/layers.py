@@ -16,6 +16,7 @@ from torch import nn
 from dyngen_core.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.config import ModelConfig
 from dyngen_core.models.rope import apply_rotary
+from dyngen_core.models.skinny_matmul import linear
 from dyngen_core.storage.base import KVStorage
 
 
@@ -51,22 +52,28 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one [2 * I, hidden] weight."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one [2 * I, hidden] weight.
+
+    ``skinny_rows`` (set by `Model.set_skinny_matmul`; 0: off) routes products of that many
+    rows or fewer through the Triton skinny matmul (`skinny_matmul.linear`)."""
 
     def __init__(self, config: ModelConfig, place: Placement) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_weight = empty_parameter(2 * inter, hidden, place=place)
         self.down_weight = empty_parameter(hidden, inter, place=place)
+        self.skinny_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        rows = self.skinny_rows
+        gate, up = linear(x, self.gate_up_weight, skinny_rows=rows).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight, skinny_rows=rows)
 
 
 class Attention(nn.Module):
     """Fused q/k/v projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rotary
-    embedding, then the attention backend over the paged cache, then the output projection."""
+    embedding, then the attention backend over the paged cache, then the output projection.
+    ``skinny_rows``: as in `GatedMLP`, for the q/k/v and output projections."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, place: Placement) -> None:
         super().__init__()
@@ -83,17 +90,19 @@ class Attention(nn.Module):
         self.o_bias = empty_parameter(hidden, place=place) if has_o_bias(config) else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, place) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, place) if config.qk_norm else None
+        self.skinny_rows = 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, storage: KVStorage,
                 backend: AttentionBackend) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, skinny_rows=self.skinny_rows)
         q, k = self._rotated_q_k(qkv, cos, sin)
         v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = backend.attend(self.layer_idx, q, k, v, storage, batch, self.scale)
-        return F.linear(out.reshape(tokens, -1), self.o_weight, self.o_bias)
+        return linear(out.reshape(tokens, -1), self.o_weight, self.o_bias,
+                      skinny_rows=self.skinny_rows)
 
     def _rotated_q_k(self, qkv: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

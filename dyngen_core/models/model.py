@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from dyngen_core.models.loader import (
 )
 from dyngen_core.models.placement import resolve_device, resolve_dtype
 from dyngen_core.models.rope import RotaryEmbedding
+from dyngen_core.models.skinny_matmul import linear, skinny_rows_for
 from dyngen_core.storage.base import KVStorage
 
 
@@ -40,6 +42,9 @@ class Model(nn.Module):
     layer_devices: one device per decoder layer (default: all on ``device``). Hidden states move
         to each layer's device during the forward, so a model may later be split over devices.
     model_dir: the folder the weights came from, if any.
+
+    Products of few rows (decode steps) may run through the Triton skinny matmul: see
+    `set_skinny_matmul` (off unless asked for).
     """
 
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
@@ -67,6 +72,22 @@ class Model(nn.Module):
             else empty_parameter(*shape, place=place)
         )
         self.rotary = RotaryEmbedding(config, device)
+        self.skinny_rows = 0
+
+    def set_skinny_matmul(self, max_rows: int) -> None:
+        """Route the matrix products (q/k/v, output, gate/up, down, lm_head) of at most
+        ``max_rows`` rows (tokens, or sampled rows for the lm_head) through the Triton skinny
+        matmul (`models.skinny_matmul`), which reads each weight once at full bandwidth; 0 turns
+        it off (every product is ``F.linear``, the default). Only bf16/fp16 products on CUDA
+        with triton installed take it; elsewhere the setting resolves to 0 for that layer's
+        device. Set it before CUDA graphs are captured (the runner's ``skinny_matmul_rows``
+        does). Raises ValueError for a negative ``max_rows``."""
+        self.skinny_rows = skinny_rows_for(torch.device(self.device), max_rows)
+        for layer, layer_device in zip(self.layers, self.layer_devices, strict=True):
+            rows = skinny_rows_for(torch.device(layer_device), max_rows)
+            decoder = cast(DecoderLayer, layer)
+            decoder.attn.skinny_rows = rows
+            decoder.mlp.skinny_rows = rows
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None,
@@ -129,4 +150,4 @@ class Model(nn.Module):
             # side of the output ([vocab, S]) than as x @ W^T with few rows (measured on the
             # 2-core dev machine for 2 to 32 rows); same products, summed in another order.
             return (self.lm_head_weight @ normed.t()).t().float().contiguous()
-        return F.linear(normed, self.lm_head_weight).float()
+        return linear(normed, self.lm_head_weight, skinny_rows=self.skinny_rows).float()

@@ -1,0 +1,207 @@
+"""The Triton skinny matmul (`models.skinny_matmul`) against ``F.linear`` (cuBLAS) for the five
+weight shapes of Llama-3-8B decode, at 1, 2, 4, 8 and 16 rows, every kernel variant of a small
+sweep; the best variant per shape and row count; the whole layer set of one decode step.
+
+Floors (H200: 4.25 TB/s copy bandwidth, ~780 TFLOP/s bf16; bytes are the bf16 weight, read once):
+
+    shape     N x K            bytes      bytes / 4.25 TB/s   FLOPs at 16 rows / 780 TFLOP/s
+    qkv       6144 x 4096      50.3 MB    11.8 us             0.81 GFLOP   1.0 us
+    o         4096 x 4096      33.6 MB     7.9 us             0.54 GFLOP   0.7 us
+    gate_up  28672 x 4096     234.9 MB    55.3 us             3.76 GFLOP   4.8 us
+    down      4096 x 14336    117.4 MB    27.6 us             1.88 GFLOP   2.4 us
+    lm_head 128256 x 4096    1050.7 MB   247.2 us            16.8  GFLOP  21.6 us
+    layer set: 32 x (qkv + o + gate_up + down) + lm_head = 15.01 GB -> 3.53 ms
+
+Every product is memory-bound at these row counts, so TB/s = weight bytes / time is the figure.
+Each measurement replays a CUDA graph of one launch per weight copy, rotating over at least 4
+copies (and at least 256 MB in all) so the 50 MB L2 never holds the next weight; the time per
+launch is the median replay over the launches, gaps between launches included (as in the
+captured decode step). Variants are checked against ``F.linear`` first (BAD: relative error
+above 1e-2, left out of the best).
+
+    python benchmarks/skinny_matmul.py [--rows 1,2,4,8,16] [--shapes qkv,o,...] [--quick]
+
+``--small`` runs tiny shapes without graphs (a smoke run, e.g. under TRITON_INTERPRET=1 on a
+CPU). The last lines are the compact table, then BENCH json lines (`_common.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import device_name, free_memory, report  # noqa: E402
+from dyngen_core.models.skinny_matmul import SkinnyConfig, default_config, launch  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
+SMALL_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128),
+                "lm_head": (512, 64)}
+PER_LAYER = ("qkv", "o", "gate_up", "down")
+LAYERS = 32
+# (block_n, block_k, warps, stages) of the reduce kernel per BLOCK_M, and of the dot kernel.
+REDUCE = {1: [(8, 512, 4, 1), (8, 512, 4, 3), (8, 256, 4, 4), (16, 512, 4, 1), (16, 512, 4, 3),
+              (16, 256, 4, 4), (32, 256, 8, 3), (4, 1024, 4, 3), (16, 1024, 8, 2)],
+          2: [(8, 256, 4, 1), (8, 256, 4, 3), (8, 512, 4, 3), (4, 512, 4, 3), (16, 256, 4, 3)],
+          4: [(4, 256, 4, 3), (8, 256, 4, 1), (8, 256, 4, 3), (4, 512, 4, 3), (16, 128, 4, 3)]}
+DOT = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6),
+       (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 4, 8)]
+
+
+def label(config: SkinnyConfig) -> str:
+    return (f"{config.kernel[0]}{config.block_n}x{config.block_k}w{config.num_warps}"
+            f"s{config.num_stages}")
+
+
+def variants(rows: int, quick: bool) -> list[SkinnyConfig]:
+    """The sweep for ``rows`` rows: reduce variants up to 4 rows, dot variants for all."""
+    configs = []
+    if rows <= 4:
+        block_m = 1 << (rows - 1).bit_length()
+        reduce = REDUCE[block_m][:3] if quick else REDUCE[block_m]
+        configs += [SkinnyConfig("reduce", n, k, w, s) for n, k, w, s in reduce]
+    dot = DOT[1:4] if quick else DOT
+    configs += [SkinnyConfig("dot", n, k, w, s) for n, k, w, s in dot]
+    return configs
+
+
+def per_launch_seconds(calls: Sequence[Callable[[], object]], replays: int) -> float:
+    """Median seconds per call of ``calls`` run back to back: a CUDA graph replayed on CUDA,
+    host timing elsewhere."""
+    if not torch.cuda.is_available():
+        host_start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - host_start) / len(calls)
+    for call in calls:  # compile (Triton JIT) and cuBLAS warm-up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def measure_shape(name: str, n: int, k: int, rows_list: list[int], args: argparse.Namespace,
+                  device: torch.device, dtype: torch.dtype) -> dict[int, dict[str, float]]:
+    """{rows: {variant label: seconds per launch (inf when wrong)}} for one weight shape."""
+    nbytes = n * k * dtype.itemsize
+    copies = 1 if args.small else max(4, -(-(256 << 20) // nbytes))
+    gen = torch.Generator(device=device).manual_seed(n)
+    weights = [torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5
+               for _ in range(copies)]
+    replays = 5 if nbytes > (500 << 20) else 10
+    results: dict[int, dict[str, float]] = {}
+    for rows in rows_list:
+        xs = [torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
+              for _ in range(copies)]
+        outs = [torch.empty(rows, n, device=device, dtype=dtype) for _ in range(copies)]
+        operands = list(zip(xs, weights, outs, strict=True))
+        reference = F.linear(xs[0], weights[0]).float()
+        timings = {"torch": per_launch_seconds(
+            [partial(F.linear, x, w) for x, w, _ in operands], replays)}
+        configs = variants(rows, args.quick)
+        default = default_config(rows, n, k)
+        configs += [] if default in configs else [default]
+        for config in configs:
+            launch(xs[0], weights[0], None, outs[0], config)
+            error = ((outs[0].float() - reference).norm() / reference.norm()).item()
+            calls = [partial(launch, x, w, None, out, config) for x, w, out in operands]
+            seconds = per_launch_seconds(calls, replays) if error < 1e-2 else float("inf")
+            timings[label(config) + ("*" if config == default else "")] = seconds
+        results[rows] = timings
+        print(f"{name:8} rows={rows:<3}" + " ".join(
+            f"{key}={_us(value)}" for key, value in timings.items()), flush=True)
+    return results
+
+
+def _us(seconds: float) -> str:
+    return "BAD" if seconds == float("inf") else f"{seconds * 1e6:.1f}"
+
+
+def summarize(all_results: dict[str, dict[int, dict[str, float]]], dtype: torch.dtype,
+              shapes: dict[str, tuple[int, int]]) -> None:
+    """The compact table (torch vs best vs the defaults, per shape and rows) and the layer set."""
+    print(f"\n{'shape':8} {'rows':>4} {'torch us':>9} {'TB/s':>5} {'best':>16} {'us':>8} "
+          f"{'TB/s':>5} {'x':>5} {'default us':>10}")
+    for name, by_rows in all_results.items():
+        n, k = shapes[name]
+        nbytes = n * k * dtype.itemsize
+        for rows, timings in by_rows.items():
+            best = min((key for key in timings if key != "torch"), key=timings.__getitem__)
+            default = next(key for key in timings if key.endswith("*"))
+            torch_s, best_s = timings["torch"], timings[best]
+            print(f"{name:8} {rows:>4} {torch_s * 1e6:>9.1f} {nbytes / torch_s / 1e12:>5.2f} "
+                  f"{best:>16} {best_s * 1e6:>8.1f} {nbytes / best_s / 1e12:>5.2f} "
+                  f"{torch_s / best_s:>5.2f} {_us(timings[default]):>10}")
+            report("skinny_matmul", shape=name, rows=rows, n=n, k=k, torch_us=torch_s * 1e6,
+                   best=best, best_us=best_s * 1e6, default_us=timings[default] * 1e6,
+                   torch_tbps=nbytes / torch_s / 1e12, best_tbps=nbytes / best_s / 1e12,
+                   device=device_name())
+    _layer_set(all_results)
+
+
+def _layer_set(all_results: dict[str, dict[int, dict[str, float]]]) -> None:
+    """32 x (qkv + o + gate_up + down) + lm_head per row count, torch vs best vs defaults."""
+    if not all(name in all_results for name in (*PER_LAYER, "lm_head")):
+        return
+    for rows in all_results["lm_head"]:
+        sums = {"torch": 0.0, "best": 0.0, "default": 0.0}
+        for name in (*PER_LAYER, "lm_head"):
+            timings = all_results[name][rows]
+            weight = LAYERS if name in PER_LAYER else 1
+            sums["torch"] += weight * timings["torch"]
+            sums["best"] += weight * min(v for key, v in timings.items() if key != "torch")
+            sums["default"] += weight * next(v for key, v in timings.items() if key.endswith("*"))
+        print(f"layer set rows={rows}: torch {sums['torch'] * 1e3:.3f} ms, best "
+              f"{sums['best'] * 1e3:.3f} ms, defaults {sums['default'] * 1e3:.3f} ms "
+              f"(saves {(sums['torch'] - sums['best']) * 1e3:.3f} ms per step)")
+        report("skinny_matmul_layer_set", rows=rows, torch_ms=sums["torch"] * 1e3,
+               best_ms=sums["best"] * 1e3, default_ms=sums["default"] * 1e3,
+               device=device_name())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,4,8,16", help="row counts, comma-separated")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="shapes, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="a third of the variants")
+    parser.add_argument("--small", action="store_true", help="tiny shapes, no graphs (smoke)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    shapes = SMALL_SHAPES if args.small else SHAPES
+    rows_list = [int(r) for r in args.rows.split(",")]
+    start = time.perf_counter()
+    all_results = {}
+    for name in args.shapes.split(","):
+        all_results[name] = measure_shape(name, *shapes[name], rows_list, args, device, dtype)
+        free_memory()  # the weight copies of the shape just measured
+    summarize(all_results, dtype, shapes)
+    print(f"total {time.perf_counter() - start:.1f} s on {device_name()}")
+
+
+if __name__ == "__main__":
+    main()
