@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -138,7 +139,8 @@ def graph_calls(case: Case, backend: TritonPagedBackend, device: torch.device
     layout.fill(cascade_plan, case.members, region.numpy())
     tables = layout.tables(region.to(device), case.members)
     ops = page_operands(storage, 0)
-    whole, prefix = [], []
+    whole: list[Callable[[], torch.Tensor]] = []
+    prefix: list[Callable[[], torch.Tensor]] = []
     for plan, q in zip(case.plans, case.queries, strict=True):
         batch = dataclasses.replace(build_forward_batch(plan, storage.page_size, device),
                                     page_tables_host=None, cascade=tables)
@@ -146,23 +148,24 @@ def graph_calls(case: Case, backend: TritonPagedBackend, device: torch.device
         launch = backend.cascade.prefix_launch(ops, batch, tables, head_shape,
                                                multiprocessors(device))
         page_args = page_arguments(ops, q)
-        whole.append(lambda q=q, batch=batch: backend.attend_cached(0, q, storage, batch,
-                                                                    scale))
-        prefix.append(lambda q=q, batch=batch, launch=launch, page_args=page_args:
-                      attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E,
-                                      launch)[0])
+        whole.append(partial(backend.attend_cached, 0, q, storage, batch, scale))
+        prefix.append(partial(_prefix_parts, q, ops, page_args, batch, tables, scale * LOG2_E,
+                              launch))
     return whole, prefix
+
+
+def _prefix_parts(*args: Any) -> torch.Tensor:
+    return attend_prefixes(*args)[0]
 
 
 def plain_calls(case: Case, plans: list[StepPlan], device: torch.device
                 ) -> list[Callable[[], torch.Tensor]]:
     backend = TritonPagedBackend(cascade_min_saved_keys=None)
     scale = case.queries[0].shape[2] ** -0.5
-    calls = []
+    calls: list[Callable[[], torch.Tensor]] = []
     for plan, q in zip(plans, case.queries, strict=True):
         batch = build_forward_batch(plan, case.storage.page_size, device)
-        calls.append(lambda q=q, batch=batch: backend.attend_cached(0, q, case.storage, batch,
-                                                                    scale))
+        calls.append(partial(backend.attend_cached, 0, q, case.storage, batch, scale))
     return calls
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ class Layout:
     loners: list[int]
 
 
-def _backend(cascade: bool, prefix: dict[str, object] | None = None,
+def _backend(cascade: bool, *, prefix: Mapping[str, Any] | None = None,
              **options: int) -> TritonPagedBackend:
     """The Triton backend with or without the cascade; ``prefix``: `CascadeOptions` fields to
     replace (the shared-prefix kernel's own settings)."""
@@ -86,7 +87,7 @@ def _slices(layout: Layout, seed: int, page: int = PAGE) -> tuple[list[SequenceS
 
 
 def _run(layout: Layout, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-         seed: int = 0, prefix: dict[str, object] | None = None, page: int = PAGE,
+         seed: int = 0, prefix: Mapping[str, Any] | None = None, page: int = PAGE,
          **options: int) -> dict[str, torch.Tensor]:
     num_heads, num_kv_heads, head_dim = heads
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
@@ -104,12 +105,13 @@ def _run(layout: Layout, heads: tuple[int, int, int], dtype: torch.dtype, device
     k = storage.keys[0].view(-1, num_kv_heads, head_dim)[batch.slot_mapping].clone()
     v = storage.values[0].view(-1, num_kv_heads, head_dim)[batch.slot_mapping].clone()
     scale = head_dim ** -0.5
-    cascade = _backend(True, prefix, **options)
+    cascade = _backend(True, prefix=prefix, **options)
     assert cascade.cascade.plan(batch, storage), "the case must exercise the cascade"
     assert cascade.plan_cascade(StepPlan(slices=slices), storage)
     return {
         "cascade": cascade.attend(0, q, k, v, storage, batch, scale).float(),
-        "plain": _backend(False, **options).attend(0, q, k, v, storage, batch, scale).float(),
+        "plain": _backend(False, prefix=None, **options).attend(0, q, k, v, storage, batch,
+                                                                scale).float(),
         "sdpa": SdpaBackend().attend(0, q, k, v, storage, batch, scale).float(),
     }
 
@@ -199,7 +201,7 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     ({"prefix_kernel": "general"}, (8, 2, 32), False, 64),
 ])
 def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
-                        prefix: dict[str, object], heads: tuple[int, int, int], tiles: bool,
+                        prefix: dict[str, Any], heads: tuple[int, int, int], tiles: bool,
                         block_n: int) -> None:
     """Both shared-prefix kernels (and the choice between them) against plain and sdpa, over
     prefixes of several tiles a page split many ways (chunks of whole tiles, some splits
@@ -210,7 +212,7 @@ def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
     launches: list[tuple[bool, int]] = []
     attend = triton_cascade_path.attend_prefixes
 
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def spy(*args: Any, **kwargs: Any) -> Any:
         launch = args[-1]
         launches.append((launch.tiles, launch.block_n))
         return attend(*args, **kwargs)
