@@ -52,9 +52,14 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("tiled", {}),
     ("tiled-s3", {"prefill_options": TiledPrefillOptions(stages=3)}),
     ("tiled-n128", {"prefill_options": TiledPrefillOptions(block_n=128)}),
+    ("tiled-n32s3", {"prefill_options": TiledPrefillOptions(block_n=32, stages=3)}),
     ("tiled-h1", {"prefill_options": TiledPrefillOptions(heads_per_tile=1)}),
     ("tiled-r64", {"prefill_options": TiledPrefillOptions(rows=64, warps=4)}),
+    ("tiled-r64w8", {"prefill_options": TiledPrefillOptions(rows=64, warps=8)}),
 ]
+# Registers a thread (ptxas, sm_90, bf16, group 4, head_dim 128), hence programs per SM:
+# tiled 157 (1), s3 175 (1), n128 244 (1), n32s3 120 (2), r64 185 x 4 warps (2),
+# r64w8 128 (2); no spills in any.
 
 
 def shape_lens(shape: str) -> tuple[list[tuple[int, int]], int]:
@@ -181,11 +186,12 @@ def main() -> None:
     table = {shape: run_shape(shape, config, device, args.repeats)
              for shape in args.shapes.split(",")}
     columns = [name for name, _ in VARIANTS] + ["torch-flash-dense"]
-    print(f"{'us / TFLOP/s':12}" + "".join(f"{c:>20}" for c in columns))
+    print(f"{'shape':12}" + "".join(f"{c:>20}" for c in columns))
     for shape, results in table.items():
         cells = [f"{results[c][0]:9.0f} /{results[c][1]:6.0f}" if c in results else "-"
                  for c in columns]
         print(f"{shape:12}" + "".join(f"{cell:>20}" for cell in cells))
+    print("cells: median us of one layer / TFLOP/s (causal FLOPs); '-': not run")
 
 
 if __name__ == "__main__":
