@@ -92,14 +92,14 @@ class Case:
 
 def build_case(config: dict[str, Any], members: int, document: int, device: torch.device,
                page: int, max_copies: int) -> Case:
-    """Random pages for ``copies`` copies of the shape (enough to overflow the L2 twice)."""
+    """Random pages for ``copies`` copies of the shape: enough that the shared prefixes alone
+    (what the prefix kernel reads) overflow the L2 twice."""
     heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
                                  config["head_dim"])
     shared_pages, own = document // page, document % page + QUESTION
     own_pages = -(-own // page)
     per_token = 2 * kv_heads * head_dim * 2  # K and V, bf16
-    touched = (shared_pages * page + members * own) * per_token
-    copies = max(1, min(max_copies, -(-2 * L2_BYTES // touched)))
+    copies = max(1, min(max_copies, -(-2 * L2_BYTES // (shared_pages * page * per_token))))
     pages_per_copy = shared_pages + members * own_pages
     shape = ModelConfig.from_dict({**config, "num_hidden_layers": 1})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
