@@ -22,7 +22,8 @@ above 1e-2, left out of the best).
     python benchmarks/skinny_matmul.py [--rows 1,2,4,8,16] [--shapes qkv,o,...] [--quick]
 
 ``--small`` runs tiny shapes without graphs (a smoke run, e.g. under TRITON_INTERPRET=1 on a
-CPU). The last lines are the compact table, then BENCH json lines (`_common.report`).
+CPU). After the per-variant lines come the BENCH json lines (`_common.report`), the layer set
+per row count, `DEFAULT_CONFIGS` as measured (paste it), and last the compact table.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -41,7 +43,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import device_name, free_memory, report  # noqa: E402
-from dyngen_core.models.skinny_matmul import SkinnyConfig, default_config, launch  # noqa: E402
+from dyngen_core.models.skinny_matmul import (  # noqa: E402
+    SkinnyConfig,
+    default_config,
+    launch,
+    shape_class,
+)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -103,36 +110,47 @@ def per_launch_seconds(calls: Sequence[Callable[[], object]], replays: int) -> f
     return statistics.median(times)
 
 
+@dataclass
+class Timings:
+    """Seconds per launch of one shape at one row count: "torch" and each variant's label
+    (inf: wrong result); ``default`` names the entry `default_config` picks."""
+
+    seconds: dict[str, float]
+    default: str
+
+
 def measure_shape(name: str, n: int, k: int, rows_list: list[int], args: argparse.Namespace,
-                  device: torch.device, dtype: torch.dtype) -> dict[int, dict[str, float]]:
-    """{rows: {variant label: seconds per launch (inf when wrong)}} for one weight shape."""
+                  device: torch.device, dtype: torch.dtype,
+                  configs_seen: dict[str, SkinnyConfig]) -> dict[int, Timings]:
+    """{rows: Timings} for one weight shape; adds every variant to ``configs_seen``."""
     nbytes = n * k * dtype.itemsize
     copies = 1 if args.small else max(4, -(-(256 << 20) // nbytes))
     gen = torch.Generator(device=device).manual_seed(n)
     weights = [torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5
                for _ in range(copies)]
     replays = 5 if nbytes > (500 << 20) else 10
-    results: dict[int, dict[str, float]] = {}
+    results: dict[int, Timings] = {}
     for rows in rows_list:
         xs = [torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
               for _ in range(copies)]
         outs = [torch.empty(rows, n, device=device, dtype=dtype) for _ in range(copies)]
         operands = list(zip(xs, weights, outs, strict=True))
         reference = F.linear(xs[0], weights[0]).float()
-        timings = {"torch": per_launch_seconds(
+        seconds = {"torch": per_launch_seconds(
             [partial(F.linear, x, w) for x, w, _ in operands], replays)}
         configs = variants(rows, args.quick)
         default = default_config(rows, n, k)
-        configs += [] if default in configs else [default]
+        configs += [] if default is None or default in configs else [default]
         for config in configs:
+            configs_seen[label(config)] = config
             launch(xs[0], weights[0], None, outs[0], config)
             error = ((outs[0].float() - reference).norm() / reference.norm()).item()
             calls = [partial(launch, x, w, None, out, config) for x, w, out in operands]
-            seconds = per_launch_seconds(calls, replays) if error < 1e-2 else float("inf")
-            timings[label(config) + ("*" if config == default else "")] = seconds
-        results[rows] = timings
+            seconds[label(config)] = (per_launch_seconds(calls, replays) if error < 1e-2
+                                      else float("inf"))
+        results[rows] = Timings(seconds, "torch" if default is None else label(default))
         print(f"{name:8} rows={rows:<3}" + " ".join(
-            f"{key}={_us(value)}" for key, value in timings.items()), flush=True)
+            f"{key}={_us(value)}" for key, value in seconds.items()), flush=True)
     return results
 
 
@@ -140,46 +158,83 @@ def _us(seconds: float) -> str:
     return "BAD" if seconds == float("inf") else f"{seconds * 1e6:.1f}"
 
 
-def summarize(all_results: dict[str, dict[int, dict[str, float]]], dtype: torch.dtype,
-              shapes: dict[str, tuple[int, int]]) -> None:
-    """The compact table (torch vs best vs the defaults, per shape and rows) and the layer set."""
-    print(f"\n{'shape':8} {'rows':>4} {'torch us':>9} {'TB/s':>5} {'best':>16} {'us':>8} "
-          f"{'TB/s':>5} {'x':>5} {'default us':>10}")
-    for name, by_rows in all_results.items():
+def _best(timings: Timings) -> str:
+    return min((key for key in timings.seconds if key != "torch"),
+               key=timings.seconds.__getitem__)
+
+
+def report_all(results: dict[str, dict[int, Timings]], dtype: torch.dtype,
+               shapes: dict[str, tuple[int, int]]) -> None:
+    """A BENCH line per shape and row count (torch, best variant, the defaults)."""
+    for name, by_rows in results.items():
         n, k = shapes[name]
         nbytes = n * k * dtype.itemsize
         for rows, timings in by_rows.items():
-            best = min((key for key in timings if key != "torch"), key=timings.__getitem__)
-            default = next(key for key in timings if key.endswith("*"))
-            torch_s, best_s = timings["torch"], timings[best]
-            print(f"{name:8} {rows:>4} {torch_s * 1e6:>9.1f} {nbytes / torch_s / 1e12:>5.2f} "
-                  f"{best:>16} {best_s * 1e6:>8.1f} {nbytes / best_s / 1e12:>5.2f} "
-                  f"{torch_s / best_s:>5.2f} {_us(timings[default]):>10}")
+            best = _best(timings)
+            torch_s, best_s = timings.seconds["torch"], timings.seconds[best]
             report("skinny_matmul", shape=name, rows=rows, n=n, k=k, torch_us=torch_s * 1e6,
-                   best=best, best_us=best_s * 1e6, default_us=timings[default] * 1e6,
+                   best=best, best_us=best_s * 1e6,
+                   default_us=timings.seconds[timings.default] * 1e6,
                    torch_tbps=nbytes / torch_s / 1e12, best_tbps=nbytes / best_s / 1e12,
                    device=device_name())
-    _layer_set(all_results)
 
 
-def _layer_set(all_results: dict[str, dict[int, dict[str, float]]]) -> None:
-    """32 x (qkv + o + gate_up + down) + lm_head per row count, torch vs best vs defaults."""
-    if not all(name in all_results for name in (*PER_LAYER, "lm_head")):
+def print_table(results: dict[str, dict[int, Timings]], dtype: torch.dtype,
+                shapes: dict[str, tuple[int, int]]) -> None:
+    """The compact table: torch vs the best variant vs the defaults, per shape and rows."""
+    print(f"\n{'shape':8} {'rows':>4} {'torch us':>9} {'TB/s':>5} {'best':>16} {'us':>8} "
+          f"{'TB/s':>5} {'x':>5} {'default us':>10}")
+    for name, by_rows in results.items():
+        n, k = shapes[name]
+        nbytes = n * k * dtype.itemsize
+        for rows, timings in by_rows.items():
+            best = _best(timings)
+            torch_s, best_s = timings.seconds["torch"], timings.seconds[best]
+            print(f"{name:8} {rows:>4} {torch_s * 1e6:>9.1f} {nbytes / torch_s / 1e12:>5.2f} "
+                  f"{best:>16} {best_s * 1e6:>8.1f} {nbytes / best_s / 1e12:>5.2f} "
+                  f"{torch_s / best_s:>5.2f} {_us(timings.seconds[timings.default]):>10}")
+
+
+def layer_set(results: dict[str, dict[int, Timings]]) -> None:
+    """32 x (qkv + o + gate_up + down) + lm_head per row count: torch, the best variant of
+    each shape, and the defaults."""
+    if not all(name in results for name in (*PER_LAYER, "lm_head")):
         return
-    for rows in all_results["lm_head"]:
+    for rows in results["lm_head"]:
         sums = {"torch": 0.0, "best": 0.0, "default": 0.0}
         for name in (*PER_LAYER, "lm_head"):
-            timings = all_results[name][rows]
+            timings = results[name][rows]
             weight = LAYERS if name in PER_LAYER else 1
-            sums["torch"] += weight * timings["torch"]
-            sums["best"] += weight * min(v for key, v in timings.items() if key != "torch")
-            sums["default"] += weight * next(v for key, v in timings.items() if key.endswith("*"))
+            sums["torch"] += weight * timings.seconds["torch"]
+            sums["best"] += weight * timings.seconds[_best(timings)]
+            sums["default"] += weight * timings.seconds[timings.default]
         print(f"layer set rows={rows}: torch {sums['torch'] * 1e3:.3f} ms, best "
               f"{sums['best'] * 1e3:.3f} ms, defaults {sums['default'] * 1e3:.3f} ms "
-              f"(saves {(sums['torch'] - sums['best']) * 1e3:.3f} ms per step)")
+              f"(best saves {(sums['torch'] - sums['best']) * 1e3:.3f} ms per step)")
         report("skinny_matmul_layer_set", rows=rows, torch_ms=sums["torch"] * 1e3,
                best_ms=sums["best"] * 1e3, default_ms=sums["default"] * 1e3,
                device=device_name())
+
+
+def suggest_defaults(results: dict[str, dict[int, Timings]],
+                     shapes: dict[str, tuple[int, int]],
+                     configs_seen: dict[str, SkinnyConfig]) -> None:
+    """Print `DEFAULT_CONFIGS` as measured: per shape class, the variant with the least time
+    summed over its shapes and row counts (per-layer shapes weighted by the layer count), or
+    None where torch is at least as fast."""
+    groups: dict[tuple[str, str], list[tuple[float, Timings]]] = {}
+    for name, by_rows in results.items():
+        weight = LAYERS if name in PER_LAYER else 1
+        for rows, timings in by_rows.items():
+            groups.setdefault(shape_class(rows, *shapes[name]), []).append((weight, timings))
+    print("\nDEFAULT_CONFIGS as measured (dyngen_core/models/skinny_matmul.py):")
+    for key, members in sorted(groups.items()):
+        common = set.intersection(*(set(t.seconds) for _, t in members))
+        score = {label_: sum(w * t.seconds[label_] for w, t in members) for label_ in common}
+        best = min((label_ for label_ in common if label_ != "torch"), key=score.__getitem__)
+        choice = "None" if score["torch"] <= score[best] else repr(configs_seen[best])
+        print(f"    {key!r}: {choice},  # {score[best] * 1e6:.1f} us vs torch "
+              f"{score['torch'] * 1e6:.1f} us")
 
 
 def main() -> None:
@@ -195,11 +250,16 @@ def main() -> None:
     shapes = SMALL_SHAPES if args.small else SHAPES
     rows_list = [int(r) for r in args.rows.split(",")]
     start = time.perf_counter()
-    all_results = {}
+    results: dict[str, dict[int, Timings]] = {}
+    configs_seen: dict[str, SkinnyConfig] = {}
     for name in args.shapes.split(","):
-        all_results[name] = measure_shape(name, *shapes[name], rows_list, args, device, dtype)
+        results[name] = measure_shape(name, *shapes[name], rows_list, args, device, dtype,
+                                      configs_seen)
         free_memory()  # the weight copies of the shape just measured
-    summarize(all_results, dtype, shapes)
+    report_all(results, dtype, shapes)
+    layer_set(results)
+    suggest_defaults(results, shapes, configs_seen)
+    print_table(results, dtype, shapes)
     print(f"total {time.perf_counter() - start:.1f} s on {device_name()}")
 
 

@@ -20,8 +20,10 @@ alone, so it is captured in CUDA graphs like any kernel.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -75,19 +77,34 @@ class SkinnyConfig:
         return min(_next_pow2(rows), REDUCE_MAX_BLOCK_M)
 
 
-def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
-    """The launch configuration for a [rows, k] x [n, k]^T product, by shape class (set from
-    benchmarks/skinny_matmul.py on the H200; ``k`` is part of the signature for classes that
-    need it)."""
-    del k  # no class depends on it yet
-    narrow = n <= 8192  # q/k/v, output and down projections: small N needs more programs
-    if rows == 1:
-        return SkinnyConfig("reduce", block_n=8 if narrow else 16, block_k=512, num_stages=3)
-    if rows <= REDUCE_MAX_BLOCK_M:
-        return SkinnyConfig("reduce", block_n=8, block_k=256, num_stages=3)
-    if narrow:
-        return SkinnyConfig("dot", block_n=16, block_k=256, num_stages=4)
-    return SkinnyConfig("dot", block_n=64, block_k=128, num_stages=4)
+# Launch configuration per shape class (`shape_class`): rows "1", "2-4" or "5+" by weight
+# "narrow" (N and K <= 8192: q/k/v, output), "long_k" (N <= 8192 < K: down) or "wide"
+# (N > 8192: gate/up, lm_head). None: F.linear, where cuBLAS is as fast. Set from the sweep of
+# benchmarks/skinny_matmul.py on the H200, which prints this table.
+DEFAULT_CONFIGS: Mapping[tuple[str, str], SkinnyConfig | None] = MappingProxyType({
+    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
+    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
+    ("1", "wide"): SkinnyConfig("reduce", block_n=16, block_k=512, num_stages=3),
+    ("2-4", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=256, num_stages=3),
+    ("2-4", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=256, num_stages=3),
+    ("2-4", "wide"): SkinnyConfig("reduce", block_n=8, block_k=256, num_stages=3),
+    ("5+", "narrow"): SkinnyConfig("dot", block_n=16, block_k=256, num_stages=4),
+    ("5+", "long_k"): SkinnyConfig("dot", block_n=16, block_k=256, num_stages=4),
+    ("5+", "wide"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=4),
+})
+
+
+def shape_class(rows: int, n: int, k: int) -> tuple[str, str]:
+    """The `DEFAULT_CONFIGS` key of a [rows, k] x [n, k]^T product."""
+    row_class = "1" if rows == 1 else "2-4" if rows <= REDUCE_MAX_BLOCK_M else "5+"
+    weight_class = "wide" if n > 8192 else "long_k" if k > 8192 else "narrow"
+    return row_class, weight_class
+
+
+def default_config(rows: int, n: int, k: int) -> SkinnyConfig | None:
+    """The launch configuration of a [rows, k] x [n, k]^T product (`DEFAULT_CONFIGS`); None
+    where ``F.linear`` is as fast."""
+    return DEFAULT_CONFIGS[shape_class(rows, n, k)]
 
 
 def skinny_rows_for(device: torch.device, rows: int) -> int:
@@ -120,7 +137,8 @@ def _routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
-    """y = x @ weight^T (+ bias) through the Triton kernel, y [M, N] in x's dtype.
+    """y = x @ weight^T (+ bias) through the Triton kernel, y [M, N] in x's dtype (through
+    ``F.linear`` when no config is given and `default_config` has none for the shape).
 
     x: [M, K], M >= 1, last dimension contiguous (rows may be strided).
     weight: [N, K], last dimension contiguous, same dtype as x.
@@ -131,8 +149,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     _check_operands(x, weight, bias)
     rows, n = x.shape[0], weight.shape[0]
+    config = config or default_config(rows, n, x.shape[1])
+    if config is None:
+        return F.linear(x, weight, bias)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    launch(x, weight, bias, out, config or default_config(rows, n, x.shape[1]))
+    launch(x, weight, bias, out, config)
     return out
 
 
@@ -187,8 +208,10 @@ def _next_pow2(n: int) -> int:
 @torch.library.custom_op("dyngen::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """`skinny_linear` with the default configuration, as an op torch.compile does not trace."""
-    return skinny_linear(x, weight, bias)
+    """`skinny_linear` with the default configuration, as an op torch.compile does not trace.
+    The compiled graph chooses its buffers' layouts: x gets a copy in the rare case its rows
+    arrive strided along K (the routing checked the traced layout)."""
+    return skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
 
 
 @skinny_linear_op.register_fake

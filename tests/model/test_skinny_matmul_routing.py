@@ -119,3 +119,22 @@ def test_fake_impl_gives_symbolic_shapes() -> None:
     value = nodes[0].meta["val"]
     assert isinstance(value.shape[0], torch.SymInt)
     assert value.shape[1] == 24 and value.dtype == torch.bfloat16
+
+
+def test_every_shape_class_has_an_entry_and_none_means_f_linear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    for rows in (1, 3, 4, 5, 16, 40):
+        for n, k in shapes:
+            assert sm.shape_class(rows, n, k) in sm.DEFAULT_CONFIGS
+    assert sm.shape_class(1, 4096, 14336) == ("1", "long_k")
+    assert sm.shape_class(3, 128256, 4096) == ("2-4", "wide")
+
+    def no_launch(*args: object) -> None:
+        raise AssertionError("launched a kernel where the table says F.linear")
+
+    monkeypatch.setattr(sm, "launch", no_launch)
+    monkeypatch.setattr(sm, "DEFAULT_CONFIGS", {key: None for key in sm.DEFAULT_CONFIGS})
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(2, 32, generator=gen), torch.randn(24, 32, generator=gen)
+    assert torch.equal(sm.skinny_linear(x, weight), F.linear(x, weight))
