@@ -9,6 +9,7 @@ Shapes (query tokens x sequences, causal over each sequence's pages):
   256x512    benchmarks/throughput.py's prefill
   64x30@8030 64 questions of 30 tokens over an 8,030-token cached document (full pages
              shared by every page table, as prefix dedup leaves them)
+  64x4@8030  the same with 4-token chunks (draft verification): the smallest tiles
 
 Floors (H200: 780 TFLOP/s bf16 matmul, 4.25 TB/s copy), one layer, FLOPs = 4 x H x D x
 (keys seen, summed over query tokens), bytes = q + out + K/V read once:
@@ -16,12 +17,14 @@ Floors (H200: 780 TFLOP/s bf16 matmul, 4.25 TB/s copy), one layer, FLOPs = 4 x H
   4x2048     1.37e11 FLOP -> 176 us;  168 MB -> 40 us
   256x512    5.51e11 FLOP -> 706 us;  2.68 GB -> 630 us (q and out alone are 2.1 GB)
   64x30@8030 2.53e11 FLOP -> 324 us;  96 MB -> 23 us (shared pages once, own pages each)
+  64x4@8030  3.37e10 FLOP ->  43 us;  63 MB -> 15 us
 Flash-attention-class kernels reach ~50-60 % of the FLOP floor on the long shapes.
 
     python benchmarks/prefill_attention.py [--repeats 10] [--shapes 1x8030,4x2048,...]
+        [--variants paged,tiled,...]
 
 Prints one BENCH line per (shape, variant): us, TFLOP/s and the relative error against the
-paged kernel; then a table, variants as columns (us / TFLOP/s).
+first variant (the paged kernel); then a table, variants as columns (us / TFLOP/s).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from dyngen_core.plan import SequenceSlice, StepPlan
 from dyngen_core.storage.fp16 import FP16Storage
 
 PAGE = 256
-SHAPES = ("1x8030", "4x2048", "256x512", "64x30@8030")
+SHAPES = ("1x8030", "4x2048", "256x512", "64x30@8030", "64x4@8030")
 # (name, TritonPagedBackend options); the first is the reference of the error column.
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("paged", {"prefill_kernel": "paged"}),
@@ -141,9 +144,10 @@ def dense_flash(lens: list[tuple[int, int]], config: dict[str, Any],
     return call
 
 
-def run_shape(shape: str, config: dict[str, Any], device: torch.device,
-              repeats: int) -> dict[str, tuple[float, float]]:
-    """Every variant on one shape: {variant: (us, TFLOP/s)}."""
+def run_shape(shape: str, config: dict[str, Any], device: torch.device, repeats: int,
+              variants: list[str]) -> dict[str, tuple[float, float]]:
+    """The ``variants`` on one shape: {variant: (us, TFLOP/s)}; errors are against the
+    first of them."""
     lens, shared_pages = shape_lens(shape)
     tokens = sum(q for q, _ in lens)
     kv_bytes = sum(c for _, c in lens) * config["num_key_value_heads"] * config["head_dim"] * 4
@@ -155,18 +159,21 @@ def run_shape(shape: str, config: dict[str, Any], device: torch.device,
     results: dict[str, tuple[float, float]] = {}
     reference: torch.Tensor | None = None
     for name, options in VARIANTS:
+        if name not in variants:
+            continue
         backend = TritonPagedBackend(**options)
         out = backend.attend_cached(0, queries[0], storage, batch, scale).float()
         reference = out if reference is None else reference
         error = float((out - reference).norm() / reference.norm())
+        report_name = "rel_error_vs_" + variants[0]
         del out
         seconds = cuda_seconds(rotating([
             partial(backend.attend_cached, layer, queries[layer], storage, batch, scale)
             for layer in range(copies)]), repeats=repeats, warmup=2)
         results[name] = (seconds * 1e6, flops / seconds / 1e12)
         report("prefill_attention", device=device_name(), shape=shape, variant=name,
-               us=seconds * 1e6, tflops=flops / seconds / 1e12, rel_error_vs_paged=error)
-    dense = dense_flash(lens, config, device)
+               us=seconds * 1e6, tflops=flops / seconds / 1e12, **{report_name: error})
+    dense = dense_flash(lens, config, device) if "torch-flash-dense" in variants else None
     if dense is not None:
         seconds = cuda_seconds(dense, repeats=repeats, warmup=2)
         results["torch-flash-dense"] = (seconds * 1e6, flops / seconds / 1e12)
@@ -180,12 +187,14 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--variants", default=",".join(
+        [name for name, _ in VARIANTS] + ["torch-flash-dense"]))
     args = parser.parse_args()
     device = torch.device(args.device)
     config = bench_config(args)
-    table = {shape: run_shape(shape, config, device, args.repeats)
+    columns = args.variants.split(",")
+    table = {shape: run_shape(shape, config, device, args.repeats, columns)
              for shape in args.shapes.split(",")}
-    columns = [name for name, _ in VARIANTS] + ["torch-flash-dense"]
     print(f"{'shape':12}" + "".join(f"{c:>20}" for c in columns))
     for shape, results in table.items():
         cells = [f"{results[c][0]:9.0f} /{results[c][1]:6.0f}" if c in results else "-"
