@@ -37,7 +37,8 @@ def word_dim_pad(head_dim: int, key_bits: int, value_bits: int) -> int:
 def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: ForwardBatch,
                        exact: ExactOperands, scale_log2: float, *, key_bits: int,
                        value_bits: int, num_kv_heads: int, block_n: int, splits: int,
-                       warps: int, launches: int = 1) -> torch.Tensor:
+                       warps: int, launches: int = 1, join_keys: bool = False,
+                       join_values: bool = False, half_dot: bool = False) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -47,6 +48,14 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         window are split into (from the batch shape only, for CUDA graphs); warps: per program.
     launches: 1 runs the page programs and the tail programs in one grid, 2 in two launches
         (each kernel then holds only its own code's registers).
+    join_keys, join_values: dequantize a block's keys / values to whole rows for one dot,
+        instead of one dot per code field. Joined values give one [rows, head_dim] dot that
+        Triton spreads over the warps (per field, a [16, 16] q4 dot ran on every warp: 4x the
+        HMMA, 252 registers a thread at 64 keys x 4 warps against 128 joined; ptxas, sm_90).
+        Joined keys cost more shared-memory stores than they save (kept for measurements).
+    half_dot: the page blocks' dots in float16 for bfloat16 queries too, so 8-bit codes also
+        take the exponent trick in halves instead of float32 (the exact rows keep the query's
+        dtype). Dequantized rows must stay within float16 range, as their scales already do.
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
@@ -63,7 +72,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "PAGE_SIZE": batch.page_size,
              "K_BITS": key_bits, "V_BITS": value_bits, "NUM_SPLITS": splits,
              "WINDOW": exact.window,
-             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+             "K_JOIN": join_keys, "V_JOIN": join_values, "HALF_DOT": half_dot}
     grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
     for programs, role in grids:
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](

@@ -110,12 +110,17 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                        ring_pos_ptr, ring_base, step_start, near_lo, position,
                        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                       WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       K_JOIN: tl.constexpr, V_JOIN: tl.constexpr):
     """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
     BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
     ``position``, carrying (m_i, l_i, accs). Slot 0 of every page is skipped (its exact head
     row is attended elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from
-    ``near_lo`` on) are skipped too."""
+    ``near_lo`` on) are skipped too. K_JOIN: ``qs`` is the whole query tile (one element) and
+    each block's keys enter one dot over whole rows (`_dequantized_rows`), else one per field.
+    V_JOIN: ``accs`` is one [BLOCK_M, DIM_PAD] tile and each
+    block's values enter one dot over whole rows (`_dequantized_rows`), else one tile and dot per
+    field."""
     DT: tl.constexpr = qs[0].dtype
     K_PER: tl.constexpr = 32 // K_BITS
     V_PER: tl.constexpr = 32 // V_BITS
@@ -138,13 +143,18 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
         keys = n0 + offs
         key_valid = keys < hi
         kwords = load_tile(k_head + page * stride_kp, slots, stride_ks, key_valid, kw, kw_ok,
-                           True, K_PADDED)
+                           not K_JOIN, K_PADDED)
         kscale = load_tile(ks_head + page * stride_ksp, slots, stride_kss, key_valid,
-                           kw // (32 // K_PER), kw_ok, True, K_PADDED).to(DT)
-        scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
-        for i in tl.static_range(K_PER):
-            scores = tl.dot(qs[i], field_values(kwords, kscale, i, K_BITS, DT), scores,
-                            input_precision=DOT_PRECISION)
+                           kw // (32 // K_PER), kw_ok, not K_JOIN, K_PADDED).to(DT)
+        if K_JOIN:
+            keys_t = tl.trans(_dequantized_rows(kwords, kscale, BLOCK_N, K_WPAD, K_PER, K_BITS,
+                                                DT))
+            scores = tl.dot(qs[0], keys_t, input_precision=DOT_PRECISION)
+        else:
+            scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
+            for i in tl.static_range(K_PER):
+                scores = tl.dot(qs[i], field_values(kwords, kscale, i, K_BITS, DT), scores,
+                                input_precision=DOT_PRECISION)
         visible = key_valid & (slots != 0)
         if WINDOW > 0:
             near = key_valid & (keys >= near_lo)
@@ -160,22 +170,55 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                            False, V_PADDED)
         vscale = load_tile(vs_head + page * stride_vsp, slots, stride_vss, key_valid,
                            vw // (32 // V_PER), vw_ok, False, V_PADDED).to(DT)
-        new_accs = ()
-        for i in tl.static_range(V_PER):
-            acc_i = tl.dot(p, field_values(vwords, vscale, i, V_BITS, DT),
-                           accs[i] * alpha[:, None], input_precision=DOT_PRECISION)
-            new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
-        accs = new_accs
+        if V_JOIN:
+            accs = (tl.dot(p, _dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_PER, V_BITS, DT),
+                           accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
+        else:
+            new_accs = ()
+            for i in tl.static_range(V_PER):
+                acc_i = tl.dot(p, field_values(vwords, vscale, i, V_BITS, DT),
+                               accs[i] * alpha[:, None], input_precision=DOT_PRECISION)
+                new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
+            accs = new_accs
         m_i = m_new
     return m_i, l_i, accs
 
 
 @triton.jit
-def _zero_accs(BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
-    accs = ()
-    for _ in tl.static_range(PER_WORD):
-        accs = accs + (tl.zeros([BLOCK_M, W_PAD], tl.float32),)  # type: ignore[assignment]
+def _dequantized_rows(words, scales, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr,
+                      PER_WORD: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized to whole
+    rows [BLOCK_N, W_PAD * PER_WORD] in dim order, for one dot per block: with N = DIM_PAD
+    (values) Triton spreads its warps over the dims instead of repeating a [BLOCK_M, W_PAD]
+    dot per field on every warp, and one layout conversion replaces one per field."""
+    fields = ()
+    for i in tl.static_range(PER_WORD):
+        fields = fields + (field_values(words, scales, i, BITS, DT),)  # type: ignore
+    return join_columns(fields, BLOCK_N, W_PAD, PER_WORD)
+
+
+@triton.jit
+def _zero_accs(BLOCK_M: tl.constexpr, DIM_PAD: tl.constexpr, PER_WORD: tl.constexpr,
+               V_JOIN: tl.constexpr):
+    """The value accumulators `attend_word_blocks` starts from, all zero."""
+    if V_JOIN:
+        accs = (tl.zeros([BLOCK_M, DIM_PAD], tl.float32),)
+    else:
+        accs = ()  # type: ignore[assignment]
+        for _ in tl.static_range(PER_WORD):
+            accs = accs + (tl.zeros([BLOCK_M, DIM_PAD // PER_WORD], tl.float32),)  # type: ignore
     return accs
+
+
+@triton.jit
+def _joined_accs(accs, BLOCK_M: tl.constexpr, DIM_PAD: tl.constexpr, PER_WORD: tl.constexpr,
+                 V_JOIN: tl.constexpr):
+    """The accumulators of `attend_word_blocks` as one [BLOCK_M, DIM_PAD] tile in dim order."""
+    if V_JOIN:
+        acc = accs[0]
+    else:
+        acc = join_columns(accs, BLOCK_M, DIM_PAD // PER_WORD, PER_WORD)
+    return acc
 
 
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
@@ -193,7 +236,8 @@ def quant_decode_kernel(
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
     V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PROGRAMS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, K_JOIN: tl.constexpr = False,
+    V_JOIN: tl.constexpr = False, HALF_DOT: tl.constexpr = False,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + 1) over a decode-only batch (sequence i is
     query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys before
@@ -202,7 +246,12 @@ def quant_decode_kernel(
     float32 buffers. Exact-row operands as `triton_kernels.paged_attention_kernel`'s
     (``seq_slots`` unread when WINDOW is 0). PROGRAMS: 0 runs both kinds in one grid; 1 only
     the page programs (grid z NUM_SPLITS), 2 only the tail (grid z 1): two launches, so
-    neither kind's code takes registers from the other."""
+    neither kind's code takes registers from the other. K_JOIN, V_JOIN: keys, values
+    dequantized to whole rows for one dot per block (`attend_word_blocks`). HALF_DOT: the page
+    blocks' dots run in float16 even for bfloat16 queries, so codes of 8 bits too become
+    halves by the exponent trick and scales apply as HMUL2 (the exact rows keep the query's
+    dtype; dequantized rows must stay below 65504 in magnitude, as float16 scales already
+    require)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PROGRAMS == 2:
@@ -219,11 +268,18 @@ def quant_decode_kernel(
                 + dims[None, :], mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     r32 = tl.arange(0, 32)
     rot_t = tl.load(rot_ptr + r32[None, :] * 32 + r32[:, None])  # R^T
-    q = (_rotate_rows(q.to(tl.float32), rot_t, BLOCK_M, DIM_PAD) * scale_log2)
-    q = q.to(q_ptr.dtype.element_ty)
+    q_rotated = (_rotate_rows(q.to(tl.float32), rot_t, BLOCK_M, DIM_PAD) * scale_log2)
+    q = q_rotated.to(q_ptr.dtype.element_ty)
+    if HALF_DOT and q_ptr.dtype.element_ty != tl.float32:
+        q_dot = q_rotated.to(tl.float16)
+    else:
+        q_dot = q
     K_PER: tl.constexpr = 32 // K_BITS
     V_PER: tl.constexpr = 32 // V_BITS
-    qs = split_columns(q, BLOCK_M, DIM_PAD // K_PER, K_PER)
+    if K_JOIN:
+        qs = (q_dot,)
+    else:
+        qs = split_columns(q_dot, BLOCK_M, DIM_PAD // K_PER, K_PER)
     near_lo = ctx - WINDOW
     if WINDOW > 0:
         seq_slot = tl.load(seq_slots_ptr + seq)
@@ -235,14 +291,14 @@ def quant_decode_kernel(
     table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    accs = _zero_accs(BLOCK_M, DIM_PAD // V_PER, V_PER)
+    accs = _zero_accs(BLOCK_M, DIM_PAD, V_PER, V_JOIN)
     if PROGRAMS == 1:
         m_i, l_i, acc = _page_program(
             qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
             k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
             stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-            NUM_SPLITS, DOT_PRECISION)
+            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN)
     elif PROGRAMS == 2:
         m_i, l_i, acc = _tail_program(
             q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -251,7 +307,7 @@ def quant_decode_kernel(
             stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
             fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
             BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-            DOT_PRECISION)
+            DOT_PRECISION, K_JOIN, V_JOIN)
     else:
         if split < NUM_SPLITS:
             m_i, l_i, acc = _page_program(
@@ -259,7 +315,7 @@ def quant_decode_kernel(
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
                 stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-                NUM_SPLITS, DOT_PRECISION)
+                NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN)
         else:
             m_i, l_i, acc = _tail_program(
                 q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -268,7 +324,7 @@ def quant_decode_kernel(
                 stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
                 fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
                 BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-                DOT_PRECISION)
+                DOT_PRECISION, K_JOIN, V_JOIN)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
                        BLOCK_M, DIM_PAD)
@@ -286,7 +342,8 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, K_JOIN: tl.constexpr,
+                  V_JOIN: tl.constexpr):
     """Page program ``split``: its share of the keys before ``bulk_hi`` (no exact rows)."""
     V_PER: tl.constexpr = 32 // V_BITS
     chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -296,8 +353,8 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         table_row, -1, 0, 0, 0,
-        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION)
-    return m_i, l_i, join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION, K_JOIN, V_JOIN)
+    return m_i, l_i, _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
 
 
 @triton.jit
@@ -308,7 +365,8 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
                   ring_pos_ptr, fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
-                  V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  K_JOIN: tl.constexpr, V_JOIN: tl.constexpr):
     """The tail program: keys from ``bulk_hi`` on with the window rule, every page's head
     row, and the window's exact rows, for the decode query at ``ctx - 1``."""
     V_PER: tl.constexpr = 32 // V_BITS
@@ -319,8 +377,9 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         ring_pos_ptr, ring_base, position, near_lo, position,
-        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION)
-    acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION, K_JOIN,
+        V_JOIN)
+    acc = _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
     positions = position + tl.zeros([BLOCK_M], tl.int32)
     m_i, l_i, acc = attend_page_heads(
         q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head, dims,

@@ -121,3 +121,41 @@ def test_word_decode_splits_agree(device: torch.device, launches: int) -> None:
                        _backend(max_splits=8, programs_per_sm=64, word_launches=launches))
     torch.testing.assert_close(one, ref, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(many, one, rtol=2e-4, atol=2e-4)
+
+
+def _with_word_options(monkeypatch: pytest.MonkeyPatch, **options: bool) -> None:
+    """Route the backend's q8/q4 decodes through `attend_word_decode` with kernel options
+    the backend does not pass itself."""
+    from functools import partial
+
+    from dyngen_core.attention import triton_paged
+    from dyngen_core.attention.triton_quant import attend_word_decode
+
+    monkeypatch.setattr(triton_paged, "attend_word_decode", partial(attend_word_decode,
+                                                                    **options))
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("join", ["keys", "values", "both"])
+def test_joined_rows_match_sdpa(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                mode: str, join: str) -> None:
+    """Keys and/or values dequantized to whole rows (one dot per block): float32 exact, with a
+    window, head_dim 64 (several words and scale groups per row), splits, both launches."""
+    _with_word_options(monkeypatch, join_keys=join in ("keys", "both"),
+                       join_values=join in ("values", "both"))
+    out, ref = _outputs(mode, WINDOW, 64, torch.float32, device,
+                        _backend(max_splits=3, programs_per_sm=8))
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dot_half_precision(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                 mode: str, dtype: torch.dtype) -> None:
+    """half_dot (float16 dots for the page blocks whatever the query dtype) with joined values:
+    as close to the reference as the default kernel."""
+    if dtype == torch.bfloat16 and interpreter_mode():
+        pytest.skip("Triton's interpreter has no bfloat16 (numpy)")
+    _with_word_options(monkeypatch, join_values=True, half_dot=True)
+    out, ref = _outputs(mode, WINDOW, 64, dtype, device, _backend(max_splits=2))
+    assert float((out - ref).norm() / ref.norm()) < 2e-2

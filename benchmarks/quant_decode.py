@@ -1,0 +1,203 @@
+"""The q8/q4 decode kernel alone (`triton_quant.attend_word_decode`) against the fp16 paged
+kernel: one layer of Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16) at 16k
+context, batch 1 and 32, µs per call and effective GB/s of cache bytes (codes and scales) read.
+
+Floors at 16k context, one layer (bytes / 4.25 TB/s; FLOPs / 780 TFLOP/s with the 4 query
+heads of a KV head padded to 16 MMA rows):
+
+| batch | fp16 | q8 | q4 | dots (padded) |
+| --- | --- | --- | --- | --- |
+| 32 | 2.15 GB, 505 µs | 1.14 GB, 268 µs | 0.60 GB, 142 µs | 34 GFLOP, 44 µs |
+| 1 | 67 MB, 16 µs | 36 MB, 8 µs | 19 MB, 4 µs | 1.1 GFLOP, 1.4 µs |
+
+Neither floor explains q4 at ~1 ms (batch 32): the kernel is bound by unpacking (shifts, masks,
+packing, shared-memory stores of each dequantized tile) and by its 252 registers a thread (per
+code field a [16, 16] value dot that Triton ran on every one of the 4 warps).
+
+Variants (``--variants``, comma-separated; names below): ``old`` is the current default (64
+keys x 4 warps, page and tail programs in two launches, no options); the others add
+`attend_word_decode`'s options: ``v`` join_values, ``k`` join_keys, ``h`` half_dot, then the
+launch shape ``NxW``. Quantized modes run as the runner does (q4 with its 16-position recent
+window and page heads, q8 with page heads). Each call is timed inside a CUDA graph of
+``--calls`` calls (batch 1 cycles over 16 sequences' pages so L2 holds none of them),
+median of 5 replays.
+
+    python benchmarks/quant_decode.py [--context 16384] [--batches 1,32] [--variants ...]
+
+End to end (the issue's figure): ``python3 benchmarks/long_context.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import add_common_args, bench_config, cuda_seconds, device_name, report
+from attention_kernels import decode_inputs, one_layer_storage
+
+from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.triton_exact import exact_operands
+from dyngen_core.attention.triton_paged import (
+    LOG2_E,
+    TritonPagedBackend,
+    page_arguments,
+    page_operands,
+)
+from dyngen_core.attention.triton_quant import attend_word_decode
+
+# name: (attend_word_decode options, block_n, warps)
+VARIANTS: dict[str, tuple[dict[str, bool], int, int]] = {
+    "old": ({}, 64, 4),
+    "h-64x4": ({"half_dot": True}, 64, 4),
+    "v-64x4": ({"join_values": True}, 64, 4),
+    "vh-64x4": ({"join_values": True, "half_dot": True}, 64, 4),
+    "vh-128x4": ({"join_values": True, "half_dot": True}, 128, 4),
+    "vh-64x8": ({"join_values": True, "half_dot": True}, 64, 8),
+    "vh-32x4": ({"join_values": True, "half_dot": True}, 32, 4),
+    "kvh-64x4": ({"join_keys": True, "join_values": True, "half_dot": True}, 64, 4),
+}
+DEFAULT_VARIANTS = {"q8": "old,h-64x4,vh-64x4,vh-64x8",
+                    "q4": "old,v-64x4,vh-64x4,vh-128x4,vh-64x8,kvh-64x4"}
+COPIES_BATCH1 = 16
+
+
+def graph_seconds(calls: list[Callable[[], Any]], repeats: int = 5) -> tuple[float, str]:
+    """Median seconds per call of ``calls`` run in turn, replayed from one CUDA graph (plain
+    launches timed with events where capture fails, the host clock without CUDA); and which
+    timing it was."""
+    def run_all() -> None:
+        for call in calls:
+            call()
+
+    if not torch.cuda.is_available():
+        return cuda_seconds(run_all, repeats=1, warmup=1) / len(calls), "host"
+    run_all()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
+        run, how = graph.replay, "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        run, how = run_all, "events"
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / len(calls))
+    return sorted(times)[len(times) // 2], how
+
+
+def copies(batch: ForwardBatch, batch_size: int, pages_per_seq: int) -> list[ForwardBatch]:
+    """The batch itself, or (batch 1) the same decode over 16 different sequences' pages."""
+    if batch_size > 1:
+        return [batch]
+    return [dataclasses.replace(batch, page_table=batch.page_table + i * pages_per_seq,
+                                page_tables_host=None) for i in range(COPIES_BATCH1)]
+
+
+def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor
+               ) -> list[Callable[[], Any]]:
+    """The fp16 paged decode (the backend's defaults) over each batch."""
+    backend = TritonPagedBackend()
+    scale = q.shape[2] ** -0.5
+
+    def call(b: ForwardBatch) -> Callable[[], Any]:
+        return lambda: backend.attend_cached(0, q, storage, b, scale)
+
+    return [call(b) for b in batches]
+
+
+def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
+               step_rows: tuple[torch.Tensor, torch.Tensor], options: dict[str, bool],
+               block_n: int, warps: int) -> list[Callable[[], Any]]:
+    """`attend_word_decode` over each batch with its operands prepared once (kernel alone)."""
+    backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps)
+    ops = page_operands(storage, 0)
+    page_args = page_arguments(ops, backend._rotation(q.device))
+    kv_heads = ops.keys.shape[2]
+    splits = backend._decode_splits(q.shape[0] * kv_heads, q.device)
+
+    def call(b: ForwardBatch) -> Callable[[], Any]:
+        exact = exact_operands(storage, 0, b, step_rows)
+        assert exact is not None
+        return lambda: attend_word_decode(
+            q, page_args, b, exact, q.shape[2] ** -0.5 * LOG2_E, key_bits=ops.key_bits,
+            value_bits=ops.value_bits, num_kv_heads=kv_heads, block_n=block_n,
+            splits=splits, warps=warps, launches=2, **options)
+
+    return [call(b) for b in batches]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--calls", type=int, default=16, help="calls per CUDA graph")
+    parser.add_argument("--q8", default=DEFAULT_VARIANTS["q8"], help="q8 variants")
+    parser.add_argument("--q4", default=DEFAULT_VARIANTS["q4"], help="q4 variants")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = bench_config(args)
+    batches = [int(b) for b in args.batches.split(",")]
+    sequences = max(max(batches), COPIES_BATCH1)
+    pages_per_seq = args.context // 256
+    rows: list[tuple[str, str, int, float, float]] = []
+    began = time.perf_counter()
+    for mode in ("fp16", "q8", "q4"):
+        storage = one_layer_storage(config, mode, sequences * args.context, device)
+        per_token = storage.nbytes() / (storage.num_pages * 256)
+        windowed = mode != "fp16" and storage.reserve_sequences(sequences)
+        for batch_size in batches:
+            batch, q, step_rows = decode_inputs(config, batch_size, args.context, device,
+                                                windowed)
+            group = copies(batch, batch_size, pages_per_seq)
+            names = ["fp16"] if mode == "fp16" else getattr(args, mode).split(",")
+            for name in names:
+                if mode == "fp16":
+                    calls = fp16_calls(storage, group, q)
+                else:
+                    options, block_n, warps = VARIANTS[name]
+                    calls = word_calls(storage, group, q, step_rows, options, block_n, warps)
+                calls = (calls * -(-args.calls // len(calls)))[:args.calls]
+                seconds, how = graph_seconds(calls)
+                gbps = batch_size * args.context * per_token / seconds / 1e9
+                rows.append((mode, name, batch_size, seconds * 1e6, gbps))
+                report("quant_decode", device=device_name(), mode=mode, variant=name,
+                       batch=batch_size, context=args.context, us=seconds * 1e6, GBps=gbps,
+                       timing=how, elapsed_s=time.perf_counter() - began)
+        storage = None
+        torch.cuda.empty_cache()
+    print_table(rows, batches)
+    print("end to end: python3 benchmarks/long_context.py")
+
+
+def print_table(rows: list[tuple[str, str, int, float, float]], batches: list[int]) -> None:
+    """µs (GB/s) per mode and variant, one column per batch, and each q4 variant against
+    fp16 (success: at most 1.00 at batch 32)."""
+    fp16 = {b: us for mode, _, b, us, _ in rows if mode == "fp16"}
+    print(f"\n{'mode':5} {'variant':10}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
+          + "".join(f"{'/fp16 b' + str(b):>10}" for b in batches))
+    seen: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+    for mode, name, b, us, gbps in rows:
+        seen.setdefault((mode, name), {})[b] = (us, gbps)
+    for (mode, name), by_batch in seen.items():
+        cells = "".join(f"{by_batch[b][0]:>12.1f} us {by_batch[b][1]:>6.0f} GB/s"
+                        if b in by_batch else f"{'-':>24}" for b in batches)
+        ratios = "".join(f"{by_batch[b][0] / fp16[b]:>10.2f}" if b in by_batch and b in fp16
+                         else f"{'-':>10}" for b in batches)
+        print(f"{mode:5} {name:10}{cells}{ratios}")
+
+
+if __name__ == "__main__":
+    main()
