@@ -12,6 +12,7 @@ storage (q8/q6/q4, float32, smaller pages) this backend hands the step to the Tr
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ class FlashBackend:
 
     name = "flash"
 
-    def __init__(self, **fallback_options: int) -> None:
+    def __init__(self, **fallback_options: Any) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         from dyngen_core.attention.triton_paged import TritonPagedBackend
