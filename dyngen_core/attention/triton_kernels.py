@@ -34,6 +34,7 @@ from dyngen_core.attention.triton_exact_kernels import (
     exact_row_of_page,
     window_holds,
 )
+from dyngen_core.attention.triton_step_write import store_step_row
 
 ROTATION_GROUP = 32
 
@@ -226,13 +227,14 @@ def paged_attention_kernel(
     fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh,
     out_ptr, stride_ot, stride_oh,
     part_out_ptr, part_lse_ptr, counter_ptr,
+    step_k_ptr, step_v_ptr, stride_skt, stride_skh, stride_svt, stride_svh, slot_ptr, num_slots,
     scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, REMAINDER: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
     HEADS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MERGE: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1,
+    MERGE: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1, WRITE_STEP: tl.constexpr = False,
 ):
     """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
     else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
@@ -244,6 +246,9 @@ def paged_attention_kernel(
     (sequence, KV head) to finish merges the partials into the output, ``SPLIT_BLOCK`` splits
     at a time (`triton_decode_merge.count_in_and_merge`; ``counter_ptr``: one zeroed int32
     per (sequence, KV head), row-major).
+    WRITE_STEP (DECODE, float pages): first store this step's key/value rows (``step_k`` /
+    ``step_v`` [T, kv_heads, head_dim], at flat ``slot_ptr[t]``) into the pages, by the split
+    holding the last position (`triton_step_write.store_step_row`).
     HEADS, WINDOW: the exact rows of quantized storage (`attend_key_range`,
     `attend_exact_rows`; the reference rule is `attention.sdpa_recent`): head rows, and with
     WINDOW > 0 each sequence's recent window (slot per sequence in ``seq_slots``, -1: none)
@@ -286,6 +291,12 @@ def paged_attention_kernel(
     kv_lo = kv_begin + split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, kv_end)
     table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    if WRITE_STEP:
+        store_step_row(step_k_ptr, step_v_ptr, stride_skt, stride_skh, stride_svt, stride_svh,
+                       slot_ptr, num_slots, q_start.to(tl.int64),
+                       (kv_lo < kv_end) & (kv_end <= kv_hi), kv_head, dims, k_ptr, v_ptr,
+                       stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                       PAGE_SIZE, HEAD_DIM)
     step_start = ctx - q_len
     near_lo = step_start + first - WINDOW + 1
     if WINDOW > 0:

@@ -38,6 +38,7 @@ from dyngen_core.attention.triton_kernels import (
 )
 from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
 from dyngen_core.attention.triton_quant import attend_word_decode, word_decode_fits
+from dyngen_core.attention.triton_step_write import StepWrite, step_write_for
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
@@ -121,6 +122,9 @@ class TritonPagedBackend:
         allocated by the first eager call of each batch size (``split_counters``).
     merge_rows: query rows x splits per load round of that merge (its splits are read
         ``merge_rows // group`` at a time).
+    write_in_kernel: `attend` of a decode-only batch over unquantized pages on the plain
+        path lets the attention kernel store the step's keys and values (`triton_step_write`)
+        instead of a storage write launch before it; other batches write through the storage.
     prefill_kernel: "tiled" runs prefill batches over unquantized pages with
         `triton_prefill`'s tiled causal kernel (``prefill_options`` tune it, see
         `TiledPrefillOptions`); "paged" runs them with the general paged kernel (as quantized
@@ -137,7 +141,7 @@ class TritonPagedBackend:
                  cascade_rows: int = 64, cascade_warps: int = 8,
                  cascade_programs_per_sm: int = 1, word_block_n: int | None = 64,
                  word_warps: int = 4, word_launches: int = 2, merge_in_kernel: bool = False,
-                 merge_rows: int = 64, prefill_kernel: str = "tiled",
+                 merge_rows: int = 64, write_in_kernel: bool = False, prefill_kernel: str = "tiled",
                  prefill_options: TiledPrefillOptions | None = None) -> None:
         if prefill_kernel not in ("tiled", "paged"):
             raise ValueError(f"prefill_kernel must be 'tiled' or 'paged', not {prefill_kernel!r}")
@@ -145,6 +149,7 @@ class TritonPagedBackend:
         self.block_n = block_n
         self.merge_in_kernel = merge_in_kernel
         self.merge_rows = merge_rows
+        self.write_in_kernel = write_in_kernel
         self.split_counters = SplitCounters()
         self.word_block_n = word_block_n
         self.word_warps = word_warps
@@ -165,25 +170,32 @@ class TritonPagedBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
-        storage.write(layer, k, v, batch.slot_mapping)
-        out = self.attend_cached(layer, q, storage, batch, scale, step_rows=(k, v))
+        deferred = self.write_in_kernel and storage.mode == "fp16" and batch.is_decode_only
+        if not deferred:
+            storage.write(layer, k, v, batch.slot_mapping)
+        out = self.attend_cached(layer, q, storage, batch, scale, step_rows=(k, v),
+                                 write_step=deferred)
         if batch.token_seq_slots is not None:
             storage.write_recent(layer, k, v, batch.positions, batch.token_seq_slots)
         return out
 
     def attend_cached(self, layer: int, q: torch.Tensor, storage: KVStorage,
                       batch: ForwardBatch, scale: float,
-                      step_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-                      ) -> torch.Tensor:
+                      step_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      write_step: bool = False) -> torch.Tensor:
         """Attention of q [T, H, D] over the pages already in storage (keys written).
         ``step_rows``: this step's keys and values, which quantized storage with a recent window
-        reads exactly (`triton_exact`); without them only page heads are exact."""
+        reads exactly (`triton_exact`); without them only page heads are exact.
+        ``write_step``: ``step_rows`` are not written yet: the attention kernel stores them
+        where it can (`triton_step_write`), else the storage writes them first."""
         ops = page_operands(storage, layer)
-        exact = exact_operands(storage, layer, batch, step_rows)
         heads = _HeadShape.of(q, ops)
+        tables = self.cascade.tables(batch, storage, heads, q.device)
+        step_write = step_write_for(storage, layer, batch, step_rows, ops.keys,
+                                    tables is None) if write_step else None
+        exact = exact_operands(storage, layer, batch, step_rows)
         rotation = self._rotation(q.device) if ops.key_bits or ops.value_bits else q
         page_args = page_arguments(ops, rotation)
-        tables = self.cascade.tables(batch, storage, heads, q.device)
         if tables is not None:
             def launch_remainder(out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor],
                                  splits: int, kv_start: torch.Tensor) -> None:
@@ -221,7 +233,7 @@ class TritonPagedBackend:
                                                       batch.num_seqs * heads.num_kv_heads)
         self._launch_paged(q, ops, page_args, batch, heads, out, (parts, lse), scale,
                            rows=rows, block_q=block_q, blocks=blocks, splits=splits, exact=exact,
-                           counters=counters)
+                           counters=counters, step_write=step_write)
         if splits > 1 and counters is None:
             combine_splits_kernel[(num_tokens, num_heads)](
                 parts, lse, out, out.stride(0), out.stride(1), num_heads,
@@ -245,10 +257,12 @@ class TritonPagedBackend:
                       block_q: int, blocks: _QueryBlocks | None, splits: int,
                       kv_start: torch.Tensor | None = None,
                       exact: ExactOperands | None = None,
-                      counters: torch.Tensor | None = None) -> None:
+                      counters: torch.Tensor | None = None,
+                      step_write: StepWrite | None = None) -> None:
         """One `paged_attention_kernel` launch; ``kv_start`` makes it a cascade's remainder,
         ``exact`` reads quantized storage's exact rows, ``counters`` (a decode over several
-        splits) merges the splits in the kernel."""
+        splits) merges the splits in the kernel, ``step_write`` (a decode) stores the step's
+        rows."""
         grid0 = batch.num_seqs if blocks is None else int(blocks.seq.shape[0])
         parts, lse = partials
         unused = batch.query_start
@@ -263,6 +277,7 @@ class TritonPagedBackend:
             *exact_args,
             out, out.stride(0), out.stride(1),
             parts, lse, counters if counters is not None else unused,
+            *(step_write.arguments() if step_write is not None else (q, q, 0, 0, 0, 0, unused, 0)),
             scale * LOG2_E,
             G=heads.group, G_PAD=heads.group_pad, BLOCK_Q=block_q, BLOCK_M=rows,
             BLOCK_N=self.block_n, HEAD_DIM=heads.head_dim, HEAD_PAD=heads.head_pad,
@@ -272,7 +287,7 @@ class TritonPagedBackend:
             HEADS=exact is not None, WINDOW=exact.window if exact is not None else 0,
             num_warps=self.decode_warps if blocks is None else self.prefill_warps,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            MERGE=counters is not None,
+            MERGE=counters is not None, WRITE_STEP=step_write is not None,
             SPLIT_BLOCK=min(triton_next_pow2(splits),
                             max(1, self.merge_rows // heads.group_pad)),
         )
