@@ -56,18 +56,23 @@ SMALL_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (6
                 "lm_head": (512, 64)}
 PER_LAYER = ("qkv", "o", "gate_up", "down")
 LAYERS = 32
-# (block_n, block_k, warps, stages) of the reduce kernel per BLOCK_M, and of the dot kernel.
-REDUCE = {1: [(8, 512, 4, 1), (8, 512, 4, 3), (8, 256, 4, 4), (16, 512, 4, 1), (16, 512, 4, 3),
-              (16, 256, 4, 4), (32, 256, 8, 3), (4, 1024, 4, 3), (16, 1024, 8, 2)],
-          2: [(8, 256, 4, 1), (8, 256, 4, 3), (8, 512, 4, 3), (4, 512, 4, 3), (16, 256, 4, 3)],
-          4: [(4, 256, 4, 3), (8, 256, 4, 1), (8, 256, 4, 3), (4, 512, 4, 3), (16, 128, 4, 3)]}
+# (block_n, block_k, warps, stages, prefetch) of the reduce kernel per BLOCK_M;
+# (block_n, block_k, warps, stages) of the dot kernel.
+REDUCE = {1: [(8, 512, 4, 1, True), (8, 512, 4, 1, False), (8, 512, 4, 3, False),
+              (16, 512, 4, 1, True), (16, 256, 4, 1, True), (4, 1024, 4, 1, True),
+              (8, 1024, 8, 1, True), (16, 1024, 8, 1, True), (32, 256, 8, 1, True),
+              (8, 1024, 4, 1, False)],
+          2: [(8, 256, 4, 1, True), (8, 256, 4, 3, False), (8, 512, 4, 1, True),
+              (4, 512, 4, 1, True), (16, 256, 8, 1, True)],
+          4: [(8, 256, 4, 1, True), (8, 256, 4, 3, False), (4, 256, 4, 1, True),
+              (4, 512, 4, 1, True), (16, 256, 8, 1, True)]}
 DOT = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6),
        (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 4, 8)]
 
 
 def label(config: SkinnyConfig) -> str:
     return (f"{config.kernel[0]}{config.block_n}x{config.block_k}w{config.num_warps}"
-            f"s{config.num_stages}")
+            f"s{config.num_stages}" + ("p" if config.prefetch else ""))
 
 
 def variants(rows: int, quick: bool) -> list[SkinnyConfig]:
@@ -76,7 +81,7 @@ def variants(rows: int, quick: bool) -> list[SkinnyConfig]:
     if rows <= 4:
         block_m = 1 << (rows - 1).bit_length()
         reduce = REDUCE[block_m][:3] if quick else REDUCE[block_m]
-        configs += [SkinnyConfig("reduce", n, k, w, s) for n, k, w, s in reduce]
+        configs += [SkinnyConfig("reduce", n, k, w, s, prefetch=p) for n, k, w, s, p in reduce]
     dot = DOT[1:4] if quick else DOT
     configs += [SkinnyConfig("dot", n, k, w, s) for n, k, w, s in dot]
     return configs

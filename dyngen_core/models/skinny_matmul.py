@@ -49,6 +49,8 @@ class SkinnyConfig:
     num_stages: software-pipelining depth of the K loop (1: loads issued in the loop body).
     block_m: rows of x per program; 0 picks the rows rounded up to a power of two (at most
         `REDUCE_MAX_BLOCK_M`) for "reduce", 16 for "dot".
+    prefetch: ("reduce" only) load the next K tile into registers before multiplying this one,
+        instead of ``num_stages`` pipelining through shared memory.
     """
 
     kernel: str
@@ -57,6 +59,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 1
     block_m: int = 0
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -65,8 +68,9 @@ class SkinnyConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SkinnyConfig.{name} must be a power of two; got {value}")
-        if self.kernel == "dot" and (self.block_n < 16 or self.block_k < 16):
-            raise ValueError("SkinnyConfig: the dot kernel needs block_n and block_k >= 16")
+        if self.kernel == "dot" and (self.block_n < 16 or self.block_k < 16 or self.prefetch):
+            raise ValueError("SkinnyConfig: the dot kernel needs block_n and block_k >= 16, "
+                             "and pipelines with num_stages (prefetch=False)")
 
     def rows_per_program(self, rows: int) -> int:
         """BLOCK_M for a product of ``rows`` rows."""
@@ -82,12 +86,12 @@ class SkinnyConfig:
 # (N > 8192: gate/up, lm_head). None: F.linear, where cuBLAS is as fast. Set from the sweep of
 # benchmarks/skinny_matmul.py on the H200, which prints this table.
 DEFAULT_CONFIGS: Mapping[tuple[str, str], SkinnyConfig | None] = MappingProxyType({
-    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
-    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
-    ("1", "wide"): SkinnyConfig("reduce", block_n=16, block_k=512, num_stages=3),
-    ("2-4", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=256, num_stages=3),
-    ("2-4", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=256, num_stages=3),
-    ("2-4", "wide"): SkinnyConfig("reduce", block_n=8, block_k=256, num_stages=3),
+    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512, prefetch=True),
+    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, prefetch=True),
+    ("1", "wide"): SkinnyConfig("reduce", block_n=8, block_k=512, prefetch=True),
+    ("2-4", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=256, prefetch=True),
+    ("2-4", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=256, prefetch=True),
+    ("2-4", "wide"): SkinnyConfig("reduce", block_n=8, block_k=256, prefetch=True),
     ("5+", "narrow"): SkinnyConfig("dot", block_n=16, block_k=256, num_stages=4),
     ("5+", "long_k"): SkinnyConfig("dot", block_n=16, block_k=256, num_stages=4),
     ("5+", "wide"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=4),
@@ -177,12 +181,14 @@ def _launch(kernel: Any, grid: tuple[int, int], x: torch.Tensor, weight: torch.T
             bias: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
             block_m: int) -> None:
     rows, k = x.shape
+    extra = {"PREFETCH": config.prefetch} if config.kernel == "reduce" else {}
     kernel[grid](
         x, weight, weight if bias is None else bias, out,
         rows, weight.shape[0], k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
+        **extra,
     )
 
 

@@ -7,8 +7,11 @@ one row block) with 16-byte loads along K, accumulate in float32 and write y [M,
 - `skinny_reduce_kernel`: broadcast-multiply and sum over K, for 1 to a few rows (BLOCK_M of
   1, 2 or 4). Products accumulate element-wise in a [BLOCK_M, BLOCK_N, BLOCK_K] register tile
   and are summed over K once after the loop, so the loop body is loads and FMAs only.
-  ``NUM_STAGES`` > 1 has Triton pipeline the K loop (cp.async into shared memory), which it
-  does for loads that feed no tl.dot only when the loop asks (``tl.range(num_stages=...)``).
+  Two ways to keep loads in flight across the K loop: ``PREFETCH`` double-buffers the tiles in
+  registers (16-byte global loads straight to registers); ``NUM_STAGES`` > 1 has Triton
+  pipeline the loop through shared memory (cp.async), which it does for loads that feed no
+  tl.dot only when the loop asks (``tl.range(num_stages=...)``); on sm_90 the tiles then come
+  back from shared memory in 2-byte loads, so which is faster is for the sweep to say.
 - `skinny_dot_kernel`: tensor-core products with the roles swapped (W's rows are the long side:
   acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T), x padded to BLOCK_M = 16 rows.
 
@@ -31,7 +34,7 @@ def skinny_reduce_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]."""
     pid_n = tl.program_id(0)
@@ -44,17 +47,18 @@ def skinny_reduce_kernel(
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = (k0 + offs_k)[None, :] < K
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+    if PREFETCH:
+        # The next tile's loads go out before this tile's FMAs (registers double-buffered).
+        x, w = _load_tile(x_ptrs, w_ptrs, 0, K, offs_k, EVEN_K)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            x_next, w_next = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            x, w = x_next, w_next
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    else:
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     out = tl.sum(acc, axis=2)
     _store(out, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
 
@@ -80,17 +84,19 @@ def skinny_dot_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = (k0 + offs_k)[None, :] < K
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+        x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
         acc = tl.dot(w, tl.trans(x), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     _store(tl.trans(acc), bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _load_tile(x_ptrs, w_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr):
+    """The x and W tiles at K offset ``k0`` (pointers already advanced there); columns past K
+    read as 0 unless K is a multiple of the block (``EVEN_K``)."""
+    if EVEN_K:
+        return tl.load(x_ptrs), tl.load(w_ptrs)
+    k_mask = (k0 + offs_k)[None, :] < K
+    return tl.load(x_ptrs, mask=k_mask, other=0.0), tl.load(w_ptrs, mask=k_mask, other=0.0)
 
 
 @triton.jit

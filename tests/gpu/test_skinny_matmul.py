@@ -1,9 +1,10 @@
-"""The Triton skinny matmul (`models.skinny_matmul`) against a float64 product: both kernels,
-every row count 1..16, bf16 and fp16, with and without bias, K and N tails (K not a multiple of
-the K block, N not a multiple of the N block), x rows strided, outputs written into a poisoned
-larger buffer (nothing outside [M, N] may change). The custom op passes torch's opcheck; on CUDA
-the routed product also runs inside torch.compile(dynamic=True) and a replayed CUDA graph.
-Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (small shapes)."""
+"""The Triton skinny matmul (`models.skinny_matmul`) against a float64 product: both kernels
+(the reduce kernel with and without register prefetch), every row count 1..16, bf16 and fp16,
+with and without bias, K and N tails (K not a multiple of the K block, or shorter than one; N
+not a multiple of the N block), x rows strided, outputs written into a poisoned larger buffer
+(nothing outside [M, N] may change). The custom op passes torch's opcheck; on CUDA the routed
+product also runs inside torch.compile(dynamic=True) and a replayed CUDA graph. Runs on CUDA,
+or on the CPU under TRITON_INTERPRET=1 (small shapes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 MAX_ROWS = 16
 CONFIGS = {"reduce": SkinnyConfig("reduce", block_n=8, block_k=64, num_stages=3),
+           "reduce-prefetch": SkinnyConfig("reduce", block_n=4, block_k=32, prefetch=True),
            "dot": SkinnyConfig("dot", block_n=16, block_k=32, num_stages=2)}
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -46,9 +48,9 @@ def _skip_interpreter_bf16_dot(kernel: str, dtype: torch.dtype) -> None:
         pytest.skip("the Triton interpreter's tl.dot is wrong for bf16")
 
 
-@pytest.mark.parametrize("kernel", ["reduce", "dot"])
+@pytest.mark.parametrize("kernel", ["reduce", "reduce-prefetch", "dot"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("n", "k", "bias"), [(37, 100, True), (48, 128, False)])
+@pytest.mark.parametrize(("n", "k", "bias"), [(37, 100, True), (48, 128, False), (20, 24, True)])
 def test_every_row_count_matches_float64(device: torch.device, kernel: str, dtype: torch.dtype,
                                          n: int, k: int, bias: bool) -> None:
     _skip_interpreter_bf16_dot(kernel, dtype)
