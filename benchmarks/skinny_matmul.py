@@ -202,23 +202,31 @@ def print_table(results: dict[str, dict[int, Timings]], dtype: torch.dtype,
 
 def layer_set(results: dict[str, dict[int, Timings]]) -> None:
     """32 x (qkv + o + gate_up + down) + lm_head per row count: torch, the best variant of
-    each shape, and the defaults."""
+    each shape, the faster of the two per shape (mixed), and the defaults; then the row
+    cut-off up to which the mixed set saves at least 1 % at every row count measured."""
     if not all(name in results for name in (*PER_LAYER, "lm_head")):
         return
-    for rows in results["lm_head"]:
-        sums = {"torch": 0.0, "best": 0.0, "default": 0.0}
+    cut_off, faster = 0, True
+    for rows in sorted(results["lm_head"]):
+        sums = {"torch": 0.0, "best": 0.0, "mixed": 0.0, "default": 0.0}
         for name in (*PER_LAYER, "lm_head"):
             timings = results[name][rows]
             weight = LAYERS if name in PER_LAYER else 1
             sums["torch"] += weight * timings.seconds["torch"]
             sums["best"] += weight * timings.seconds[_best(timings)]
+            sums["mixed"] += weight * min(timings.seconds[_best(timings)],
+                                          timings.seconds["torch"])
             sums["default"] += weight * timings.seconds[timings.default]
         print(f"layer set rows={rows}: torch {sums['torch'] * 1e3:.3f} ms, best "
-              f"{sums['best'] * 1e3:.3f} ms, defaults {sums['default'] * 1e3:.3f} ms "
-              f"(best saves {(sums['torch'] - sums['best']) * 1e3:.3f} ms per step)")
+              f"{sums['best'] * 1e3:.3f} ms, mixed {sums['mixed'] * 1e3:.3f} ms, defaults "
+              f"{sums['default'] * 1e3:.3f} ms (mixed saves "
+              f"{(sums['torch'] - sums['mixed']) * 1e3:.3f} ms per step)")
         report("skinny_matmul_layer_set", rows=rows, torch_ms=sums["torch"] * 1e3,
-               best_ms=sums["best"] * 1e3, default_ms=sums["default"] * 1e3,
-               device=device_name())
+               best_ms=sums["best"] * 1e3, mixed_ms=sums["mixed"] * 1e3,
+               default_ms=sums["default"] * 1e3, device=device_name())
+        faster = faster and sums["mixed"] < 0.99 * sums["torch"]
+        cut_off = rows if faster else cut_off
+    print(f"skinny_matmul_rows as measured: {cut_off} (0: F.linear everywhere)")
 
 
 def suggest_defaults(results: dict[str, dict[int, Timings]],
