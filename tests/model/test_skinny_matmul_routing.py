@@ -138,3 +138,17 @@ def test_every_shape_class_has_an_entry_and_none_means_f_linear(
     gen = torch.Generator().manual_seed(1)
     x, weight = torch.randn(2, 32, generator=gen), torch.randn(24, 32, generator=gen)
     assert torch.equal(sm.skinny_linear(x, weight), F.linear(x, weight))
+
+
+def test_config_rejects_what_the_kernels_cannot_launch() -> None:
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        sm.SkinnyConfig("gemv", block_n=8, block_k=256)
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        sm.SkinnyConfig("reduce", block_n=8, block_k=384)
+    with pytest.raises(ValueError, match="dot kernel needs block_n and block_k >= 16"):
+        sm.SkinnyConfig("dot", block_n=8, block_k=256)
+    with pytest.raises(ValueError, match="prefetch=False"):
+        sm.SkinnyConfig("dot", block_n=16, block_k=256, prefetch=True)
+    assert sm.SkinnyConfig("reduce", 8, 256).rows_per_program(3) == 4
+    assert sm.SkinnyConfig("reduce", 8, 256).rows_per_program(9) == sm.REDUCE_MAX_BLOCK_M
+    assert sm.SkinnyConfig("dot", 16, 256).rows_per_program(1) == 16
