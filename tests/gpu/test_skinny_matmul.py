@@ -105,6 +105,21 @@ def test_custom_op_passes_opcheck(device: torch.device) -> None:
     torch.library.opcheck(torch.ops.dyngen.skinny_linear.default, (x, weight, None))
 
 
+def test_custom_op_compiles_once_for_every_row_count(device: torch.device) -> None:
+    """torch.compile(dynamic=True) traces the op through its fake implementation with the
+    row count symbolic: one graph serves 2 to 16 rows."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _, weight, b = _operands(1, 40, 64, torch.float16, device, bias=True, seed=2)
+    product = torch.compile(lambda x: torch.ops.dyngen.skinny_linear(x, weight, b) * 2,
+                            dynamic=True, backend="aot_eager", fullgraph=True)
+    for rows in (3, 5, 16, 2):
+        x = _operands(rows, 40, 64, torch.float16, device, bias=False, seed=rows)[0]
+        y = product(x.contiguous())
+        assert _relative_error(y / 2, x, weight, b) < TOLERANCE[torch.float16]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_compiled_and_graphed_route_matches_f_linear(cuda_device: torch.device) -> None:
     """The routed product inside torch.compile(dynamic=True), captured in a CUDA graph and
     replayed with new inputs, for a skinny and a wide batch (the latter stays F.linear)."""
