@@ -6,6 +6,7 @@ step replayed from a CUDA graph (eager kernels, and torch.compile'd), and transf
 copy bandwidth measured in the same run; the target is >= 80 % of it.
 
     python benchmarks/decode_batch1.py [--layers 32] [--new-tokens 256] [--no-compile] [--no-hf]
+                                       [--compiled-only]
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="only the compiled graph step and generator (implies --no-hf)")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = bench_config(args)
@@ -79,6 +82,11 @@ def main() -> None:
     report("decode_batch1.roofline", **common)
 
     tokenizer = word_tokenizer(config["vocab_size"])
+    if args.compiled_only:
+        context = PROMPT + args.new_tokens // 2
+        graph_step(model, True, context, common, roofline_tps)
+        compiled_generator(model, tokenizer, config, args.new_tokens, common, roofline_tps)
+        return
     generator = make_generator(model, tokenizer, cache_tokens=8192)
     prompt = random_prompts(1, PROMPT, config["vocab_size"], seed=1)
     run_jobs(generator, prompt, 8)  # warm-up: compiles the prefill kernels
