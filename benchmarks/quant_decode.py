@@ -16,8 +16,10 @@ code field a [16, 16] value dot that Triton ran on every one of the 4 warps).
 
 Variants (``--variants``, comma-separated; names below): ``old`` is the current default (64
 keys x 4 warps, page and tail programs in two launches, no options); the others add
-`attend_word_decode`'s options: ``v`` join_values, ``k`` join_keys, ``h`` half_dot, then the
-launch shape ``NxW``. Quantized modes run as the runner does (q4 with its 16-position recent
+`attend_word_decode`'s options: ``v`` join_values, ``k`` join_keys, ``h`` half_dot, ``f``
+fast_unpack, then the launch shape ``NxW``. Each variant's output is checked against ``old``'s
+(relative error, ``err`` in the table; a variant that fails to launch, e.g. for shared memory,
+is reported and skipped). Quantized modes run as the runner does (q4 with its 16-position recent
 window and page heads, q8 with page heads). Each call is timed inside a CUDA graph of
 ``--calls`` calls (batch 1 cycles over 16 sequences' pages so L2 holds none of them),
 median of 5 replays.
@@ -59,9 +61,15 @@ VARIANTS: dict[str, tuple[dict[str, bool], int, int]] = {
     "vh-64x8": ({"join_values": True, "half_dot": True}, 64, 8),
     "vh-32x4": ({"join_values": True, "half_dot": True}, 32, 4),
     "kvh-64x4": ({"join_keys": True, "join_values": True, "half_dot": True}, 64, 4),
+    "hf-64x4": ({"half_dot": True, "fast_unpack": True}, 64, 4),
+    "hf-64x8": ({"half_dot": True, "fast_unpack": True}, 64, 8),
+    "vhf-64x4": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 64, 4),
+    "vhf-64x8": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 64, 8),
+    "vhf-32x4": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 32, 4),
+    "vhf-128x8": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 128, 8),
 }
-DEFAULT_VARIANTS = {"q8": "old,h-64x4,vh-64x4,vh-64x8",
-                    "q4": "old,v-64x4,vh-64x4,vh-128x4,vh-64x8,kvh-64x4"}
+# Kept small: each variant compiles two kernels per batch size (~30 compiles in all).
+DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x8", "q4": "old,vh-64x4,vhf-64x4,vhf-64x8"}
 COPIES_BATCH1 = 16
 
 
@@ -152,7 +160,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     sequences = max(max(batches), COPIES_BATCH1)
     pages_per_seq = args.context // 256
-    rows: list[tuple[str, str, int, float, float]] = []
+    rows: list[tuple[str, str, int, float, float, float]] = []
     began = time.perf_counter()
     for mode in ("fp16", "q8", "q4"):
         storage = one_layer_storage(config, mode, sequences * args.context, device)
@@ -163,40 +171,52 @@ def main() -> None:
                                                 windowed)
             group = copies(batch, batch_size, pages_per_seq)
             names = ["fp16"] if mode == "fp16" else getattr(args, mode).split(",")
+            reference = None
             for name in names:
-                if mode == "fp16":
-                    calls = fp16_calls(storage, group, q)
-                else:
-                    options, block_n, warps = VARIANTS[name]
-                    calls = word_calls(storage, group, q, step_rows, options, block_n, warps)
-                calls = (calls * -(-args.calls // len(calls)))[:args.calls]
-                seconds, how = graph_seconds(calls)
+                try:
+                    if mode == "fp16":
+                        calls = fp16_calls(storage, group, q)
+                    else:
+                        options, block_n, warps = VARIANTS[name]
+                        calls = word_calls(storage, group, q, step_rows, options, block_n,
+                                           warps)
+                    out = calls[0]().float()
+                    reference = out if reference is None else reference
+                    error = float((out - reference).norm() / reference.norm())
+                    calls = (calls * -(-args.calls // len(calls)))[:args.calls]
+                    seconds, how = graph_seconds(calls)
+                except Exception as failure:  # noqa: BLE001 - a variant may not launch
+                    report("quant_decode", mode=mode, variant=name, batch=batch_size,
+                           failed=repr(failure)[:300])
+                    continue
                 gbps = batch_size * args.context * per_token / seconds / 1e9
-                rows.append((mode, name, batch_size, seconds * 1e6, gbps))
+                rows.append((mode, name, batch_size, seconds * 1e6, gbps, error))
                 report("quant_decode", device=device_name(), mode=mode, variant=name,
                        batch=batch_size, context=args.context, us=seconds * 1e6, GBps=gbps,
-                       timing=how, elapsed_s=time.perf_counter() - began)
+                       error_vs_old=error, timing=how, elapsed_s=time.perf_counter() - began)
         storage = None
         torch.cuda.empty_cache()
     print_table(rows, batches)
     print("end to end: python3 benchmarks/long_context.py")
 
 
-def print_table(rows: list[tuple[str, str, int, float, float]], batches: list[int]) -> None:
-    """µs (GB/s) per mode and variant, one column per batch, and each q4 variant against
-    fp16 (success: at most 1.00 at batch 32)."""
-    fp16 = {b: us for mode, _, b, us, _ in rows if mode == "fp16"}
+def print_table(rows: list[tuple[str, str, int, float, float, float]],
+                batches: list[int]) -> None:
+    """µs (GB/s) per mode and variant, one column per batch, each variant against fp16
+    (success for the issue: q4 at most 1.00 at batch 32) and its largest error against old."""
+    fp16 = {b: us for mode, _, b, us, _, _ in rows if mode == "fp16"}
     print(f"\n{'mode':5} {'variant':10}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
-          + "".join(f"{'/fp16 b' + str(b):>10}" for b in batches))
-    seen: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
-    for mode, name, b, us, gbps in rows:
-        seen.setdefault((mode, name), {})[b] = (us, gbps)
+          + "".join(f"{'/fp16 b' + str(b):>10}" for b in batches) + f"{'err':>9}")
+    seen: dict[tuple[str, str], dict[int, tuple[float, float, float]]] = {}
+    for mode, name, b, us, gbps, error in rows:
+        seen.setdefault((mode, name), {})[b] = (us, gbps, error)
     for (mode, name), by_batch in seen.items():
         cells = "".join(f"{by_batch[b][0]:>12.1f} us {by_batch[b][1]:>6.0f} GB/s"
                         if b in by_batch else f"{'-':>24}" for b in batches)
         ratios = "".join(f"{by_batch[b][0] / fp16[b]:>10.2f}" if b in by_batch and b in fp16
                          else f"{'-':>10}" for b in batches)
-        print(f"{mode:5} {name:10}{cells}{ratios}")
+        error = max(cell[2] for cell in by_batch.values())
+        print(f"{mode:5} {name:10}{cells}{ratios}{error:>9.1e}")
 
 
 if __name__ == "__main__":

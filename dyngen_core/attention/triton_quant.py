@@ -38,7 +38,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                        exact: ExactOperands, scale_log2: float, *, key_bits: int,
                        value_bits: int, num_kv_heads: int, block_n: int, splits: int,
                        warps: int, launches: int = 1, join_keys: bool = False,
-                       join_values: bool = False, half_dot: bool = False) -> torch.Tensor:
+                       join_values: bool = False, half_dot: bool = False,
+                       fast_unpack: bool = False) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -56,6 +57,9 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     half_dot: the page blocks' dots in float16 for bfloat16 queries too, so 8-bit codes also
         take the exponent trick in halves instead of float32 (the exact rows keep the query's
         dtype). Dequantized rows must stay within float16 range, as their scales already do.
+    fast_unpack: where the dots run in float16 (float16 queries, or half_dot), unpack two
+        codes per instruction in inline PTX (`triton_quant_unpack`; CUDA only, not the Triton
+        interpreter): q4 64x4 loop 1,103 -> 900 instructions a thread with joined values.
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
@@ -73,7 +77,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "K_BITS": key_bits, "V_BITS": value_bits, "NUM_SPLITS": splits,
              "WINDOW": exact.window,
              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-             "K_JOIN": join_keys, "V_JOIN": join_values, "HALF_DOT": half_dot}
+             "K_JOIN": join_keys, "V_JOIN": join_values, "HALF_DOT": half_dot,
+             "FAST_UNPACK": fast_unpack}
     grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
     for programs, role in grids:
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](

@@ -11,6 +11,10 @@ program (``q_i`` = its columns ``w * PER_WORD + i``, `split_columns`), scores ar
 ``sum_i q_i . k_i``, values accumulate per field (``acc_i += p v_i``) and are joined back once.
 Codes become floats with the exponent trick (a field OR-ed into the mantissa of a power of two,
 minus that power and the code bias), in the dot dtype: no integer-to-float conversions.
+The unpacking helpers live in `triton_quant_unpack`. Options (constexprs, all off by default:
+`triton_quant.attend_word_decode` documents them): whole dequantized rows for one dot per block
+(K_JOIN, V_JOIN), float16 dots for bfloat16 queries (HALF_DOT), inline-PTX unpacking
+(FAST_UNPACK).
 
 Exact rows (the rule of `attention.sdpa_recent`): the page-loop programs mask slot 0 of every
 page and stop before the recent window's first block; one more program per (sequence, KV head),
@@ -30,76 +34,13 @@ from dyngen_core.attention.triton_exact_kernels import (
     window_holds,
 )
 from dyngen_core.attention.triton_kernels import _rotate_rows, log2_sum_exp
-
-
-@triton.jit
-def split_columns(x, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
-    """x [BLOCK_M, W_PAD * PER_WORD] as PER_WORD tiles [BLOCK_M, W_PAD]: tile i holds the
-    columns ``w * PER_WORD + i``."""
-    if PER_WORD == 4:
-        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2)))
-        a0, a1 = tl.split(a)
-        b0, b1 = tl.split(b)
-        return (a0, b0, a1, b1)
-    else:
-        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2, 2)))
-        aa, ab = tl.split(a)
-        ba, bb = tl.split(b)
-        aaa, aab = tl.split(aa)
-        aba, abb = tl.split(ab)
-        baa, bab = tl.split(ba)
-        bba, bbb = tl.split(bb)
-        return (aaa, baa, aba, bba, aab, bab, abb, bbb)
-
-
-@triton.jit
-def join_columns(t, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
-    """The inverse of `split_columns`: tiles back to [BLOCK_M, W_PAD * PER_WORD]."""
-    if PER_WORD == 4:
-        y = tl.join(tl.join(t[0], t[2]), tl.join(t[1], t[3]))
-    else:
-        y = tl.join(tl.join(tl.join(t[0], t[4]), tl.join(t[2], t[6])),
-                    tl.join(tl.join(t[1], t[5]), tl.join(t[3], t[7])))
-    return tl.reshape(y, (BLOCK_M, W_PAD * PER_WORD))
-
-
-@triton.jit
-def field_values(words, scales, i: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """Field ``i`` of int32 ``words`` dequantized (code times ``scales``, same shape) in ``DT``.
-    A field ``u`` (the code plus its bias, 8 or 128) OR-ed into the mantissa of 1024 (fp16),
-    128 (bf16, 4 bits) or 2**23 (fp32) reads as that power plus ``u``, exactly."""
-    field = (words >> (BITS * i)) & ((1 << BITS) - 1)
-    if BITS == 8:
-        field = field ^ 0x80  # signed byte -> byte + 128
-    BIAS: tl.constexpr = 8 if BITS == 4 else 128
-    if DT == tl.float16:
-        code = (field | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
-        return code * scales
-    elif DT == tl.bfloat16 and BITS == 4:
-        code = (field | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + BIAS)
-        return code * scales
-    else:
-        code = (field | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
-        return (code * scales.to(tl.float32)).to(DT)
-
-
-@triton.jit
-def load_tile(base, slots, stride_s, key_valid, cols, col_ok, TRANSPOSED: tl.constexpr,
-              PADDED: tl.constexpr):
-    """Columns ``cols`` of the rows at ``slots`` of one page (``base``: that page and KV head):
-    [W_PAD, BLOCK_N] when TRANSPOSED else [BLOCK_N, W_PAD]; invalid keys and, when PADDED,
-    columns not ``col_ok`` read 0."""
-    if TRANSPOSED:
-        offsets = slots[None, :] * stride_s + cols[:, None]
-        mask = key_valid[None, :]
-        if PADDED:
-            mask = mask & col_ok[:, None]
-    else:
-        offsets = slots[:, None] * stride_s + cols[None, :]
-        mask = key_valid[:, None]
-        if PADDED:
-            mask = mask & col_ok[None, :]
-    return tl.load(base + offsets, mask=mask, other=0)
+from dyngen_core.attention.triton_quant_unpack import (
+    dequantized_fields,
+    dequantized_rows,
+    join_columns,
+    load_tile,
+    split_columns,
+)
 
 
 @triton.jit
@@ -111,16 +52,17 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                        WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       K_JOIN: tl.constexpr, V_JOIN: tl.constexpr):
+                       K_JOIN: tl.constexpr, V_JOIN: tl.constexpr,
+                       FAST_UNPACK: tl.constexpr):
     """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
     BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
     ``position``, carrying (m_i, l_i, accs). Slot 0 of every page is skipped (its exact head
     row is attended elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from
     ``near_lo`` on) are skipped too. K_JOIN: ``qs`` is the whole query tile (one element) and
-    each block's keys enter one dot over whole rows (`_dequantized_rows`), else one per field.
-    V_JOIN: ``accs`` is one [BLOCK_M, DIM_PAD] tile and each
-    block's values enter one dot over whole rows (`_dequantized_rows`), else one tile and dot per
-    field."""
+    each block's keys enter one dot over whole rows (`dequantized_rows`), else one per field.
+    V_JOIN: ``accs`` is one [BLOCK_M, DIM_PAD] tile and each block's values enter one dot over
+    whole rows, else one tile and dot per field. FAST_UNPACK: codes unpacked two fields at a
+    time in inline PTX where the dots run in float16 (`triton_quant_unpack`)."""
     DT: tl.constexpr = qs[0].dtype
     K_PER: tl.constexpr = 32 // K_BITS
     V_PER: tl.constexpr = 32 // V_BITS
@@ -147,14 +89,14 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
         kscale = load_tile(ks_head + page * stride_ksp, slots, stride_kss, key_valid,
                            kw // (32 // K_PER), kw_ok, not K_JOIN, K_PADDED).to(DT)
         if K_JOIN:
-            keys_t = tl.trans(_dequantized_rows(kwords, kscale, BLOCK_N, K_WPAD, K_PER, K_BITS,
-                                                DT))
+            keys_t = tl.trans(dequantized_rows(kwords, kscale, BLOCK_N, K_WPAD, K_BITS, DT,
+                                               FAST_UNPACK))
             scores = tl.dot(qs[0], keys_t, input_precision=DOT_PRECISION)
         else:
+            kfields = dequantized_fields(kwords, kscale, K_BITS, DT, FAST_UNPACK)
             scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
             for i in tl.static_range(K_PER):
-                scores = tl.dot(qs[i], field_values(kwords, kscale, i, K_BITS, DT), scores,
-                                input_precision=DOT_PRECISION)
+                scores = tl.dot(qs[i], kfields[i], scores, input_precision=DOT_PRECISION)
         visible = key_valid & (slots != 0)
         if WINDOW > 0:
             near = key_valid & (keys >= near_lo)
@@ -171,30 +113,18 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
         vscale = load_tile(vs_head + page * stride_vsp, slots, stride_vss, key_valid,
                            vw // (32 // V_PER), vw_ok, False, V_PADDED).to(DT)
         if V_JOIN:
-            accs = (tl.dot(p, _dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_PER, V_BITS, DT),
-                           accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
+            vrows = dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT, FAST_UNPACK)
+            accs = (tl.dot(p, vrows, accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
         else:
+            vfields = dequantized_fields(vwords, vscale, V_BITS, DT, FAST_UNPACK)
             new_accs = ()
             for i in tl.static_range(V_PER):
-                acc_i = tl.dot(p, field_values(vwords, vscale, i, V_BITS, DT),
-                               accs[i] * alpha[:, None], input_precision=DOT_PRECISION)
+                acc_i = tl.dot(p, vfields[i], accs[i] * alpha[:, None],
+                               input_precision=DOT_PRECISION)
                 new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
             accs = new_accs
         m_i = m_new
     return m_i, l_i, accs
-
-
-@triton.jit
-def _dequantized_rows(words, scales, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr,
-                      PER_WORD: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """Code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized to whole
-    rows [BLOCK_N, W_PAD * PER_WORD] in dim order, for one dot per block: with N = DIM_PAD
-    (values) Triton spreads its warps over the dims instead of repeating a [BLOCK_M, W_PAD]
-    dot per field on every warp, and one layout conversion replaces one per field."""
-    fields = ()
-    for i in tl.static_range(PER_WORD):
-        fields = fields + (field_values(words, scales, i, BITS, DT),)  # type: ignore
-    return join_columns(fields, BLOCK_N, W_PAD, PER_WORD)
 
 
 @triton.jit
@@ -238,6 +168,7 @@ def quant_decode_kernel(
     V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, K_JOIN: tl.constexpr = False,
     V_JOIN: tl.constexpr = False, HALF_DOT: tl.constexpr = False,
+    FAST_UNPACK: tl.constexpr = False,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + 1) over a decode-only batch (sequence i is
     query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys before
@@ -251,7 +182,7 @@ def quant_decode_kernel(
     blocks' dots run in float16 even for bfloat16 queries, so codes of 8 bits too become
     halves by the exponent trick and scales apply as HMUL2 (the exact rows keep the query's
     dtype; dequantized rows must stay below 65504 in magnitude, as float16 scales already
-    require)."""
+    require). FAST_UNPACK: unpack in inline PTX where the dots run in float16 (CUDA only)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PROGRAMS == 2:
@@ -298,7 +229,7 @@ def quant_decode_kernel(
             k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
             stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN)
+            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
     elif PROGRAMS == 2:
         m_i, l_i, acc = _tail_program(
             q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -307,7 +238,7 @@ def quant_decode_kernel(
             stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
             fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
             BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-            DOT_PRECISION, K_JOIN, V_JOIN)
+            DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
     else:
         if split < NUM_SPLITS:
             m_i, l_i, acc = _page_program(
@@ -315,7 +246,7 @@ def quant_decode_kernel(
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
                 stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-                NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN)
+                NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
         else:
             m_i, l_i, acc = _tail_program(
                 q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -324,7 +255,7 @@ def quant_decode_kernel(
                 stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
                 fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
                 BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-                DOT_PRECISION, K_JOIN, V_JOIN)
+                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
                        BLOCK_M, DIM_PAD)
@@ -343,7 +274,7 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, K_JOIN: tl.constexpr,
-                  V_JOIN: tl.constexpr):
+                  V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr):
     """Page program ``split``: its share of the keys before ``bulk_hi`` (no exact rows)."""
     V_PER: tl.constexpr = 32 // V_BITS
     chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -353,7 +284,8 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         table_row, -1, 0, 0, 0,
-        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION, K_JOIN, V_JOIN)
+        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION, K_JOIN, V_JOIN,
+        FAST_UNPACK)
     return m_i, l_i, _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
 
 
@@ -366,7 +298,7 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  K_JOIN: tl.constexpr, V_JOIN: tl.constexpr):
+                  K_JOIN: tl.constexpr, V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr):
     """The tail program: keys from ``bulk_hi`` on with the window rule, every page's head
     row, and the window's exact rows, for the decode query at ``ctx - 1``."""
     V_PER: tl.constexpr = 32 // V_BITS
@@ -378,7 +310,7 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         ring_pos_ptr, ring_base, position, near_lo, position,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION, K_JOIN,
-        V_JOIN)
+        V_JOIN, FAST_UNPACK)
     acc = _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
     positions = position + tl.zeros([BLOCK_M], tl.int32)
     m_i, l_i, acc = attend_page_heads(

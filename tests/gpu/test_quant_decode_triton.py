@@ -159,3 +159,23 @@ def test_half_dot_half_precision(device: torch.device, monkeypatch: pytest.Monke
     _with_word_options(monkeypatch, join_values=True, half_dot=True)
     out, ref = _outputs(mode, WINDOW, 64, dtype, device, _backend(max_splits=2))
     assert float((out - ref).norm() / ref.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("join_values", [False, True])
+def test_fast_unpack_matches_plain_unpack(device: torch.device,
+                                          monkeypatch: pytest.MonkeyPatch, mode: str,
+                                          dtype: torch.dtype, join_values: bool) -> None:
+    """The inline-PTX unpacking (CUDA only) computes the same halves as the plain one, so
+    the outputs agree to the dots' rounding; both stay as close to the reference."""
+    if interpreter_mode():
+        pytest.skip("inline PTX needs CUDA")
+    results = []
+    for fast in (False, True):
+        _with_word_options(monkeypatch, join_values=join_values, half_dot=True,
+                           fast_unpack=fast)
+        results.append(_outputs(mode, WINDOW, 64, dtype, device, _backend(max_splits=2)))
+    (plain, ref), (fast_out, _) = results
+    torch.testing.assert_close(fast_out, plain, rtol=1e-3, atol=1e-3)
+    assert float((fast_out - ref).norm() / ref.norm()) < 2e-2

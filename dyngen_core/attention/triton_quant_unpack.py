@@ -1,0 +1,165 @@
+"""Unpacking of 4- and 8-bit code words for `triton_quant_kernels`: loads, fields, joins.
+
+A page row of ``HEAD_DIM`` codes is ``WORDS`` int32 words of ``PER_WORD`` codes each (8 for 4
+bits, 4 for 8 bits; `storage.qformat`): dim ``d`` is field ``d % PER_WORD`` of word
+``d // PER_WORD``. Field ``i`` of every word of a block of keys is one tile [keys, W_PAD] whose
+column ``w`` is dim ``w * PER_WORD + i`` (`field_values`); `join_columns` puts such tiles back
+in dim order. Codes become floats with the exponent trick (a field OR-ed into the mantissa of a
+power of two, minus that power and the code bias): no integer-to-float conversions.
+
+`dequantized_fields` with FAST (float16 only, CUDA only: inline PTX) does the trick on two
+fields of a word at once, as half2 (``lop3`` of the word, shifted, with 0x000F000F / 0x00FF00FF
+and 0x6400 in each half, then one ``sub.f16x2`` and one ``mul.f16x2``): about 2 instructions a
+code instead of about 5 (a shift, a mask, an or, packing, half a subtract and a multiply each).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Fields (0, 4), (1, 5), (2, 6), (3, 7) of a word of 4-bit codes as half2, each 1024 + u where
+# u = code + 8; minus 1032, times the scale. $8: the word, $9: the scale (f16).
+_NIBBLES_ASM = tl.constexpr("""{
+.reg .b32 t<4>, s, s2, bias;
+mov.b32 s2, {$9, $9};
+mov.b32 bias, 0x64086408;
+lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 s, $8, 4;
+lop3.b32 t1, s, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 s, $8, 8;
+lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 s, $8, 12;
+lop3.b32 t3, s, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t0, t0, bias;
+sub.f16x2 t1, t1, bias;
+sub.f16x2 t2, t2, bias;
+sub.f16x2 t3, t3, bias;
+mul.f16x2 t0, t0, s2;
+mul.f16x2 t1, t1, s2;
+mul.f16x2 t2, t2, s2;
+mul.f16x2 t3, t3, s2;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}""")
+# Fields (0, 2), (1, 3) of a word of signed bytes as half2: (byte ^ 0x80) | 0x6400 in one lop3
+# ((a & b) ^ c), i.e. 1024 + 128 + code; minus 1152, times the scale. $4: word, $5: scale.
+_BYTES_ASM = tl.constexpr("""{
+.reg .b32 t<2>, s, s2, bias;
+mov.b32 s2, {$5, $5};
+mov.b32 bias, 0x64806480;
+lop3.b32 t0, $4, 0x00FF00FF, 0x64806480, 0x6A;
+shr.u32 s, $4, 8;
+lop3.b32 t1, s, 0x00FF00FF, 0x64806480, 0x6A;
+sub.f16x2 t0, t0, bias;
+sub.f16x2 t1, t1, bias;
+mul.f16x2 t0, t0, s2;
+mul.f16x2 t1, t1, s2;
+mov.b32 {$0, $2}, t0;
+mov.b32 {$1, $3}, t1;
+}""")
+
+
+@triton.jit
+def split_columns(x, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
+    """x [BLOCK_M, W_PAD * PER_WORD] as PER_WORD tiles [BLOCK_M, W_PAD]: tile i holds the
+    columns ``w * PER_WORD + i``."""
+    if PER_WORD == 4:
+        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return (a0, b0, a1, b1)
+    else:
+        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2, 2)))
+        aa, ab = tl.split(a)
+        ba, bb = tl.split(b)
+        aaa, aab = tl.split(aa)
+        aba, abb = tl.split(ab)
+        baa, bab = tl.split(ba)
+        bba, bbb = tl.split(bb)
+        return (aaa, baa, aba, bba, aab, bab, abb, bbb)
+
+
+@triton.jit
+def join_columns(t, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
+    """The inverse of `split_columns`: tiles back to [BLOCK_M, W_PAD * PER_WORD]."""
+    if PER_WORD == 4:
+        y = tl.join(tl.join(t[0], t[2]), tl.join(t[1], t[3]))
+    else:
+        y = tl.join(tl.join(tl.join(t[0], t[4]), tl.join(t[2], t[6])),
+                    tl.join(tl.join(t[1], t[5]), tl.join(t[3], t[7])))
+    return tl.reshape(y, (BLOCK_M, W_PAD * PER_WORD))
+
+
+@triton.jit
+def field_values(words, scales, i: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Field ``i`` of int32 ``words`` dequantized (code times ``scales``, same shape) in ``DT``.
+    A field ``u`` (the code plus its bias, 8 or 128) OR-ed into the mantissa of 1024 (fp16),
+    128 (bf16, 4 bits) or 2**23 (fp32) reads as that power plus ``u``, exactly."""
+    field = (words >> (BITS * i)) & ((1 << BITS) - 1)
+    if BITS == 8:
+        field = field ^ 0x80  # signed byte -> byte + 128
+    BIAS: tl.constexpr = 8 if BITS == 4 else 128
+    if DT == tl.float16:
+        code = (field | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
+        return code * scales
+    elif DT == tl.bfloat16 and BITS == 4:
+        code = (field | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + BIAS)
+        return code * scales
+    else:
+        code = (field | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
+        return (code * scales.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def load_tile(base, slots, stride_s, key_valid, cols, col_ok, TRANSPOSED: tl.constexpr,
+              PADDED: tl.constexpr):
+    """Columns ``cols`` of the rows at ``slots`` of one page (``base``: that page and KV head):
+    [W_PAD, BLOCK_N] when TRANSPOSED else [BLOCK_N, W_PAD]; invalid keys and, when PADDED,
+    columns not ``col_ok`` read 0."""
+    if TRANSPOSED:
+        offsets = slots[None, :] * stride_s + cols[:, None]
+        mask = key_valid[None, :]
+        if PADDED:
+            mask = mask & col_ok[:, None]
+    else:
+        offsets = slots[:, None] * stride_s + cols[None, :]
+        mask = key_valid[:, None]
+        if PADDED:
+            mask = mask & col_ok[None, :]
+    return tl.load(base + offsets, mask=mask, other=0)
+
+
+@triton.jit
+def dequantized_fields(words, scales, BITS: tl.constexpr, DT: tl.constexpr,
+                       FAST: tl.constexpr):
+    """Every field of int32 ``words`` dequantized (times ``scales``, same shape, in ``DT``):
+    a tuple of 32 / BITS tiles, field ``i`` at index ``i``. FAST (needs DT float16 and a GPU;
+    `field_values` otherwise): two fields per instruction in inline PTX (module docstring)."""
+    if FAST and DT == tl.float16:
+        if BITS == 4:
+            fields = tl.inline_asm_elementwise(
+                _NIBBLES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scales],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            fields = tl.inline_asm_elementwise(
+                _BYTES_ASM, "=h,=h,=h,=h,r,h", [words, scales],
+                dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        fields = ()
+        for i in tl.static_range(32 // BITS):
+            fields = fields + (field_values(words, scales, i, BITS, DT),)
+    return fields
+
+
+@triton.jit
+def dequantized_rows(words, scales, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr,
+                     BITS: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+    """Code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized to whole
+    rows [BLOCK_N, W_PAD * 32 / BITS] in dim order, for one dot per block: with N = DIM_PAD
+    (values) Triton spreads its warps over the dims instead of repeating a [BLOCK_M, W_PAD]
+    dot per field on every warp, and one layout conversion replaces one per field."""
+    return join_columns(dequantized_fields(words, scales, BITS, DT, FAST), BLOCK_N, W_PAD,
+                        32 // BITS)
