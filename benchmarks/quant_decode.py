@@ -14,17 +14,19 @@ Neither floor explains q4 at ~1 ms (batch 32): the kernel is bound by unpacking 
 packing, shared-memory stores of each dequantized tile) and by its 252 registers a thread (per
 code field a [16, 16] value dot that Triton ran on every one of the 4 warps).
 
-Variants (``--variants``, comma-separated; names below): ``old`` is the current default (64
-keys x 4 warps, page and tail programs in two launches, no options); the others add
+Variants (``--q8`` / ``--q4``, comma-separated names): ``old`` is the current default (64 keys
+x 4 warps, page and tail programs in two launches, no options); the others add
 `attend_word_decode`'s options: ``v`` join_values, ``k`` join_keys, ``h`` half_dot, ``f``
-fast_unpack, then the launch shape ``NxW``. Each variant's output is checked against ``old``'s
-(relative error, ``err`` in the table; a variant that fails to launch, e.g. for shared memory,
-is reported and skipped). Quantized modes run as the runner does (q4 with its 16-position recent
-window and page heads, q8 with page heads). Each call is timed inside a CUDA graph of
-``--calls`` calls (batch 1 cycles over 16 sequences' pages so L2 holds none of them),
-median of 5 replays.
+fast_unpack, then the launch shape ``NxW``, then optionally ``-pP``: splits chosen for P
+programs per multiprocessor instead of the backend's 4 (P=2: 2 splits at batch 32, one wave of
+512 programs where 128 registers a thread fit 4 per multiprocessor; 3 splits make 1.5 waves).
+Each variant's output is checked against ``old``'s (relative error, ``err`` in the table; a
+variant that fails to launch, e.g. for shared memory, is reported and skipped). Quantized modes
+run as the runner does (q4 with its 16-position recent window and page heads, q8 with page
+heads). Each call is timed inside a CUDA graph of ``--calls`` calls (batch 1 cycles over 16
+sequences' pages so L2 holds none of them), median of 5 replays.
 
-    python benchmarks/quant_decode.py [--context 16384] [--batches 1,32] [--variants ...]
+    python benchmarks/quant_decode.py [--context 16384] [--batches 1,32] [--q8 ...] [--q4 ...]
 
 End to end (the issue's figure): ``python3 benchmarks/long_context.py``.
 """
@@ -69,7 +71,7 @@ VARIANTS: dict[str, tuple[dict[str, bool], int, int]] = {
     "vhf-128x8": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 128, 8),
 }
 # Kept small: each variant compiles two kernels per batch size (~30 compiles in all).
-DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x8", "q4": "old,vh-64x4,vhf-64x4,vhf-64x8"}
+DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x4-p2", "q4": "old,vh-64x4,vhf-64x4,vhf-64x4-p2"}
 COPIES_BATCH1 = 16
 
 
@@ -127,9 +129,10 @@ def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor
 
 def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
                step_rows: tuple[torch.Tensor, torch.Tensor], options: dict[str, bool],
-               block_n: int, warps: int) -> list[Callable[[], Any]]:
+               block_n: int, warps: int, programs_per_sm: int) -> list[Callable[[], Any]]:
     """`attend_word_decode` over each batch with its operands prepared once (kernel alone)."""
-    backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps)
+    backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps,
+                                 programs_per_sm=programs_per_sm)
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
     kv_heads = ops.keys.shape[2]
@@ -177,9 +180,10 @@ def main() -> None:
                     if mode == "fp16":
                         calls = fp16_calls(storage, group, q)
                     else:
-                        options, block_n, warps = VARIANTS[name]
+                        base, _, per_sm = name.partition("-p")
+                        options, block_n, warps = VARIANTS[base]
                         calls = word_calls(storage, group, q, step_rows, options, block_n,
-                                           warps)
+                                           warps, int(per_sm or 4))
                     out = calls[0]().float()
                     reference = out if reference is None else reference
                     error = float((out - reference).norm() / reference.norm())
