@@ -26,7 +26,7 @@ from dyngen_core.job import Job
 from dyngen_core.models import Model
 from dyngen_core.overlap import PendingStep, TokenLauncher, token_feed
 from dyngen_core.plan import PENDING_TOKEN, SampledTokens, StepPlan
-from dyngen_core.results import EosReason, GeneratorStats, Result
+from dyngen_core.results import EosReason, GeneratorStats, Result, StreamingResult
 from dyngen_core.runner import ModelRunner
 from dyngen_core.sampling.request import SamplingError
 from dyngen_core.sampling_bridge import SamplingBridge, StepTokens
@@ -280,14 +280,20 @@ class DynamicGenerator:
             return
         tokens = pending.tokens()
         active_jobs = self._active
-        for row, a in enumerate(pending.active):
-            a.draws += 1
-            if tokens[row] < 0 and a.job_id in active_jobs:
-                error = SamplingError(f"job {a.job_id}: its logits row left no token to choose "
-                                      "(NaN or inf from the model, or token_bias removed every "
-                                      "token); the job fails", [row])
-                self._end_job(a.job_id, EosReason.ERROR, error=error)
+        if -1 in tokens:
+            for row, a in enumerate(pending.active):
+                if tokens[row] < 0 and a.job_id in active_jobs:
+                    error = SamplingError(f"job {a.job_id}: its logits row left no token to "
+                                          "choose (NaN or inf from the model, or token_bias "
+                                          "removed every token); the job fails", [row])
+                    self._end_job(a.job_id, EosReason.ERROR, error=error)
         self._scheduler.resolve_tokens(pending.plan, tokens)
+        if len(pending.plan.slices) == len(pending.active):  # every slice sampled: no prefill
+            # The jobs' draws are counted while they are emitted (one pass over them).
+            self._emit_rows(pending.active, tokens, {}, out, time.perf_counter(), drawn=True)
+            return
+        for a in pending.active:
+            a.draws += 1
         self._emit_step(pending.plan, StepTokens(tokens), out)
 
     def _fail(self, plan: StepPlan, error: Exception) -> None:
@@ -297,61 +303,57 @@ class DynamicGenerator:
 
     def _emit_step(self, plan: StepPlan, sampled: StepTokens, out: list[Result]) -> None:
         """Append every job's results of this step to ``out``."""
-        active_jobs, now, from_dict = self._active, time.perf_counter(), Result.from_dict
-        extras = sampled.extras
+        active_jobs, extras, now = self._active, sampled.extras, time.perf_counter()
+        if len(sampled.tokens) == len(plan.slices):  # every slice sampled: no prefill
+            self._emit_rows([active_jobs.get(s.job_id) for s in plan.slices], sampled.tokens,
+                            extras, out, now)
+            return
         next_token = iter(sampled.tokens).__next__
         for s in plan.slices:
-            token = next_token() if s.sample else None
-            active = active_jobs.get(s.job_id)
-            if active is None:
+            if s.sample:
+                self._emit_rows([active_jobs.get(s.job_id)], [next_token()], extras, out, now)
+            elif s.job_id in active_jobs:
+                self._emit_start(active_jobs[s.job_id], out, now, prefill=True)
+
+    def _emit_rows(self, rows: Sequence[ActiveJob | None], tokens: Sequence[int],
+                   extras: dict[int, SampledTokens], out: list[Result], now: float, *,
+                   drawn: bool = False) -> None:
+        """Append the results of one sampled token per job (``tokens[i]`` is ``rows[i]``'s; a
+        None row, or a job that ended since, is skipped) to ``out``; a job's first token comes
+        after its "started" result. ``drawn``: also count the draw of each job still running
+        (an overlapped step's, which `SamplingBridge.sample` did not count)."""
+        active_jobs, append = self._active, out.append
+        for active, token in zip(rows, tokens, strict=True):
+            if active is None or active_jobs.get(active.job_id) is not active:
                 continue  # ended (failed sampling, cancelled)
-            if token is None or active.time_first_token is None:
-                out.extend(self._emit(active, token, extras.get(s.job_id), now))
-                continue
-            # The common case, a decoding job's next token: `_stream` inlined.
+            if drawn:
+                active.draws += 1
+            if active.time_first_token is None:
+                self._emit_start(active, out, now, prefill=False)
+                active.time_first_token = now
             update = active.stream.advance(token)
             if update.__class__ is not str or not active.plain_stream:
-                result = self._stream_update(active, token, extras.get(s.job_id), update)
+                result = self._stream_update(active, token, extras.get(active.job_id), update)
                 if result is not None:
-                    out.append(result)
+                    append(result)
                 continue
+            # The common case, no end, rewind, constraint or extras: `_stream_update` inlined.
             active.history.append(token)
             job = active.job
-            out.append(from_dict({"job": job, "identifier": job.identifier, "stage": "streaming",
-                                  "eos": False, "text": update, "token_ids": [token]}))
+            append(StreamingResult(job, job.identifier, update, [token]))
 
-    def _emit(self, active: ActiveJob, token_id: int | None, tokens: SampledTokens | None,
-              now: float) -> list[Result]:
-        """A job's first results: "started", then "prefill" progress (no token yet) or its
-        first token."""
-        out: list[Result] = []
+    def _emit_start(self, active: ActiveJob, out: list[Result], now: float, *,
+                    prefill: bool) -> None:
+        """A job's "started" result the first time it is seen, then with ``prefill`` its
+        "prefill" progress (a step that computed part of its prompt and sampled nothing)."""
         if active.time_started is None:
             active.time_started = now
             out.append(active.result("started"))
-        if token_id is None:
+        if prefill:
             seq = self._scheduler.sequence(active.job_id)
             assert seq is not None
             out.append(active.result("prefill", prefill_progress=seq.num_computed,
                                      prefill_total=seq.num_tokens))
-            return out
-        if active.time_first_token is None:
-            active.time_first_token = now
-        result = self._stream(active, token_id, tokens)
-        if result is not None:
-            out.append(result)
-        return out
-
-    def _stream(self, active: ActiveJob, token_id: int,
-                tokens: SampledTokens | None) -> Result | None:
-        """Push a sampled token through the job's stream: its "streaming" result, or None when
-        the job ended (its final result is queued) or rewound. ``tokens`` carries the extra
-        outputs (None when the job asked for none)."""
-        update = active.stream.advance(token_id)
-        if update.__class__ is str and active.matcher is None:
-            # No end, no rewind and no constraint to consult: what `_stream_update` does then.
-            active.history.append(token_id)
-            return active.streaming_result(update, token_id, tokens)
-        return self._stream_update(active, token_id, tokens, update)
 
     def _stream_update(self, active: ActiveJob, token_id: int, tokens: SampledTokens | None,
                        update: str | StreamUpdate) -> Result | None:

@@ -73,6 +73,53 @@ class Result(Mapping[str, Any]):
         return f"Result({shown})"
 
 
+_STREAMING_KEYS = ("job", "identifier", "stage", "eos", "text", "token_ids")
+_STREAMING_KEY_SET = frozenset(_STREAMING_KEYS)
+
+
+class StreamingResult(Result):
+    """The common "streaming" result: one step's ``text`` and ``token_ids`` of a job that asked
+    for no extra outputs, and nothing else. It reads exactly like
+    ``Result(job=job, identifier=identifier, stage="streaming", eos=False, text=text,
+    token_ids=token_ids)`` (same keys in the same order, equal to it); the generator builds one
+    per running job per step, so its fields are slots instead of a dict built for each.
+    """
+
+    __slots__ = ("job", "identifier", "text", "token_ids")
+    stage = "streaming"
+    eos = False
+
+    def __init__(self, job: Any, identifier: Any, text: str, token_ids: list[int]) -> None:
+        self.job = job
+        self.identifier = identifier
+        self.text = text
+        self.token_ids = token_ids
+
+    @property
+    def _data(self) -> dict[str, Any]:  # type: ignore[override]
+        """The fields as the dict a plain `Result` holds (built on demand)."""
+        return {"job": self.job, "identifier": self.identifier, "stage": "streaming",
+                "eos": False, "text": self.text, "token_ids": self.token_ids}
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _STREAMING_KEY_SET:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in _STREAMING_KEY_SET
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_STREAMING_KEYS)
+
+    def __len__(self) -> int:
+        return len(_STREAMING_KEYS)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copies and pickles become the plain `Result` this one reads as.
+        return (Result.from_dict, (self._data,))
+
+
 @dataclass(frozen=True)
 class GeneratorStats:
     """A snapshot of the engine: pages by state, prefill work done and saved, jobs, drafts.
