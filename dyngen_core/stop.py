@@ -81,6 +81,11 @@ class StopMatcher:
 
     stop_token_ids: ids that end the job when sampled (they never become text).
     stop_strings: strings that end the job when they appear in its text.
+
+    Read-only attributes: ``held_text``, the text held back because it may be the start of a
+    stop string; ``matched``, the stop string that matched (None until one does); ``passes``,
+    texts known to pass through `feed` unchanged while nothing is held (shared by matchers of
+    the same strings), so a caller may skip `feed` for them.
     """
 
     def __init__(
@@ -91,14 +96,9 @@ class StopMatcher:
         self.stop_strings = _checked(stop_strings, "stop strings")
         self._index = (_PrefixIndex(self.stop_strings) if indexes is None
                        else indexes.get(self.stop_strings))
-        self._passes = self._index.passes
-        self._held = ""
+        self.passes: set[str] = self._index.passes
+        self.held_text = ""
         self.matched: str | None = None
-
-    @property
-    def held_text(self) -> str:
-        """Text held back because it may be the start of a stop string."""
-        return self._held
 
     def feed_token(self, token_id: int) -> bool:
         """Whether ``token_id`` is a stop token."""
@@ -115,28 +115,28 @@ class StopMatcher:
         match shows in `matched`."""
         if self.matched is not None:
             return ""
-        held = self._held
-        if not held and text in self._passes:
+        held = self.held_text
+        if not held and text in self.passes:
             return text
         buffer = held + text if held else text
         for stop in self.stop_strings:
             if stop in buffer:
                 at, found = _earliest(buffer, self.stop_strings)
-                self._held = ""
+                self.held_text = ""
                 self.matched = found
                 return buffer[:at]
         keep = self._index.held_length(buffer)
         if not keep:
-            self._held = ""
-            if not held and len(self._passes) < PASSES_LIMIT:
-                self._passes.add(text)
+            self.held_text = ""
+            if not held and len(self.passes) < PASSES_LIMIT:
+                self.passes.add(text)
             return buffer
-        self._held = buffer[len(buffer) - keep :]
+        self.held_text = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]
 
     def flush(self) -> str:
         """Release the held text (the job ended another way). Empty after a stop-string match."""
-        held, self._held = self._held, ""
+        held, self.held_text = self.held_text, ""
         return held
 
 

@@ -55,6 +55,8 @@ class JobStream:
         self._min_new_tokens = job.min_new_tokens
         self._max_new_tokens = job.max_new_tokens
         self.banned = BannedStringMatcher(list(job.banned_strings)) if job.banned_strings else None
+        # Every token may end the job and none is held for a rewind: `advance`'s short path.
+        self._plain = self.banned is None and self._min_new_tokens == 0
         self.detok = self._new_detokenizer(job.input_ids)
         self._chunks: list[str] = []  # joined on demand: += on an attribute copies every step
         # Tokens whose text the banned matcher still holds back (candidates for a rewind).
@@ -93,12 +95,36 @@ class JobStream:
         token_ids=[token_id])``), else the full `StreamUpdate`."""
         generated = self.job.new_token_ids
         generated.append(token_id)
+        if not self._plain:
+            return self._advance_checked(token_id, generated)
+        # What `_advance_checked` does without banned strings or min_new_tokens; it runs for
+        # every job every step, so the stop matcher is only called when the text may matter.
+        if token_id in self.stop_token_ids:
+            return self._end(self._release_all(), EosReason.STOP_TOKEN, token_id)
+        text = self.detok.add_token(token_id)
+        if self._has_stop_strings:
+            stop = self.stop
+            if stop.held_text or text not in stop.passes:
+                text = stop.feed(text)
+                if stop.matched is not None:
+                    return self._end(text, EosReason.STOP_STRING, token_id)
+        if len(generated) >= self._max_new_tokens:
+            return self._end(text + self._release_all(), EosReason.MAX_NEW_TOKENS, token_id)
+        if text:
+            self._chunks.append(text)
+        return text
+
+    def _end(self, text: str, reason: EosReason, token_id: int) -> StreamUpdate:
+        if text:
+            self._chunks.append(text)
+        return StreamUpdate(text, reason, token_ids=[token_id])
+
+    def _advance_checked(self, token_id: int, generated: list[int]) -> str | StreamUpdate:
+        """`advance` with banned strings or min_new_tokens (``generated`` holds the token)."""
         # At least one token is generated, so with min_new_tokens == 0 this is always True.
         can_stop = len(generated) > self._min_new_tokens
         if can_stop and token_id in self.stop_token_ids:
-            text = self._release_all()
-            self._chunks.append(text)
-            return StreamUpdate(text, EosReason.STOP_TOKEN, token_ids=[token_id])
+            return self._end(self._release_all(), EosReason.STOP_TOKEN, token_id)
         text = self.detok.add_token(token_id)
         if self.banned is not None:
             rewind = self._check_banned(token_id, text)
@@ -117,11 +143,11 @@ class JobStream:
         if eos_reason is None and len(generated) >= self._max_new_tokens:
             text += self._release_all()
             eos_reason = EosReason.MAX_NEW_TOKENS
+        if eos_reason is not None:
+            return self._end(text, eos_reason, token_id)
         if text:
             self._chunks.append(text)
-        if eos_reason is None:
-            return text
-        return StreamUpdate(text, eos_reason, token_ids=[token_id])
+        return text
 
     def _check_banned(self, token_id: int, text: str) -> StreamUpdate | None:
         assert self.banned is not None
