@@ -184,10 +184,19 @@ class SamplingBridge:
         part: it has a constraint, may ban a token at a position (banned strings,
         min_new_tokens), asks for extra outputs or uses mirostat; `sample` it then. The caller
         adds 1 to each job's ``draws`` once the tokens are taken, as `sample` does."""
-        for a in active:
+        requests: list[SampleRequest] = []
+        append = requests.append
+        for a in active:  # `_requests(active, None)`, checking each job on the way
             if a.matcher is not None or a.may_ban or a.wants_extras:
-                return None
-        return self.sampler.launch_tokens(logits, self._requests(active, None))
+                return None  # the requests updated so far are updated again by `sample`
+            request = a.request
+            if request is None:
+                append(self._request(a, None))
+            else:  # `_request` of a job built before that never bans a token
+                request.counter = a.draws
+                request.allowed_tokens = None
+                append(request)
+        return self.sampler.launch_tokens(logits, requests)
 
     def _requests(self, active: Sequence[ActiveJob],
                   bitmask: np.ndarray | None) -> list[SampleRequest]:

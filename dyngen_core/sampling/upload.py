@@ -44,10 +44,11 @@ class Staging:
         _fill(packed[:split].view(np.int64), ints, int_sizes)
         _fill(packed[split:nbytes].view(np.float32), floats, float_sizes)
         device = host if self.device.type == "cpu" else self._copy(host)
-        int_flat = device[:split].view(torch.int64).split(int_sizes)
-        float_flat = device[split:nbytes].view(torch.float32).split(float_sizes)
-        return ([t.view(a.shape) for t, a in zip(int_flat, ints, strict=True)],
-                [t.view(a.shape) for t, a in zip(float_flat, floats, strict=True)])
+        # Each skipped view or split is one less tensor op on the host (a step sends its keys
+        # alone, once the rows' columns are on the device).
+        return (_views(device[:split], torch.int64, ints, int_sizes) if ints else [],
+                _views(device[split:nbytes], torch.float32, floats, float_sizes)
+                if floats else [])
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -66,6 +67,15 @@ class Staging:
             self._copied = torch.cuda.Event()
         self._copied.record()
         return device
+
+
+def _views(flat: torch.Tensor, dtype: torch.dtype, arrays: Sequence[np.ndarray],
+           sizes: list[int]) -> list[torch.Tensor]:
+    """``flat`` read as ``dtype`` and cut into tensors shaped like ``arrays``."""
+    typed = flat.view(dtype)
+    if len(arrays) == 1:
+        return [typed.view(arrays[0].shape)]
+    return [t.view(a.shape) for t, a in zip(typed.split(sizes), arrays, strict=True)]
 
 
 def _fill(target: np.ndarray, arrays: Sequence[np.ndarray], sizes: Sequence[int]) -> None:
