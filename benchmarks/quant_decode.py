@@ -17,9 +17,10 @@ code field a [16, 16] value dot that Triton ran on every one of the 4 warps).
 Variants (``--q8`` / ``--q4``, comma-separated names): ``old`` is the current default (64 keys
 x 4 warps, page and tail programs in two launches, no options); the others add
 `attend_word_decode`'s options: ``v`` join_values, ``k`` join_keys, ``h`` half_dot, ``f``
-fast_unpack, then the launch shape ``NxW``, then optionally ``-pP``: splits chosen for P
-programs per multiprocessor instead of the backend's 4 (P=2: 2 splits at batch 32, one wave of
-512 programs where 128 registers a thread fit 4 per multiprocessor; 3 splits make 1.5 waves).
+fast_unpack, ``w`` wide_scales, then the launch shape ``NxW``, then optionally ``-pP``:
+splits chosen for P programs per multiprocessor instead of the backend's 4 (P=2: 2 splits at
+batch 32, one wave of 512 programs where 128 registers a thread fit 4 per multiprocessor; 3
+splits make 1.5 waves).
 Each variant's output is checked against ``old``'s (relative error, ``err`` in the table; a
 variant that fails to launch, e.g. for shared memory, is reported and skipped). Quantized modes
 run as the runner does (q4 with its 16-position recent window and page heads, q8 with page
@@ -69,9 +70,15 @@ VARIANTS: dict[str, tuple[dict[str, bool], int, int]] = {
     "vhf-64x8": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 64, 8),
     "vhf-32x4": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 32, 4),
     "vhf-128x8": ({"join_values": True, "half_dot": True, "fast_unpack": True}, 128, 8),
+    "hfw-64x4": ({"half_dot": True, "fast_unpack": True, "wide_scales": True}, 64, 4),
+    "vhfw-64x4": ({"join_values": True, "half_dot": True, "fast_unpack": True,
+                   "wide_scales": True}, 64, 4),
+    "vhfw-64x8": ({"join_values": True, "half_dot": True, "fast_unpack": True,
+                   "wide_scales": True}, 64, 8),
 }
 # Kept small: each variant compiles two kernels per batch size (~30 compiles in all).
-DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x4-p2", "q4": "old,vh-64x4,vhf-64x4,vhf-64x4-p2"}
+DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hfw-64x4",
+                    "q4": "old,vh-64x4,vhf-64x4,vhfw-64x4,vhfw-64x4-p2"}
 COPIES_BATCH1 = 16
 
 

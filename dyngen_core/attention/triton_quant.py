@@ -39,7 +39,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                        value_bits: int, num_kv_heads: int, block_n: int, splits: int,
                        warps: int, launches: int = 1, join_keys: bool = False,
                        join_values: bool = False, half_dot: bool = False,
-                       fast_unpack: bool = False) -> torch.Tensor:
+                       fast_unpack: bool = False, wide_scales: bool = False) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -60,6 +60,9 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     fast_unpack: where the dots run in float16 (float16 queries, or half_dot), unpack two
         codes per instruction in inline PTX (`triton_quant_unpack`; CUDA only, not the Triton
         interpreter): q4 64x4 loop 1,103 -> 900 instructions a thread with joined values.
+    wide_scales: load the scales as int32 pairs (head_dim a multiple of 64; ignored otherwise),
+        which Triton pipelines with the code words (cp.async) instead of a synchronous 2-byte
+        gather per loop step; costs registers (q4 64x4 joined, fast: 128 -> 141).
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
@@ -78,7 +81,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "WINDOW": exact.window,
              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
              "K_JOIN": join_keys, "V_JOIN": join_values, "HALF_DOT": half_dot,
-             "FAST_UNPACK": fast_unpack}
+             "FAST_UNPACK": fast_unpack,
+             "WIDE_SCALES": wide_scales}
     grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
     for programs, role in grids:
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](

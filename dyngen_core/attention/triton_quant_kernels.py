@@ -38,6 +38,7 @@ from dyngen_core.attention.triton_quant_unpack import (
     dequantized_fields,
     dequantized_rows,
     join_columns,
+    load_scales,
     load_tile,
     split_columns,
 )
@@ -53,7 +54,7 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                        DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                        WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        K_JOIN: tl.constexpr, V_JOIN: tl.constexpr,
-                       FAST_UNPACK: tl.constexpr):
+                       FAST_UNPACK: tl.constexpr, WIDE_SCALES: tl.constexpr):
     """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
     BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
     ``position``, carrying (m_i, l_i, accs). Slot 0 of every page is skipped (its exact head
@@ -62,7 +63,8 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
     each block's keys enter one dot over whole rows (`dequantized_rows`), else one per field.
     V_JOIN: ``accs`` is one [BLOCK_M, DIM_PAD] tile and each block's values enter one dot over
     whole rows, else one tile and dot per field. FAST_UNPACK: codes unpacked two fields at a
-    time in inline PTX where the dots run in float16 (`triton_quant_unpack`)."""
+    time in inline PTX where the dots run in float16 (`triton_quant_unpack`). WIDE_SCALES:
+    scales loaded as int32 pairs (`load_scales`)."""
     DT: tl.constexpr = qs[0].dtype
     K_PER: tl.constexpr = 32 // K_BITS
     V_PER: tl.constexpr = 32 // V_BITS
@@ -86,8 +88,9 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
         key_valid = keys < hi
         kwords = load_tile(k_head + page * stride_kp, slots, stride_ks, key_valid, kw, kw_ok,
                            not K_JOIN, K_PADDED)
-        kscale = load_tile(ks_head + page * stride_ksp, slots, stride_kss, key_valid,
-                           kw // (32 // K_PER), kw_ok, not K_JOIN, K_PADDED).to(DT)
+        kscale = load_scales(ks_head + page * stride_ksp, slots, stride_kss, key_valid,
+                             kw // (32 // K_PER), kw_ok, not K_JOIN, K_PADDED,
+                             WIDE_SCALES and HEAD_DIM % 64 == 0).to(DT)
         if K_JOIN:
             keys_t = tl.trans(dequantized_rows(kwords, kscale, BLOCK_N, K_WPAD, K_BITS, DT,
                                                FAST_UNPACK))
@@ -110,8 +113,9 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
         p = p.to(DT)
         vwords = load_tile(v_head + page * stride_vp, slots, stride_vs, key_valid, vw, vw_ok,
                            False, V_PADDED)
-        vscale = load_tile(vs_head + page * stride_vsp, slots, stride_vss, key_valid,
-                           vw // (32 // V_PER), vw_ok, False, V_PADDED).to(DT)
+        vscale = load_scales(vs_head + page * stride_vsp, slots, stride_vss, key_valid,
+                             vw // (32 // V_PER), vw_ok, False, V_PADDED,
+                             WIDE_SCALES and HEAD_DIM % 64 == 0).to(DT)
         if V_JOIN:
             vrows = dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT, FAST_UNPACK)
             accs = (tl.dot(p, vrows, accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
@@ -168,7 +172,7 @@ def quant_decode_kernel(
     V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, K_JOIN: tl.constexpr = False,
     V_JOIN: tl.constexpr = False, HALF_DOT: tl.constexpr = False,
-    FAST_UNPACK: tl.constexpr = False,
+    FAST_UNPACK: tl.constexpr = False, WIDE_SCALES: tl.constexpr = False,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + 1) over a decode-only batch (sequence i is
     query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys before
@@ -182,7 +186,8 @@ def quant_decode_kernel(
     blocks' dots run in float16 even for bfloat16 queries, so codes of 8 bits too become
     halves by the exponent trick and scales apply as HMUL2 (the exact rows keep the query's
     dtype; dequantized rows must stay below 65504 in magnitude, as float16 scales already
-    require). FAST_UNPACK: unpack in inline PTX where the dots run in float16 (CUDA only)."""
+    require). FAST_UNPACK: unpack in inline PTX where the dots run in float16 (CUDA only).
+    WIDE_SCALES: scales loaded as int32 pairs (`triton_quant_unpack.load_scales`)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PROGRAMS == 2:
@@ -229,7 +234,7 @@ def quant_decode_kernel(
             k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
             stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
+            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
     elif PROGRAMS == 2:
         m_i, l_i, acc = _tail_program(
             q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -238,7 +243,7 @@ def quant_decode_kernel(
             stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
             fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
             BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-            DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
+            DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
     else:
         if split < NUM_SPLITS:
             m_i, l_i, acc = _page_program(
@@ -246,7 +251,7 @@ def quant_decode_kernel(
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
                 stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-                NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
+                NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
         else:
             m_i, l_i, acc = _tail_program(
                 q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -255,7 +260,7 @@ def quant_decode_kernel(
                 stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
                 fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
                 BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK)
+                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
                        BLOCK_M, DIM_PAD)
@@ -274,7 +279,8 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, K_JOIN: tl.constexpr,
-                  V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr):
+                  V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr,
+                  WIDE_SCALES: tl.constexpr):
     """Page program ``split``: its share of the keys before ``bulk_hi`` (no exact rows)."""
     V_PER: tl.constexpr = 32 // V_BITS
     chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -285,7 +291,7 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         table_row, -1, 0, 0, 0,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION, K_JOIN, V_JOIN,
-        FAST_UNPACK)
+        FAST_UNPACK, WIDE_SCALES)
     return m_i, l_i, _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
 
 
@@ -298,7 +304,8 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  K_JOIN: tl.constexpr, V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr):
+                  K_JOIN: tl.constexpr, V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr,
+                  WIDE_SCALES: tl.constexpr):
     """The tail program: keys from ``bulk_hi`` on with the window rule, every page's head
     row, and the window's exact rows, for the decode query at ``ctx - 1``."""
     V_PER: tl.constexpr = 32 // V_BITS
@@ -310,7 +317,7 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         ring_pos_ptr, ring_base, position, near_lo, position,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION, K_JOIN,
-        V_JOIN, FAST_UNPACK)
+        V_JOIN, FAST_UNPACK, WIDE_SCALES)
     acc = _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
     positions = position + tl.zeros([BLOCK_M], tl.int32)
     m_i, l_i, acc = attend_page_heads(

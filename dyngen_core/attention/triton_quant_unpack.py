@@ -133,6 +133,28 @@ def load_tile(base, slots, stride_s, key_valid, cols, col_ok, TRANSPOSED: tl.con
 
 
 @triton.jit
+def load_scales(base, slots, stride_s, key_valid, groups, col_ok, TRANSPOSED: tl.constexpr,
+                PADDED: tl.constexpr, WIDE: tl.constexpr):
+    """float16 scales at ``base`` (a tile as `load_tile`'s; ``groups``: each column's group).
+    WIDE (even group counts, so ``base`` and the row stride are 4-byte aligned): each element
+    loads the int32 holding its group's scale and the next one and shifts its half out. A
+    4-byte gather can go through cp.async, so Triton may pipeline it with the code words (a
+    2-byte gather stays synchronous: a full global-load latency per loop step)."""
+    if WIDE:
+        pairs = load_tile(base.to(tl.pointer_type(tl.int32), bitcast=True), slots,
+                          stride_s // 2, key_valid, groups // 2, col_ok, TRANSPOSED, PADDED)
+        if TRANSPOSED:
+            halves = pairs >> ((groups % 2) * 16)[:, None]
+        else:
+            halves = pairs >> ((groups % 2) * 16)[None, :]
+        scales = (halves & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        scales = load_tile(base, slots, stride_s, key_valid, groups, col_ok, TRANSPOSED,
+                           PADDED)
+    return scales
+
+
+@triton.jit
 def dequantized_fields(words, scales, BITS: tl.constexpr, DT: tl.constexpr,
                        FAST: tl.constexpr):
     """Every field of int32 ``words`` dequantized (times ``scales``, same shape, in ``DT``):

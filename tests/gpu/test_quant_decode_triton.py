@@ -136,13 +136,14 @@ def _with_word_options(monkeypatch: pytest.MonkeyPatch, **options: bool) -> None
 
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])
-@pytest.mark.parametrize("join", ["keys", "values", "both"])
+@pytest.mark.parametrize("join", ["keys", "values", "both", "wide"])
 def test_joined_rows_match_sdpa(device: torch.device, monkeypatch: pytest.MonkeyPatch,
                                 mode: str, join: str) -> None:
-    """Keys and/or values dequantized to whole rows (one dot per block): float32 exact, with a
-    window, head_dim 64 (several words and scale groups per row), splits, both launches."""
+    """Keys and/or values dequantized to whole rows (one dot per block), and ("wide") scales
+    loaded as int32 pairs: float32 exact, with a window, head_dim 64 (several words and two
+    scale groups per row, so both halves of a pair), splits."""
     _with_word_options(monkeypatch, join_keys=join in ("keys", "both"),
-                       join_values=join in ("values", "both"))
+                       join_values=join in ("values", "both"), wide_scales=join == "wide")
     out, ref = _outputs(mode, WINDOW, 64, torch.float32, device,
                         _backend(max_splits=3, programs_per_sm=8))
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
@@ -167,14 +168,15 @@ def test_half_dot_half_precision(device: torch.device, monkeypatch: pytest.Monke
 def test_fast_unpack_matches_plain_unpack(device: torch.device,
                                           monkeypatch: pytest.MonkeyPatch, mode: str,
                                           dtype: torch.dtype, join_values: bool) -> None:
-    """The inline-PTX unpacking (CUDA only) computes the same halves as the plain one, so
-    the outputs agree to the dots' rounding; both stay as close to the reference."""
+    """The inline-PTX unpacking (CUDA only; with int32 scale loads) computes the same halves
+    as the plain one, so the outputs agree to the dots' rounding; both stay as close to the
+    reference."""
     if interpreter_mode():
         pytest.skip("inline PTX needs CUDA")
     results = []
     for fast in (False, True):
         _with_word_options(monkeypatch, join_values=join_values, half_dot=True,
-                           fast_unpack=fast)
+                           fast_unpack=fast, wide_scales=fast)
         results.append(_outputs(mode, WINDOW, 64, dtype, device, _backend(max_splits=2)))
     (plain, ref), (fast_out, _) = results
     torch.testing.assert_close(fast_out, plain, rtol=1e-3, atol=1e-3)
