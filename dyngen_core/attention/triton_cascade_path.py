@@ -191,7 +191,9 @@ class CascadePath:
         if options.prefix_kernel == "tiles":
             tile_n = tile_keys(batch.page_size, block_n)
             tiles = tiles_fit(ops, batch.page_size, tile_n)
-            block_n = tile_n if tiles else block_n
+            # The general kernel keeps the backend's tile: a prefix tile too small for any
+            # page-dividing tile (below 16 keys) is also too small for its dot.
+            block_n = tile_n if tiles else options.block_n
         splits = split_count(_or_unknown(tables.max_prefix),
                              tables.grid_blocks * heads.num_kv_heads,
                              options.programs_per_sm * sms, options.max_splits, 4 * block_n)

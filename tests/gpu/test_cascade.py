@@ -196,8 +196,9 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     ({"prefix_kernel": "tiles"}, (8, 2, 32), True, 32),
     # A padded head (24 of 32 columns) and a group of 3 heads padded to 4 rows.
     ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (6, 2, 24), True, 16),
-    # No tile of at least 16 keys divides a page of 32 at 8 wanted: the general kernel.
-    ({"prefix_kernel": "tiles", "prefix_block_n": 8}, (8, 2, 32), False, 8),
+    # No tile of at least 16 keys divides a page of 32 at 8 wanted: the general kernel, at
+    # the backend's own tile (8 keys is below the 16 a GPU dot needs).
+    ({"prefix_kernel": "tiles", "prefix_block_n": 8}, (8, 2, 32), False, 64),
     ({"prefix_kernel": "general"}, (8, 2, 32), False, 64),
 ])
 def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
