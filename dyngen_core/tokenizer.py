@@ -15,6 +15,7 @@ from typing import Any
 import tokenizers
 
 from dyngen_core.chat_template import ChatTemplate
+from dyngen_core.detokenize import TokenPieces
 from dyngen_core.errors import TokenizerError
 
 # The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -69,6 +70,8 @@ class Tokenizer:
         self.bos_token_id = self._id_of("bos_token")
         self.pad_token_id = self._id_of("pad_token")
         self.unk_token_id = self._id_of("unk_token")
+        self._pieces: TokenPieces | None = None
+        self._pieces_built = False
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -141,6 +144,17 @@ class Tokenizer:
         return str(
             self._parsing.decode(list(ids), skip_special_tokens=not decode_special_tokens)
         )
+
+    def token_pieces(self) -> TokenPieces | None:
+        """The detokenizer's table of every token's text (`TokenPieces`), built on the first
+        call (two decodes per id: about 0.55 s and 30 MB at 128,256 ids on a 2-core CPU) and
+        shared by every generator over this tokenizer; None when the decoder is not
+        token-local. Two threads asking at once may each build one: both are right, one is
+        kept."""
+        if not self._pieces_built:
+            self._pieces = TokenPieces.build(self)
+            self._pieces_built = True
+        return self._pieces
 
     def id_to_piece(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` as stored (e.g. ``"Ġthe"``, ``"<0xE2>"``)."""

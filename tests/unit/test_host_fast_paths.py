@@ -113,6 +113,18 @@ def test_fast_path_skips_decoding() -> None:
     assert counting.calls <= 4  # only the first token, whose window holds the prompt
 
 
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_filled_table_equals_the_lazy_lookups(name: str) -> None:
+    tokenizer = ACCEPTED[name]()
+    filled = tokenizer.token_pieces()
+    assert filled is not None and filled is tokenizer.token_pieces()  # built once, shared
+    assert TokenPieces.for_tokenizer(tokenizer) is filled
+    assert len(filled.table) == tokenizer.vocab_size  # nothing left to decode in a step
+    lazy = TokenPieces(tokenizer, tokenizer.backend.get_added_tokens_decoder())
+    assert {i: lazy.lookup(i) for i in range(tokenizer.vocab_size)} == filled.table
+    assert any(entry is not None for entry in filled.table.values())
+
+
 def _with_decoder(decoder: Any) -> Tokenizer:
     data = json.loads(byte_level().backend.to_str())
     data["decoder"] = json.loads(decoder.__getstate__())
