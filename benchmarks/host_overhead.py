@@ -10,13 +10,15 @@ back. Target: <= 1 ms per step.
         [--threads N] [--profile 30]
 
 ``sampler_ms`` is the median time inside the sampler (`Sampler.sample_tokens`,
-`Sampler.greedy_ids` or, for overlapped sampled steps, `Sampler.launch_tokens`: its tensor
-math, transfers and own Python bookkeeping); ``wait_ms`` the median wait for an overlapped
-step's tokens (the device finishing the sampler's kernels: a real forward would run meanwhile);
-``host_ms`` the median of the rest of the step (``host_cpu_ms`` the same in CPU time,
-steadier on a loaded machine). ``mean_ms`` includes the rare steps that run a full
-garbage collection, which the median hides. On a small shared CPU, ``--threads 1`` keeps
-torch's thread pool from spinning against other processes (a [256, 1024] argmax then takes
+`Sampler.greedy_ids` or, for overlapped steps, `Sampler.launch_tokens` and the plain greedy
+argmax `Sampler.greedy_on_device`: its tensor math, transfers and own Python bookkeeping);
+``wait_ms`` the median wait for an overlapped step's tokens (the device finishing the sampler's
+kernels: a real forward would run meanwhile); ``host_ms`` the median of the rest of the step
+(``host_cpu_ms`` the same in CPU time, steadier on a loaded machine). ``mean_ms`` includes the
+rare steps that run a full garbage collection, which the median hides: ``gc_ms`` is the
+collector's time per step (its mean over the measured steps, most of ``mean_ms - median_ms``),
+``full_gcs`` the number of full collections among them. On a small shared CPU, ``--threads 1``
+keeps torch's thread pool from spinning against other processes (a [256, 1024] argmax then takes
 0.3 ms instead of 8). ``--profile N`` prints the N most expensive functions (cProfile,
 cumulative) over the measured steps. ``--gc-freeze`` moves every object alive before the
 measured steps out of the cyclic collector's reach, as a long-running server may do after
@@ -71,19 +73,45 @@ def tiny_model(vocab: int, device: torch.device) -> Model:
 
 
 class SamplerClock:
-    """Wraps a sampler's `sample` to add up the time (wall and CPU) spent inside it."""
+    """Wraps a sampler's `sample` to add up the time (wall and CPU) spent inside it.
 
-    def __init__(self, sample: Callable[..., Any]) -> None:
+    nesting: a list shared by the clocks of one sampler; a call made inside another clocked
+    call (`greedy_ids` calls `greedy_on_device`) is not counted twice."""
+
+    def __init__(self, sample: Callable[..., Any], nesting: list[int] | None = None) -> None:
         self._sample = sample
+        self._nesting = [0] if nesting is None else nesting
         self.seconds = self.cpu_seconds = 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        nesting = self._nesting
+        if nesting[0]:
+            return self._sample(*args, **kwargs)
         start, start_cpu = time.perf_counter(), time.process_time()
+        nesting[0] += 1
         try:
             return self._sample(*args, **kwargs)
         finally:
+            nesting[0] -= 1
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.process_time() - start_cpu
+
+
+class CollectionClock:
+    """Adds up the time of the cyclic garbage collector's runs (`gc.callbacks`), and counts
+    the full (oldest generation) ones."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._start
+        self.full += info["generation"] == 2
 
 
 def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettings,
@@ -109,8 +137,11 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     # The generator samples through sample_tokens, or greedy_ids for a batch of plain greedy
     # jobs (sample is the public per-request form): each entry point's time is the sampler's.
     sampler_object = generator._bridge.sampler
-    names = ("sample", "sample_tokens", "greedy_ids", "launch_tokens")
-    clocks = [SamplerClock(getattr(sampler_object, name)) for name in names]
+    # greedy_on_device: the argmax of an overlapped plain greedy step (on the CPU the whole
+    # argmax, on the GPU its launch).
+    names = ("sample", "sample_tokens", "greedy_ids", "launch_tokens", "greedy_on_device")
+    nesting = [0]
+    clocks = [SamplerClock(getattr(sampler_object, name), nesting) for name in names]
     for name, clock in zip(names, clocks, strict=True):
         setattr(sampler_object, name, clock)
     # With overlapped steps, the wait for the previous step's tokens (device work the stand-in
@@ -123,6 +154,8 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     host_cpu: list[float] = []
     profiler = cProfile.Profile() if profile else None
     waited: list[float] = []
+    collections = CollectionClock()
+    gc.callbacks.append(collections)
     for _ in range(steps):
         for clock in (*clocks, waits):
             clock.seconds = clock.cpu_seconds = 0.0
@@ -137,6 +170,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
         sampler.append(sum(clock.seconds for clock in clocks))
         waited.append(waits.seconds)
         host_cpu.append(cpu[-1] - sum(clock.cpu_seconds for clock in (*clocks, waits)))
+    gc.callbacks.remove(collections)
     running = generator.stats().jobs_active
     generator.clear_queue()
     PendingStep.tokens = waits._sample  # type: ignore[method-assign]
@@ -150,6 +184,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
             "cpu_ms": _median(cpu) * 1e3, "sampler_ms": _median(sampler) * 1e3,
             "wait_ms": _median(waited) * 1e3,
             "host_ms": _median(host) * 1e3, "host_cpu_ms": _median(host_cpu) * 1e3,
+            "gc_ms": collections.seconds / steps * 1e3, "full_gcs": collections.full,
             "jobs_active": running}
 
 
