@@ -37,7 +37,11 @@ from dyngen_core.attention.triton_kernels import (
     paged_attention_kernel,
 )
 from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
-from dyngen_core.attention.triton_quant import attend_word_decode, word_decode_fits
+from dyngen_core.attention.triton_quant import (
+    WordKernelFlags,
+    attend_word_decode,
+    word_decode_fits,
+)
 from dyngen_core.attention.triton_step_write import StepWrite, step_write_for
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
@@ -112,9 +116,10 @@ class TritonPagedBackend:
         program reads its group's shared keys once for all of them.
     cascade_warps: warps per shared-prefix program (its tiles are prefill-sized).
     cascade_programs_per_sm: shared-prefix programs aimed for per multiprocessor when choosing
-        how many parts a prefix is split into (each part adds partial results to merge). 1: at
-        64 rows and 8 warps the kernel takes 226 registers a thread (ptxas, sm_90, bf16), so
-        one program fits a multiprocessor at a time, and one wave of them fills the GPU.
+        how many parts a prefix is split into (each part adds partial results to merge).
+        Defaults 64 rows x 4 warps x 2 programs: 65 us against 108 (the general kernel) per
+        layer for 64 members over an 8k document on an H200 (benchmarks/cascade_kernel.py).
+    word_flags: code paths of that kernel (`triton_quant.WordKernelFlags`; None: defaults).
     merge_in_kernel: decode-only launches over several splits merge them in the attention
         kernel (its last split program per sequence and KV head, `triton_decode_merge`)
         instead of a second launch (`combine_splits_kernel`): one kernel boundary less per
@@ -125,6 +130,9 @@ class TritonPagedBackend:
     write_in_kernel: `attend` of a decode-only batch over unquantized pages on the plain
         path lets the attention kernel store the step's keys and values (`triton_step_write`)
         instead of a storage write launch before it; other batches write through the storage.
+    in_kernel_max_seqs: merge and write in the kernel only for decode batches of at most this
+        many sequences: on an H200 both save ~1.2 us a layer at batch 1 and cost up to 60 us
+        at batch 256 x 16k (benchmarks/decode_attention.py).
     prefill_kernel: "tiled" runs prefill batches over unquantized pages with
         `triton_prefill`'s tiled causal kernel (``prefill_options`` tune it, see
         `TiledPrefillOptions`); "paged" runs them with the general paged kernel (as quantized
@@ -138,10 +146,12 @@ class TritonPagedBackend:
                  cascade_min_saved_keys: int | None = CascadePolicy.min_saved_keys,
                  cascade_min_members: int = CascadePolicy.min_members,
                  cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
-                 cascade_rows: int = 64, cascade_warps: int = 8,
-                 cascade_programs_per_sm: int = 1, word_block_n: int | None = 64,
-                 word_warps: int = 4, word_launches: int = 2, merge_in_kernel: bool = False,
-                 merge_rows: int = 64, write_in_kernel: bool = False, prefill_kernel: str = "tiled",
+                 cascade_rows: int = 64, cascade_warps: int = 4,
+                 cascade_programs_per_sm: int = 2, word_block_n: int | None = 64,
+                 word_warps: int = 4, word_launches: int = 2,
+                 word_flags: WordKernelFlags | None = None, merge_in_kernel: bool = True,
+                 merge_rows: int = 64, write_in_kernel: bool = True, in_kernel_max_seqs: int = 4,
+                 prefill_kernel: str = "tiled",
                  prefill_options: TiledPrefillOptions | None = None) -> None:
         if prefill_kernel not in ("tiled", "paged"):
             raise ValueError(f"prefill_kernel must be 'tiled' or 'paged', not {prefill_kernel!r}")
@@ -150,6 +160,8 @@ class TritonPagedBackend:
         self.merge_in_kernel = merge_in_kernel
         self.merge_rows = merge_rows
         self.write_in_kernel = write_in_kernel
+        self.in_kernel_max_seqs = in_kernel_max_seqs
+        self.word_flags = word_flags or WordKernelFlags()
         self.split_counters = SplitCounters()
         self.word_block_n = word_block_n
         self.word_warps = word_warps
@@ -170,7 +182,8 @@ class TritonPagedBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
-        deferred = self.write_in_kernel and storage.mode == "fp16" and batch.is_decode_only
+        deferred = (self.write_in_kernel and storage.mode == "fp16" and batch.is_decode_only
+                    and batch.num_seqs <= self.in_kernel_max_seqs)
         if not deferred:
             storage.write(layer, k, v, batch.slot_mapping)
         out = self.attend_cached(layer, q, storage, batch, scale, step_rows=(k, v),
@@ -212,7 +225,8 @@ class TritonPagedBackend:
                 q, page_args, batch, exact, scale * LOG2_E, key_bits=ops.key_bits,
                 value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
                 block_n=word_block_n, warps=self.word_warps, launches=self.word_launches,
-                splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device))
+                splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
+                **self.word_flags.keywords())
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)
         if batch.is_decode_only:
@@ -228,7 +242,8 @@ class TritonPagedBackend:
             blocks = self._query_blocks(batch, block_q, q.device)
         parts, lse = _split_buffers(num_tokens, num_heads, splits, heads.head_pad, q.device)
         counters = None
-        if self.merge_in_kernel and blocks is None and splits > 1:
+        if (self.merge_in_kernel and blocks is None and splits > 1
+                and batch.num_seqs <= self.in_kernel_max_seqs):
             counters = self.split_counters.for_launch(q.device,
                                                       batch.num_seqs * heads.num_kv_heads)
         self._launch_paged(q, ops, page_args, batch, heads, out, (parts, lse), scale,

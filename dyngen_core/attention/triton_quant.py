@@ -8,6 +8,9 @@ program per sequence and head attending the exact rows), so it can be captured i
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+from typing import Any
+
 import torch
 
 from dyngen_core.attention.base import ForwardBatch
@@ -18,6 +21,22 @@ from dyngen_core.attention.triton_quant_kernels import quant_decode_kernel
 WORD_BITS = (4, 8)
 # tl.dot needs 16 along every dimension: 16 words of codes per tile at least.
 MIN_TILE = 16
+
+
+@dataclass(frozen=True)
+class WordKernelFlags:
+    """Code paths of `attend_word_decode` a backend turns on (the keywords of the same names
+    there). Defaults: what measured fastest on an H200 (benchmarks/quant_decode.py)."""
+
+    join_keys: bool = False
+    join_values: bool = True
+    half_dot: bool = True
+    fast_unpack: bool = True
+    wide_scales: bool = True
+
+    def keywords(self) -> dict[str, Any]:
+        """The flags as `attend_word_decode` keywords."""
+        return asdict(self)
 
 
 def word_decode_fits(batch: ForwardBatch, key_bits: int, value_bits: int,
@@ -81,7 +100,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "WINDOW": exact.window,
              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
              "K_JOIN": join_keys, "V_JOIN": join_values, "HALF_DOT": half_dot,
-             "FAST_UNPACK": fast_unpack,
+             "FAST_UNPACK": fast_unpack and q.is_cuda,  # inline PTX: not in the interpreter
              "WIDE_SCALES": wide_scales}
     grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
     for programs, role in grids:

@@ -25,6 +25,10 @@ pytestmark = pytest.mark.gpu
 
 HEADS, KV_HEADS = 8, 2
 
+# Merge and write in the kernel at every batch size these tests use (the backend's default
+# stops at small batches).
+ANY_BATCH = 1 << 20
+
 
 def _shape(device: torch.device) -> dict[str, object]:
     """Small shapes under the interpreter; real ones on CUDA."""
@@ -86,7 +90,8 @@ def _backend(splits: int, block_n: int, merge: bool = True):  # type: ignore[no-
     from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
 
     return TritonPagedBackend(block_n=block_n, max_splits=splits, programs_per_sm=4096,
-                              merge_in_kernel=merge, cascade_min_saved_keys=None)
+                              merge_in_kernel=merge, cascade_min_saved_keys=None,
+                              in_kernel_max_seqs=ANY_BATCH)
 
 
 def _case(device: torch.device, dtype: torch.dtype | None = None, seed: int = 0
@@ -161,7 +166,8 @@ def test_quantized_pages_with_window(device: torch.device, mode: str) -> None:
     from tests.gpu.test_quant_decode_triton import WINDOW, _outputs
 
     backend = TritonPagedBackend(block_n=16, word_block_n=None, max_splits=4,
-                                 programs_per_sm=4096, merge_in_kernel=True)
+                                 programs_per_sm=4096, merge_in_kernel=True,
+                                 in_kernel_max_seqs=ANY_BATCH)
     out, ref = _outputs(mode, WINDOW, 32, torch.float32, device, backend)
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
     assert all(int(c.abs().sum()) == 0 for c in backend.split_counters.held(device))
@@ -210,3 +216,20 @@ def test_graph_replays_with_new_context_lengths(cuda_device: torch.device) -> No
         torch.cuda.synchronize()
         assert _relative_error(out, _reference(q, storage, contexts, tables, scale)) < 2e-2
         assert int(backend.split_counters.held(cuda_device)[0].abs().sum()) == 0
+
+
+def test_larger_batches_keep_two_launches(device: torch.device) -> None:
+    """Above ``in_kernel_max_seqs`` sequences a decode merges in a second launch (no counters
+    are taken) and gives the same attention."""
+    from dyngen_core.attention.triton_paged import TritonPagedBackend
+
+    storage, batch, q, contexts, tables = _case(device)
+    block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]
+    scale = q.shape[2] ** -0.5
+    backend = TritonPagedBackend(block_n=block_n, max_splits=4, programs_per_sm=4096,
+                                 cascade_min_saved_keys=None,
+                                 in_kernel_max_seqs=batch.num_seqs - 1)
+    out = backend.attend_cached(0, q, storage, batch, scale)
+    assert backend.split_counters.held(q.device) == []
+    ref = _reference(q, storage, contexts, tables, scale)
+    assert _relative_error(out, ref) < (2e-5 if q.dtype == torch.float32 else 2e-2)

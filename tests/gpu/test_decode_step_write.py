@@ -27,6 +27,10 @@ from tests.gpu.test_decode_merge import (
 
 pytestmark = pytest.mark.gpu
 
+# Merge and write in the kernel at every batch size these tests use (the backend's default
+# stops at small batches).
+ANY_BATCH = 1 << 20
+
 
 def _step_rows(tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +45,7 @@ def _backend(splits: int, block_n: int, merge: bool):  # type: ignore[no-untyped
 
     return TritonPagedBackend(block_n=block_n, max_splits=splits, programs_per_sm=4096,
                               merge_in_kernel=merge, write_in_kernel=True,
-                              cascade_min_saved_keys=None)
+                              cascade_min_saved_keys=None, in_kernel_max_seqs=ANY_BATCH)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 12])
