@@ -55,7 +55,7 @@ class DynamicGenerator:
             kernels of norms and rotary; slower start).
         skinny_matmul_rows: route matrix products of at most this many rows (batch-1 and
             small-batch decode) through the Triton skinny matmul on CUDA, bf16/fp16 (0: off,
-            every product is F.linear; None: leave the model's own setting, off by default);
+            every product is F.linear; None: leave the model's own setting, one row by default);
             see `Model.set_skinny_matmul`.
         overlap_steps: let a step finish on the host during the next step's forward when none
             of its sampling jobs has a constraint, banned string, stop-token ban, extra output

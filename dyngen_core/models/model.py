@@ -27,7 +27,7 @@ from dyngen_core.models.loader import (
 )
 from dyngen_core.models.placement import resolve_device, resolve_dtype
 from dyngen_core.models.rope import RotaryEmbedding
-from dyngen_core.models.skinny_matmul import linear, skinny_rows_for
+from dyngen_core.models.skinny_matmul import DEFAULT_SKINNY_ROWS, linear, skinny_rows_for
 from dyngen_core.storage.base import KVStorage
 
 
@@ -44,7 +44,7 @@ class Model(nn.Module):
     model_dir: the folder the weights came from, if any.
 
     Products of few rows (decode steps) may run through the Triton skinny matmul: see
-    `set_skinny_matmul` (off unless asked for).
+    `set_skinny_matmul` (one row, i.e. batch-1 decode, by default on CUDA).
     """
 
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
@@ -73,13 +73,15 @@ class Model(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, device)
         self.skinny_rows = 0
+        self.set_skinny_matmul(DEFAULT_SKINNY_ROWS)
 
     def set_skinny_matmul(self, max_rows: int) -> None:
         """Route the matrix products (q/k/v, output, gate/up, down, lm_head) of at most
         ``max_rows`` rows (tokens, or sampled rows for the lm_head) through the Triton skinny
         matmul (`models.skinny_matmul`), which reads each weight once at full bandwidth; 0 turns
-        it off (every product is ``F.linear``, the default). Only bf16/fp16 products on CUDA
-        with triton installed take it; elsewhere the setting resolves to 0 for that layer's
+        it off (every product is ``F.linear``); a new model starts at
+        ``skinny_matmul.DEFAULT_SKINNY_ROWS``. Only bf16/fp16 products on CUDA with triton
+        installed take it; elsewhere the setting resolves to 0 for that layer's
         device. Set it before CUDA graphs are captured (the runner's ``skinny_matmul_rows``
         does). Raises ValueError for a negative ``max_rows``."""
         self.skinny_rows = skinny_rows_for(torch.device(self.device), max_rows)

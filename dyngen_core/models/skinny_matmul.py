@@ -86,16 +86,23 @@ class SkinnyConfig:
 # (N > 8192: gate/up, lm_head). None: F.linear, where cuBLAS is as fast. Set from the sweep of
 # benchmarks/skinny_matmul.py on the H200, which prints this table.
 DEFAULT_CONFIGS: Mapping[tuple[str, str], SkinnyConfig | None] = MappingProxyType({
-    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512, prefetch=True),
-    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, prefetch=True),
-    ("1", "wide"): SkinnyConfig("reduce", block_n=8, block_k=512, prefetch=True),
-    ("2-4", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=256, prefetch=True),
-    ("2-4", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=256, prefetch=True),
-    ("2-4", "wide"): SkinnyConfig("reduce", block_n=8, block_k=256, prefetch=True),
-    ("5+", "narrow"): SkinnyConfig("dot", block_n=16, block_k=256, num_stages=4),
-    ("5+", "long_k"): SkinnyConfig("dot", block_n=16, block_k=256, num_stages=4),
-    ("5+", "wide"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=4),
+    # Measured by benchmarks/skinny_matmul.py on an H200 (2026-12-01; us per launch over the
+    # Llama-3-8B shapes of the class, weights rotated past L2, kernel vs F.linear).
+    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512),  # 884 vs 952
+    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),  # 986 vs 1028
+    ("1", "wide"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),  # 2103 vs 2110
+    ("2-4", "narrow"): None,  # 1994 vs 1902
+    ("2-4", "long_k"): None,  # 2203 vs 2071
+    ("2-4", "wide"): None,  # 4390 vs 4215
+    ("5+", "narrow"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=6),  # 1817 vs 1889
+    ("5+", "long_k"): None,  # 2182 vs 2117
+    ("5+", "wide"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=4),  # 4344 vs 4413
 })
+
+# The row cut-off models start with on CUDA: one row (batch-1 decode) is where the kernel
+# beats cuBLAS across the layer set (3.95 vs 4.09 ms of products per step on the H200); at
+# 2-16 rows it saves at most 0.12 ms per step and loses on some shapes.
+DEFAULT_SKINNY_ROWS = 1
 
 
 def shape_class(rows: int, n: int, k: int) -> tuple[str, str]:
