@@ -10,8 +10,9 @@ runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
 
 ``--quant-kernels``: the decode kernels the quantized modes are timed with, one line each:
 ``NxW`` is `triton_quant`'s q8/q4 kernel at N keys per step and W warps (``NxWs``: its page
-and tail programs in two launches), ``general`` the general paged kernel; the first one listed
-enters the q4/fp16 ratio.
+and tail programs in two launches, as the backend's default; a trailing ``p``: with every
+`WordKernelFlags` code path off, the kernel as it was before them), ``general`` the general
+paged kernel; the first one listed enters the q4/fp16 ratio.
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ def decode_seconds(runner: ModelRunner, batch: int, context: int, pages_per_seq:
 def quant_backend(kernel: str, device: torch.device) -> AttentionBackend:
     """The Triton backend decoding q8/q4 pages with ``kernel`` ("NxW" or "general")."""
     from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.attention.triton_quant import WordKernelFlags
 
     if kernel == "general":
         return TritonPagedBackend(word_block_n=None)
+    plain = kernel.endswith("p")
+    kernel = kernel.removesuffix("p")
     block_n, warps = (int(part) for part in kernel.rstrip("s").split("x"))
+    flags = WordKernelFlags(False, False, False, False, False) if plain else None
     return TritonPagedBackend(word_block_n=block_n, word_warps=warps,
-                              word_launches=2 if kernel.endswith("s") else 1)
+                              word_launches=2 if kernel.endswith("s") else 1, word_flags=flags)
 
 
 def main() -> None:
