@@ -26,7 +26,7 @@ class PageCopy:
 PENDING_TOKEN = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceSlice:
     """One job's share of a step.
 

@@ -168,9 +168,9 @@ class Scheduler:
             self.defragment()
         step = _Step(budget=self.config.max_chunk_size, copies=self._pending_copies)
         self._pending_copies = []
-        slices, ps = step.slices, self.page_size
+        slices, ps, running, make = step.slices, self.page_size, RUNNING, SequenceSlice
         for seq in list(self._running.values()):
-            if seq.status is not RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
             tokens = seq.token_ids
             start = len(tokens) - 1
@@ -179,9 +179,9 @@ class Scheduler:
                     self._schedule_prefill(seq, step)
             elif len(tokens) - seq.prompt_len >= seq.max_new_tokens:
                 continue  # its last token is still in flight (`PENDING_TOKEN`); it ends there
-            elif (start + seq.num_draft_tokens) // ps < len(seq.page_table):  # pages are there
-                slices[seq.job_id] = SequenceSlice(seq.job_id, [tokens[-1]], start,
-                                                   seq.page_table[:], True)
+            elif (start + seq.num_draft_tokens) // ps < len(table := seq.page_table):
+                job_id = seq.job_id  # the pages are there: a decode slice, built inline
+                slices[job_id] = make(job_id, [tokens[start]], start, table[:], True)
             else:
                 self._schedule_decode(seq, step)
         if not step.preempted:
