@@ -35,6 +35,9 @@ class SequenceSlice:
     page_table: the job's page ids covering every position up to the end of this slice.
     sample: True when logits are needed (the slice reaches the end of the known tokens); then
         ``1 + len(draft_ids)`` logit rows come back, one per draft position plus the bonus one.
+
+    A slice's lists are never changed in place once planned (assign a new list instead): the
+    scheduler hands a job's consecutive decode slices the same lists while they are equal.
     """
 
     job_id: int

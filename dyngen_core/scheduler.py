@@ -38,6 +38,7 @@ from dyngen_core.pages.defrag import plan_defrag
 from dyngen_core.pages.pool import PagePool
 from dyngen_core.plan import PENDING_TOKEN, PageCopy, SequenceSlice, StepOutcome, StepPlan
 from dyngen_core.scheduling.bookkeeping import (
+    apply_decode_tokens,
     check_fits,
     check_sequences,
     drop_generated,
@@ -108,7 +109,7 @@ class Scheduler:
     def add(self, job_id: int, prompt_ids: SequenceOf[int], max_new_tokens: int, *,
             num_draft_tokens: int = 0) -> None:
         """Queue a job. ``num_draft_tokens``: speculative tokens each decode may carry (room for
-        them is allocated; the caller fills ``SequenceSlice.draft_ids`` up to that many).
+        them is allocated; the caller assigns ``SequenceSlice.draft_ids`` up to that many).
 
         Raises JobTooLargeError if the job could never fit in the whole cache, JobError for a
         duplicate id, an empty prompt or negative counts."""
@@ -180,8 +181,17 @@ class Scheduler:
             elif len(tokens) - seq.prompt_len >= seq.max_new_tokens:
                 continue  # its last token is still in flight (`PENDING_TOKEN`); it ends there
             elif (start + seq.num_draft_tokens) // ps < len(table := seq.page_table):
-                job_id = seq.job_id  # the pages are there: a decode slice, built inline
-                slices[job_id] = make(job_id, [tokens[start]], start, table[:], True)
+                # The pages are there: a decode slice, built inline. It shares the lists of
+                # the job's last decode slice while they are equal (in overlapped steps the
+                # fed token is always `PENDING_TOKEN`): plans never change their lists.
+                fed, pages, drafts = seq.planned_ids, seq.planned_pages, seq.planned_drafts
+                if fed is None or fed[0] != tokens[start]:
+                    fed = seq.planned_ids = [tokens[start]]
+                if pages != table:
+                    pages = seq.planned_pages = table[:]
+                if drafts:
+                    drafts = seq.planned_drafts = []
+                slices[seq.job_id] = make(seq.job_id, fed, start, pages, True, drafts)
             else:
                 self._schedule_decode(seq, step)
         if not step.preempted:
@@ -202,22 +212,7 @@ class Scheduler:
         """`apply` for a step that sampled exactly one token per sampling slice and no drafts:
         ``tokens[i]`` is the token of the ``i``-th slice with ``sample=True``, in plan order.
         Saves building a `SampledTokens` per job; the result is the same as `apply`'s."""
-        running, next_token, ps = self._running, iter(tokens).__next__, self.page_size
-        for sl in plan.slices:
-            token = next_token() if sl.sample else None
-            seq = running.get(sl.job_id)
-            if seq is None:
-                continue
-            start = sl.start_pos
-            if sl.draft_ids:
-                raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries drafts; "
-                                 "use apply with the accepted draft count")
-            if token is None or len(sl.token_ids) != 1 or start != seq.num_computed \
-                    or start < seq.prefill_end or (start + 1) % ps == 0:
-                self._advance(seq, sl, 0, () if token is None else (token,))
-            else:  # `_advance` for a decode of one token that fills no page: all it changes
-                seq.num_computed = start + 1
-                seq.token_ids.append(token)
+        apply_decode_tokens(self._running, plan, tokens, self.page_size, self._advance)
 
     def resolve_tokens(self, plan: StepPlan, tokens: SequenceOf[int]) -> None:
         """Put the real tokens where ``apply_tokens(plan, [PENDING_TOKEN] * n)`` left

@@ -1,11 +1,11 @@
 """Page bookkeeping between a sequence and the pool: the size check at enqueue, reading a step's
-sampled tokens, registering filled pages (and folding them into identical ones), dropping
-generated tokens and making a page writable after a rewind, releasing a sequence's pages, and
-the sequence-side invariant checks."""
+sampled tokens (and applying one token per decode without them), registering filled pages (and
+folding them into identical ones), dropping generated tokens and making a page writable after a
+rewind, releasing a sequence's pages, and the sequence-side invariant checks."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as SeqOf
 
 from dyngen_core.errors import JobTooLargeError
@@ -189,3 +189,30 @@ def resolve_pending(jobs: Mapping[int, Sequence], plan: StepPlan, tokens: SeqOf[
             raise RuntimeError(f"job {sl.job_id} has no pending token at position {index}; "
                                "resolve each overlapped step once, in order")
         seq.token_ids[index] = token
+
+
+def apply_decode_tokens(running: Mapping[int, Sequence], plan: StepPlan, tokens: SeqOf[int],
+                        page_size: int,
+                        advance: Callable[[Sequence, SequenceSlice, int, SeqOf[int]], None]
+                        ) -> None:
+    """`Scheduler.apply_tokens`: ``tokens[i]`` is the token of ``plan``'s ``i``-th sampling
+    slice. A decode of one token that fills no page is applied here (all it changes is the
+    computed count and the new token); any other slice goes through ``advance`` (the
+    scheduler's general step: ``advance(seq, slice, accepted drafts, new tokens)``). Jobs no
+    longer in ``running`` are skipped."""
+    next_token = iter(tokens).__next__
+    for sl in plan.slices:
+        token = next_token() if sl.sample else None
+        seq = running.get(sl.job_id)
+        if seq is None:
+            continue
+        start = sl.start_pos
+        if sl.draft_ids:
+            raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries drafts; "
+                             "use apply with the accepted draft count")
+        if token is None or len(sl.token_ids) != 1 or start != seq.num_computed \
+                or start < seq.prefill_end or (start + 1) % page_size == 0:
+            advance(seq, sl, 0, () if token is None else (token,))
+        else:
+            seq.num_computed = start + 1
+            seq.token_ids.append(token)

@@ -34,6 +34,10 @@ class Sequence:
     prefill_end: token count at the last admission; positions before it are prefill.
     num_cached_tokens: prompt tokens served from the cache, dedup or copies at first admission.
     num_skips: times later jobs were admitted while this one waited for pages.
+    planned_pages / planned_ids / planned_drafts: the page table, fed tokens and (empty) drafts
+        of the job's last decode slice, handed to its next decode slices while they still equal
+        the job's (a plan's lists are never changed in place): a decode allocates no lists
+        while nothing changed.
     """
 
     job_id: int
@@ -51,6 +55,9 @@ class Sequence:
     num_preemptions: int = 0
     admitted: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
+    planned_pages: list[int] | None = None
+    planned_ids: list[int] | None = None
+    planned_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
