@@ -340,7 +340,7 @@ class DynamicGenerator:
             # The common case, no end, rewind, constraint or extras: `_stream_update` inlined.
             active.history.append(token)
             job = active.job
-            append(StreamingResult(job, job.identifier, update, [token]))
+            append(StreamingResult(job, job.identifier, update, token))
 
     def _emit_start(self, active: ActiveJob, out: list[Result], now: float, *,
                     prefill: bool) -> None:

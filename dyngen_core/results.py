@@ -78,22 +78,28 @@ _STREAMING_KEY_SET = frozenset(_STREAMING_KEYS)
 
 
 class StreamingResult(Result):
-    """The common "streaming" result: one step's ``text`` and ``token_ids`` of a job that asked
+    """The common "streaming" result: one step's ``text`` and single token of a job that asked
     for no extra outputs, and nothing else. It reads exactly like
     ``Result(job=job, identifier=identifier, stage="streaming", eos=False, text=text,
-    token_ids=token_ids)`` (same keys in the same order, equal to it); the generator builds one
-    per running job per step, so its fields are slots instead of a dict built for each.
+    token_ids=[token_id])`` (same keys in the same order, equal to it); the generator builds one
+    per running job per step, so its fields are slots instead of a dict built for each, and
+    ``token_ids`` is a new one-token list built when read (none is allocated per step).
     """
 
-    __slots__ = ("job", "identifier", "text", "token_ids")
+    __slots__ = ("job", "identifier", "text", "_token_id")
     stage = "streaming"
     eos = False
 
-    def __init__(self, job: Any, identifier: Any, text: str, token_ids: list[int]) -> None:
+    def __init__(self, job: Any, identifier: Any, text: str, token_id: int) -> None:
         self.job = job
         self.identifier = identifier
         self.text = text
-        self.token_ids = token_ids
+        self._token_id = token_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The step's token, as a one-token list (a new list at each read)."""
+        return [self._token_id]
 
     @property
     def _data(self) -> dict[str, Any]:  # type: ignore[override]

@@ -31,7 +31,7 @@ def _plain(job: object, text: str, token_ids: list[int]) -> Result:
 
 def test_streaming_result_reads_like_the_plain_result() -> None:
     job = object()
-    fast, plain = StreamingResult(job, 7, "hi", [5]), _plain(job, "hi", [5])
+    fast, plain = StreamingResult(job, 7, "hi", 5), _plain(job, "hi", [5])
     assert fast == plain and plain == fast
     assert list(fast) == list(plain) and list(fast.items()) == list(plain.items())
     assert len(fast) == len(plain) == 6
@@ -49,7 +49,7 @@ def test_streaming_result_reads_like_the_plain_result() -> None:
 
 
 def test_streaming_result_copies_are_plain_results() -> None:
-    fast = StreamingResult("job", 7, "hi", [5])
+    fast = StreamingResult("job", 7, "hi", 5)
     for other in (copy.copy(fast), copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
         assert type(other) is Result and other == _plain("job", "hi", [5])
 
