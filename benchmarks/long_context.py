@@ -83,7 +83,7 @@ def quant_backend(kernel: str, device: torch.device) -> AttentionBackend:
     plain = kernel.endswith("p")
     kernel = kernel.removesuffix("p")
     block_n, warps = (int(part) for part in kernel.rstrip("s").split("x"))
-    flags = WordKernelFlags(False, False, False, False, False) if plain else None
+    flags = WordKernelFlags(False, False, False, False, False, False) if plain else None
     return TritonPagedBackend(word_block_n=block_n, word_warps=warps,
                               word_launches=2 if kernel.endswith("s") else 1, word_flags=flags)
 

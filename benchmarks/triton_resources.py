@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -242,9 +242,10 @@ def general_decode_variants(shape: Shape) -> list[Variant]:
     return out
 
 
-def word_flag_sets() -> dict[str, dict[str, bool]]:
-    """Tag -> `quant_decode_kernel` option constexprs: none, and the backend's defaults."""
-    defaults = asdict(WordKernelFlags())
+def word_flag_sets(bits: int) -> dict[str, dict[str, bool]]:
+    """Tag -> `quant_decode_kernel` option constexprs: none, and the backend's defaults for
+    ``bits``-bit pages."""
+    defaults = WordKernelFlags().keywords(bits)
     chosen = {WORD_FLAGS[name][0]: bool(on) for name, on in defaults.items()}
     tag = "".join(WORD_FLAGS[name][1] for name, on in defaults.items() if on)
     return {"": {flag: False for flag, _ in WORD_FLAGS.values()}, tag: chosen}
@@ -258,7 +259,7 @@ def word_decode_variants(shape: Shape) -> list[Variant]:
     for bits, window in ((8, 0), (4, 0), (4, 16)):
         for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
             for programs, role in (("both", 0), ("pages", 1), ("tail", 2)):
-                for tag, flags in word_flag_sets().items():
+                for tag, flags in word_flag_sets(bits).items():
                     pad = max(shape.head_dim, 16 * 32 // bits)
                     out.append(Variant(
                         f"new-q{bits}-w{window}-n{block_n}x{warps}-{programs}"

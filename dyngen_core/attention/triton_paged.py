@@ -226,7 +226,7 @@ class TritonPagedBackend:
                 value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
                 block_n=word_block_n, warps=self.word_warps, launches=self.word_launches,
                 splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
-                **self.word_flags.keywords())
+                **self.word_flags.keywords(ops.value_bits))
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)
         if batch.is_decode_only:

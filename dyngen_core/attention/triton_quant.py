@@ -26,20 +26,29 @@ MIN_TILE = 16
 @dataclass(frozen=True)
 class WordKernelFlags:
     """Code paths of `attend_word_decode` a backend turns on (the keywords of the same names
-    there). Defaults: what measured fastest on an H200 (benchmarks/quant_decode.py, one layer
-    at 16k context, batch 32, us: q4 1047 as before, 846 joined values, 804 with float16 dots
-    and the fast unpack, 963 with wide scales too; q8 1001 before, 980 with float16 dots and
-    the fast unpack, 2494 with wide scales)."""
+    there); ``join_values`` applies to 4-bit values only unless ``join_8bit_values``.
+
+    Defaults: what measured fastest on an H200 at 16k context, batch 32. One layer
+    (benchmarks/quant_decode.py, us): q4 1047 as before, 846 joined values, 804 with float16
+    dots and the fast unpack too, 963 with wide scales as well; q8 1001 before, 980 with float16
+    dots and the fast unpack, 2494 with wide scales. Whole decode step (benchmarks/
+    long_context.py, ms): q4 41.3 -> 33.8; q8 39.7 -> 53.3 with joined values, so 8-bit values
+    are not joined.
+    """
 
     join_keys: bool = False
     join_values: bool = True
+    join_8bit_values: bool = False
     half_dot: bool = True
     fast_unpack: bool = True
     wide_scales: bool = False
 
-    def keywords(self) -> dict[str, Any]:
-        """The flags as `attend_word_decode` keywords."""
-        return asdict(self)
+    def keywords(self, value_bits: int) -> dict[str, Any]:
+        """The flags as `attend_word_decode` keywords for pages of ``value_bits``-bit values."""
+        flags = asdict(self)
+        join_8bit = flags.pop("join_8bit_values")
+        flags["join_values"] = self.join_values and (value_bits == 4 or join_8bit)
+        return flags
 
 
 def word_decode_fits(batch: ForwardBatch, key_bits: int, value_bits: int,

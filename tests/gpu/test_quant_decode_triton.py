@@ -181,3 +181,16 @@ def test_fast_unpack_matches_plain_unpack(device: torch.device,
     (plain, ref), (fast_out, _) = results
     torch.testing.assert_close(fast_out, plain, rtol=1e-3, atol=1e-3)
     assert float((fast_out - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_word_flags_join_only_4bit_values_by_default() -> None:
+    """The backend's defaults join 4-bit values (faster on an H200) but not 8-bit ones (slower
+    there), unless asked to; every other flag passes through unchanged."""
+    from dyngen_core.attention.triton_quant import WordKernelFlags
+
+    flags = WordKernelFlags()
+    assert flags.keywords(4)["join_values"] and not flags.keywords(8)["join_values"]
+    assert WordKernelFlags(join_8bit_values=True).keywords(8)["join_values"]
+    assert not WordKernelFlags(join_values=False).keywords(4)["join_values"]
+    assert "join_8bit_values" not in flags.keywords(4)
+    assert flags.keywords(8)["half_dot"] == flags.half_dot
