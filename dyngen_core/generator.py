@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dyngen_core.active_job import ActiveJob
-from dyngen_core.attention import get_backend
+from dyngen_core.attention import AttentionBackend, get_backend
 from dyngen_core.cache import Cache
 from dyngen_core.config import SchedulerConfig
 from dyngen_core.errors import JobError, JobTooLargeError
@@ -48,7 +48,7 @@ class DynamicGenerator:
             jobs share the same forward.
         dedup: share identical prompt pages among running jobs (prefill them once).
         prompt_cache: keep finished jobs' pages so later prompts with the same prefix reuse them.
-        attention_backend: "auto", "sdpa", "triton" or "flash".
+        attention_backend: "auto", "sdpa", "triton", "flash" or a backend built with options.
         cuda_graphs: on CUDA, replay captured graphs for decode-only steps (captured here, one
             per batch-size bucket up to max_batch_size).
         compile_decode: run the captured decode step through torch.compile (fuses the small
@@ -74,7 +74,7 @@ class DynamicGenerator:
         max_chunk_size: int = 2048,
         dedup: bool = True,
         prompt_cache: bool = True,
-        attention_backend: str = "auto",
+        attention_backend: str | AttentionBackend = "auto",
         cuda_graphs: bool = True,
         compile_decode: bool = False,
         overlap_steps: bool = True,

@@ -45,13 +45,17 @@ BACKENDS: dict[str, BackendEntry] = {
 AUTO_ORDER: tuple[str, ...] = ("flash", "triton", "sdpa")
 
 
-def get_backend(name: str = "auto", device: str | torch.device | None = None) -> AttentionBackend:
+def get_backend(name: str | AttentionBackend = "auto",
+                device: str | torch.device | None = None) -> AttentionBackend:
     """Build an attention backend.
 
     name: "auto" (the fastest backend for ``device``) or a backend name: "sdpa" (reference,
-        any device), plus GPU backends when installed.
+        any device), plus GPU backends when installed; or a backend already built (e.g.
+        ``TritonPagedBackend(prefill_kernel="paged")`` with its options), returned as it is.
     device: the model's device; "auto" uses it to choose (None means the CPU).
     """
+    if not isinstance(name, str):
+        return name
     target = torch.device(device) if device is not None else torch.device("cpu")
     if name == "auto":
         name = next(n for n in AUTO_ORDER if n in BACKENDS and BACKENDS[n].supports(target))

@@ -224,3 +224,5 @@ def test_get_backend() -> None:
     assert get_backend("sdpa", "cpu").name == "sdpa"
     with pytest.raises(ValueError, match="'nope' is unknown"):
         get_backend("nope")
+    built = SdpaBackend()
+    assert get_backend(built, "cpu") is built  # a backend built with options is used as it is
