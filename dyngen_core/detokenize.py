@@ -189,8 +189,10 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
         if self._simple_tail:
-            table = self._table
-            entry = table[token_id] if token_id in table else self._lookup(token_id)
+            try:  # the table holds the whole vocabulary (`TokenPieces.build`)
+                entry = self._table[token_id]
+            except KeyError:
+                entry = self._lookup(token_id)
             if entry is not None:
                 # What the slow path computes for [w, t] when both are simple: t's piece, and
                 # a window of just t (whose text alone is its context for the next token). The
