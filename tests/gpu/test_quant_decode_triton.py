@@ -186,6 +186,7 @@ def test_fast_unpack_matches_plain_unpack(device: torch.device,
 def test_word_flags_join_only_4bit_values_by_default() -> None:
     """The backend's defaults join 4-bit values (faster on an H200) but not 8-bit ones (slower
     there), unless asked to; every other flag passes through unchanged."""
+    pytest.importorskip("triton")
     from dyngen_core.attention.triton_quant import WordKernelFlags
 
     flags = WordKernelFlags()
