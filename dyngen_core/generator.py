@@ -26,7 +26,7 @@ from dyngen_core.job import Job
 from dyngen_core.models import Model
 from dyngen_core.overlap import PendingStep, TokenLauncher, token_feed
 from dyngen_core.plan import PENDING_TOKEN, SampledTokens, StepPlan
-from dyngen_core.results import EosReason, GeneratorStats, Result, StreamingResult
+from dyngen_core.results import EosReason, GeneratorStats, Result, streaming_result
 from dyngen_core.runner import ModelRunner
 from dyngen_core.sampling.request import SamplingError
 from dyngen_core.sampling_bridge import SamplingBridge, StepTokens
@@ -322,7 +322,7 @@ class DynamicGenerator:
         None row, or a job that ended since, is skipped) to ``out``; a job's first token comes
         after its "started" result. ``drawn``: also count the draw of each job still running
         (an overlapped step's, which `SamplingBridge.sample` did not count)."""
-        active_jobs, append = self._active, out.append
+        active_jobs, append, new_result = self._active, out.append, streaming_result
         for active, token in zip(rows, tokens, strict=True):
             if active is None or active_jobs.get(active.job_id) is not active:
                 continue  # ended (failed sampling, cancelled)
@@ -339,8 +339,7 @@ class DynamicGenerator:
                 continue
             # The common case, no end, rewind, constraint or extras: `_stream_update` inlined.
             active.history.append(token)
-            job = active.job
-            append(StreamingResult(job, job.identifier, update, token))
+            append(new_result(active.job, update, token))
 
     def _emit_start(self, active: ActiveJob, out: list[Result], now: float, *,
                     prefill: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from dyngen_core.detokenize import TokenPieces
 from dyngen_core.job import Job
-from dyngen_core.results import Result, StreamingResult
+from dyngen_core.results import Result, StreamingResult, streaming_result
 from dyngen_core.stop import StopIndexes
 from dyngen_core.streaming import JobStream, StreamUpdate
 from tests.unit.test_detokenize import byte_level
@@ -29,9 +30,16 @@ def _plain(job: object, text: str, token_ids: list[int]) -> Result:
                   token_ids=token_ids)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What a streaming result reads from its job: the identifier."""
+
+    identifier: int = 7
+
+
 def test_streaming_result_reads_like_the_plain_result() -> None:
-    job = object()
-    fast, plain = StreamingResult(job, 7, "hi", 5), _plain(job, "hi", [5])
+    job = _Job()
+    fast, plain = streaming_result(job, "hi", 5), _plain(job, "hi", [5])
     assert fast == plain and plain == fast
     assert list(fast) == list(plain) and list(fast.items()) == list(plain.items())
     assert len(fast) == len(plain) == 6
@@ -49,9 +57,10 @@ def test_streaming_result_reads_like_the_plain_result() -> None:
 
 
 def test_streaming_result_copies_are_plain_results() -> None:
-    fast = StreamingResult("job", 7, "hi", 5)
+    fast = streaming_result(_Job(), "hi", 5)
     for other in (copy.copy(fast), copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
-        assert type(other) is Result and other == _plain("job", "hi", [5])
+        assert type(other) is Result and other == _plain(_Job(), "hi", [5])
+    assert type(fast) is StreamingResult
 
 
 PIECES = TokenPieces.for_tokenizer(byte_level())
