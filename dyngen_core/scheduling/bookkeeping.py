@@ -5,7 +5,7 @@ rewind, releasing a sequence's pages, and the sequence-side invariant checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Sequence as SeqOf
 
 from dyngen_core.errors import JobTooLargeError
@@ -176,19 +176,20 @@ def resolve_pending(jobs: Mapping[int, Sequence], plan: StepPlan, tokens: SeqOf[
 
     A page is registered only when its last position is computed, one step after the token
     there was sampled: by then it was resolved, so no placeholder is ever hashed."""
-    next_token = iter(tokens).__next__
-    for sl in plan.slices:
-        if not sl.sample:
-            continue
-        token = next_token()
-        seq = jobs.get(sl.job_id)
+    slices = plan.slices
+    if len(tokens) != len(slices):  # some slices sample nothing: pair the others with tokens
+        slices = [sl for sl in slices if sl.sample]
+    get = jobs.get
+    for sl, token in zip(slices, tokens, strict=True):
+        seq = get(sl.job_id)
         if seq is None:
             continue
         index = sl.start_pos + len(sl.token_ids)  # `end_pos`, inlined: this runs per job
-        if index >= len(seq.token_ids) or seq.token_ids[index] != pending:
+        ids = seq.token_ids
+        if index >= len(ids) or ids[index] != pending:
             raise RuntimeError(f"job {sl.job_id} has no pending token at position {index}; "
                                "resolve each overlapped step once, in order")
-        seq.token_ids[index] = token
+        ids[index] = token
 
 
 def apply_decode_tokens(running: Mapping[int, Sequence], plan: StepPlan, tokens: SeqOf[int],
@@ -200,10 +201,15 @@ def apply_decode_tokens(running: Mapping[int, Sequence], plan: StepPlan, tokens:
     computed count and the new token); any other slice goes through ``advance`` (the
     scheduler's general step: ``advance(seq, slice, accepted drafts, new tokens)``). Jobs no
     longer in ``running`` are skipped."""
-    next_token = iter(tokens).__next__
-    for sl in plan.slices:
-        token = next_token() if sl.sample else None
-        seq = running.get(sl.job_id)
+    slices = plan.slices
+    if len(tokens) == len(slices):  # every slice samples (steady decoding): pair them directly
+        paired: Iterable[tuple[SequenceSlice, int | None]] = zip(slices, tokens, strict=True)
+    else:
+        next_token = iter(tokens).__next__
+        paired = [(sl, next_token() if sl.sample else None) for sl in slices]
+    get = running.get
+    for sl, token in paired:
+        seq = get(sl.job_id)
         if seq is None:
             continue
         start = sl.start_pos
