@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
 # Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke kernels decode
-#        decode-compiled long host load sampler throughput shared shared-fast kernels-shared
-#        profile breakdown idle storage. Logs and JSON lines go to $OUT (default ./bench_out).
+#        decode-compiled decode-fast long host load sampler throughput shared shared-fast
+#        kernels-shared profile breakdown idle gaps storage sweeps. Logs and JSON lines go to
+#        $OUT (default ./bench_out). `tests` runs in 6 processes when pytest-xdist is
+#        importable (carry its wheel and execnet's in .whl/: ~140 s instead of ~280).
 # Every phase runs under its own time limit so one hang cannot eat the whole run.
 set -u
 OUT=${OUT:-./bench_out}
@@ -18,7 +20,9 @@ run() {  # run LIMIT LOG CMD...
 for phase in "$@"; do
   case $phase in
     env) run 60 env.log bash -c "nvidia-smi -L; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
-    tests) run 300 tests.log $PY -m pytest -q -p no:cacheprovider -rs tests/gpu ;;
+    tests)
+      xdist=""; $PY -c "import xdist" 2>/dev/null && xdist="-n 6"
+      run 300 tests.log $PY -m pytest -q -p no:cacheprovider $xdist -rs tests/gpu ;;
     smoke)
       run 60 smoke.log $PY benchmarks/decode_batch1.py --small --new-tokens 16 --no-hf
       run 60 smoke.log $PY benchmarks/long_context.py --small --context 2048 --batches 1,4 --steps 3
@@ -29,7 +33,15 @@ for phase in "$@"; do
     shared-fast) run 200 bench.log $PY benchmarks/shared_document.py --skip-off --no-hf ;;
     decode) run 240 bench.log $PY benchmarks/decode_batch1.py ;;
     decode-compiled) run 240 bench.log $PY benchmarks/decode_batch1.py --no-hf ;;
-    long) run 150 bench.log $PY benchmarks/long_context.py ;;
+    decode-fast) run 150 bench.log $PY benchmarks/decode_batch1.py --compiled-only ;;
+    gaps) run 150 bench.log $PY benchmarks/step_gaps.py --new-tokens 128 --sync-debug ;;
+    sweeps)  # the kernel sweeps behind the Triton and skinny-matmul defaults
+      run 110 sweeps.log $PY benchmarks/skinny_matmul.py
+      run 90 sweeps.log $PY benchmarks/decode_attention.py
+      run 100 sweeps.log $PY benchmarks/cascade_kernel.py
+      run 100 sweeps.log $PY benchmarks/prefill_attention.py
+      run 90 sweeps.log $PY benchmarks/quant_decode.py ;;
+    long) run 150 bench.log $PY benchmarks/long_context.py --quant-kernels 64x4s ;;
     host) run 90 bench.log $PY benchmarks/host_overhead.py ;;
     load) run 240 bench.log $PY benchmarks/load_time.py ;;
     sampler) run 240 bench.log $PY benchmarks/sampler.py --repeats 7 ;;
