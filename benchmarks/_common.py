@@ -24,7 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer  # noqa: E402
+from dyngen_core.attention import get_backend  # noqa: E402
 from dyngen_core.config import ModelConfig  # noqa: E402
+from dyngen_core.graphs import DecodeGraphs  # noqa: E402
+from dyngen_core.plan import SequenceSlice, StepPlan  # noqa: E402
 
 # config.json of Llama-3-8B (the shape the issue names), bf16.
 LLAMA3_8B: dict[str, Any] = {
@@ -274,3 +277,56 @@ def report(benchmark: str, **fields: Any) -> None:
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def graph_step(model: Model, batch: int, context: int, compile_model: bool,
+               steps: int = 50) -> tuple[float, torch.Tensor]:
+    """(seconds per step, logits of the first step) of a decode graph of ``batch`` sequences at
+    ``context`` tokens each over a fresh fp16 cache, staging included (host clock over
+    ``steps`` replays after five warm-up ones)."""
+    pages_each = -(-context // 256)
+    cache = Cache(model, max_tokens=(batch * pages_each + 2) * 256, mode="fp16")
+    graphs = DecodeGraphs(model, cache.storage, get_backend("triton", model.device),
+                          page_size=cache.page_size, max_context=context, buckets=[batch],
+                          compile_model=compile_model)
+    plan = StepPlan([SequenceSlice(i, [1234 + i], context - 1,
+                                   list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)),
+                                   sample=True) for i in range(batch)])
+    logits = graphs.run(plan).clone()
+    for _ in range(5):
+        graphs.run(plan)
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graphs.run(plan)
+    synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    del graphs, cache
+    free_memory()
+    return seconds, logits
+
+
+def add_decode_run_args(parser: argparse.ArgumentParser, new_tokens: int) -> None:
+    """The options of a decode run through the generator (the step diagnostics): --jobs,
+    --prompt, --new-tokens, --no-compile, --no-overlap."""
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-overlap", action="store_true")
+
+
+def decode_run_generator(args: argparse.Namespace, why: str) -> tuple[DynamicGenerator, int]:
+    """(generator, vocabulary size) of the decode run ``args`` ask for (`add_decode_run_args`,
+    `add_common_args`): a random model on CUDA, ``--jobs`` sequences a step. Exits on a
+    machine without CUDA, saying ``why`` the run needs it."""
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise SystemExit(f"this benchmark needs CUDA ({why})")
+    config = bench_config(args)
+    vocab = config["vocab_size"]
+    model = random_model(config, device)
+    generator = make_generator(model, word_tokenizer(vocab), cache_tokens=args.jobs * 2048 + 4096,
+                               max_batch_size=args.jobs, compile_decode=not args.no_compile,
+                               overlap_steps=not args.no_overlap)
+    return generator, vocab

@@ -45,7 +45,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from _common import add_common_args, bench_config, device_name, report
+from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 
 from dyngen_core.attention.triton_cascade import attend_prefixes, multiprocessors
 from dyngen_core.attention.triton_cascade_path import LOG2_E, CascadePath
@@ -187,17 +187,7 @@ def time_calls(calls: list[Callable[[], torch.Tensor]], repeats: int
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = [call() for call in calls]
-    for _ in range(2):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / len(calls))
-    return sorted(times)[len(times) // 2], outs[0]
+    return cuda_seconds(graph.replay, repeats, warmup=2) / len(calls), outs[0]
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -35,7 +35,7 @@ import argparse
 from typing import Any
 
 import torch
-from _common import device_name, report
+from _common import cuda_seconds, device_name, report
 
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.triton_paged import TritonPagedBackend
@@ -102,16 +102,9 @@ def graph_us_per_call(backend: TritonPagedBackend, storage: FP16Storage, batch: 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = calls()
-    times = []
-    for _ in range(replays + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    us = cuda_seconds(graph.replay, replays, warmup=2) * 1e6 / CALLS
     del graph
-    return sorted(times[2:])[len(times[2:]) // 2], outs[0].clone()
+    return us, outs[0].clone()
 
 
 def run_case(batch: int, context: int, device: torch.device) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from _common import (
     copy_bandwidth,
     device_name,
     free_memory,
+    graph_step,
     hf_model,
     make_generator,
     random_model,
@@ -33,32 +34,7 @@ from _common import (
     word_tokenizer,
 )
 
-from dyngen_core import Cache
-from dyngen_core.attention import get_backend
-from dyngen_core.graphs import DecodeGraphs
-from dyngen_core.plan import SequenceSlice, StepPlan
-
 PROMPT = 512
-
-
-def graph_step_seconds(model, compile_model: bool, context: int, steps: int = 50) -> float:  # type: ignore[no-untyped-def]
-    """Seconds per replay of a batch-1 decode graph at ``context`` tokens (fresh fp16 cache)."""
-    cache = Cache(model, max_tokens=4096, mode="fp16")
-    backend = get_backend("triton", model.device)
-    graphs = DecodeGraphs(model, cache.storage, backend, page_size=cache.page_size,
-                          max_context=4096, buckets=[1], compile_model=compile_model)
-    pages = list(range(1, 1 + -(-context // cache.page_size)))
-    plan = StepPlan([SequenceSlice(0, [1234], context - 1, pages, sample=True)])
-    for _ in range(5):
-        graphs.run(plan)
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        graphs.run(plan)
-    synchronize()
-    seconds = (time.perf_counter() - start) / steps
-    del graphs, cache
-    return seconds
 
 
 def main() -> None:
@@ -84,7 +60,7 @@ def main() -> None:
     tokenizer = word_tokenizer(config["vocab_size"])
     if args.compiled_only:
         context = PROMPT + args.new_tokens // 2
-        graph_step(model, True, context, common, roofline_tps)
+        report_graph_step(model, True, context, common, roofline_tps)
         compiled_generator(model, tokenizer, config, args.new_tokens, common, roofline_tps)
         return
     generator = make_generator(model, tokenizer, cache_tokens=8192)
@@ -101,13 +77,13 @@ def main() -> None:
 
     context = PROMPT + args.new_tokens // 2
     if device.type == "cuda":
-        graph_step(model, False, context, common, roofline_tps)
+        report_graph_step(model, False, context, common, roofline_tps)
     if not args.no_hf:
         hf_tps = transformers_tps(config, prompt, args.new_tokens, device)
         report("decode_batch1.transformers_generate", tok_s=hf_tps,
                dyngen_over_transformers=dyngen_tps / hf_tps, **common)
     if device.type == "cuda" and not args.no_compile:  # last: compiling takes a while
-        graph_step(model, True, context, common, roofline_tps)
+        report_graph_step(model, True, context, common, roofline_tps)
         compiled_generator(model, tokenizer, config, args.new_tokens, common, roofline_tps)
 
 
@@ -129,10 +105,10 @@ def compiled_generator(model, tokenizer, config: dict[str, Any], new_tokens: int
     free_memory()
 
 
-def graph_step(model, compiled: bool, context: int, common: dict[str, Any],  # type: ignore[no-untyped-def]
+def report_graph_step(model, compiled: bool, context: int, common: dict[str, Any],  # type: ignore[no-untyped-def]
                roofline_tps: float) -> None:
     try:
-        seconds = graph_step_seconds(model, compiled, context)
+        seconds, _ = graph_step(model, 1, context, compiled)
     except Exception as exc:  # report and go on: the other figures still count
         report("decode_batch1.graph_step", compiled=compiled, error=repr(exc)[:500])
         return

@@ -17,13 +17,11 @@ from collections import Counter
 import torch
 from _common import (
     add_common_args,
-    bench_config,
-    make_generator,
-    random_model,
+    add_decode_run_args,
+    decode_run_generator,
     random_prompts,
     report,
     run_jobs,
-    word_tokenizer,
 )
 
 Gap = tuple[float, str, str]
@@ -54,22 +52,10 @@ def busy_intervals(events: list[tuple[float, float, str]]) -> tuple[float, list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
-    parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--no-overlap", action="store_true")
+    add_decode_run_args(parser, new_tokens=64)
     parser.add_argument("--trace", default=None)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        raise SystemExit("device_idle needs CUDA (it reads kernel times from the profiler)")
-    config = bench_config(args)
-    vocab = config["vocab_size"]
-    model = random_model(config, device)
-    generator = make_generator(model, word_tokenizer(vocab), cache_tokens=args.jobs * 2048 + 4096,
-                               max_batch_size=args.jobs, compile_decode=not args.no_compile,
-                               overlap_steps=not args.no_overlap)
+    generator, vocab = decode_run_generator(args, "it reads kernel times from the profiler")
     run_jobs(generator, random_prompts(args.jobs, args.prompt, vocab, seed=1), 8)
     prompts = random_prompts(args.jobs, args.prompt, vocab, seed=2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -22,7 +22,7 @@ import argparse
 import time
 
 import torch
-from _common import device_name, report
+from _common import cuda_seconds, device_name, report
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.storage.fp16 import FP16Storage
@@ -66,15 +66,7 @@ def _graph_us(storage: FP16Storage, rows: tuple[torch.Tensor, ...], repeats: int
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         _write_all(storage, *rows)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAYERS)
-    return sorted(times)[len(times) // 2]
+    return cuda_seconds(graph.replay, repeats, warmup=1) * 1e6 / LAYERS
 
 
 def _eager_us(storage: FP16Storage, rows: tuple[torch.Tensor, ...], repeats: int) -> float:

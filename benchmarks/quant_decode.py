@@ -102,16 +102,7 @@ def graph_seconds(calls: list[Callable[[], Any]], repeats: int = 5) -> tuple[flo
     except RuntimeError:
         torch.cuda.synchronize()
         run, how = run_all, "events"
-    run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / len(calls))
-    return sorted(times)[len(times) // 2], how
+    return cuda_seconds(run, repeats, warmup=1) / len(calls), how
 
 
 def copies(batch: ForwardBatch, batch_size: int, pages_per_seq: int) -> list[ForwardBatch]:

@@ -29,7 +29,6 @@ per row count, `DEFAULT_CONFIGS` as measured (paste it), and last the compact ta
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import device_name, free_memory, report  # noqa: E402
+from benchmarks._common import cuda_seconds, device_name, free_memory, report  # noqa: E402
 from dyngen_core.models.skinny_matmul import (  # noqa: E402
     SkinnyConfig,
     default_config,
@@ -102,17 +101,9 @@ def per_launch_seconds(calls: Sequence[Callable[[], object]], replays: int) -> f
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / len(calls))
+    seconds = cuda_seconds(graph.replay, replays, warmup=1) / len(calls)
     del graph
-    return statistics.median(times)
+    return seconds
 
 
 @dataclass

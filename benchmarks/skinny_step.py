@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,42 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import (  # noqa: E402
     device_name,
-    free_memory,
+    graph_step,
     llama3_8b_config,
     random_model,
     report,
-    synchronize,
 )
-from dyngen_core import Cache, Model  # noqa: E402
-from dyngen_core.attention import get_backend  # noqa: E402
-from dyngen_core.graphs import DecodeGraphs  # noqa: E402
-from dyngen_core.plan import SequenceSlice, StepPlan  # noqa: E402
-
-
-def step(model: Model, batch: int, context: int, compile_model: bool,
-         steps: int = 50) -> tuple[float, torch.Tensor]:
-    """(seconds per replay, logits of the first replay) of a decode graph of ``batch``
-    sequences at ``context`` tokens each, over a fresh fp16 cache."""
-    pages_each = -(-context // 256)
-    cache = Cache(model, max_tokens=(batch * pages_each + 2) * 256, mode="fp16")
-    graphs = DecodeGraphs(model, cache.storage, get_backend("triton", model.device),
-                          page_size=cache.page_size, max_context=context, buckets=[batch],
-                          compile_model=compile_model)
-    plan = StepPlan([SequenceSlice(i, [1234 + i], context - 1,
-                                   list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)),
-                                   sample=True) for i in range(batch)])
-    logits = graphs.run(plan).clone()
-    for _ in range(5):
-        graphs.run(plan)
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        graphs.run(plan)
-    synchronize()
-    seconds = (time.perf_counter() - start) / steps
-    del graphs, cache
-    free_memory()
-    return seconds, logits
 
 
 def main() -> None:
@@ -76,9 +44,9 @@ def main() -> None:
     model = random_model(llama3_8b_config(num_hidden_layers=args.layers), device)
     for batch in (int(b) for b in args.batches.split(",")):
         model.set_skinny_matmul(0)
-        torch_s, torch_logits = step(model, batch, args.context, args.compile)
+        torch_s, torch_logits = graph_step(model, batch, args.context, args.compile)
         model.set_skinny_matmul(args.rows)
-        skinny_s, skinny_logits = step(model, batch, args.context, args.compile)
+        skinny_s, skinny_logits = graph_step(model, batch, args.context, args.compile)
         model.set_skinny_matmul(0)
         error = ((skinny_logits - torch_logits).norm() / torch_logits.norm()).item()
         print(f"batch {batch}: F.linear {torch_s * 1e3:.3f} ms, skinny {skinny_s * 1e3:.3f} ms "

@@ -32,13 +32,11 @@ from typing import Any
 import torch
 from _common import (
     add_common_args,
-    bench_config,
-    make_generator,
-    random_model,
+    add_decode_run_args,
+    decode_run_generator,
     random_prompts,
     report,
     run_jobs,
-    word_tokenizer,
 )
 
 
@@ -98,22 +96,10 @@ def median_ms(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
-    parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--no-overlap", action="store_true")
+    add_decode_run_args(parser, new_tokens=128)
     parser.add_argument("--sync-debug", action="store_true")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        raise SystemExit("step_gaps needs CUDA (it times graph replays with CUDA events)")
-    config = bench_config(args)
-    vocab = config["vocab_size"]
-    model = random_model(config, device)
-    generator = make_generator(model, word_tokenizer(vocab), cache_tokens=args.jobs * 2048 + 4096,
-                               max_batch_size=args.jobs, compile_decode=not args.no_compile,
-                               overlap_steps=not args.no_overlap)
+    generator, vocab = decode_run_generator(args, "it times graph replays with CUDA events")
     log: list[tuple[Any, Any, float]] = []
     graphs = generator._runner.graphs
     timed = TimedDict(log)
