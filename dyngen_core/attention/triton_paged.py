@@ -38,6 +38,7 @@ from dyngen_core.attention.triton_kernels import (
 )
 from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
 from dyngen_core.attention.triton_quant import (
+    WORD_BITS,
     WordKernelFlags,
     attend_word_decode,
     word_decode_fits,
@@ -161,7 +162,9 @@ class TritonPagedBackend:
         self.merge_rows = merge_rows
         self.write_in_kernel = write_in_kernel
         self.in_kernel_max_seqs = in_kernel_max_seqs
-        self.word_flags = word_flags or WordKernelFlags()
+        flags = word_flags or WordKernelFlags()
+        # Per code width, built once: the decode path reads them every layer of every step.
+        self.word_keywords = {bits: flags.keywords(bits) for bits in WORD_BITS}
         self.split_counters = SplitCounters()
         self.word_block_n = word_block_n
         self.word_warps = word_warps
@@ -226,7 +229,7 @@ class TritonPagedBackend:
                 value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
                 block_n=word_block_n, warps=self.word_warps, launches=self.word_launches,
                 splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
-                **self.word_flags.keywords(ops.value_bits))
+                **self.word_keywords[ops.value_bits])
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)
         if batch.is_decode_only:
