@@ -86,12 +86,13 @@ def _reference(q: torch.Tensor, storage: FP16Storage, contexts: list[int],
     return torch.stack(outs)
 
 
-def _backend(splits: int, block_n: int, merge: bool = True):  # type: ignore[no-untyped-def]
+def _backend(splits: int, block_n: int, merge: bool = True,  # type: ignore[no-untyped-def]
+             write: bool = True):
     from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
 
     return TritonPagedBackend(block_n=block_n, max_splits=splits, programs_per_sm=4096,
-                              merge_in_kernel=merge, cascade_min_saved_keys=None,
-                              in_kernel_max_seqs=ANY_BATCH)
+                              merge_in_kernel=merge, write_in_kernel=write,
+                              cascade_min_saved_keys=None, in_kernel_max_seqs=ANY_BATCH)
 
 
 def _case(device: torch.device, dtype: torch.dtype | None = None, seed: int = 0

@@ -16,6 +16,7 @@ from tests.gpu.conftest import interpreter_mode
 from tests.gpu.test_decode_merge import (
     HEADS,
     KV_HEADS,
+    _backend,
     _case,
     _decode_batch,
     _reference,
@@ -27,25 +28,12 @@ from tests.gpu.test_decode_merge import (
 
 pytestmark = pytest.mark.gpu
 
-# Merge and write in the kernel at every batch size these tests use (the backend's default
-# stops at small batches).
-ANY_BATCH = 1 << 20
-
-
 def _step_rows(tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value rows as strided views of one fused [T, (H + 2 Hkv), D] projection."""
     gen = torch.Generator().manual_seed(seed)
     fused = torch.randn(tokens, HEADS + 2 * KV_HEADS, head_dim, generator=gen).to(device, dtype)
     return fused[:, HEADS:HEADS + KV_HEADS], fused[:, HEADS + KV_HEADS:]
-
-
-def _backend(splits: int, block_n: int, merge: bool):  # type: ignore[no-untyped-def]
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
-
-    return TritonPagedBackend(block_n=block_n, max_splits=splits, programs_per_sm=4096,
-                              merge_in_kernel=merge, write_in_kernel=True,
-                              cascade_min_saved_keys=None, in_kernel_max_seqs=ANY_BATCH)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 12])
