@@ -113,10 +113,10 @@ def copies(batch: ForwardBatch, batch_size: int, pages_per_seq: int) -> list[For
                                 page_tables_host=None) for i in range(COPIES_BATCH1)]
 
 
-def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor
-               ) -> list[Callable[[], Any]]:
-    """The fp16 paged decode (the backend's defaults) over each batch."""
-    backend = TritonPagedBackend()
+def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
+               max_splits: int) -> list[Callable[[], Any]]:
+    """The fp16 paged decode (the backend's defaults but ``max_splits``) over each batch."""
+    backend = TritonPagedBackend(max_splits=max_splits)
     scale = q.shape[2] ** -0.5
 
     def call(b: ForwardBatch) -> Callable[[], Any]:
@@ -127,10 +127,11 @@ def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor
 
 def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
                step_rows: tuple[torch.Tensor, torch.Tensor], options: dict[str, bool],
-               block_n: int, warps: int, programs_per_sm: int) -> list[Callable[[], Any]]:
+               block_n: int, warps: int, programs_per_sm: int,
+               max_splits: int) -> list[Callable[[], Any]]:
     """`attend_word_decode` over each batch with its operands prepared once (kernel alone)."""
     backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps,
-                                 programs_per_sm=programs_per_sm)
+                                 programs_per_sm=programs_per_sm, max_splits=max_splits)
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
     kv_heads = ops.keys.shape[2]
@@ -155,6 +156,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=16, help="calls per CUDA graph")
     parser.add_argument("--q8", default=DEFAULT_VARIANTS["q8"], help="q8 variants")
     parser.add_argument("--q4", default=DEFAULT_VARIANTS["q4"], help="q4 variants")
+    parser.add_argument("--max-splits", type=int, default=32,
+                        help="most splits of a decode's context (the backend's max_splits)")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = bench_config(args)
@@ -176,12 +179,12 @@ def main() -> None:
             for name in names:
                 try:
                     if mode == "fp16":
-                        calls = fp16_calls(storage, group, q)
+                        calls = fp16_calls(storage, group, q, args.max_splits)
                     else:
                         base, _, per_sm = name.partition("-p")
                         options, block_n, warps = VARIANTS[base]
                         calls = word_calls(storage, group, q, step_rows, options, block_n,
-                                           warps, int(per_sm or 4))
+                                           warps, int(per_sm or 4), args.max_splits)
                     out = calls[0]().float()
                     reference = out if reference is None else reference
                     error = float((out - reference).norm() / reference.norm())
@@ -194,7 +197,8 @@ def main() -> None:
                 gbps = batch_size * args.context * per_token / seconds / 1e9
                 rows.append((mode, name, batch_size, seconds * 1e6, gbps, error))
                 report("quant_decode", device=device_name(), mode=mode, variant=name,
-                       batch=batch_size, context=args.context, us=seconds * 1e6, GBps=gbps,
+                       batch=batch_size, max_splits=args.max_splits, context=args.context,
+                       us=seconds * 1e6, GBps=gbps,
                        error_vs_old=error, timing=how, elapsed_s=time.perf_counter() - began)
         storage = None
         torch.cuda.empty_cache()
