@@ -101,8 +101,7 @@ def _keys_and_columns(
         (keys_on, *ks), floats = staging.send([keys, *columns.ints], columns.floats)
         rows.memo[("compact-sent", bound)] = (ks, floats)
         return columns, keys_on, ks, floats
-    (keys_on,), _ = staging.send([keys], [])
-    return columns, keys_on, *sent
+    return columns, staging.send_ints(keys), *sent
 
 
 def draw_compact(

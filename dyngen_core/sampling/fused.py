@@ -84,8 +84,7 @@ def _keys_and_columns(rows: RowList, staging: Staging,
         (keys_on, top_k_on), (temps_on, top_p_on) = staging.send([keys, top_k], [temps, top_p])
         columns = rows.memo[memo_key] = FusedColumns(temps_on, top_k_on, top_p_on)
         return keys_on, columns
-    (keys_on,), _ = staging.send([keys], [])
-    return keys_on, columns
+    return staging.send_ints(keys), columns
 
 
 def draw_fused(x: torch.Tensor, rows: RowList, staging: Staging, bound: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ exactly from ``softmax(logits)`` with no sort, cumsum or normalisation.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +23,11 @@ _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _M1 = 0x21F0AAAD
 _M2 = 0x735A2D97
+# `row_keys`' splitmix64 constants as numpy scalars.
+_GOLDEN, _MIX1, _MIX2 = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
+                         np.uint64(0x94D049BB133111EB))
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def splitmix64(x: int) -> int:
@@ -47,14 +53,17 @@ def row_keys(seed_keys: Sequence[int] | np.ndarray, counters: Sequence[int]) -> 
     """`row_key` of many rows at once, from each row's `seed_key` (ints, or a uint64 array) and
     counter: int64 ``[rows, 2]`` (the words ``a``, ``b``). Vectorized splitmix64 (uint64
     arithmetic wraps like the masked Python integers); counters must fit in int64."""
-    x = np.array(seed_keys, dtype=np.uint64)
-    x ^= np.array(counters, dtype=np.int64).view(np.uint64)
-    x += np.uint64(0x9E3779B97F4A7C15)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
+    # In place on the one new array, with the constants built once: this runs every step.
+    x = np.array(counters, dtype=np.int64).view(np.uint64)
+    x ^= np.asarray(seed_keys, dtype=np.uint64)
+    x += _GOLDEN
+    x ^= x >> _S30
+    x *= _MIX1
+    x ^= x >> _S27
+    x *= _MIX2
+    x ^= x >> _S31
+    if _LITTLE_ENDIAN:  # the low word is a, the high word b: split by a view, not two ops
+        return x.view(np.uint32).reshape(-1, 2).astype(np.int64)
     return np.stack([x & np.uint64(_MASK32), x >> np.uint64(32)], axis=1).astype(np.int64)
 
 

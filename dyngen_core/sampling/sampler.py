@@ -181,7 +181,7 @@ class Sampler:
             return _Drawn(None, choice, drawn.best)
         keys = None
         if rows.sampled:
-            (keys,), _ = self._staging.send([rows.keys()], [])
+            keys = self._staging.send_ints(rows.keys())
         shape_distribution(x, rows, requests, self._vocab)
         bound = min(rows.top_k_bound, vocab_size) if rows.top_k_bound else vocab_size
         return _Drawn(x, choose(x, rows.sampled, keys, bound))

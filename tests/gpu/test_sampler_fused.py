@@ -146,3 +146,16 @@ def test_rows_the_kernel_cannot_draw_keep_the_torch_draw(
     expected, _ = Sampler(VOCAB, device, fused_draw=False).sample_tokens(
         logits, copy.deepcopy(requests))
     assert ids == expected and not calls
+
+
+def test_staging_send_ints_on_cuda_gives_what_send_gives(cuda_device: torch.device) -> None:
+    from dyngen_core.sampling.upload import Staging
+
+    staging = Staging(cuda_device)
+    # Sizes that grow the pinned buffer past an odd float tail, then reuse it.
+    for rows in (3, 700, 5):
+        keys = row_keys(list(range(rows)), list(range(rows, 2 * rows)))
+        (expected,), _ = staging.send([keys], [np.ones(rows, np.float32)])
+        out = staging.send_ints(keys)
+        assert out.device == expected.device and out.shape == keys.shape
+        assert torch.equal(out.cpu(), torch.from_numpy(keys)) and torch.equal(out, expected)

@@ -34,6 +34,25 @@ def test_staging_with_no_float_columns() -> None:
     assert floats == [] and torch.equal(out, torch.from_numpy(keys))
 
 
+def test_send_ints_gives_what_send_gives_for_one_int_column() -> None:
+    staging = Staging(torch.device("cpu"))
+    for keys in (row_keys([11, 12, 13], [0, 5, 2**40]), row_keys([7], [1])):
+        out = staging.send_ints(keys)
+        (expected,), _ = staging.send([keys], [])
+        assert out.dtype == torch.int64 and out.shape == keys.shape
+        assert torch.equal(out, expected)
+
+
+def test_row_keys_words_are_the_low_and_high_halves_of_the_splitmix_output() -> None:
+    from dyngen_core.sampling.rng import seed_key, splitmix64
+
+    seeds, counters = [0, 1, 2**63 - 1, 12345], [0, 7, 2**40, 2**62]
+    keys = row_keys(np.array([seed_key(s) for s in seeds], dtype=np.uint64), counters)
+    for (a, b), s, c in zip(keys.tolist(), seeds, counters, strict=True):
+        k = splitmix64(seed_key(s) ^ c)
+        assert (a, b) == (k & 0xFFFFFFFF, k >> 32)
+
+
 def test_open_uniform_matches_the_half_offset_formula_bit_for_bit() -> None:
     h = torch.cat([torch.tensor([0, 1, 255, 256, 511, 512, 2**31, 2**32 - 1]),
                    torch.randint(0, 2**32, (10_000,), generator=torch.Generator().manual_seed(0))])
