@@ -21,7 +21,8 @@ fast_unpack, ``w`` wide_scales, then the launch shape ``NxW``, then optionally `
 splits chosen for P programs per multiprocessor instead of the backend's 4 (P=2: 2 splits at
 batch 32, one wave of 512 programs where 128 registers a thread fit 4 per multiprocessor; 3
 splits make 1.5 waves), then optionally ``-lL``: L=1 runs the page and tail programs in one
-launch (the backend's ``word_launches``; default 2).
+launch (the backend's ``word_launches``; default 2), then optionally ``-sS``: S software-pipelining
+stages of the key loop (default: Triton's).
 Each variant's output is checked against ``old``'s (relative error, ``err`` in the table; a
 variant that fails to launch, e.g. for shared memory, is reported and skipped). Quantized modes
 run as the runner does (q4 with its 16-position recent window and page heads, q8 with page
@@ -129,7 +130,8 @@ def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
 def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
                step_rows: tuple[torch.Tensor, torch.Tensor], options: dict[str, bool],
                block_n: int, warps: int, programs_per_sm: int,
-               max_splits: int, launches: int = 2) -> list[Callable[[], Any]]:
+               max_splits: int, launches: int = 2,
+               stages: int | None = None) -> list[Callable[[], Any]]:
     """`attend_word_decode` over each batch with its operands prepared once (kernel alone)."""
     backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps,
                                  programs_per_sm=programs_per_sm, max_splits=max_splits)
@@ -144,7 +146,8 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
         return lambda: attend_word_decode(
             q, page_args, b, exact, q.shape[2] ** -0.5 * LOG2_E, key_bits=ops.key_bits,
             value_bits=ops.value_bits, num_kv_heads=kv_heads, block_n=block_n,
-            splits=splits, warps=warps, launches=launches, **options)
+            splits=splits, warps=warps, launches=launches, stages=stages,
+            **options)
 
     return [call(b) for b in batches]
 
@@ -182,12 +185,14 @@ def main() -> None:
                     if mode == "fp16":
                         calls = fp16_calls(storage, group, q, args.max_splits)
                     else:
-                        name_l, _, launches = name.partition("-l")
+                        name_s, _, stages = name.partition("-s")
+                        name_l, _, launches = name_s.partition("-l")
                         base, _, per_sm = name_l.partition("-p")
                         options, block_n, warps = VARIANTS[base]
                         calls = word_calls(storage, group, q, step_rows, options, block_n,
                                            warps, int(per_sm or 4), args.max_splits,
-                                           int(launches or 2))
+                                           int(launches or 2),
+                                           int(stages) if stages else None)
                     out = calls[0]().float()
                     reference = out if reference is None else reference
                     error = float((out - reference).norm() / reference.norm())

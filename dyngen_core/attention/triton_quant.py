@@ -70,7 +70,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                        value_bits: int, num_kv_heads: int, block_n: int, splits: int,
                        warps: int, launches: int = 1, join_keys: bool = False,
                        join_values: bool = False, half_dot: bool = False,
-                       fast_unpack: bool = False, wide_scales: bool = False) -> torch.Tensor:
+                       fast_unpack: bool = False, wide_scales: bool = False,
+                       stages: int | None = None) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -94,6 +95,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     wide_scales: load the scales as int32 pairs (head_dim a multiple of 64; ignored otherwise),
         which Triton pipelines with the code words (cp.async) instead of a synchronous 2-byte
         gather per loop step; costs registers (q4 64x4 joined, fast: 128 -> 141).
+    stages: software-pipelining stages of the key loop (None: Triton's default).
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
@@ -115,9 +117,12 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "FAST_UNPACK": fast_unpack and q.is_cuda,  # inline PTX: not in the interpreter
              "WIDE_SCALES": wide_scales}
     grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
+    tuning: dict[str, Any] = {"num_warps": warps}
+    if stages is not None:
+        tuning["num_stages"] = stages
     for programs, role in grids:
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
-            *arguments, **shape, PROGRAMS=role, num_warps=warps)
+            *arguments, **shape, PROGRAMS=role, **tuning)
     out = torch.empty_like(q)
     combine_splits_kernel[(tokens, num_heads)](
         parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=splits + 1,
