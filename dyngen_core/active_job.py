@@ -64,6 +64,8 @@ class ActiveJob:
                             or (job.min_new_tokens and self.stream.stop_token_ids))
         # A plain stream's accepted token needs no constraint check and its result no extras.
         self.plain_stream = self.matcher is None and not self.wants_extras
+        # Its token may be chosen on the device and read later (`SamplingBridge.launch`).
+        self.launchable = self.plain_stream and not self.may_ban
         self.plain_greedy = bool(
             self.settings.is_greedy and not self.settings.active_stages() and not self.wants_extras
             and self.matcher is None and not self.may_ban

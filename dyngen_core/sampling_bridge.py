@@ -2,9 +2,11 @@
 
 It resolves a job's settings and seed when the job is enqueued, builds one `SampleRequest` per
 sampling slice (history only for jobs whose stages read it, masks from constraints and banned
-positions), and turns the sampler's results into one token per job (`StepTokens`; the
-probabilities and such that a job asked for travel as `SampledTokens`). A batch of plain greedy
-jobs (see `ActiveJob.plain_greedy`) skips requests and results: `sample_plain`.
+positions; built once per job and never given other settings, seed or outputs, so the sampler
+reuses its rows for them: ``kept``), and turns the sampler's results into one token per job
+(`StepTokens`; the probabilities and such that a job asked for travel as `SampledTokens`). A
+batch of plain greedy jobs (see `ActiveJob.plain_greedy`) skips requests and results:
+`sample_plain`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import numpy as np
@@ -30,6 +34,8 @@ from dyngen_core.settings import SamplerSettings
 from dyngen_core.stop import StopIndexes
 from dyngen_core.streaming import JobStream
 from dyngen_core.tokenizer import Tokenizer
+
+_MATCHER = attrgetter("matcher")
 
 
 @dataclass
@@ -101,9 +107,9 @@ class SamplingBridge:
     def start_masks(self, active: Sequence[ActiveJob]) -> Future[np.ndarray] | None:
         """Start computing the constrained jobs' token masks on a helper thread, so the grammar
         engine (which releases the GIL) works while the forward runs."""
-        matchers = [a.matcher for a in active]
-        if all(m is None for m in matchers):
+        if not any(map(is_not, map(_MATCHER, active), repeat(None))):
             return None
+        matchers = [a.matcher for a in active]
         compiler = self._compiler()
         bitmask = compiler.new_bitmask(len(active))
         return self._mask_thread.submit(_fill, compiler, matchers, bitmask)
@@ -151,10 +157,10 @@ class SamplingBridge:
         while rows:
             try:
                 if failed:
-                    ids, full = self.sampler.sample_tokens(logits[rows],
-                                                           [requests[i] for i in rows])
+                    ids, full = self.sampler.sample_tokens(
+                        logits[rows], [requests[i] for i in rows], kept=True)
                 else:
-                    ids, full = self.sampler.sample_tokens(logits, requests)
+                    ids, full = self.sampler.sample_tokens(logits, requests, kept=True)
                 break
             except SamplingError as exc:
                 bad = {rows[i] for i in exc.request_indices}
@@ -187,7 +193,7 @@ class SamplingBridge:
         requests: list[SampleRequest] = []
         append = requests.append
         for a in active:  # `_requests(active, None)`, checking each job on the way
-            if a.matcher is not None or a.may_ban or a.wants_extras:
+            if not a.launchable:
                 return None  # the requests updated so far are updated again by `sample`
             request = a.request
             if request is None:
@@ -196,7 +202,8 @@ class SamplingBridge:
                 request.counter = a.draws
                 request.allowed_tokens = None
                 append(request)
-        return self.sampler.launch_tokens(logits, requests)
+        # A job's request keeps its settings, seed and outputs: `kept` rows are reused.
+        return self.sampler.launch_tokens(logits, requests, kept=True)
 
     def _requests(self, active: Sequence[ActiveJob],
                   bitmask: np.ndarray | None) -> list[SampleRequest]:

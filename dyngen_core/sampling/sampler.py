@@ -88,25 +88,29 @@ class Sampler:
         self._staging = Staging(self.device)
 
     def sample(
-        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest], *, kept: bool = False
     ) -> list[SampleResult]:
         """Sample every request's rows and update mirostat states.
 
         logits: ``[rows, width]`` with ``width >= vocab_size``, ``requests[i].num_rows`` rows per
             request in request order, on ``device``; any float dtype; not modified.
+        kept: the caller never changes a request's settings, seed, draft ids or output
+            options once it was passed (it builds a new request instead): the rows of the same
+            request objects as in the last call are then reused after an identity check
+            (`RowCache.rows`). Counters and ``allowed_tokens`` may change freely either way.
         Raises `SamplingError` (naming the requests) when a row has no allowed token left.
         """
-        rows = self._rows.rows(requests, self._seeds)
+        rows = self._rows.rows(requests, self._seeds, kept=kept)
         return self._report(self._draw(logits, rows, requests), logits, rows, requests)
 
     def sample_tokens(
-        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest], *, kept: bool = False
     ) -> tuple[list[int], dict[int, SampleResult]]:
         """`sample` for requests of one row each (no drafts), without a result per request:
         every request's token, and the full `SampleResult` of the requests that ask for
         probabilities, top tokens or logits (by request index). Mirostat states are updated
-        and errors raised as by `sample`."""
-        rows = self._rows.rows(requests, self._seeds)
+        and errors raised as by `sample`; ``kept`` as there."""
+        rows = self._rows.rows(requests, self._seeds, kept=kept)
         if not rows.single:
             raise ValueError("sample_tokens takes one row per request; use sample for drafts")
         drawn = self._draw(logits, rows, requests)
@@ -128,15 +132,15 @@ class Sampler:
         return ids, wanted
 
     def launch_tokens(
-        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest], *, kept: bool = False
     ) -> torch.Tensor | None:
         """The tokens `sample_tokens` would return, left on the device without waiting for
         them: int64 ``[rows]``, -1 for a row with no allowed token (where `sample_tokens` raises
         `SamplingError`). For a caller that reads them later, overlapping the wait with other
         work. None, with nothing drawn, when a request needs more than its token back
         (probabilities, top tokens, logits, a mirostat update) or has drafts: call
-        `sample_tokens` then."""
-        rows = self._rows.rows(requests, self._seeds)
+        `sample_tokens` then. ``kept`` as for `sample`."""
+        rows = self._rows.rows(requests, self._seeds, kept=kept)
         if not rows.single or rows.extra_requests or rows.prob_rows:
             return None
         drawn = self._draw(logits, rows, requests)

@@ -43,11 +43,12 @@ def _mask(rng: random.Random) -> np.ndarray:
     return mask
 
 
+@pytest.mark.parametrize("promise", [False, True], ids=["checked", "kept"])
 @pytest.mark.parametrize("settings", [SETTINGS[:1], SETTINGS[:4], SETTINGS],
                          ids=["top_p", "top_k_only", "mixed"])
-def test_kept_rows_sample_like_a_fresh_sampler_every_step(settings: list[SamplerSettings]
-                                                          ) -> None:
-    kept = Sampler(VOCAB)
+def test_kept_rows_sample_like_a_fresh_sampler_every_step(settings: list[SamplerSettings],
+                                                          promise: bool) -> None:
+    sampler = Sampler(VOCAB)
     requests = _requests(settings, 24, seed=len(settings))
     twins = copy.deepcopy(requests)  # separate mirostat states
     rng = random.Random(0)
@@ -57,7 +58,7 @@ def test_kept_rows_sample_like_a_fresh_sampler_every_step(settings: list[Sampler
         for i, (request, twin) in enumerate(zip(requests, twins, strict=True)):
             request.counter = twin.counter = 10 * step + i
             request.allowed_tokens = twin.allowed_tokens = _mask(rng) if i in masked else None
-        ids, extras = kept.sample_tokens(logits, requests)
+        ids, extras = sampler.sample_tokens(logits, requests, kept=promise)
         fresh_ids, fresh_extras = Sampler(VOCAB).sample_tokens(logits, twins)
         assert ids == fresh_ids, step
         assert sorted(extras) == sorted(fresh_extras)
@@ -85,6 +86,30 @@ def test_same_settings_reuse_the_rows_and_refresh_counters_and_masks() -> None:
     assert not cache.rows(requests, seeds).any_mask
     # New request objects with the same settings and seeds describe the same rows.
     assert cache.rows(copy.copy(requests), seeds) is rows
+
+
+def test_kept_promise_reuses_the_same_request_objects_without_reading_their_settings() -> None:
+    cache, seeds = RowCache(), random.Random(0)
+    requests = _requests(SETTINGS[:3], 6, seed=1)
+    rows = cache.rows(requests, seeds, kept=True)
+    for i, request in enumerate(requests):
+        request.counter = 50 + i
+    requests[1].allowed_tokens = _mask(random.Random(2))
+    # Breaking the promise shows the fields are not read: only counters and masks are.
+    requests[0].settings = SETTINGS[4]
+    again = cache.rows(requests, seeds, kept=True)
+    assert again is rows and again.any_mask
+    assert [r.counter for r in again] == [50 + i for i in range(6)]
+    assert again.counters == [50 + i for i in again.sampled]
+    # Without the promise, or with other objects, the fields are compared again.
+    assert cache.rows(requests, seeds) is not rows
+    fresh = cache.rows(requests, seeds, kept=True)
+    assert fresh is not rows and fresh[0].settings is SETTINGS[4]
+    others = copy.copy(requests)
+    others[3] = copy.copy(others[3])
+    others[3].seed = (others[3].seed or 0) + 1
+    assert cache.rows(others, seeds, kept=True) is not fresh
+    assert cache.rows(requests[:5], seeds, kept=True) is not fresh
 
 
 @pytest.mark.parametrize("change", ["settings", "equal_settings", "seed", "return_probs",
