@@ -9,9 +9,16 @@ and a ~40-token question). Timed, per call, as median graph replays:
 - ``plain``: the plain paged decode over every member's whole context;
 - ``no_document``: the plain decode of the same members over their 40 own tokens alone (what
   the issue's no-document run pays per layer);
-- ``cascade:<variant>``: the whole cascade (remainder pass, shared-prefix kernel, merge), with
-  tables in a fixed region and launches sized by the batch, as a replayed decode graph runs it;
-- ``prefix:<variant>``: the shared-prefix kernel alone, same launch.
+- ``cascade:<variant>``: the whole cascade (three launches: remainder pass, shared-prefix
+  kernel, merge; or two with the fused merge), with tables in a fixed region and launches
+  sized by the batch, as a replayed decode graph runs it;
+- ``prefix:<variant>``: the shared-prefix kernel alone, same launch (once per distinct prefix
+  pass: variants differing only in the merge share the first one's row).
+
+Success for the fused merge: ``cascade:fused`` below ``cascade:3launch`` in every column (the
+merge launch and the own-keys partials gone), its error ~1e-3 (bf16); for the page-id
+prefetch: ``prefix:win*`` below ``prefix:3launch`` (the tile kernel) and the whole cascade
+with it lower still; the goal is ``cascade`` near ``no_document``.
 
 Each graph runs the call over ``copies`` disjoint copies of the pages and queries (more bytes
 than the 50 MB L2 in all) and the time is divided by the copies. The last lines are a table.
@@ -30,7 +37,7 @@ against its FLOPs / 780 TFLOP/s. Plain decode reads members x context x 4,096 by
 8,030: 2.1 GB, ~500 us).
 
     python benchmarks/cascade_kernel.py [--cases 64x8030,16x8030,64x2048,16x2048]
-        [--variants old,tiles64,tiles64x2,tiles128,tiles128n128,tiles64w4]
+        [--variants 3launch,fused,fused_1split,win_n32s4,win_n64s3w8,win128_n32s4]
 
 On the CPU (``TRITON_INTERPRET=1``, ``--small``) it runs each call once, without graphs, to
 check the script and that every variant agrees with the plain decode.
@@ -62,19 +69,34 @@ from dyngen_core.storage.fp16 import FP16Storage
 
 PAGE = 256
 QUESTION = 40
-# name: CascadeOptions fields replaced (the backend's own defaults otherwise). "old" is the
-# first kernel as the backend launches it by default; registers a thread (ptxas, sm_90, bf16):
-# old 188; tiles 64 rows x 8 warps 127 (two programs a multiprocessor), 64 x 4 warps 161,
-# 128 x 8 warps 193 (64 keys, 3 stages) and 240 (128 keys, 2 stages); none spills.
+# name: CascadeOptions fields replaced (the backend's own defaults otherwise). "3launch" is the
+# cascade of the fourth session (own keys through the paged kernel, prefix tiles, a merge
+# kernel); "fused" the backend's default, two launches (`triton_cascade_fused`: the own-keys
+# pass merges); "win*" prefetch the prefix pass's page ids (`triton_cascade_prefetch`), with
+# the fused merge. Registers a thread and shared memory (ptxas, sm_90, bf16; none spills):
+# tiles 64 rows x 64 keys x 4 warps, 3 stages 161 / 82 KB (two tile buffers, every copy
+# waited for at the top of each step); window 64 x 64 x 4, 3 stages 230 / 115 KB (one
+# program a multiprocessor); 64 x 32 x 4, 4 stages 183 / 82 KB; 64 x 64 x 8, 3 stages 171 /
+# 115 KB; 128 x 32 x 8, 4 stages 205 / 98 KB; the fused own-keys pass 112 (split: 128).
 VARIANTS: dict[str, dict[str, Any]] = {
-    "old": {"prefix_kernel": "general", "rows": 64, "warps": 8, "programs_per_sm": 1},
-    "tiles64": {"prefix_kernel": "tiles", "rows": 64, "warps": 8, "programs_per_sm": 1},
-    "tiles64x2": {"prefix_kernel": "tiles", "rows": 64, "warps": 8, "programs_per_sm": 2},
+    "3launch": {"fused_merge": False},
+    "fused": {"fused_merge": True},
+    "fused_1split": {"fused_merge": True, "remainder_max_splits": 1},
+    "win_n32s4": {"prefix_kernel": "window", "prefix_block_n": 32, "stages": 4},
+    "win_n64s3w8": {"prefix_kernel": "window", "warps": 8, "programs_per_sm": 1},
+    "win128_n32s4": {"prefix_kernel": "window", "rows": 128, "warps": 8, "programs_per_sm": 1,
+                     "prefix_block_n": 32, "stages": 4},
+    # Not run by default: earlier sweeps (the general kernel, tile shapes).
+    "old": {"prefix_kernel": "general", "rows": 64, "warps": 8, "programs_per_sm": 1,
+            "fused_merge": False},
+    "tiles64x2w8": {"prefix_kernel": "tiles", "rows": 64, "warps": 8, "programs_per_sm": 2},
     "tiles128": {"prefix_kernel": "tiles", "rows": 128, "warps": 8, "programs_per_sm": 1},
-    "tiles128n128": {"prefix_kernel": "tiles", "rows": 128, "warps": 8, "programs_per_sm": 1,
-                     "prefix_block_n": 128, "stages": 2},
-    "tiles64w4": {"prefix_kernel": "tiles", "rows": 64, "warps": 4, "programs_per_sm": 2},
+    "win_n64s3": {"prefix_kernel": "window", "programs_per_sm": 1},
 }
+DEFAULT_VARIANTS = "3launch,fused,fused_1split,win_n32s4,win_n64s3w8,win128_n32s4"
+# Options that leave the prefix pass as it is: variants differing only in these share its
+# timing row.
+MERGE_ONLY = ("fused_merge", "remainder_max_splits", "remainder_warps", "merge_split_block")
 L2_BYTES = 50 << 20
 
 
@@ -203,10 +225,15 @@ def run_case(case: Case, variants: list[str], device: torch.device, repeats: int
     rows.append(("plain", plain_s * 1e6, 0.0))
     no_doc_s, _ = time_calls(plain_calls(case, case.no_doc_plans, device), repeats)
     rows.append(("no_document", no_doc_s * 1e6, float("nan")))
+    prefix_timed: dict[tuple[tuple[str, Any], ...], str] = {}
     for name in variants:
         whole, prefix = graph_calls(case, cascade_backend(VARIANTS[name]), device)
         seconds, out = time_calls(whole, repeats)
         rows.append((f"cascade:{name}", seconds * 1e6, relative_error(out, plain_out)))
+        key = tuple(sorted((k, v) for k, v in VARIANTS[name].items() if k not in MERGE_ONLY))
+        if key in prefix_timed:  # the same prefix pass as an earlier variant's
+            continue
+        prefix_timed[key] = name
         prefix_s, _ = time_calls(prefix, repeats)
         rows.append((f"prefix:{name}", prefix_s * 1e6, float("nan")))
     for name, us, error in rows:
@@ -221,7 +248,8 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--cases", default="64x8030,16x8030,64x2048,16x2048",
                         help="members x document tokens, comma-separated")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-copies", type=int, default=16)
     args = parser.parse_args()

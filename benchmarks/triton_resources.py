@@ -48,7 +48,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from dyngen_core.attention.triton_cascade_fused import remainder_merge_kernel  # noqa: E402
 from dyngen_core.attention.triton_cascade_kernels import prefix_tiles_kernel  # noqa: E402
+from dyngen_core.attention.triton_cascade_prefetch import prefix_window_kernel  # noqa: E402
 from dyngen_core.attention.triton_kernels import paged_attention_kernel  # noqa: E402
 from dyngen_core.attention.triton_prefill import TiledPrefillOptions  # noqa: E402
 from dyngen_core.attention.triton_prefill_kernels import tiled_prefill_kernel  # noqa: E402
@@ -62,11 +64,12 @@ SASS_KINDS = ("LDS", "STS", "LDSM", "BAR", "I2F", "I2FP", "F2FP", "HMMA", "HGMMA
 # Pointer arguments by role (others: the float dtype of the run); "codes" is the page dtype.
 POINTER_TYPES = {"k_ptr": "codes", "v_ptr": "codes", "ks_ptr": "*fp16", "vs_ptr": "*fp16",
                  "rot_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                 "counter_ptr": "*i32", "slot_ptr": "*i64"}
+                 "counter_ptr": "*i32", "slot_ptr": "*i64", "pre_out_ptr": "*fp32",
+                 "pre_lse_ptr": "*fp32", "rem_out_ptr": "*fp32", "rem_lse_ptr": "*fp32"}
 INT32_POINTERS = ("page_table_ptr", "context_lens_ptr", "query_start_ptr", "block_seq_ptr",
                   "block_first_ptr", "kv_start_ptr", "ring_pos_ptr", "seq_slots_ptr",
                   "member_seq_ptr", "group_end_ptr", "group_prefix_ptr", "block_group_ptr",
-                  "num_blocks_ptr")
+                  "num_blocks_ptr", "seq_member_ptr")
 FLOAT_SCALARS = ("scale_log2", "qk_scale")
 # The `WordKernelFlags` fields as `quant_decode_kernel` constexprs, with their label letters.
 WORD_FLAGS = {"join_keys": ("K_JOIN", "k"), "join_values": ("V_JOIN", "v"),
@@ -274,7 +277,8 @@ def word_decode_variants(shape: Shape) -> list[Variant]:
 
 
 def other_kernel_variants(shape: Shape) -> list[Variant]:
-    """The cascade's prefix kernel (backend: 64 rows x 64 keys x 4 warps, 3 stages), the
+    """The cascade's prefix kernel (backend: 64 rows x 64 keys x 4 warps, 3 stages), its
+    page-prefetching form and its fused own-keys pass (one split and several), the
     tiled prefill (`TiledPrefillOptions` defaults, whole group per tile) and the skinny
     matmul kernels of `skinny_matmul.DEFAULT_CONFIGS` (at the class's Llama-3-8B shape)."""
     group_pad = 1 << (shape.group - 1).bit_length()
@@ -283,6 +287,20 @@ def other_kernel_variants(shape: Shape) -> list[Variant]:
         "G": shape.group, "G_PAD": group_pad, "BLOCK_M": 64, "BLOCK_N": 64,
         "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim, "PAGE_SIZE": shape.page_size,
         "DOT_PRECISION": "tf32"}, 4, stages=3, ints=ints)]
+    for rows, block_n, warps, stages in ((64, 32, 4, 4), (64, 64, 8, 3), (128, 32, 8, 4)):
+        out.append(Variant(  # page ids loaded ahead (benchmarks/cascade_kernel.py's win*)
+            f"prefix-window-m{rows}-n{block_n}x{warps}-s{stages}", prefix_window_kernel, {
+                "G": shape.group, "G_PAD": group_pad, "BLOCK_M": rows, "BLOCK_N": block_n,
+                "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim,
+                "PAGE_SIZE": shape.page_size, "WINDOW": 16, "DOT_PRECISION": "tf32"},
+            warps, stages=stages, ints=ints))
+    for split in (False, True):  # the fused own-keys pass (`CascadeOptions` defaults)
+        out.append(Variant(
+            f"cascade-rem-fused-m16-n64x4{'-split' if split else ''}", remainder_merge_kernel, {
+                "G": shape.group, "G_PAD": group_pad, "BLOCK_M": max(16, group_pad),
+                "BLOCK_N": 64, "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim,
+                "PAGE_SIZE": shape.page_size, "SPLIT": split, "SPLIT_BLOCK": 4,
+                "DOT_PRECISION": "tf32"}, 4, stages=3, ints=ints))
     tiled = TiledPrefillOptions()
     out.append(Variant(
         f"prefill-m{tiled.rows}-n{tiled.block_n}x{tiled.warps}-s{tiled.stages}",

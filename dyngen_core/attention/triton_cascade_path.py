@@ -1,9 +1,11 @@
 """When and how `TritonPagedBackend` runs a decode step as shared-prefix ("cascade") attention.
 
 `CascadePath` owns the cascade side of the backend: the policy (`shared_prefix.CascadePolicy`),
-the step's plan and device tables, and the launch of one layer's cascade (the remainder pass
-through the backend's paged kernel, the shared-prefix kernel, the merge). The backend keeps the
-plain paged launch and hands it in as a callable, so this module never imports it.
+the step's plan and device tables, and the launch of one layer's cascade: by default the
+shared-prefix kernel, then the own-keys pass that merges its partials (`triton_cascade_fused`);
+with ``fused_merge=False`` the first version's three launches (the remainder pass through the
+backend's paged kernel, the shared-prefix kernel, the merge). The backend keeps the plain paged
+launch and hands it in as a callable, so this module never imports it.
 
 Tables come from one of two places. An eager forward (host page tables at hand) plans its batch
 and builds tables sized to the plan, with split counts chosen from the lengths. A CUDA graph's
@@ -34,11 +36,13 @@ from dyngen_core.attention.triton_cascade import (
     tile_keys,
     tiles_fit,
 )
+from dyngen_core.attention.triton_cascade_fused import attend_remainder_merged
 from dyngen_core.attention.triton_cascade_tables import (
     CascadeTables,
     StaticCascadeLayout,
     cascade_tables,
 )
+from dyngen_core.attention.triton_decode_merge import SplitCounters
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
@@ -46,7 +50,7 @@ if TYPE_CHECKING:
     from dyngen_core.attention.triton_paged import PageOperands, _HeadShape
 
 LOG2_E = 1.4426950408889634
-PREFIX_KERNELS = ("tiles", "general")
+PREFIX_KERNELS = ("tiles", "window", "general")
 UNKNOWN_KEYS = 1 << 30  # a graph's lengths: never the bound on its split count
 # (out, (partials, lse), splits, kv_start): one REMAINDER launch of the backend's paged kernel.
 RemainderLaunch = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], int, torch.Tensor],
@@ -64,10 +68,22 @@ class CascadeOptions:
         and plain decode programs per multiprocessor (the remainder pass's split count).
     prefix_kernel: "tiles" runs the shared prefixes through `prefix_tiles_kernel` wherever it
         fits (float pages; its tile is ``prefix_block_n`` keys, halved until it divides the
-        page size, at least 16), "general" always through `shared_prefix_kernel` (the first
-        version, kept for comparison).
+        page size, at least 16), "window" through `prefix_window_kernel` where the same
+        holds (page ids loaded ahead, so the tile copies pipeline: `triton_cascade_prefetch`),
+        "general" always through `shared_prefix_kernel` (the first version, kept for
+        comparison).
+    prefix_window: pages per id vector of the "window" kernel (a power of two).
     prefix_block_n: keys per inner step of the shared-prefix kernel (None: ``block_n``).
     stages: software-pipelining stages of the shared-prefix kernel's key loop.
+    fused_merge: True runs two launches a layer: the shared-prefix pass, then the own-keys
+        pass that folds the prefix partials into each row and writes the output
+        (`triton_cascade_fused`); False the first three-launch version (own keys through the
+        backend's paged kernel, then the prefix pass, then `merge_cascade_kernel`).
+    remainder_max_splits: with ``fused_merge``, most splits of each sequence's own keys (the
+        count still follows the batch size and ``decode_programs_per_sm``; None: ``max_splits``;
+        1: never split, no partials or counters at all).
+    remainder_warps: with ``fused_merge``, warps per own-keys program.
+    merge_split_block: with ``fused_merge``, partials loaded per round of its merges.
     """
 
     policy: CascadePolicy | None
@@ -80,6 +96,11 @@ class CascadeOptions:
     prefix_kernel: str = "tiles"
     prefix_block_n: int | None = None
     stages: int = 3
+    prefix_window: int = 16
+    fused_merge: bool = True
+    remainder_max_splits: int | None = None
+    remainder_warps: int = 4
+    merge_split_block: int = 4
 
 
 class CascadePath:
@@ -94,10 +115,20 @@ class CascadePath:
                              f"{options.prefix_kernel!r}")
         if options.stages < 1:
             raise ValueError(f"cascade stages must be >= 1; got {options.stages}")
+        for name in ("merge_split_block", "prefix_window"):
+            value = getattr(options, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"cascade {name} must be a power of two >= 1; got {value}")
+        if options.remainder_max_splits is not None and options.remainder_max_splits < 1:
+            raise ValueError(f"cascade remainder_max_splits must be >= 1 or None; got "
+                             f"{options.remainder_max_splits}")
         self.options = options
         self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
         self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
         self._tracker: SharedPrefixTracker | None = None  # graph steps: reuses plans
+        # The fused merge's counters (split own-keys passes): allocated by an eager call (a
+        # graph's warm-up forwards) before any capture needs them.
+        self.split_counters = SplitCounters()
 
     def plan(self, batch: ForwardBatch, storage: KVStorage) -> CascadePlan | None:
         """The batch's shared-prefix plan (once per batch), or None when it runs no cascade."""
@@ -164,22 +195,39 @@ class CascadePath:
         options = self.options
         num_tokens, num_heads, _ = q.shape
         sms = multiprocessors(q.device)
-        min_keys = 4 * options.block_n
-        # Graph tables leave the lengths unknown: splits from the batch shape alone.
-        rem_splits = split_count(_or_unknown(tables.max_remainder),
-                                 batch.num_seqs * heads.num_kv_heads,
-                                 options.decode_programs_per_sm * sms, options.max_splits,
-                                 min_keys)
+        launch = self.prefix_launch(ops, batch, tables, heads, sms)
+        if options.fused_merge:
+            prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
+            splits = self.remainder_splits(batch, tables, heads, sms)
+            counters = (self.split_counters.for_launch(q.device,
+                                                       batch.num_seqs * heads.num_kv_heads)
+                        if splits > 1 else None)
+            return attend_remainder_merged(
+                q, ops, batch, tables, prefix, scale * LOG2_E, heads, splits=splits,
+                counters=counters, block_n=options.block_n, warps=options.remainder_warps,
+                split_block=options.merge_split_block)
+        rem_splits = self.remainder_splits(batch, tables, heads, sms)
         remainder = (
             torch.empty(num_tokens, num_heads, rem_splits, heads.head_pad, dtype=torch.float32,
                         device=q.device),
             torch.empty(num_tokens, num_heads, rem_splits, dtype=torch.float32, device=q.device))
         out = torch.empty_like(q)
         launch_remainder(out, remainder, rem_splits, tables.kv_start)
-        launch = self.prefix_launch(ops, batch, tables, heads, sms)
         prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
         merge_partials(out, remainder, prefix, tables)
         return out
+
+    def remainder_splits(self, batch: ForwardBatch, tables: CascadeTables, heads: _HeadShape,
+                         sms: int) -> int:
+        """Parts of each sequence's own keys: from the batch shape alone in a graph (its
+        tables leave the lengths unknown), as the plain decode's split count."""
+        options = self.options
+        most = options.max_splits
+        if options.fused_merge and options.remainder_max_splits is not None:
+            most = min(most, options.remainder_max_splits)
+        return split_count(_or_unknown(tables.max_remainder),
+                           batch.num_seqs * heads.num_kv_heads,
+                           options.decode_programs_per_sm * sms, most, 4 * options.block_n)
 
     def prefix_launch(self, ops: PageOperands, batch: ForwardBatch, tables: CascadeTables,
                        heads: _HeadShape, sms: int) -> PrefixLaunch:
@@ -188,7 +236,7 @@ class CascadePath:
         options = self.options
         block_n = options.prefix_block_n or options.block_n
         tiles = False
-        if options.prefix_kernel == "tiles":
+        if options.prefix_kernel in ("tiles", "window"):
             tile_n = tile_keys(batch.page_size, block_n)
             tiles = tiles_fit(ops, batch.page_size, tile_n)
             # The general kernel keeps the backend's tile: a prefix tile too small for any
@@ -200,7 +248,9 @@ class CascadePath:
         return PrefixLaunch(group=heads.group, group_pad=heads.group_pad,
                             rows=max(options.rows, heads.group_pad), block_n=block_n,
                             head_pad=heads.head_pad, splits=splits, warps=options.warps,
-                            stages=options.stages, tiles=tiles)
+                            stages=options.stages, tiles=tiles,
+                            window=options.prefix_window
+                            if tiles and options.prefix_kernel == "window" else 0)
 
 
 def _or_unknown(keys: int | None) -> int:

@@ -164,58 +164,110 @@ def test_cascade_head_layouts(device: torch.device, heads: tuple[int, int, int])
     _check(outs, torch.float32)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 def test_cascade_long_prefix_split_many_ways(device: torch.device,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            fused: bool) -> None:
     """Prefix and own keys split along the context (several programs per group and sequence),
     with members ending exactly at the prefix (their own keys: none, so their rows rest on
-    the prefix partials alone) next to a long sequence in no group."""
+    the prefix partials alone) next to a long sequence in no group; the fused merge (the
+    own-keys pass merging, by its last split program when split) and the three launches."""
     from dyngen_core.attention import triton_cascade_path
 
     splits: list[tuple[int, int]] = []
     merge = triton_cascade_path.merge_partials
+    fused_pass = triton_cascade_path.attend_remainder_merged
 
     def spy(out, remainder, prefix, tables):  # type: ignore[no-untyped-def]
         splits.append((remainder[1].shape[2], prefix[1].shape[2]))
         merge(out, remainder, prefix, tables)
 
+    def fused_spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        splits.append((kwargs["splits"], args[4][1].shape[2]))
+        return fused_pass(*args, **kwargs)
+
     monkeypatch.setattr(triton_cascade_path, "merge_partials", spy)
+    monkeypatch.setattr(triton_cascade_path, "attend_remainder_merged", fused_spy)
     layout = Layout(groups=[(9, [9 * PAGE, 9 * PAGE, 9 * PAGE + 40])], loners=[5 * PAGE + 3])
+    options = {"fused_merge": fused}
     many = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16,
-                programs_per_sm=64, cascade_programs_per_sm=64)
+                programs_per_sm=64, cascade_programs_per_sm=64, prefix=options)
     _check(many, torch.float32)
-    one = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16, max_splits=1)
+    one = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16, max_splits=1,
+               prefix=options)
     _check(one, torch.float32)
     assert splits == [(2, 3), (1, 1)]  # remainder, prefix splits of each cascade run
     assert _relative_error(many["cascade"], one["cascade"]) < 1e-4
 
 
-@pytest.mark.parametrize(("prefix", "heads", "tiles", "block_n"), [
+@pytest.mark.parametrize(("most", "block", "splits"), [(None, 1, 3), (None, 2, 3), (1, 4, 1)])
+def test_fused_merge_splits_and_counters(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                         most: int | None, block: int, splits: int) -> None:
+    """The fused own-keys pass split three ways (its last program merging three own partials
+    and the prefix's, ``block`` partials a round) or never split, against the three-launch
+    cascade and sdpa; the split counters are back to zero after the launch."""
+    from dyngen_core.attention import triton_cascade_path
+
+    launches: list[tuple[int, torch.Tensor | None]] = []
+    fused_pass = triton_cascade_path.attend_remainder_merged
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = fused_pass(*args, **kwargs)
+        launches.append((kwargs["splits"], kwargs["counters"]))
+        return out
+
+    monkeypatch.setattr(triton_cascade_path, "attend_remainder_merged", spy)
+    # The loner's 201 own keys make three splits of at least 4 tiles of 16 keys.
+    layout = Layout(groups=[(4, [4 * PAGE + 45, 4 * PAGE, 5 * PAGE + 2]),
+                            (1, [PAGE + 40, 2 * PAGE + 3])],
+                    loners=[12 * PAGE + 9])
+    fused = {"fused_merge": True, "remainder_max_splits": most, "merge_split_block": block}
+    options = {"block_n": 16, "programs_per_sm": 64, "max_splits": 3,
+               "cascade_programs_per_sm": 64}
+    outs = _run(layout, (8, 2, 32), torch.float32, device, seed=8, prefix=fused, **options)
+    _check(outs, torch.float32)
+    assert [count for count, _ in launches] == [splits]
+    counters = launches[0][1]
+    assert (counters is None) == (splits == 1)
+    assert counters is None or int(counters.abs().sum()) == 0
+    old = _run(layout, (8, 2, 32), torch.float32, device, seed=8,
+               prefix={"fused_merge": False}, **options)
+    assert _relative_error(outs["cascade"], old["cascade"]) < 1e-4
+
+
+@pytest.mark.parametrize(("prefix", "heads", "tiles", "block_n", "window"), [
     # Tiles of 16 keys in pages of 32: two tiles a page, the second at slot 16.
-    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (8, 2, 32), True, 16),
+    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (8, 2, 32), True, 16, 0),
     # A 64-key tile wanted: halved to the page (32), one tile a page.
-    ({"prefix_kernel": "tiles"}, (8, 2, 32), True, 32),
+    ({"prefix_kernel": "tiles"}, (8, 2, 32), True, 32, 0),
     # A padded head (24 of 32 columns) and a group of 3 heads padded to 4 rows.
-    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (6, 2, 24), True, 16),
+    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (6, 2, 24), True, 16, 0),
+    # Page ids loaded ahead two pages at a time (a 3-page prefix: a second, partial window;
+    # splits starting inside a window), and one page at a time with a padded head.
+    ({"prefix_kernel": "window", "prefix_block_n": 16, "prefix_window": 2}, (8, 2, 32), True,
+     16, 2),
+    ({"prefix_kernel": "window", "prefix_window": 1}, (6, 2, 24), True, 32, 1),
     # No tile of at least 16 keys divides a page of 32 at 8 wanted: the general kernel, at
     # the backend's own tile (8 keys is below the 16 a GPU dot needs).
-    ({"prefix_kernel": "tiles", "prefix_block_n": 8}, (8, 2, 32), False, 64),
-    ({"prefix_kernel": "general"}, (8, 2, 32), False, 64),
+    ({"prefix_kernel": "tiles", "prefix_block_n": 8}, (8, 2, 32), False, 64, 0),
+    ({"prefix_kernel": "window", "prefix_block_n": 8}, (8, 2, 32), False, 64, 0),
+    ({"prefix_kernel": "general"}, (8, 2, 32), False, 64, 0),
 ])
 def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
                         prefix: dict[str, Any], heads: tuple[int, int, int], tiles: bool,
-                        block_n: int) -> None:
+                        block_n: int, window: int) -> None:
     """Both shared-prefix kernels (and the choice between them) against plain and sdpa, over
     prefixes of several tiles a page split many ways (chunks of whole tiles, some splits
     empty), 128 rows a program (a block of 32 members at GQA 4 holds two groups' worth of
     rows, most of them past the group's end)."""
     from dyngen_core.attention import triton_cascade_path
 
-    launches: list[tuple[bool, int]] = []
+    launches: list[tuple[bool, int, int]] = []
     attend = triton_cascade_path.attend_prefixes
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         launch = args[-1]
-        launches.append((launch.tiles, launch.block_n))
+        launches.append((launch.tiles, launch.block_n, launch.window))
         return attend(*args, **kwargs)
 
     monkeypatch.setattr(triton_cascade_path, "attend_prefixes", spy)
@@ -225,7 +277,7 @@ def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
     outs = _run(layout, heads, torch.float32, device, seed=7, prefix=prefix, page=page,
                 cascade_rows=128, programs_per_sm=64, cascade_programs_per_sm=64)
     _check(outs, torch.float32)
-    assert launches == [(tiles, block_n)]
+    assert launches == [(tiles, block_n, window)]
 
 
 def test_no_sharing_plans_no_cascade(device: torch.device) -> None:

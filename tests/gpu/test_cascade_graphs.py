@@ -11,6 +11,7 @@ generator end to end (default policy) against sdpa, with the page invariant.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import TYPE_CHECKING
 
@@ -40,11 +41,17 @@ def gpu_parts(tmp_path_factory: pytest.TempPathFactory,
     return Model.load(folder, device=cuda_device, dtype="float32"), Tokenizer.from_model_dir(folder)
 
 
-def _triton(cascade: bool) -> TritonPagedBackend:
+def _triton(cascade: bool, **options: object) -> TritonPagedBackend:
+    """The Triton backend, cascading every shared prefix or never; ``options``: `CascadeOptions`
+    fields to replace (kernel choices)."""
     pytest.importorskip("triton")
+    from dyngen_core.attention.triton_cascade_path import CascadePath
     from dyngen_core.attention.triton_paged import TritonPagedBackend
 
-    return TritonPagedBackend(cascade_min_saved_keys=0 if cascade else None)
+    backend = TritonPagedBackend(cascade_min_saved_keys=0 if cascade else None)
+    if options:
+        backend.cascade = CascadePath(dataclasses.replace(backend.cascade.options, **options))
+    return backend
 
 
 class _Sequences:
@@ -91,8 +98,14 @@ def _eager_plain(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
     return runner.model.forward(batch, runner.cache.storage, _triton(cascade=False))
 
 
+# The backend's default (own-keys pass merging, split many ways at these small buckets, with
+# its split counters), the three-launch cascade, and the prefix pass with page ids loaded ahead.
+@pytest.mark.parametrize("options", [{}, {"fused_merge": False},
+                                     {"prefix_kernel": "window", "prefix_window": 1}],
+                         ids=["default", "three_launches", "window"])
 def test_cascade_graphs_equal_eager_plain_forward(gpu_parts: tuple[Model, Tokenizer],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  options: dict[str, object]) -> None:
     model = gpu_parts[0]
     captures: list[tuple[int, bool]] = []
     original = DecodeGraphs._capture
@@ -105,7 +118,7 @@ def test_cascade_graphs_equal_eager_plain_forward(gpu_parts: tuple[Model, Tokeni
     # Group A: 3 shared pages, 3 members; group B: 1 shared page, 2 members; 2 loners.
     seqs = _Sequences([(3, [2, 9, 17]), (1, [5, 20])], loners=[7, 40], seed=1)
     cache = Cache(model, max_tokens=seqs.pages * PAGE, page_size=PAGE)
-    runner = ModelRunner(model, cache, _triton(cascade=True), max_batch_size=12)
+    runner = ModelRunner(model, cache, _triton(cascade=True, **options), max_batch_size=12)
     graphs = runner.graphs
     assert isinstance(graphs, DecodeGraphs) and graphs.buckets == [1, 2, 4, 8, 12]
     assert all(not cascade for _, cascade in captures)  # construction: plain graphs only
