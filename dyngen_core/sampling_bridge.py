@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, is_not
 from typing import Any
 
 import numpy as np
@@ -34,8 +32,6 @@ from dyngen_core.settings import SamplerSettings
 from dyngen_core.stop import StopIndexes
 from dyngen_core.streaming import JobStream
 from dyngen_core.tokenizer import Tokenizer
-
-_MATCHER = attrgetter("matcher")
 
 
 @dataclass
@@ -107,9 +103,9 @@ class SamplingBridge:
     def start_masks(self, active: Sequence[ActiveJob]) -> Future[np.ndarray] | None:
         """Start computing the constrained jobs' token masks on a helper thread, so the grammar
         engine (which releases the GIL) works while the forward runs."""
-        if not any(map(is_not, map(_MATCHER, active), repeat(None))):
-            return None
         matchers = [a.matcher for a in active]
+        if matchers.count(None) == len(matchers):
+            return None
         compiler = self._compiler()
         bitmask = compiler.new_bitmask(len(active))
         return self._mask_thread.submit(_fill, compiler, matchers, bitmask)

@@ -5,30 +5,25 @@ mask) are refreshed.
 Why: while decoding, the same jobs are sampled step after step with the same settings and only
 their counters move. Building a `Row` per request, the stage index and the per-row parameter
 columns costs about 0.5 ms of Python per step at 256 rows; checking that nothing else changed
-is a few passes over the requests in C (`operator.attrgetter` through `map`), and a caller that
-promises never to change those fields of a request it passed (``kept``: the generator's
-requests, one per job) saves even that: its same request objects are checked by identity. The
-columns the stages derive from the rows (`RowList.memo`) are then reused as well.
+is a few passes over the requests, and a caller that promises never to change those fields of
+a request it passed (``kept``: the generator's requests, one per job) saves even that: its same
+request objects are checked by identity. The columns the stages derive from the rows
+(`RowList.memo`) are then reused as well.
+
+The passes are list comprehensions and plain loops, not ``map(operator.attrgetter(...))``: on
+CPython 3.11 the comprehensions' specialized attribute loads are about twice as fast (256
+requests: a 5-field signature 35 vs 77 us, `_refresh` 37 vs 82 us on the dev CPU).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from itertools import repeat
-from operator import attrgetter, is_, is_not
+from operator import is_
 from typing import Any
 
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rows import RowList, expand_rows
-
-# Everything `expand_rows` reads of a request but its counter, allowed_tokens and draft_ids
-# (kept lists have none; these two may be arrays, whose == is elementwise: never compared).
-_SIGNATURE = attrgetter("settings", "seed", "return_probs", "return_top_tokens",
-                        "return_logits")
-_COUNTER = attrgetter("counter")
-_MASK = attrgetter("allowed_tokens")
-_DRAFTS = attrgetter("draft_ids")
 
 
 class RowCache:
@@ -55,9 +50,12 @@ class RowCache:
                 and all(map(is_, requests, self._requests)):
             _refresh(rows, requests)
             return rows
-        signature = list(map(_SIGNATURE, requests))
-        if rows is not None and signature == self._signature \
-                and not any(map(len, map(_DRAFTS, requests))):
+        # Everything `expand_rows` reads of a request but its counter, allowed_tokens and
+        # draft_ids (kept lists have none; the first two may be arrays, whose == is elementwise:
+        # never compared).
+        signature = [(r.settings, r.seed, r.return_probs, r.return_top_tokens, r.return_logits)
+                     for r in requests]
+        if rows is not None and signature == self._signature and not _any_drafts(requests):
             _refresh(rows, requests)
             self._requests = list(requests)
             return rows
@@ -72,10 +70,22 @@ class RowCache:
 
 def _refresh(rows: RowList, requests: Sequence[SampleRequest]) -> None:
     """What changes from step to step in a kept list: counters and constraint masks."""
-    counters = list(map(_COUNTER, requests))
+    counters = [r.counter for r in requests]
     for row, counter in zip(rows, counters, strict=True):
         row.counter = counter
     sampled = rows.sampled
     rows.counters = counters if len(sampled) == len(rows) else [counters[i] for i in sampled]
-    # `is not None`, never `==`: a mask is an array, whose comparison is elementwise.
-    rows.any_mask = any(map(is_not, map(_MASK, requests), repeat(None)))
+    any_mask = False
+    for r in requests:
+        # `is not None`, never `==`: a mask is an array, whose comparison is elementwise.
+        if r.allowed_tokens is not None:
+            any_mask = True
+            break
+    rows.any_mask = any_mask
+
+
+def _any_drafts(requests: Sequence[SampleRequest]) -> bool:
+    for r in requests:
+        if r.draft_ids:
+            return True
+    return False
