@@ -37,7 +37,7 @@ against its FLOPs / 780 TFLOP/s. Plain decode reads members x context x 4,096 by
 8,030: 2.1 GB, ~500 us).
 
     python benchmarks/cascade_kernel.py [--cases 64x8030,16x8030,64x2048,16x2048]
-        [--variants 3launch,fused,fused_1split,win_n32s4,win_n64s3w8,win128_n32s4]
+        [--variants 3launch,fused,fused_1split,fused_n128,win_n32s4,win_n64s3w8,win128_n32s4]
 
 On the CPU (``TRITON_INTERPRET=1``, ``--small``) it runs each call once, without graphs, to
 check the script and that every variant agrees with the plain decode.
@@ -82,6 +82,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "3launch": {"fused_merge": False},
     "fused": {"fused_merge": True},
     "fused_1split": {"fused_merge": True, "remainder_max_splits": 1},
+    "fused_n128": {"fused_merge": True, "remainder_block_n": 128},
     "win_n32s4": {"prefix_kernel": "window", "prefix_block_n": 32, "stages": 4},
     "win_n64s3w8": {"prefix_kernel": "window", "warps": 8, "programs_per_sm": 1},
     "win128_n32s4": {"prefix_kernel": "window", "rows": 128, "warps": 8, "programs_per_sm": 1,
@@ -93,10 +94,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tiles128": {"prefix_kernel": "tiles", "rows": 128, "warps": 8, "programs_per_sm": 1},
     "win_n64s3": {"prefix_kernel": "window", "programs_per_sm": 1},
 }
-DEFAULT_VARIANTS = "3launch,fused,fused_1split,win_n32s4,win_n64s3w8,win128_n32s4"
+DEFAULT_VARIANTS = "3launch,fused,fused_1split,fused_n128,win_n32s4,win_n64s3w8,win128_n32s4"
 # Options that leave the prefix pass as it is: variants differing only in these share its
 # timing row.
-MERGE_ONLY = ("fused_merge", "remainder_max_splits", "remainder_warps", "merge_split_block")
+MERGE_ONLY = ("fused_merge", "remainder_max_splits", "remainder_warps", "remainder_block_n",
+              "merge_split_block")
 L2_BYTES = 50 << 20
 
 

@@ -83,6 +83,9 @@ class CascadeOptions:
         count still follows the batch size and ``decode_programs_per_sm``; None: ``max_splits``;
         1: never split, no partials or counters at all).
     remainder_warps: with ``fused_merge``, warps per own-keys program.
+    remainder_block_n: with ``fused_merge``, keys per inner step of the own-keys pass (None:
+        ``block_n``; fewer, larger steps are fewer dependent memory round trips over the
+        few own keys of a member).
     merge_split_block: with ``fused_merge``, partials loaded per round of its merges.
     """
 
@@ -100,6 +103,7 @@ class CascadeOptions:
     fused_merge: bool = True
     remainder_max_splits: int | None = None
     remainder_warps: int = 4
+    remainder_block_n: int | None = None
     merge_split_block: int = 4
 
 
@@ -115,10 +119,12 @@ class CascadePath:
                              f"{options.prefix_kernel!r}")
         if options.stages < 1:
             raise ValueError(f"cascade stages must be >= 1; got {options.stages}")
-        for name in ("merge_split_block", "prefix_window"):
-            value = getattr(options, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"cascade {name} must be a power of two >= 1; got {value}")
+        for name, least in (("merge_split_block", 1), ("prefix_window", 1),
+                            ("remainder_block_n", 16)):  # keys: a tl.dot side
+            value = getattr(options, name) or least
+            if value < least or value & (value - 1):
+                raise ValueError(f"cascade {name} must be a power of two >= {least}; got "
+                                 f"{value}")
         if options.remainder_max_splits is not None and options.remainder_max_splits < 1:
             raise ValueError(f"cascade remainder_max_splits must be >= 1 or None; got "
                              f"{options.remainder_max_splits}")
@@ -204,7 +210,8 @@ class CascadePath:
                         if splits > 1 else None)
             return attend_remainder_merged(
                 q, ops, batch, tables, prefix, scale * LOG2_E, heads, splits=splits,
-                counters=counters, block_n=options.block_n, warps=options.remainder_warps,
+                counters=counters, block_n=options.remainder_block_n or options.block_n,
+                warps=options.remainder_warps,
                 split_block=options.merge_split_block)
         rem_splits = self.remainder_splits(batch, tables, heads, sms)
         remainder = (

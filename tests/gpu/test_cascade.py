@@ -200,12 +200,15 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     assert _relative_error(many["cascade"], one["cascade"]) < 1e-4
 
 
-@pytest.mark.parametrize(("most", "block", "splits"), [(None, 1, 3), (None, 2, 3), (1, 4, 1)])
+@pytest.mark.parametrize(("most", "block", "splits", "keys"),
+                         [(None, 1, 3, None), (None, 2, 3, 32), (1, 4, 1, None), (1, 4, 1, 32)])
 def test_fused_merge_splits_and_counters(device: torch.device, monkeypatch: pytest.MonkeyPatch,
-                                         most: int | None, block: int, splits: int) -> None:
+                                         most: int | None, block: int, splits: int,
+                                         keys: int | None) -> None:
     """The fused own-keys pass split three ways (its last program merging three own partials
-    and the prefix's, ``block`` partials a round) or never split, against the three-launch
-    cascade and sdpa; the split counters are back to zero after the launch."""
+    and the prefix's, ``block`` partials a round) or never split, at the backend's tile or
+    its own (``keys``), against the three-launch cascade and sdpa; the split counters are
+    back to zero after the launch."""
     from dyngen_core.attention import triton_cascade_path
 
     launches: list[tuple[int, torch.Tensor | None]] = []
@@ -221,7 +224,8 @@ def test_fused_merge_splits_and_counters(device: torch.device, monkeypatch: pyte
     layout = Layout(groups=[(4, [4 * PAGE + 45, 4 * PAGE, 5 * PAGE + 2]),
                             (1, [PAGE + 40, 2 * PAGE + 3])],
                     loners=[12 * PAGE + 9])
-    fused = {"fused_merge": True, "remainder_max_splits": most, "merge_split_block": block}
+    fused = {"fused_merge": True, "remainder_max_splits": most, "merge_split_block": block,
+             "remainder_block_n": keys}
     options = {"block_n": 16, "programs_per_sm": 64, "max_splits": 3,
                "cascade_programs_per_sm": 64}
     outs = _run(layout, (8, 2, 32), torch.float32, device, seed=8, prefix=fused, **options)
