@@ -34,14 +34,21 @@ class ModelRunner:
     skinny_matmul_rows: when not None, `Model.set_skinny_matmul` is called with it before
         graphs are captured (products of that many rows or fewer run the Triton skinny matmul on
         CUDA; 0 turns it off); None leaves the model as it is.
+    fused_ops: when not None, `Model.set_fused_ops` is called with it before graphs are
+        captured (True: RMSNorm, residual add and SiLU-and-mul run as fused Triton kernels,
+        raising where triton cannot run; False: the torch ops); None leaves the model as it is
+        (a new model runs them on CUDA with triton installed).
     """
 
     def __init__(self, model: Model, cache: Cache, backend: AttentionBackend, *,
                  cuda_graphs: bool = True, max_batch_size: int = 256,
-                 compile_decode: bool = False, skinny_matmul_rows: int | None = None) -> None:
+                 compile_decode: bool = False, skinny_matmul_rows: int | None = None,
+                 fused_ops: bool | None = None) -> None:
         self.model = model
         if skinny_matmul_rows is not None:
             model.set_skinny_matmul(skinny_matmul_rows)
+        if fused_ops is not None:
+            model.set_fused_ops(fused_ops)
         self.cache = cache
         self.backend = backend
         # Sequence slots only for storages that keep per-sequence state (q6/q4 windows).

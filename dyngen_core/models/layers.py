@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dyngen_core.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.config import ModelConfig
+from dyngen_core.models.fused_ops import add_rms_norm, rms_norm, silu_mul
 from dyngen_core.models.rope import apply_rotary
 from dyngen_core.models.skinny_matmul import linear
 from dyngen_core.storage.base import KVStorage
@@ -35,27 +35,32 @@ def empty_parameter(*shape: int, place: Placement) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension, computed in float32 like transformers."""
+    """Root-mean-square norm over the last dimension, computed in float32 like transformers.
+
+    ``fused`` (set by `Model.set_fused_ops`; False: the torch ops) runs bf16/fp16 norms, and
+    the residual add in front of them (`add_and_norm`), as one Triton kernel (`fused_ops`)."""
 
     def __init__(self, dim: int, eps: float, place: Placement) -> None:
         super().__init__()
         self.weight = empty_parameter(dim, place=place)
         self.eps = eps
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel; in float32 it rounds exactly like the unfused steps below.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, fused=self.fused)
+
+    def add_and_norm(self, x: torch.Tensor,
+                     out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) for h = x + out: a sublayer's output added to the residual stream x."""
+        return add_rms_norm(x, out, self.weight, self.eps, fused=self.fused)
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one [2 * I, hidden] weight.
 
     ``skinny_rows`` (set by `Model.set_skinny_matmul`; 0: off) routes products of that many
-    rows or fewer through the Triton skinny matmul (`skinny_matmul.linear`)."""
+    rows or fewer through the Triton skinny matmul (`skinny_matmul.linear`). ``fused`` (set by
+    `Model.set_fused_ops`) runs silu(gate) * up as one Triton kernel (`fused_ops.silu_mul`)."""
 
     def __init__(self, config: ModelConfig, place: Placement) -> None:
         super().__init__()
@@ -63,11 +68,12 @@ class GatedMLP(nn.Module):
         self.gate_up_weight = empty_parameter(2 * inter, hidden, place=place)
         self.down_weight = empty_parameter(hidden, inter, place=place)
         self.skinny_rows = 0
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.skinny_rows
-        gate, up = linear(x, self.gate_up_weight, skinny_rows=rows).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, skinny_rows=rows)
+        gate_up = linear(x, self.gate_up_weight, skinny_rows=rows)
+        return linear(silu_mul(gate_up, fused=self.fused), self.down_weight, skinny_rows=rows)
 
 
 class Attention(nn.Module):
@@ -122,7 +128,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: h = x + attn(norm(x)), then h + mlp(norm(h)).
+
+    The last add is left to the caller (`forward` returns its two terms), so that the next
+    layer's input norm adds it in the same kernel (`RMSNorm.add_and_norm`)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, place: Placement) -> None:
         super().__init__()
@@ -132,10 +141,20 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, place)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, storage: KVStorage,
-                backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, batch, storage, backend)
-        return x + self.mlp(self.post_attention_norm(x))
+                batch: ForwardBatch, storage: KVStorage, backend: AttentionBackend,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, h): this layer's output is h + mlp output.
+
+        x: the residual stream [T, hidden] entering the layer, or with ``pending``, the stream
+            before the previous layer's MLP output ``pending`` is added to it (the sum is this
+            layer's input; it is added here, inside the input norm)."""
+        if pending is None:
+            normed = self.input_norm(x)
+        else:
+            normed, x = self.input_norm.add_and_norm(x, pending)
+        attended = self.attn(normed, cos, sin, batch, storage, backend)
+        normed, h = self.post_attention_norm.add_and_norm(x, attended)
+        return self.mlp(normed), h
 
 
 def has_qkv_bias(config: ModelConfig) -> bool:

@@ -17,7 +17,14 @@ from torch import nn
 
 from dyngen_core.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.config import ModelConfig
-from dyngen_core.models.layers import DecoderLayer, Placement, RMSNorm, empty_parameter
+from dyngen_core.models.fused_ops import DEFAULT_FUSED_OPS, fused_ops_for
+from dyngen_core.models.layers import (
+    DecoderLayer,
+    GatedMLP,
+    Placement,
+    RMSNorm,
+    empty_parameter,
+)
 from dyngen_core.models.layout import checkpoint_layout
 from dyngen_core.models.loader import (
     check_inventory,
@@ -44,7 +51,9 @@ class Model(nn.Module):
     model_dir: the folder the weights came from, if any.
 
     Products of few rows (decode steps) may run through the Triton skinny matmul: see
-    `set_skinny_matmul` (one row, i.e. batch-1 decode, by default on CUDA).
+    `set_skinny_matmul` (one row, i.e. batch-1 decode, by default on CUDA). RMSNorm (with the
+    residual add in front) and SiLU-and-mul run as fused Triton kernels on CUDA by default:
+    see `set_fused_ops`.
     """
 
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
@@ -74,6 +83,25 @@ class Model(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.skinny_rows = 0
         self.set_skinny_matmul(DEFAULT_SKINNY_ROWS)
+        self.set_fused_ops(DEFAULT_FUSED_OPS)
+
+    def set_fused_ops(self, enabled: bool | None = None) -> None:
+        """Run RMSNorm (with the residual add in front of it) and SiLU-and-mul of bf16/fp16
+        activations as one Triton kernel each (`models.fused_ops`) instead of the torch ops.
+
+        enabled: None (what a new model starts with, `fused_ops.DEFAULT_FUSED_OPS`) turns them
+            on for the layers on a CUDA device with triton installed; True turns them on
+            everywhere (ValueError where they cannot run: without triton, or on the CPU unless
+            ``TRITON_INTERPRET=1``); False keeps the torch ops everywhere.
+
+        float32 activations and code traced by torch.compile always take the torch ops. Set it
+        before CUDA graphs are captured (the runner's ``fused_ops`` does)."""
+        self.norm.fused = fused_ops_for(torch.device(self.device), enabled)
+        for layer, layer_device in zip(self.layers, self.layer_devices, strict=True):
+            fused = fused_ops_for(torch.device(layer_device), enabled)
+            for module in layer.modules():
+                if isinstance(module, (RMSNorm, GatedMLP)):
+                    module.fused = fused
 
     def set_skinny_matmul(self, max_rows: int) -> None:
         """Route the matrix products (q/k/v, output, gate/up, down, lm_head) of at most
@@ -135,12 +163,18 @@ class Model(nn.Module):
         x = F.embedding(batch.input_ids, self.embed_weight)
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
         rotary_by_device = {self.device: (cos, sin)}
+        # Each layer leaves its MLP output pending: the next one adds it in its input norm.
+        pending: torch.Tensor | None = None
         for layer, layer_device in zip(self.layers, self.layer_devices, strict=True):
             if layer_device not in rotary_by_device:
                 rotary_by_device[layer_device] = (cos.to(layer_device), sin.to(layer_device))
             layer_cos, layer_sin = rotary_by_device[layer_device]
-            x = layer(x.to(layer_device, non_blocking=True), layer_cos, layer_sin, batch,
-                      storage, backend)
+            if pending is not None:
+                pending = pending.to(layer_device, non_blocking=True)
+            pending, x = layer(x.to(layer_device, non_blocking=True), layer_cos, layer_sin,
+                               batch, storage, backend, pending)
+        if pending is not None:
+            x = x + pending
         return x.to(self.device, non_blocking=True)
 
     @torch.inference_mode()

@@ -1,0 +1,243 @@
+"""The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`models.fused_ops`) against the
+torch ops they replace, for Llama-3-8B shapes in bf16: a small launch sweep per shape, the
+element-wise set of one forward (32 layers), and end to end an 8,030-token prefill forward and
+decode CUDA-graph steps of the random 32-layer model with the kernels on and off.
+
+Floors (H200 copy bandwidth 4.25 TB/s, bytes read + written once; no FLOP floor matters):
+
+    op         shape            bytes (T = 8030)   floor     bytes per row
+    norm       T x 4096         131.6 MB           31.0 us   16 KB (read x, write y)
+    add_norm   T x 4096         263.1 MB           61.9 us   32 KB (read x, out; write h, y)
+    silu_mul   T x 14336        690.7 MB          162.5 us   84 KB (read [2I], write [I])
+    per forward (32 x (2 add_norm + silu_mul)) at T = 8030: 38.9 GB -> 9.2 ms
+    (the torch ops move ~3x that: float32 intermediates, one kernel per op)
+
+At T = 1 (decode) every op is a launch and a latency (~2-3 us), so the figure is time per call,
+not bandwidth. Each measurement replays a CUDA graph of one call per operand copy, rotating over
+copies that hold at least 4 x L2 (2 to 64 copies; at T <= 64 the copies fit in L2, as the
+decode step's hot residual stream does); the time per call is the median replay over the calls.
+Every kernel variant is checked against the torch ops first (BAD: relative error above 1e-2).
+
+    python benchmarks/fused_ops.py [--rows 1,64,256,8030] [--no-e2e] [--small]
+
+``--small`` runs tiny shapes without graphs (a smoke run, e.g. under TRITON_INTERPRET=1 on a
+CPU). Success: the kernels at or near the floor at T = 8030 (norm ~35 us, add_norm ~70 us,
+silu_mul ~180 us), at least 2x under the torch ops there, not slower at T = 1; the prefill
+forward 15-25 ms faster with them; the decode steps not slower. The compact table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    LLAMA3_8B,
+    device_name,
+    free_memory,
+    graph_step,
+    random_model,
+    report,
+)
+from benchmarks.skinny_matmul import per_launch_seconds  # noqa: E402
+from dyngen_core.attention import get_backend  # noqa: E402
+from dyngen_core.cache import Cache  # noqa: E402
+from dyngen_core.forward import build_forward_batch  # noqa: E402
+from dyngen_core.models import fused_ops as fo  # noqa: E402
+from dyngen_core.plan import SequenceSlice, StepPlan  # noqa: E402
+
+BANDWIDTH = 4.25e12
+LAYERS = 32
+EPS = 1e-5
+# (block_m, warps) of the norm kernel; (block, warps) of SiLU-and-mul; (0, 0): the defaults.
+NORM_VARIANTS = [(0, 0), (1, 4), (1, 8), (1, 16), (2, 8), (4, 16)]
+SILU_VARIANTS = [(0, 0), (512, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op at one shape: "norm" / "add_norm" over [rows, width], "silu_mul" over
+    [rows, 2 * width] -> [rows, width]."""
+
+    op: str
+    rows: int
+    width: int
+
+    @property
+    def nbytes(self) -> int:
+        per_row = {"norm": 2, "add_norm": 4, "silu_mul": 3}[self.op] * self.width * 2
+        return self.rows * per_row
+
+
+def operands(case: Case, copies: int, device: torch.device,
+             dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator(device=device).manual_seed(case.rows)
+    width = 2 * case.width if case.op == "silu_mul" else case.width
+    count = 2 if case.op == "add_norm" else 1
+    return [tuple(torch.randn(case.rows, width, generator=gen, device=device, dtype=dtype)
+                  for _ in range(count)) for _ in range(copies)]
+
+
+def torch_call(case: Case, weight: torch.Tensor, ops: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if case.op == "silu_mul":
+        return fo.silu_mul_torch(ops[0])
+    x = ops[0] + ops[1] if case.op == "add_norm" else ops[0]
+    return fo.rms_norm_torch(x, weight, EPS)
+
+
+def kernel_call(case: Case, variant: tuple[int, int], weight: torch.Tensor,
+                ops: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    first, warps = variant
+    if case.op == "silu_mul":
+        return fo.launch_silu_mul(ops[0], block=first, num_warps=warps)
+    residual = ops[1] if case.op == "add_norm" else None
+    return fo.launch_rms_norm(ops[0], weight, EPS, residual, block_m=first, num_warps=warps)[0]
+
+
+def label(case: Case, variant: tuple[int, int]) -> str:
+    if variant == (0, 0):
+        return "default"
+    return (f"b{variant[0]}w{variant[1]}" if case.op == "silu_mul"
+            else f"m{variant[0]}w{variant[1]}")
+
+
+def measure(case: Case, small: bool, device: torch.device,
+            dtype: torch.dtype) -> dict[str, float]:
+    """Seconds per call: "torch" and each kernel variant (inf: wrong result)."""
+    copies = 1 if small else max(2, min(64, -(-(200 << 20) // case.nbytes)))
+    all_ops = operands(case, copies, device, dtype)
+    weight = 1.0 + 0.1 * torch.randn(case.width, device=device, dtype=dtype)
+    reference = torch_call(case, weight, all_ops[0]).float()
+    replays = 5 if case.nbytes > (100 << 20) else 10
+    seconds = {"torch": per_launch_seconds([partial(torch_call, case, weight, ops)
+                                            for ops in all_ops], replays)}
+    variants = SILU_VARIANTS if case.op == "silu_mul" else NORM_VARIANTS
+    for variant in variants:
+        if case.op != "silu_mul" and variant[0] > max(1, case.rows):
+            continue
+        calls: list[Callable[[], object]] = [partial(kernel_call, case, variant, weight, ops)
+                                             for ops in all_ops]
+        try:
+            result = kernel_call(case, variant, weight, all_ops[0]).float()
+            error = ((result - reference).norm() / reference.norm()).item()
+            seconds[label(case, variant)] = (per_launch_seconds(calls, replays) if error < 1e-2
+                                             else float("inf"))
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is a result
+            print(f"{case} {label(case, variant)} failed: {exc!r:.200}", flush=True)
+            seconds[label(case, variant)] = float("inf")
+    print(f"{case.op:8} T={case.rows:<5} floor={case.nbytes / BANDWIDTH * 1e6:.1f} " + " ".join(
+        f"{key}={_us(value)}" for key, value in seconds.items()), flush=True)
+    return seconds
+
+
+def _us(seconds: float) -> str:
+    return "BAD" if seconds == float("inf") else f"{seconds * 1e6:.1f}"
+
+
+def _best(seconds: dict[str, float]) -> str:
+    return min((key for key in seconds if key != "torch"), key=seconds.__getitem__)
+
+
+def layer_set(results: dict[Case, dict[str, float]], rows_list: list[int]) -> list[str]:
+    """Per T: 32 x (2 add_norm + silu_mul), torch ops vs the kernels' defaults (table lines)."""
+    lines = []
+    for rows in rows_list:
+        members = [c for c in results if c.rows == rows and c.op != "norm"]
+        weights = [2 if c.op == "add_norm" else 1 for c in members]
+        torch_s = LAYERS * sum(w * results[c]["torch"] for c, w in zip(members, weights))
+        fused_s = LAYERS * sum(w * results[c]["default"] for c, w in zip(members, weights))
+        floor = LAYERS * sum(w * c.nbytes for c, w in zip(members, weights)) / BANDWIDTH
+        report("fused_ops_layer_set", rows=rows, torch_ms=torch_s * 1e3,
+               fused_ms=fused_s * 1e3, floor_ms=floor * 1e3, device=device_name())
+        lines.append(f"{'32 layers':10} {rows:>5} {torch_s * 1e3:>9.3f}ms "
+                     f"{fused_s * 1e3:>9.3f}ms {'':>8} {'':>9} {floor * 1e3:>8.3f}ms "
+                     f"{torch_s / fused_s:>5.2f}")
+    return lines
+
+
+def end_to_end(layers: int, prefill: int, device: torch.device) -> list[str]:
+    """The random Llama-3-8B (``layers`` layers): one ``prefill``-token forward (eager, median
+    of 3) and decode graph steps at batch 1 and 64 (1024-token contexts), kernels off vs on."""
+    model = random_model({**LLAMA3_8B, "num_hidden_layers": layers}, device)
+    backend = get_backend("triton", device)
+    cache = Cache(model, max_tokens=(prefill // 256 + 2) * 256, mode="fp16")
+    pages = list(range(1, prefill // 256 + 2))
+    plan = StepPlan([SequenceSlice(0, [1000 + i % 5000 for i in range(prefill)], 0, pages,
+                                   sample=True)])
+    batch = build_forward_batch(plan, cache.page_size, device)
+    lines, timings = [], {}
+    for fused in (False, True):
+        model.set_fused_ops(fused)
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(batch, cache.storage, backend)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        timings[("prefill", fused)] = sorted(times[1:])[1]
+    del cache
+    free_memory()
+    for size in (1, 64):
+        for fused in (False, True):
+            model.set_fused_ops(fused)
+            timings[(f"decode b{size}", fused)] = graph_step(model, size, 1024, False)[0]
+    for name in ("prefill", "decode b1", "decode b64"):
+        off, on = timings[(name, False)], timings[(name, True)]
+        report("fused_ops_e2e", step=name, layers=layers, torch_ms=off * 1e3,
+               fused_ms=on * 1e3, device=device_name())
+        lines.append(f"{name:10} {prefill if name == 'prefill' else '':>5} {off * 1e3:>9.3f}ms "
+                     f"{on * 1e3:>9.3f}ms {'':>8} {'':>9} {'':>10} {off / on:>5.2f}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,64,256,8030", help="token counts, comma-separated")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the whole-model timings")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="layers of the e2e model")
+    parser.add_argument("--small", action="store_true", help="tiny shapes, no graphs (smoke)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    hidden, inter = (96, 160) if args.small else (4096, 14336)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    start = time.perf_counter()
+    results: dict[Case, dict[str, float]] = {}
+    for rows in rows_list:
+        for case in (Case("norm", rows, hidden), Case("add_norm", rows, hidden),
+                     Case("silu_mul", rows, inter)):
+            results[case] = measure(case, args.small, device, dtype)
+            free_memory()
+    lines = []
+    for case, seconds in results.items():
+        best = _best(seconds)
+        floor = case.nbytes / BANDWIDTH
+        report("fused_ops", op=case.op, rows=case.rows, width=case.width,
+               torch_us=seconds["torch"] * 1e6, default_us=seconds["default"] * 1e6,
+               best=best, best_us=seconds[best] * 1e6, floor_us=floor * 1e6,
+               device=device_name())
+        lines.append(f"{case.op:10} {case.rows:>5} {seconds['torch'] * 1e6:>9.1f}us "
+                     f"{_us(seconds['default']):>9}us {best:>8} {_us(seconds[best]):>9} "
+                     f"{floor * 1e6:>8.1f}us {seconds['torch'] / seconds['default']:>5.2f}")
+    lines += layer_set(results, rows_list)
+    if device.type == "cuda" and not args.no_e2e and not args.small:
+        lines += end_to_end(args.layers, 8030, device)
+    print(f"\n{'what':10} {'T':>5} {'torch':>11} {'fused':>11} {'best':>8} {'best us':>9} "
+          f"{'floor':>10} {'x':>5}")
+    print("\n".join(lines))
+    print(f"total {time.perf_counter() - start:.1f} s on {device_name()}")
+
+
+if __name__ == "__main__":
+    main()
