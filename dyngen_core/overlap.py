@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dyngen_core.active_job import ActiveJob
-from dyngen_core.plan import PENDING_TOKEN, StepPlan
+from dyngen_core.plan import PENDING_TOKEN, SequenceSlice, StepPlan
 
 _PENDING_ONLY = [PENDING_TOKEN]
 
@@ -126,11 +126,8 @@ def token_feed(plan: StepPlan, pending: PendingStep | None) -> TokenFeed | None:
     preempted job is re-admitted only after its tokens were resolved)."""
     if pending is None:
         return None
-    sampled = pending.job_ids
-    if [sl.job_id for sl in plan.slices] == sampled and all(
-            sl.token_ids == _PENDING_ONLY for sl in plan.slices):
-        # Steady decoding: the same jobs in the same order, every input pending.
-        every = list(range(len(sampled)))
+    if _steady(plan.slices, pending.active):
+        every = list(range(len(pending.active)))
         return TokenFeed(pending.ids, every, every, in_order=True)
     row_of = {}
     row = 0
@@ -150,3 +147,14 @@ def token_feed(plan: StepPlan, pending: PendingStep | None) -> TokenFeed | None:
             rows.append(row_of[sl.job_id])
         flat += len(sl.token_ids)
     return TokenFeed(pending.ids, targets, rows) if targets else None
+
+
+def _steady(slices: list[SequenceSlice], active: list[ActiveJob]) -> bool:
+    """Steady decoding: the slices are the pending step's jobs, in the same order, each
+    feeding only its pending token (one pass: this runs every step over every job)."""
+    if len(slices) != len(active):
+        return False
+    for sl, a in zip(slices, active):
+        if sl.job_id != a.job_id or sl.token_ids != _PENDING_ONLY:
+            return False
+    return True
