@@ -71,10 +71,11 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     """The normalized rotation ``R = H_n · diag(s) / sqrt(n)`` as an [n, n] float32 matrix
     (``rotate(x) = x @ Rᵀ``), computed with the butterfly."""
     signs = rotation_signs(n)
-    rows = walsh_hadamard(torch.diag(signs), n) * _inv_sqrt(n)  # row j: R applied to e_j
+    rows = walsh_hadamard(torch.diag(signs), n) * inv_sqrt(n)  # row j: R applied to e_j
     return rows.T.contiguous()
 
 
-def _inv_sqrt(n: int) -> float:
-    # float32 constant, the same value the CUDA kernel receives as an argument.
+def inv_sqrt(n: int) -> float:
+    """``1 / sqrt(n)`` rounded to float32 (exactly representable as a Python float): the
+    normalization of `hadamard_matrix`, the same value the CUDA and Triton kernels use."""
     return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))

@@ -25,11 +25,10 @@ the compute dtype, rotated like the codes, so a kernel attending in the rotated 
 as they are. `gather` returns the page heads (un-rotated) in place of their quantized rows;
 readers take the recent rows from `gather_recent`.
 
-Per layer and step, the rows are prepared once (`step_rows`): keys minus their offsets and
-values in one [2, T, ...] tensor, rotated by one matrix product, cast once; the head rows, the
-window rows and attention's exact operands all read that result, and the row indices of heads
-and window are computed once per forward, not per layer (a batch-1 GPU decode step is mostly
-such small kernels: benchmarks/storage_ops.py counts them).
+Per layer and step, the exact rows are made once by `write` and reused by the calls after it
+(`step_rows.StepMemo`). On CUDA with triton, `write` is one Triton launch and the window's
+write one more (`quant_write`); otherwise the torch ops around the native kernel
+(`quant_write_native`; benchmarks/storage_ops.py counts them).
 
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
 from every key before it is quantized and never added back: attention scores of a query all move
@@ -53,8 +52,13 @@ from dyngen_core.storage.qformat import (
     QuantFormat,
     check_head_dim,
     dequantize,
-    quantize_rotated,
 )
+from dyngen_core.storage.quant_write import (
+    resolve_triton_write,
+    write_step_triton,
+    write_window_triton,
+)
+from dyngen_core.storage.quant_write_native import write_heads, write_pages
 from dyngen_core.storage.recent import RecentWindow, WindowIndex
 from dyngen_core.storage.step_rows import (
     ExactStepRows,
@@ -90,7 +94,7 @@ class QuantLayer:
         """The unquantized first value row of every page, like `key_heads`."""
         return self.head_rows[1]
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The [num_pages, page_size, ...] tensors (what page copies move slot by slot)."""
         return (self.key_codes, self.key_scales, self.value_codes, self.value_scales)
 
@@ -116,12 +120,18 @@ class QuantStorage:
         recent_window: positions of each running sequence kept unquantized once
             `reserve_sequences` has been called (0: none). Default: 16 for q6 and q4, 0 for q8
             (`DEFAULT_RECENT_WINDOW`).
+        triton_write: write a layer's rows in one Triton launch, its window in one more
+            (`quant_write`: the native kernel's codes; exact rows within one step of the
+            compute dtype) instead of the ops of `quant_write_native`. None: on CUDA layers
+            with triton installed, unless ``DYNGEN_QUANT_WRITE`` is "native" (or "triton");
+            True: every layer (ValueError where it cannot run: no triton, or the CPU without
+            ``TRITON_INTERPRET=1``); False: never.
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: Sequence[torch.device | str], mode: str = "q4", *,
                  bits: tuple[int, int] | None = None, use_native: bool = True,
-                 recent_window: int | None = None) -> None:
+                 recent_window: int | None = None, triton_write: bool | None = None) -> None:
         if mode not in MODE_BITS:
             raise ValueError(f"quantized cache mode {mode!r} is unknown; use one of "
                              f"{tuple(MODE_BITS)} (or 'fp16' for the unquantized storage)")
@@ -145,6 +155,7 @@ class QuantStorage:
         self._rotation = {d: hadamard_matrix(GROUP_SIZE).to(d) for d in set(self.devices)}
         wants_native = use_native and any(d.type == "cuda" for d in self.devices)
         self._native = native.load_native() if wants_native else None
+        self._triton = [resolve_triton_write(triton_write, d) for d in self.devices]
         self.key_offsets: list[torch.Tensor] | None = None
         self._memo = StepMemo()
         self.recent: RecentWindow | None = None
@@ -218,15 +229,23 @@ class QuantStorage:
         slots ``slot_mapping`` [T] (page * page_size + offset); rows landing on slot 0 of a
         page also become that page's exact head row. Values are taken in the keys' dtype (the
         model gives both in its own)."""
+        device, pages = self.devices[layer], self.layers[layer]
+        if self._triton[layer]:
+            offsets = self.key_offsets[layer] if self.key_offsets is not None else None
+            exact = write_step_triton(key, value, slot_mapping.to(device), offsets,
+                                      self._signs[device], pages.tensors(),
+                                      (self.key_format.bits, self.value_format.bits),
+                                      pages.head_rows, self.dtype)
+            self._memo.keep_rows(layer, key, value, ExactStepRows(exact=exact))
+            return
         rows = self._prepare_rows(layer, key, value)
         self._memo.keep_rows(layer, key, value, rows)
-        self._write_pages(layer, rows, slot_mapping)
-        device = self.devices[layer]
+        assert rows.stored is not None and rows.rotated is not None
+        write_pages(pages.tensors(), (self.key_format, self.value_format), rows.stored,
+                    rows.rotated, slot_mapping, self._kernels(layer), self._signs[device])
         index = self._memo.index("heads", layer, device, (slot_mapping,), lambda: head_index(
             slot_mapping, self.page_size, self.num_pages, device))
-        heads = self.layers[layer].head_rows
-        heads.view(-1, *heads.shape[2:]).index_copy_(0, index,
-                                                     rows.exact.view(-1, *heads.shape[2:]))
+        write_heads(pages.head_rows, index, rows.exact)
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
@@ -236,6 +255,11 @@ class QuantStorage:
         positions its first queries still read. No-op without `reserve_sequences`."""
         recent = self.recent
         if recent is None:
+            return
+        if self._triton[layer]:
+            target = recent.layers[layer]
+            write_window_triton(self.step_rows(layer, key, value).exact, positions, seq_slots,
+                                target.rows, target.positions, recent.window)
             return
         device = self.devices[layer]
         index: WindowIndex = self._memo.index(
@@ -258,7 +282,7 @@ class QuantStorage:
         if self.key_offsets is None:
             return key
         rows = self._memo.rows(layer, key)
-        if rows is not None:
+        if rows is not None and rows.stored is not None:
             return rows.stored[0]
         return offset_keys(key, self.key_offsets[layer], torch.empty_like(key))
 
@@ -274,24 +298,6 @@ class QuantStorage:
         offsets = self.key_offsets[layer] if self.key_offsets is not None else None
         return prepare_rows(key, value, offsets, self._rotation[self.devices[layer]],
                             self.dtype)
-
-    def _write_pages(self, layer: int, rows: ExactStepRows, slot_mapping: torch.Tensor) -> None:
-        pages = self.layers[layer]
-        kernels = self._kernels(layer)
-        if kernels is not None:
-            kernels.quantize_write(rows.stored[0], rows.stored[1], slot_mapping,
-                                   pages.key_codes, pages.key_scales, pages.value_codes,
-                                   pages.value_scales, self._signs[self.devices[layer]],
-                                   self.key_format.bits, self.value_format.bits)
-            return
-        slots = slot_mapping.to(torch.int64)
-        for rotated, codes, scales, fmt in (
-            (rows.rotated[0], pages.key_codes, pages.key_scales, self.key_format),
-            (rows.rotated[1], pages.value_codes, pages.value_scales, self.value_format),
-        ):
-            packed, row_scales = quantize_rotated(rotated, fmt)
-            codes.view(-1, *codes.shape[2:]).index_copy_(0, slots, packed)
-            scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, row_scales)
 
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of the pages in ``page_table`` [B, P], each

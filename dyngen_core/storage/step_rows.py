@@ -39,16 +39,17 @@ Result = TypeVar("Result")
 class ExactStepRows:
     """This step's rows of one layer as the storage keeps them, keys at index 0, values at 1.
 
+    exact: the rows rotated (`hadamard.rotate`) in the compute dtype, the form of the exact
+        rows (page heads, recent windows).
     stored: [2, T, kv_heads, head_dim] in the keys' dtype: keys minus the layer's key offsets
-        (what the quantized pages encode), values as given.
-    rotated: ``stored`` rotated (`hadamard.rotate`), float32 (what the torch codec quantizes).
-    exact: ``rotated`` in the compute dtype, the form of the exact rows (page heads, recent
-        windows).
+        (what the quantized pages encode), values as given; None when the write that made
+        ``exact`` kept them in registers only (`quant_write`).
+    rotated: ``stored`` rotated, float32 (what the torch codec quantizes); None likewise.
     """
 
-    stored: torch.Tensor
-    rotated: torch.Tensor
     exact: torch.Tensor
+    stored: torch.Tensor | None = None
+    rotated: torch.Tensor | None = None
 
 
 def prepare_rows(key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor | None,

@@ -166,7 +166,7 @@ def test_storage_native_and_torch_paths_agree(kernels: native.NativeKernels, mod
                          intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          head_dim=64)
     devices = [torch.device("cuda")] * 2
-    fast = QuantStorage(config, 5, 16, torch.bfloat16, devices, mode)
+    fast = QuantStorage(config, 5, 16, torch.bfloat16, devices, mode, triton_write=False)
     reference = QuantStorage(config, 5, 16, torch.bfloat16, devices, mode, use_native=False)
     assert fast._native is kernels and reference._native is None
     keys = outlier_rows(50, 2, 64, torch.bfloat16, seed=9)

@@ -1,6 +1,7 @@
 """The Triton kernel reads quantized storage's exact rows (page heads, recent windows) by the
 same rule as the sdpa reference (`attention.sdpa_recent`), in decode, prefill and mixed steps,
-with sequences with and without a window slot, and with the context split several ways."""
+with sequences with and without a window slot, and with the context split several ways; the
+storage written by its old path and by its one-launch Triton write (`storage.quant_write`)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,13 @@ CASES = {
 }
 
 
-def _setup(case: str, mode: str, device: torch.device
+def _setup(case: str, mode: str, device: torch.device, triton_write: bool
            ) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=HEADS * DIM, intermediate_size=64, num_layers=1,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
     storage = QuantStorage(config, 32, PAGE, torch.float32, [device], mode,
-                           recent_window=WINDOW)
+                           recent_window=WINDOW, triton_write=triton_write)
     storage.reserve_sequences(8)
     gen = torch.Generator().manual_seed(len(case))
     offsets = [torch.randn(KV_HEADS, DIM, generator=gen)]
@@ -61,15 +62,17 @@ def _setup(case: str, mode: str, device: torch.device
     return storage, batch, torch.cat(step_k), torch.cat(step_v)
 
 
+@pytest.mark.parametrize("triton_write", [False, True])
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_reads_exact_rows_like_sdpa(device: torch.device, case: str, mode: str) -> None:
+def test_triton_reads_exact_rows_like_sdpa(device: torch.device, case: str, mode: str,
+                                           triton_write: bool) -> None:
     from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
 
     gen = torch.Generator().manual_seed(3)
     outputs = []
     for backend in (SdpaBackend(), TritonPagedBackend(max_splits=3, block_n=16)):
-        storage, batch, k, v = _setup(case, mode, device)
+        storage, batch, k, v = _setup(case, mode, device, triton_write)
         q = torch.randn(batch.num_tokens, HEADS, DIM, generator=gen).to(device)
         gen.manual_seed(3)
         outputs.append(backend.attend(0, q, k, v, storage, batch, DIM ** -0.5))

@@ -1,0 +1,136 @@
+"""The quantized storage's write in one Triton launch per layer (and one more for the recent
+window), and the choice between it and the write it replaces.
+
+Why: per layer of a decode step, the write `quant.QuantStorage` used to run is about ten small
+kernels: the key offsets and the value copy into one tensor, a float32 cast, the rotation as a
+cuBLAS matrix product (plus its split-K reduction), the cast to the compute dtype, the native
+quantize-on-write (csrc/), the head rows' ``index_copy_``, and after attention the window's two
+``index_copy_``; plus, once per step, the dozen kernels that build the head and window row
+indices. In a batch-1 CUDA-graph step of a Llama-3-8B-shape model on an H200 they cost about
+15-20 us per layer, against 0 for the fp16 storage's one-launch write. `write_step_triton` does
+all of the write in one launch (`quant_write_kernel.quant_write_kernel`), and
+`write_window_triton` the window in another, each computing its row indices itself.
+
+Agreement with the write it replaces: codes and scales are bit for bit those of the native
+kernel (same butterfly order, IEEE division, round half to even, fp16 scale rounding); the
+exact rows (page heads, window, the step's exact operands) are the same float32 rotation
+rounded once to the compute dtype, where the old path rotated them with a float32 matrix
+product: the two round differently in the last float32 bits (relative to the group's largest
+value, as the sums of 32 terms are), so an exact row element may differ by one step of the
+compute dtype at its group's largest value where the float32 sum sits on a rounding boundary:
+for bf16 at most 2**-8 of that value, far below the error of the quantized rows around it
+(4 bits: about 2**-4), and no more than the old path's own codes and exact rows already
+disagreed by (codes from the butterfly, exact rows from the product). Against the torch codec
+(the CPU path, which quantizes the product's rotation) codes can differ by one step on
+rounding boundaries, as the native kernel's do (tests/gpu/test_native_kernels.py).
+
+What is not reproduced: the old write stored the exact row of a slot that opens no page into
+a spare head row nobody reads; the kernel stores nothing there. Slots outside the pages: the
+native kernel skipped them, as this one does (codes and head row); their exact rows are still
+produced.
+
+Everything launched has a grid of the token count only and reads slots, positions and sequence
+slots on the device: capturable in CUDA graphs, no host sync.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import torch
+
+from dyngen_core.storage.hadamard import inv_sqrt
+from dyngen_core.storage.qformat import GROUP_SIZE
+from dyngen_core.triton_support import require_triton, triton_by_default
+
+# Overrides the default of `QuantStorage(triton_write=None)`, for A/B runs of scripts that
+# build their storage with defaults: "triton" (the one-launch write) or "native" (the old one).
+WRITE_ENV = "DYNGEN_QUANT_WRITE"
+WINDOW_SCAN = 256
+
+
+def resolve_triton_write(option: bool | None, device: torch.device) -> bool:
+    """Whether a layer on ``device`` takes the Triton write. ``option`` None: the
+    ``DYNGEN_QUANT_WRITE`` environment variable when set ("triton" or "native"), else on CUDA
+    with triton installed (`triton_support.triton_by_default`). True: raises ValueError where
+    the kernel cannot run (no triton; the CPU without ``TRITON_INTERPRET=1``)."""
+    if option is None:
+        chosen = os.environ.get(WRITE_ENV, "")
+        if chosen not in ("", "triton", "native"):
+            raise ValueError(f"{WRITE_ENV}={chosen!r}: use 'triton' or 'native' (or unset it)")
+        if not chosen:
+            return triton_by_default(device)
+        option = chosen == "triton" and triton_by_default(device)
+    if option:
+        require_triton(device, "triton_write")
+    return option
+
+
+def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                      offsets: torch.Tensor | None, signs: torch.Tensor,
+                      pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                      bits: tuple[int, int], head_rows: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Quantize key/value rows [T, kv_heads, head_dim] (last dimension contiguous, or they are
+    copied) into ``pages`` (key codes, key scales, value codes, value scales: a layer's
+    [num_pages, page_size, kv_heads, ...] tensors) at flat slots ``slot_mapping`` [T] (int32 or
+    int64), keys minus ``offsets`` (float32 [kv_heads, head_dim], or None); ``bits``: (key
+    bits, value bits); ``signs``: `hadamard.rotation_signs` (32) on the device. Rows at slot 0
+    of a page also go to ``head_rows`` [2, num_pages + 1, kv_heads, head_dim]. Returns the
+    step's exact rows [2, T, kv_heads, head_dim] in ``dtype`` (rotated, minus the offsets:
+    `step_rows.ExactStepRows.exact`)."""
+    from dyngen_core.storage.quant_write_kernel import quant_write_kernel
+
+    tokens, heads, head_dim = key.shape
+    exact = torch.empty((2, tokens, heads, head_dim), dtype=dtype, device=key.device)
+    if tokens == 0:
+        return exact
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    key_codes, key_scales, value_codes, value_scales = pages
+    num_pages, page_size = key_codes.shape[:2]
+    with torch.cuda.device(key.device) if key.is_cuda else nullcontext():
+        quant_write_kernel[(tokens,)](
+            key, value, slot_mapping, key if offsets is None else offsets, signs,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            key_codes, key_scales, value_codes, value_scales, head_rows, exact,
+            num_pages * page_size, num_pages,
+            HEADS=heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, KEY_BITS=bits[0],
+            VALUE_BITS=bits[1], HAS_OFFSETS=offsets is not None,
+            ROWS=_next_pow2(heads * head_dim // GROUP_SIZE), INV_SQRT=inv_sqrt(GROUP_SIZE),
+            num_warps=4, enable_fp_fusion=False,
+        )
+    return exact
+
+
+def write_window_triton(exact: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
+                        ring_rows: torch.Tensor, ring_positions: torch.Tensor,
+                        window: int) -> None:
+    """Store the step's exact rows ``exact`` [2, T, kv_heads, head_dim] in a layer's window
+    (``ring_rows`` [2, slots * window + 1, kv_heads, head_dim] and ``ring_positions``
+    [slots * window + 1], `recent.RecentLayer`) for tokens at ``positions`` [T] of the
+    sequences in ``seq_slots`` [T] (-1 or out of range: not kept), as
+    `recent.RecentWindow.write_rows` with `RecentWindow.index` does."""
+    from dyngen_core.storage.quant_write_kernel import window_write_kernel
+
+    tokens = exact.shape[1]
+    if tokens == 0:
+        return
+    row_size = exact.shape[2] * exact.shape[3]
+    device = ring_rows.device
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        window_write_kernel[(tokens,)](
+            exact.contiguous().to(ring_rows.dtype), positions.to(device),
+            seq_slots.to(device), ring_rows, ring_positions,
+            (ring_rows.shape[1] - 1) // window,
+            WINDOW=window, ROW_SIZE=row_size, ROW_PAD=_next_pow2(row_size),
+            SCAN=WINDOW_SCAN, num_warps=4,
+        )
+
+
+def _last_dim_contiguous(rows: torch.Tensor) -> torch.Tensor:
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
