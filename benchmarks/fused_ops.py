@@ -17,6 +17,8 @@ not bandwidth. Each measurement replays a CUDA graph of one call per operand cop
 copies that hold at least 4 x L2 (2 to 64 copies; at T <= 64 the copies fit in L2, as the
 decode step's hot residual stream does); the time per call is the median replay over the calls.
 Every kernel variant is checked against the torch ops first (BAD: relative error above 1e-2).
+At T = 1 the per-case line adds torch_host / default_host: host seconds per eager call (launch
+overhead, what an eager, uncaptured decode step pays).
 
     python benchmarks/fused_ops.py [--rows 1,64,256,8030] [--no-e2e] [--small]
 
@@ -134,8 +136,24 @@ def measure(case: Case, small: bool, device: torch.device,
         except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is a result
             print(f"{case} {label(case, variant)} failed: {exc!r:.200}", flush=True)
             seconds[label(case, variant)] = float("inf")
+    if device.type == "cuda" and case.rows == 1:  # eager decode: is the host the limit?
+        seconds["torch_host"] = host_seconds(partial(torch_call, case, weight, all_ops[0]))
+        seconds["default_host"] = host_seconds(
+            partial(kernel_call, case, (0, 0), weight, all_ops[0]))
     print(f"{case.op:8} T={case.rows:<5} floor={case.nbytes / BANDWIDTH * 1e6:.1f} " + " ".join(
         f"{key}={_us(value)}" for key, value in seconds.items()), flush=True)
+    return seconds
+
+
+def host_seconds(call: Callable[[], object], calls: int = 200) -> float:
+    """Host seconds per eager call (launch overhead), back to back without syncing."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    seconds = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
     return seconds
 
 
@@ -144,7 +162,8 @@ def _us(seconds: float) -> str:
 
 
 def _best(seconds: dict[str, float]) -> str:
-    return min((key for key in seconds if key != "torch"), key=seconds.__getitem__)
+    return min((key for key in seconds if key != "torch" and not key.endswith("_host")),
+               key=seconds.__getitem__)
 
 
 def layer_set(results: dict[Case, dict[str, float]], rows_list: list[int]) -> list[str]:
@@ -226,10 +245,14 @@ def main() -> None:
         report("fused_ops", op=case.op, rows=case.rows, width=case.width,
                torch_us=seconds["torch"] * 1e6, default_us=seconds["default"] * 1e6,
                best=best, best_us=seconds[best] * 1e6, floor_us=floor * 1e6,
-               device=device_name())
+               torch_host_us=seconds.get("torch_host", 0.0) * 1e6,
+               default_host_us=seconds.get("default_host", 0.0) * 1e6, device=device_name())
         lines.append(f"{case.op:10} {case.rows:>5} {seconds['torch'] * 1e6:>9.1f}us "
                      f"{_us(seconds['default']):>9}us {best:>8} {_us(seconds[best]):>9} "
-                     f"{floor * 1e6:>8.1f}us {seconds['torch'] / seconds['default']:>5.2f}")
+                     f"{floor * 1e6:>8.1f}us {seconds['torch'] / seconds['default']:>5.2f}"
+                     + (f"  host {seconds['torch_host'] * 1e6:.1f} vs "
+                        f"{seconds['default_host'] * 1e6:.1f}us" if "torch_host" in seconds
+                        else ""))
     lines += layer_set(results, rows_list)
     if device.type == "cuda" and not args.no_e2e and not args.small:
         lines += end_to_end(args.layers, 8030, device)

@@ -94,9 +94,9 @@ def add_rms_norm(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: 
 def silu_mul(gate_up: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2 * I] (gate first): [T, I]; one kernel when ``fused`` and
     gate_up is a bf16/fp16 2-D tensor contiguous along its last dimension."""
-    if (fused and gate_up.dtype in HALF_DTYPES and gate_up.dim() == 2 and gate_up.numel()
-            and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1
-            and not torch.compiler.is_compiling()):
+    if (fused and not torch.compiler.is_compiling() and gate_up.dtype in HALF_DTYPES
+            and gate_up.dim() == 2 and gate_up.numel() and gate_up.shape[1] % 2 == 0
+            and gate_up.stride(1) == 1):
         return launch_silu_mul(gate_up)
     return silu_mul_torch(gate_up)
 
@@ -154,9 +154,10 @@ def launch_silu_mul(gate_up: torch.Tensor, *, block: int = 0,
 
 
 def _norm_routable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype in HALF_DTYPES and weight.dtype == x.dtype and x.dim() in (2, 3)
-            and x.stride(-1) == 1 and weight.stride(0) == 1 and x.numel() > 0
-            and x.shape[-1] <= MAX_NORM_DIM and not torch.compiler.is_compiling())
+    # Compiling first: no shape or stride checks (guards) in a traced graph.
+    return (not torch.compiler.is_compiling() and x.dtype in HALF_DTYPES
+            and weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1
+            and weight.stride(0) == 1 and x.numel() > 0 and x.shape[-1] <= MAX_NORM_DIM)
 
 
 def _on_device(x: torch.Tensor) -> AbstractContextManager[object]:
