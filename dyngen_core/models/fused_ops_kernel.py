@@ -7,7 +7,7 @@ one rounding per torch op), so only the order of the norm's sum of squares diffe
 - `rms_norm_kernel`: h = x + out rounded to the dtype (written when ``HAS_RESIDUAL``), then
   normed = (h32 * rsqrt(mean(h32^2) + eps)) rounded to the dtype, then y = weight * normed
   rounded. A program holds ``BLOCK_M`` whole rows in registers (one read, one write each).
-  Input rows are addressed as (row // inner) * stride_outer + (row % inner) * stride_inner, so a
+  Input rows are addressed as (row // inner) * stride_xo + (row % inner) * stride_xi, so a
   3-D view [A, B, N] (per-head q/k of a fused projection) needs no copy; outputs are contiguous.
 - `silu_mul_kernel`: y = (silu(gate) rounded) * up rounded, gate and up the two halves of each
   [2 * I] row; program (row, block) writes ``BLOCK`` columns of one row.
