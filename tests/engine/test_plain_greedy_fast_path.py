@@ -56,9 +56,9 @@ class _Calls:
             self.greedy += 1
             return greedy_ids(sampler, logits)
 
-        def counted_general(sampler: Sampler, *args: Any) -> Any:
+        def counted_general(sampler: Sampler, *args: Any, **kwargs: Any) -> Any:
             self.general += 1
-            return sample_tokens(sampler, *args)
+            return sample_tokens(sampler, *args, **kwargs)
 
         monkeypatch.setattr(Sampler, "greedy_ids", counted_greedy)
         monkeypatch.setattr(Sampler, "sample_tokens", counted_general)
