@@ -16,9 +16,11 @@ and a ~40-token question). Timed, per call, as median graph replays:
   pass: variants differing only in the merge share the first one's row).
 
 Success for the fused merge: ``cascade:fused`` below ``cascade:3launch`` in every column (the
-merge launch and the own-keys partials gone), its error ~1e-3 (bf16); for the page-id
-prefetch: ``prefix:win*`` below ``prefix:3launch`` (the tile kernel) and the whole cascade
-with it lower still; the goal is ``cascade`` near ``no_document``.
+merge launch and the own-keys partials gone), its error ~1e-3 (bf16); ``fused_1split`` /
+``fused_win4`` below ``fused``: set ``remainder_max_splits=1`` / ``remainder_window=4``; for
+the prefix pass's page-id prefetch: ``prefix:win*`` below ``prefix:3launch`` (the tile kernel,
+which every variant without "win" shares): set ``prefix_kernel="window"`` and that row's
+shape. The goal is ``cascade`` near ``no_document``.
 
 Each graph runs the call over ``copies`` disjoint copies of the pages and queries (more bytes
 than the 50 MB L2 in all) and the time is divided by the copies. The last lines are a table.
@@ -37,7 +39,7 @@ against its FLOPs / 780 TFLOP/s. Plain decode reads members x context x 4,096 by
 8,030: 2.1 GB, ~500 us).
 
     python benchmarks/cascade_kernel.py [--cases 64x8030,16x8030,64x2048,16x2048]
-        [--variants 3launch,fused,fused_1split,fused_n128,win_n32s4,win_n64s3w8,win128_n32s4]
+        [--variants 3launch,fused,fused_1split,fused_win4,win_n32s4,win_n64s3w8,win128_n32s4]
 
 On the CPU (``TRITON_INTERPRET=1``, ``--small``) it runs each call once, without graphs, to
 check the script and that every variant agrees with the plain decode.
@@ -73,32 +75,38 @@ QUESTION = 40
 # cascade of the fourth session (own keys through the paged kernel, prefix tiles, a merge
 # kernel); "fused" the backend's default, two launches (`triton_cascade_fused`: the own-keys
 # pass merges); "win*" prefetch the prefix pass's page ids (`triton_cascade_prefetch`), with
-# the fused merge. Registers a thread and shared memory (ptxas, sm_90, bf16; none spills):
+# the fused merge and its own keys' page ids loaded ahead too ("fused_win4" alone: the own
+# keys' loop otherwise holds one tile buffer and waits for each copy: no prefetch at all, as
+# the plain decode kernel's). Registers a thread and shared memory (ptxas, sm_90, bf16; none
+# spills):
 # tiles 64 rows x 64 keys x 4 warps, 3 stages 161 / 82 KB (two tile buffers, every copy
 # waited for at the top of each step); window 64 x 64 x 4, 3 stages 230 / 115 KB (one
 # program a multiprocessor); 64 x 32 x 4, 4 stages 183 / 82 KB; 64 x 64 x 8, 3 stages 171 /
-# 115 KB; 128 x 32 x 8, 4 stages 205 / 98 KB; the fused own-keys pass 112 (split: 128).
+# 115 KB; 128 x 32 x 8, 4 stages 205 / 98 KB; the fused own-keys pass 112 / 39 KB (split:
+# 128), with 4 page ids ahead 145 / 72 KB (two tile buffers, one tile in flight).
+WIN = {"prefix_kernel": "window", "remainder_window": 4}
 VARIANTS: dict[str, dict[str, Any]] = {
     "3launch": {"fused_merge": False},
     "fused": {"fused_merge": True},
     "fused_1split": {"fused_merge": True, "remainder_max_splits": 1},
-    "fused_n128": {"fused_merge": True, "remainder_block_n": 128},
-    "win_n32s4": {"prefix_kernel": "window", "prefix_block_n": 32, "stages": 4},
-    "win_n64s3w8": {"prefix_kernel": "window", "warps": 8, "programs_per_sm": 1},
-    "win128_n32s4": {"prefix_kernel": "window", "rows": 128, "warps": 8, "programs_per_sm": 1,
+    "fused_win4": {"fused_merge": True, "remainder_window": 4},
+    "win_n32s4": {**WIN, "prefix_block_n": 32, "stages": 4},
+    "win_n64s3w8": {**WIN, "warps": 8, "programs_per_sm": 1},
+    "win128_n32s4": {**WIN, "rows": 128, "warps": 8, "programs_per_sm": 1,
                      "prefix_block_n": 32, "stages": 4},
-    # Not run by default: earlier sweeps (the general kernel, tile shapes).
+    # Not run by default: earlier sweeps (the general kernel, tile shapes) and other knobs.
     "old": {"prefix_kernel": "general", "rows": 64, "warps": 8, "programs_per_sm": 1,
             "fused_merge": False},
     "tiles64x2w8": {"prefix_kernel": "tiles", "rows": 64, "warps": 8, "programs_per_sm": 2},
     "tiles128": {"prefix_kernel": "tiles", "rows": 128, "warps": 8, "programs_per_sm": 1},
-    "win_n64s3": {"prefix_kernel": "window", "programs_per_sm": 1},
+    "fused_n128": {"fused_merge": True, "remainder_block_n": 128},
+    "win_n64s3": {**WIN, "programs_per_sm": 1},
 }
-DEFAULT_VARIANTS = "3launch,fused,fused_1split,fused_n128,win_n32s4,win_n64s3w8,win128_n32s4"
+DEFAULT_VARIANTS = "3launch,fused,fused_1split,fused_win4,win_n32s4,win_n64s3w8,win128_n32s4"
 # Options that leave the prefix pass as it is: variants differing only in these share its
 # timing row.
 MERGE_ONLY = ("fused_merge", "remainder_max_splits", "remainder_warps", "remainder_block_n",
-              "merge_split_block")
+              "remainder_window", "merge_split_block")
 L2_BYTES = 50 << 20
 
 

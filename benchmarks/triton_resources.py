@@ -294,13 +294,15 @@ def other_kernel_variants(shape: Shape) -> list[Variant]:
                 "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim,
                 "PAGE_SIZE": shape.page_size, "WINDOW": 16, "DOT_PRECISION": "tf32"},
             warps, stages=stages, ints=ints))
-    for split in (False, True):  # the fused own-keys pass (`CascadeOptions` defaults)
+    # The fused own-keys pass (`CascadeOptions` defaults; -w4: 4 page ids loaded ahead).
+    for split, window in ((False, 0), (True, 0), (False, 4), (True, 4)):
         out.append(Variant(
-            f"cascade-rem-fused-m16-n64x4{'-split' if split else ''}", remainder_merge_kernel, {
+            f"cascade-rem-fused-m16-n64x4{'-split' if split else ''}"
+            f"{f'-w{window}' if window else ''}", remainder_merge_kernel, {
                 "G": shape.group, "G_PAD": group_pad, "BLOCK_M": max(16, group_pad),
                 "BLOCK_N": 64, "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim,
                 "PAGE_SIZE": shape.page_size, "SPLIT": split, "SPLIT_BLOCK": 4,
-                "DOT_PRECISION": "tf32"}, 4, stages=3, ints=ints))
+                "WINDOW": window, "DOT_PRECISION": "tf32"}, 4, stages=3, ints=ints))
     tiled = TiledPrefillOptions()
     out.append(Variant(
         f"prefill-m{tiled.rows}-n{tiled.block_n}x{tiled.warps}-s{tiled.stages}",

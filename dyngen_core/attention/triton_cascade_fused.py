@@ -64,6 +64,45 @@ def fold_partials(m_i, l_i, acc, part_ptr, lse_ptr, first_row, count, valid, dim
     return m_i, l_i, acc
 
 
+@triton.jit
+def own_keys_windowed(q, m_i, l_i, acc, table_row, kv_lo, kv_hi, k_base, v_base, stride_kp,
+                      stride_ks, stride_vp, stride_vs, dims, WINDOW: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`attend_key_range` for keys [kv_lo, kv_hi) that every row sees, ``kv_lo`` a multiple
+    of BLOCK_N counted from a page start and BLOCK_N dividing PAGE_SIZE (so no tile straddles
+    a page): one page id per tile, picked out of a vector of ``WINDOW`` ids loaded before the
+    window's tiles (no load in the tile loop feeds an address, so the pipeliner keeps tile
+    copies in flight: `triton_cascade_prefetch`). ``q`` is scaled (`load_scaled_queries`)."""
+    window = tl.arange(0, WINDOW)
+    slots = tl.arange(0, BLOCK_N)
+    last_page = tl.cdiv(kv_hi, PAGE_SIZE)
+    for first_page in range(kv_lo // PAGE_SIZE, last_page, WINDOW):
+        ids = tl.load(table_row + first_page + window, mask=first_page + window < last_page,
+                      other=0).to(tl.int64)
+        lo = tl.maximum(kv_lo, first_page * PAGE_SIZE)
+        hi = tl.minimum(kv_hi, (first_page + WINDOW) * PAGE_SIZE)
+        for n0 in range(lo, hi, BLOCK_N):
+            page = tl.sum(tl.where(window == n0 // PAGE_SIZE - first_page, ids, 0), 0)
+            rows = n0 % PAGE_SIZE + slots
+            key_valid = n0 + slots < hi
+            mask = key_valid[:, None] & (dims < HEAD_DIM)[None, :]
+            k = tl.load(k_base + page * stride_kp + (rows * stride_ks)[:, None] + dims[None, :],
+                        mask=mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            scores = tl.where(key_valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + page * stride_vp + (rows * stride_vs)[:, None] + dims[None, :],
+                        mask=mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                input_precision=DOT_PRECISION)
+            m_i = m_new
+    return m_i, l_i, acc
+
+
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs;
 # the prefix split count follows the lengths in eager forwards.
 @triton.jit(do_not_specialize=["stride_pt", "pre_splits"])
@@ -78,6 +117,7 @@ def remainder_merge_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     """Grid (decode sequences, KV heads, splits): one decode token's ``G`` query heads of one
     KV head against its own keys [kv_start[seq], context), merged with its group's prefix.
@@ -87,7 +127,9 @@ def remainder_merge_kernel(
     SPLIT (several splits): each split writes its partial to ``rem_out`` [B, H, splits,
         HEAD_PAD] / ``rem_lse`` and counts in at ``counter_ptr[seq * kv_heads + kv_head]``
         (zero between launches); the last one merges. Without SPLIT the grid has one split and
-        the program writes the output directly (``rem_*`` and counters are never read)."""
+        the program writes the output directly (``rem_*`` and counters are never read).
+    WINDOW > 0: the own keys through `own_keys_windowed` (BLOCK_N must divide PAGE_SIZE;
+        own keys start at a page: a group's prefix is whole pages)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,12 +151,18 @@ def remainder_merge_kernel(
     table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     position = ctx - 1 + rows * 0
     m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
-    m_i, l_i, acc = attend_key_range(
-        q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_head, dims,
-        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        k_ptr, v_ptr, 0, 0, 0, 0, 0, 0,
-        k_ptr, v_ptr, 0, 0, table_row, -1, 0, 0,
-        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, 0, 0, False, 0, DOT_PRECISION)
+    if WINDOW > 0:
+        m_i, l_i, acc = own_keys_windowed(
+            q, m_i, l_i, acc, table_row, kv_lo, kv_hi, k_ptr + kv_head * stride_kh,
+            v_ptr + kv_head * stride_vh, stride_kp, stride_ks, stride_vp, stride_vs, dims,
+            WINDOW, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, DOT_PRECISION)
+    else:
+        m_i, l_i, acc = attend_key_range(
+            q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_head, dims,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            k_ptr, v_ptr, 0, 0, 0, 0, 0, 0,
+            k_ptr, v_ptr, 0, 0, table_row, -1, 0, 0,
+            BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, 0, 0, False, 0, DOT_PRECISION)
     merge = True
     if SPLIT:
         part_row = (seq.to(tl.int64) * num_heads + head) * num_splits
@@ -147,7 +195,7 @@ def attend_remainder_merged(q: torch.Tensor, ops: PageOperands, batch: ForwardBa
                             tables: CascadeTables, prefix: tuple[torch.Tensor, torch.Tensor],
                             scale_log2: float, heads: _HeadShape, *, splits: int,
                             counters: torch.Tensor | None, block_n: int, warps: int,
-                            split_block: int) -> torch.Tensor:
+                            split_block: int, window: int = 0) -> torch.Tensor:
     """Own keys of every decode sequence merged with its group's prefix partials (parts,
     lse) [M, H, S_pre, ...] from `triton_cascade.attend_prefixes`; returns the output
     [B, H, D] in q's dtype.
@@ -156,7 +204,9 @@ def attend_remainder_merged(q: torch.Tensor, ops: PageOperands, batch: ForwardBa
         several need ``counters`` (at least B x KV heads zeroed int32) and float32 partial
         buffers, allocated here.
     block_n, warps: keys per inner step and warps per program.
-    split_block: partials loaded per round of the merges (a power of two)."""
+    split_block: partials loaded per round of the merges (a power of two).
+    window: page ids per vector of `own_keys_windowed` (a power of two; 0: per-key page
+        loads); used only where ``block_n`` divides the page size."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     pre_parts, pre_lse = prefix
@@ -180,10 +230,12 @@ def attend_remainder_merged(q: torch.Tensor, ops: PageOperands, batch: ForwardBa
         G=heads.group, G_PAD=heads.group_pad, BLOCK_M=max(16, heads.group_pad),
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_PAD=heads.head_pad,
         PAGE_SIZE=batch.page_size, SPLIT=splits > 1, SPLIT_BLOCK=split_block,
+        WINDOW=window if batch.page_size % block_n == 0 else 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps,
     )
     return out
 
 
-__all__ = ["attend_remainder_merged", "fold_partials", "remainder_merge_kernel"]
+__all__ = ["attend_remainder_merged", "fold_partials", "own_keys_windowed",
+           "remainder_merge_kernel"]

@@ -86,6 +86,10 @@ class CascadeOptions:
     remainder_block_n: with ``fused_merge``, keys per inner step of the own-keys pass (None:
         ``block_n``; fewer, larger steps are fewer dependent memory round trips over the
         few own keys of a member).
+    remainder_window: with ``fused_merge``, 0 reads own keys with a page id per key (the
+        paged kernel's loop); > 0 (a power of two) loads that many page ids ahead of their
+        tiles, one id a tile, so the tile copies pipeline (`triton_cascade_fused`), where
+        the tile divides the page size.
     merge_split_block: with ``fused_merge``, partials loaded per round of its merges.
     """
 
@@ -104,6 +108,7 @@ class CascadeOptions:
     remainder_max_splits: int | None = None
     remainder_warps: int = 4
     remainder_block_n: int | None = None
+    remainder_window: int = 0
     merge_split_block: int = 4
 
 
@@ -120,7 +125,8 @@ class CascadePath:
         if options.stages < 1:
             raise ValueError(f"cascade stages must be >= 1; got {options.stages}")
         for name, least in (("merge_split_block", 1), ("prefix_window", 1),
-                            ("remainder_block_n", 16)):  # keys: a tl.dot side
+                            ("remainder_block_n", 16),  # keys: a tl.dot side
+                            ("remainder_window", 1)):
             value = getattr(options, name) or least
             if value < least or value & (value - 1):
                 raise ValueError(f"cascade {name} must be a power of two >= {least}; got "
@@ -211,8 +217,8 @@ class CascadePath:
             return attend_remainder_merged(
                 q, ops, batch, tables, prefix, scale * LOG2_E, heads, splits=splits,
                 counters=counters, block_n=options.remainder_block_n or options.block_n,
-                warps=options.remainder_warps,
-                split_block=options.merge_split_block)
+                warps=options.remainder_warps, split_block=options.merge_split_block,
+                window=options.remainder_window)
         rem_splits = self.remainder_splits(batch, tables, heads, sms)
         remainder = (
             torch.empty(num_tokens, num_heads, rem_splits, heads.head_pad, dtype=torch.float32,

@@ -200,15 +200,17 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     assert _relative_error(many["cascade"], one["cascade"]) < 1e-4
 
 
-@pytest.mark.parametrize(("most", "block", "splits", "keys"),
-                         [(None, 1, 3, None), (None, 2, 3, 32), (1, 4, 1, None), (1, 4, 1, 32)])
+@pytest.mark.parametrize(("most", "block", "splits", "keys", "window"), [
+    (None, 1, 3, None, 0), (None, 2, 3, 32, 0), (1, 4, 1, None, 0), (1, 4, 1, 32, 0),
+    # Page ids loaded ahead: 2 a window over three splits, 4 over the loner's 13 pages.
+    (None, 2, 3, None, 2), (1, 4, 1, None, 4)])
 def test_fused_merge_splits_and_counters(device: torch.device, monkeypatch: pytest.MonkeyPatch,
                                          most: int | None, block: int, splits: int,
-                                         keys: int | None) -> None:
+                                         keys: int | None, window: int) -> None:
     """The fused own-keys pass split three ways (its last program merging three own partials
     and the prefix's, ``block`` partials a round) or never split, at the backend's tile or
-    its own (``keys``), against the three-launch cascade and sdpa; the split counters are
-    back to zero after the launch."""
+    its own (``keys``), with a page id per key or per tile (``window``), against the
+    three-launch cascade and sdpa; the split counters are back to zero after the launch."""
     from dyngen_core.attention import triton_cascade_path
 
     launches: list[tuple[int, torch.Tensor | None]] = []
@@ -225,7 +227,7 @@ def test_fused_merge_splits_and_counters(device: torch.device, monkeypatch: pyte
                             (1, [PAGE + 40, 2 * PAGE + 3])],
                     loners=[12 * PAGE + 9])
     fused = {"fused_merge": True, "remainder_max_splits": most, "merge_split_block": block,
-             "remainder_block_n": keys}
+             "remainder_block_n": keys, "remainder_window": window}
     options = {"block_n": 16, "programs_per_sm": 64, "max_splits": 3,
                "cascade_programs_per_sm": 64}
     outs = _run(layout, (8, 2, 32), torch.float32, device, seed=8, prefix=fused, **options)
