@@ -119,7 +119,7 @@ def quant_write_kernel(
     power of two. A slot outside [0, num_slots) stores no codes and no head row (its exact rows
     are still stored: a reader may attend to them)."""
     token = tl.program_id(0).to(tl.int64)
-    num_tokens = tl.num_programs(0)
+    num_tokens = tl.num_programs(0).to(tl.int64)
     slot = tl.load(slots + token).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)  # keep even the masked addresses inside the pages
@@ -173,7 +173,7 @@ def window_write_kernel(
     of the newest position of that slot in this step; the spare last row, holding position -1,
     for any other token. SCAN: tokens compared per block while finding that newest position."""
     token = tl.program_id(0).to(tl.int64)
-    num_tokens = tl.num_programs(0)
+    num_tokens = tl.num_programs(0).to(tl.int64)
     slot = tl.load(seq_slots + token).to(tl.int64)
     position = tl.load(positions + token).to(tl.int64)
     kept = (slot >= 0) & (slot < slots_held)

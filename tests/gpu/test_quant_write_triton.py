@@ -202,7 +202,8 @@ def test_decode_steps_in_cuda_graph(cuda_device: torch.device) -> None:
             storage.write(layer, k, v, s)
             storage.write_recent(layer, k, v, p, seq_slots)
 
-    step(fast, key, value, slots, positions)  # compile outside the capture
+    for storage in (fast, twin):  # compile outside the capture; both write the same
+        step(storage, key, value, slots, positions)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(fast, key, value, slots, positions)

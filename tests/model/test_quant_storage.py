@@ -274,6 +274,24 @@ def test_bad_configurations_fail_clearly() -> None:
         QuantStorage(model_config(), 2, 8, torch.float32, ["cpu"], "q4")
 
 
+def test_triton_write_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-launch write (`quant_write`) is never the default off CUDA, cannot be forced
+    onto the CPU outside Triton's interpreter, and the A/B variable must name a path."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("DYNGEN_QUANT_WRITE", raising=False)
+    storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
+    assert storage._triton == [False, False]
+    monkeypatch.setenv("DYNGEN_QUANT_WRITE", "triton")
+    storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
+    assert storage._triton == [False, False]  # the variable asks for it where it runs
+    with pytest.raises(ValueError, match="triton_write=True"):
+        QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4",
+                     triton_write=True)
+    monkeypatch.setenv("DYNGEN_QUANT_WRITE", "fast")
+    with pytest.raises(ValueError, match="DYNGEN_QUANT_WRITE='fast'"):
+        QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
+
+
 def test_explicit_bits_override_the_mode_pair() -> None:
     storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q6",
                            bits=(8, 4))
