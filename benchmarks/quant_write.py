@@ -22,7 +22,12 @@ Floors (H200: 4.25 TB/s copy, bytes read + written; FLOPs negligible): batch 256
 window per layer, about 1 us; batch 1 and 32 move under 150 kB: a launch's latency (2-3 us per
 kernel in a graph) is the floor, so the count of launches is what the new path cuts.
 
-    python benchmarks/quant_write.py [--batch 1 32 256] [--modes q4] [--repeats 30]
+    python benchmarks/quant_write.py [--batch 1 32 256] [--modes q4] [--windows 16 0]
+                                     [--repeats 30]
+
+``--modes``: cache modes (q4, q6, q8); ``--windows``: recent windows (0: none); ``--repeats``:
+graph replays per figure. The old path needs the csrc/ build (cached by torch after the first
+run on a machine; a cold build adds about a minute).
 """
 
 from __future__ import annotations
