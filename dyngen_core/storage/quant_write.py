@@ -91,7 +91,7 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     num_pages, page_size = key_codes.shape[:2]
     with torch.cuda.device(key.device) if key.is_cuda else nullcontext():
         quant_write_kernel[(tokens,)](
-            key, value, slot_mapping, key if offsets is None else offsets, signs,
+            key, value, slot_mapping, key if offsets is None else offsets.contiguous(), signs,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_codes, key_scales, value_codes, value_scales, head_rows, exact,
             num_pages * page_size, num_pages,
