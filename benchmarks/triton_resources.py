@@ -10,7 +10,9 @@ tensor-core ops, global loads, cp.async (LDGSTS), 16-byte global loads and cp.as
 (LD128: LDG* with .128), local-memory spills).
 
 Variants: ``old-*`` the general decode kernel (`paged_attention_kernel`; ``-mw``: with the
-in-kernel split merge and step write of small batches); ``new-*`` the q8/q4 word decode kernel
+in-kernel split merge and step write of small batches; ``-pwN``: its key loop with N page ids
+loaded ahead of the tiles, `DecodeOptions.page_window`; ``-sN``: N pipeline stages);
+``new-*`` the q8/q4 word decode kernel
 (`quant_decode_kernel`) over tiles and launch kinds, without its options and with the
 backend's defaults (`triton_quant.WordKernelFlags`, tag ``-vhfw``: letters of the options on);
 ``prefix-*`` the cascade's shared-prefix kernel, ``prefill-*`` the tiled prefill kernel and
@@ -111,7 +113,8 @@ def runtime_ints(shape: Shape, bits: int) -> dict[str, int]:
     """Int arguments of the attention kernels as a launch at ``shape`` passes them (q a view
     of the fused qkv rows; pages [pages, page_size, kv_heads, words]; q8/q4 scales
     [pages, page_size, kv_heads, head_dim / 32] float16, strides 0 for float pages)."""
-    words = shape.head_dim * bits // 32 if bits else shape.head_dim
+    # 6-bit rows are bytes, 4- and 8-bit rows int32 words.
+    words = shape.head_dim * bits // (8 if bits == 6 else 32) if bits else shape.head_dim
     groups = shape.head_dim // 32 if bits else 0
     qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
     values = {"stride_qt": qkv, "stride_qh": shape.head_dim,
@@ -222,17 +225,31 @@ def measure(variant: Variant, dtype: str, arch: int, hints: bool,
     }
 
 
+# (page bits, head rows, exact window, in-kernel merge and write, page ids loaded ahead,
+# stages) of the general decode kernel's variants.
+GENERAL_DECODES = ((0, False, 0, False, 0, 3), (0, False, 0, True, 0, 3),
+                   (8, True, 0, False, 0, 3), (4, True, 0, False, 0, 3),
+                   (4, True, 16, False, 0, 3),
+                   (0, False, 0, False, 2, 3), (0, False, 0, False, 4, 3),
+                   (0, False, 0, False, 16, 3), (0, False, 0, True, 4, 3),
+                   (0, False, 0, False, 4, 4), (0, False, 0, True, 4, 4),
+                   (6, True, 0, False, 0, 3), (6, True, 0, False, 4, 3),
+                   (6, True, 16, False, 0, 3), (6, True, 16, False, 4, 3))
+
+
 def general_decode_variants(shape: Shape) -> list[Variant]:
-    """`paged_attention_kernel` decodes (4 splits, the backend's 64 keys x 4 warps)."""
+    """`paged_attention_kernel` decodes (4 splits, the backend's 64 keys x 4 warps); tags:
+    ``-mw`` the in-kernel split merge and step write, ``-pwN`` N page ids loaded ahead of the
+    tiles (`DecodeOptions.page_window`), ``-sN`` N pipeline stages (else 3)."""
     group_pad = 1 << (shape.group - 1).bit_length()
     rows = max(16, group_pad)
     out = []
-    for bits, heads, window, in_kernel in ((0, False, 0, False), (0, False, 0, True),
-                                           (8, True, 0, False), (4, True, 0, False),
-                                           (4, True, 16, False)):
+    for bits, heads, window, in_kernel, page_window, stages in GENERAL_DECODES:
         name = "fp16" if bits == 0 else f"q{bits}"
         out.append(Variant(
-            f"old-{name}-w{window}-n64x4" + ("-mw" if in_kernel else ""),
+            f"old-{name}-w{window}-n64x4" + ("-mw" if in_kernel else "")
+            + (f"-pw{page_window}" if page_window else "")
+            + (f"-s{stages}" if stages != 3 else ""),
             paged_attention_kernel, {
                 "G": shape.group, "G_PAD": group_pad, "BLOCK_Q": 1, "BLOCK_M": rows,
                 "BLOCK_N": 64, "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim,
@@ -240,8 +257,8 @@ def general_decode_variants(shape: Shape) -> list[Variant]:
                 "DECODE": True, "REMAINDER": False, "WRITE_PARTIALS": True, "HEADS": heads,
                 "WINDOW": window, "DOT_PRECISION": "tf32", "MERGE": in_kernel,
                 "SPLIT_BLOCK": min(4, max(1, 64 // group_pad)) if in_kernel else 1,
-                "WRITE_STEP": in_kernel},
-            4, bits, ints=runtime_ints(shape, bits)))
+                "WRITE_STEP": in_kernel, "PAGE_WINDOW": page_window},
+            4, bits, stages=stages, ints=runtime_ints(shape, bits)))
     return out
 
 

@@ -6,8 +6,9 @@ reads each key and value of the group once for all its query heads. A third grid
 context ("split-K", flash-decoding): each split writes a partial result with its log-sum-exp and
 `combine_splits_kernel` merges them, or with ``MERGE`` (decodes) the split program that
 finishes last merges them in the same launch (`triton_decode_merge`). The query loading, the
-key loop and the normalization are helpers (`load_scaled_queries`, `attend_key_range`,
-`normalized_rows`) that the shared-prefix
+key loop (`triton_decode_tiles`: `attend_key_range`, or with ``PAGE_WINDOW`` page ids loaded
+ahead of the tiles so the tile loads pipeline) and the normalization are helpers
+(`load_scaled_queries`, `attend_key_range`, `normalized_rows`) that the shared-prefix
 kernel of `triton_cascade_kernels` reuses; with ``REMAINDER`` this kernel attends only each
 sequence's keys after its group's shared prefix (the cascade's second pass).
 
@@ -29,11 +30,11 @@ import triton
 import triton.language as tl
 
 from dyngen_core.attention.triton_decode_merge import count_in_and_merge
-from dyngen_core.attention.triton_exact_kernels import (
-    attend_exact_rows,
-    exact_row_of_page,
-    window_holds,
+from dyngen_core.attention.triton_decode_tiles import (
+    attend_key_range as attend_key_range,  # re-exported: the cascade kernels import it here
 )
+from dyngen_core.attention.triton_decode_tiles import attend_keys
+from dyngen_core.attention.triton_exact_kernels import attend_exact_rows
 from dyngen_core.attention.triton_step_write import store_step_row
 
 ROTATION_GROUP = 32
@@ -45,64 +46,6 @@ def _rotate_rows(x, rot, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
     groups = tl.reshape(x, (BLOCK_M * (HEAD_PAD // 32), 32))
     out = tl.dot(groups, rot, input_precision="ieee")
     return tl.reshape(out, (BLOCK_M, HEAD_PAD))
-
-
-@triton.jit
-def _load_rows(base_ptr, scale_ptr, row_off, scale_off, mask, dims,
-               BITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """Rows [BLOCK_N, HEAD_PAD] of a page tensor: as stored for float pages, dequantized to
-    float32 otherwise; columns past HEAD_DIM read as 0. row_off / scale_off [BLOCK_N, 1]:
-    element offsets of each row in the page tensor (int32 words for 4- and 8-bit codes, bytes
-    for 6-bit) / in the scales tensor."""
-    if BITS == 0:
-        col_mask = mask & (dims < HEAD_DIM)[None, :]
-        rows = tl.load(base_ptr + row_off + dims[None, :], mask=col_mask, other=0.0)
-    else:
-        if BITS == 6:
-            code = _load_codes6(base_ptr, row_off, mask & (dims < HEAD_DIM)[None, :], dims,
-                                HEAD_DIM)
-        else:
-            code = _load_word_codes(base_ptr, row_off, mask, BITS, HEAD_DIM, HEAD_PAD, BLOCK_N)
-        groups = tl.arange(0, HEAD_PAD // 32)
-        scale = tl.load(scale_ptr + scale_off + groups[None, :],
-                        mask=mask & (groups < HEAD_DIM // 32)[None, :], other=0.0)
-        scale = tl.reshape(tl.broadcast_to(scale.to(tl.float32)[:, :, None],
-                                           (BLOCK_N, HEAD_PAD // 32, 32)), (BLOCK_N, HEAD_PAD))
-        rows = code.to(tl.float32) * scale
-    return rows
-
-
-@triton.jit
-def _load_word_codes(word_ptr, row_off, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Signed 4- or 8-bit codes [BLOCK_N, HEAD_PAD] read as whole int32 words (wide loads),
-    unpacked in registers: value d sits at bit ``(d % per_word) * BITS`` of word d // per_word."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    words_idx = tl.arange(0, HEAD_PAD // PER_WORD)
-    word_mask = mask & (words_idx < HEAD_DIM // PER_WORD)[None, :]
-    words = tl.load(word_ptr + row_off + words_idx[None, :], mask=word_mask, other=0)
-    shifts = tl.arange(0, PER_WORD) * BITS
-    unsigned = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    unsigned = tl.reshape(unsigned, (BLOCK_N, HEAD_PAD))
-    if BITS == 8:
-        code = tl.where(unsigned >= 128, unsigned - 256, unsigned)
-    else:
-        code = unsigned - 8
-    return code
-
-
-@triton.jit
-def _load_codes6(byte_ptr, row_off, mask, dims, HEAD_DIM: tl.constexpr):
-    """Signed 6-bit codes: value d starts at bit 6d of its row, maybe straddling two bytes; the
-    second byte is needed only for shifts 4 and 6, never in a row's last byte."""
-    bit = dims * 6
-    byte = (bit // 8)[None, :]
-    shift = (bit % 8)[None, :]
-    lo = tl.load(byte_ptr + row_off + byte, mask=mask, other=0).to(tl.int32)
-    needs_hi = (byte + 1) < (HEAD_DIM * 6 // 8)
-    hi = tl.load(byte_ptr + row_off + byte + 1, mask=mask & needs_hi, other=0).to(tl.int32)
-    return (((lo | (hi << 8)) >> shift) & 63) - 32
 
 
 @triton.jit
@@ -120,70 +63,6 @@ def load_scaled_queries(q_ptr, q_offsets, row_valid, dims, rot_ptr, scale_log2,
         rot_t = tl.load(rot_ptr + r32[None, :] * 32 + r32[:, None])  # R^T
         q = _rotate_rows(q, rot_t, BLOCK_M, HEAD_PAD)
     return (q * scale_log2).to(q_ptr.dtype.element_ty)
-
-
-@triton.jit
-def attend_key_range(q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_head, dims,
-                     k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                     stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
-                     stride_vss, stride_vsh,
-                     head_k_ptr, head_v_ptr, stride_er, stride_eh,
-                     ring_pos_ptr, ring_base, step_start, near_lo,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
-                     V_BITS: tl.constexpr, HEADS: tl.constexpr, WINDOW: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-    """Online softmax of the rows ``q`` (from `load_scaled_queries`) over keys [kv_lo, kv_hi)
-    of the page-table row ``table_row``, each row seeing keys up to its ``position``, carrying
-    on from the state (m_i, l_i, acc) (`initial_state` for a fresh start).
-
-    HEADS: slot 0 of every page is read from the unquantized head rows (``head_k_ptr``,
-    ``head_v_ptr``: [pages + 1, kv_heads, head_dim], strides ``stride_er``, ``stride_eh``).
-    WINDOW > 0: keys a row reads exactly (``position - WINDOW < key``, held per
-    `window_holds`; keys below ``near_lo`` never are) are masked out here and left to
-    `attend_exact_rows`. Only element-wise work and masked loads in the loop (a branch costs
-    its software pipelining); callers run WINDOW > 0 over the last blocks only, as the
-    window's per-block work and registers slowed the whole q4 loop by half on the H200.
-
-    Returns (running max m, running sum l, unnormalized output acc [BLOCK_M, HEAD_PAD]), all
-    float32, log2 domain; rows that saw no key keep l = 0."""
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        key_valid = keys < kv_hi
-        page = tl.load(table_row + keys // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
-        slot = (keys % PAGE_SIZE).to(tl.int64)
-        kmask = key_valid[:, None]
-        k_off = (page * stride_kp + slot * stride_ks + kv_head * stride_kh)[:, None]
-        ks_off = (page * stride_ksp + slot * stride_kss + kv_head * stride_ksh)[:, None]
-        k = _load_rows(k_ptr, ks_ptr, k_off, ks_off, kmask, dims, K_BITS, HEAD_DIM, HEAD_PAD,
-                       BLOCK_N)
-        is_head = (slot == 0) & key_valid
-        if HEADS:
-            k = exact_row_of_page(k, head_k_ptr, page, kv_head, is_head, dims, stride_er,
-                                  stride_eh, HEAD_DIM)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
-        if WINDOW > 0:
-            near = key_valid & (keys >= near_lo)
-            held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
-            covered = (keys[None, :] > position[:, None] - WINDOW) & held[None, :]
-            visible = visible & ~covered
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = (page * stride_vp + slot * stride_vs + kv_head * stride_vh)[:, None]
-        vs_off = (page * stride_vsp + slot * stride_vss + kv_head * stride_vsh)[:, None]
-        v = _load_rows(v_ptr, vs_ptr, v_off, vs_off, kmask, dims, V_BITS, HEAD_DIM, HEAD_PAD,
-                       BLOCK_N)
-        if HEADS:
-            v = exact_row_of_page(v, head_v_ptr, page, kv_head, is_head, dims, stride_er,
-                                  stride_eh, HEAD_DIM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -235,6 +114,7 @@ def paged_attention_kernel(
     DECODE: tl.constexpr, REMAINDER: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
     HEADS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MERGE: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1, WRITE_STEP: tl.constexpr = False,
+    PAGE_WINDOW: tl.constexpr = 0,
 ):
     """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
     else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
@@ -256,7 +136,10 @@ def paged_attention_kernel(
     rotated space; every exact-row tensor has strides (``stride_er``, ``stride_eh``, 1).
     The exact window rows are attended in a second loop on the last split (in place
     substitution, possible for decodes, cost more registers than the loop saved).
-    DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise."""
+    DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise.
+    PAGE_WINDOW > 0 (a power of two; BLOCK_N must divide PAGE_SIZE): the key loop loads the
+    page ids of that many pages ahead of their tiles, so its tile loads pipeline
+    (`triton_decode_tiles.attend_key_windows`); 0: each tile loads its page ids."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -312,22 +195,23 @@ def paged_attention_kernel(
         bulk_hi = tl.minimum(kv_hi, tl.maximum(kv_lo, window_lo))
     else:
         bulk_hi = kv_hi
-    m_i, l_i, acc = attend_key_range(
+    m_i, l_i, acc = attend_keys(
         q, m_i, l_i, acc, table_row, kv_lo, bulk_hi, position, kv_head, dims,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base, step_start,
         near_lo,
-        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, 0, DOT_PRECISION)
+        BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, 0, DOT_PRECISION,
+        PAGE_WINDOW)
     if WINDOW > 0:
-        m_i, l_i, acc = attend_key_range(
+        m_i, l_i, acc = attend_keys(
             q, m_i, l_i, acc, table_row, bulk_hi, kv_hi, position, kv_head, dims,
             k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
             stride_vsh, head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base,
             step_start, near_lo,
             BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, WINDOW,
-            DOT_PRECISION)
+            DOT_PRECISION, PAGE_WINDOW)
     if WINDOW > 0:
         if split == NUM_SPLITS - 1:
             m_i, l_i, acc = attend_exact_rows(

@@ -30,6 +30,7 @@ from dyngen_core.attention.triton_cascade import multiprocessors
 from dyngen_core.attention.triton_cascade_path import CascadeOptions, CascadePath
 from dyngen_core.attention.triton_cascade_tables import StaticCascadeLayout
 from dyngen_core.attention.triton_decode_merge import SplitCounters
+from dyngen_core.attention.triton_decode_options import DecodeOptions, split_buffers
 from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
 from dyngen_core.attention.triton_kernels import (
     ROTATION_GROUP,
@@ -138,6 +139,8 @@ class TritonPagedBackend:
         `triton_prefill`'s tiled causal kernel (``prefill_options`` tune it, see
         `TiledPrefillOptions`); "paged" runs them with the general paged kernel (as quantized
         pages always are).
+    decode_options: the key loop of decode launches (`DecodeOptions`: page ids loaded ahead
+        of the tiles, pipelining depth); None: its defaults.
     """
 
     name = "triton"
@@ -153,11 +156,13 @@ class TritonPagedBackend:
                  word_flags: WordKernelFlags | None = None, merge_in_kernel: bool = True,
                  merge_rows: int = 64, write_in_kernel: bool = True, in_kernel_max_seqs: int = 4,
                  prefill_kernel: str = "tiled",
-                 prefill_options: TiledPrefillOptions | None = None) -> None:
+                 prefill_options: TiledPrefillOptions | None = None,
+                 decode_options: DecodeOptions | None = None) -> None:
         if prefill_kernel not in ("tiled", "paged"):
             raise ValueError(f"prefill_kernel must be 'tiled' or 'paged', not {prefill_kernel!r}")
         self.tiled_prefill = TiledPrefill(prefill_options) if prefill_kernel == "tiled" else None
         self.block_n = block_n
+        self.decode_options = decode_options or DecodeOptions()
         self.merge_in_kernel = merge_in_kernel
         self.merge_rows = merge_rows
         self.write_in_kernel = write_in_kernel
@@ -243,7 +248,7 @@ class TritonPagedBackend:
             rows = max(self.prefill_rows, heads.group_pad)
             block_q, splits = rows // heads.group_pad, 1
             blocks = self._query_blocks(batch, block_q, q.device)
-        parts, lse = _split_buffers(num_tokens, num_heads, splits, heads.head_pad, q.device)
+        parts, lse = split_buffers(num_tokens, num_heads, splits, heads.head_pad, q.device)
         counters = None
         if (self.merge_in_kernel and blocks is None and splits > 1
                 and batch.num_seqs <= self.in_kernel_max_seqs):
@@ -282,6 +287,7 @@ class TritonPagedBackend:
         splits) merges the splits in the kernel, ``step_write`` (a decode) stores the step's
         rows."""
         grid0 = batch.num_seqs if blocks is None else int(blocks.seq.shape[0])
+        decode = self.decode_options
         parts, lse = partials
         unused = batch.query_start
         exact_args = exact.arguments() if exact is not None else (
@@ -304,6 +310,9 @@ class TritonPagedBackend:
             WRITE_PARTIALS=splits > 1 or kv_start is not None,
             HEADS=exact is not None, WINDOW=exact.window if exact is not None else 0,
             num_warps=self.decode_warps if blocks is None else self.prefill_warps,
+            num_stages=decode.stages if blocks is None else 3,
+            PAGE_WINDOW=0 if blocks is not None else decode.window_for(
+                batch.page_size, self.block_n, ops.key_bits > 0 or ops.value_bits > 0),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             MERGE=counters is not None, WRITE_STEP=step_write is not None,
             SPLIT_BLOCK=min(triton_next_pow2(splits),
@@ -377,18 +386,6 @@ def triton_next_pow2(n: int) -> int:
 
 def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
-
-
-def _split_buffers(tokens: int, heads: int, splits: int, head_pad: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials [T, H, splits, head_pad] and log2-sum-exp [T, H, splits] (float32); with one
-    split, placeholders (the kernel writes the output directly)."""
-    if splits == 1:
-        empty = torch.empty(1, dtype=torch.float32, device=device)
-        return empty, empty
-    parts = torch.empty(tokens, heads, splits, head_pad, dtype=torch.float32, device=device)
-    lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
-    return parts, lse
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -155,3 +155,23 @@ def test_flash_matches_sdpa(cuda_device: torch.device, mode: str) -> None:
     out, ref = _run_case(FlashBackend(), cuda_device, mode, lens, num_heads=32, num_kv_heads=8,
                          head_dim=128, page_size=256, dtype=torch.bfloat16)
     assert _relative_error(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_page_window_matches_sdpa(device: torch.device, mode: str) -> None:
+    """Decodes whose key loop loads page ids ahead of its tiles (`DecodeOptions`), every
+    storage mode through the general kernel (``word_block_n=None``), several splits."""
+    pytest.importorskip("triton")
+    from dyngen_core.attention.triton_decode_options import DecodeOptions
+    from dyngen_core.attention.triton_paged import TritonPagedBackend
+
+    shapes = _shapes(device)
+    page = int(shapes["page_size"])  # type: ignore[call-overload]
+    backend = TritonPagedBackend(block_n=min(64, page), word_block_n=None, max_splits=3,
+                                 programs_per_sm=4096,
+                                 decode_options=DecodeOptions(page_window=2,
+                                                              quant_page_window=2))
+    lens = [(1, ctx) for _, ctx in shapes["lens"]]  # type: ignore[attr-defined]
+    out, ref = _run_case(backend, device, mode, lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=page, dtype=shapes["dtype"])  # type: ignore[arg-type]
+    assert _relative_error(out, ref) < _tolerance(shapes["dtype"])  # type: ignore[arg-type]
