@@ -1,14 +1,24 @@
 """Per-layer decode attention of the Triton paged backend (`attend`: the step's key/value write,
-attention, split merge) in four variants: the storage's write launch, attention and a merge
-launch ("two-launch", `combine_splits_kernel`); the merge inside the attention kernel
-("merged", ``merge_in_kernel=True``); the write inside it too ("merged+write",
-``write_in_kernel=True``: one launch per layer); and that with ``merge_rows=128`` ("+w r128":
-the merge reads 32 splits in one round of loads, not two; differs at batch 1 only). Timed
-the way a decode step runs it: 32 layer calls captured in one CUDA graph (launch gaps
-included), us per call = replay time / 32, median of replays.
+attention, split merge), timed the way a decode step runs it: 32 layer calls captured in one
+CUDA graph (launch gaps included), us per call = replay time / 32, median of replays.
+
+Two studies (``--study``):
+
+- ``loop`` (default): the decode key loop, `DecodeOptions` of the backend's defaults
+  otherwise. "old": each tile loads its page ids inside the loop (Triton 3.6 then waits for
+  every tile copy each step, ``async_wait {num = 0}``: a batch-1 16k decode read 67 MB at
+  2.2 TB/s); "pwN": the page ids of N pages loaded ahead of their tiles, so the tile copies
+  pipeline (``page_window=N``); "pwN s4": that at 4 pipeline stages (one more tile in flight,
+  ~33 KB more shared memory a program). Goal: batch 1 at 16k toward its 15.8 us floor, no
+  loss at batch 32 / 256.
+- ``merge``: the launches of a layer, at every batch size (``in_kernel_max_seqs`` unbounded):
+  the storage's write launch, attention and a merge launch ("two-launch",
+  `combine_splits_kernel`); the merge inside the attention kernel ("merged"); the write
+  inside it too ("merged+write", one launch per layer); that with ``merge_rows=128``
+  ("+w r128": the merge reads 32 splits in one round of loads, not two).
 
 Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128), bf16 256-token pages, every
-sequence decoding at the same context; batches 1, 8, 32, 64, 256 x contexts 640, 4k, 16k. The
+sequence decoding at the same context; batches 1, 4, 32, 256 x contexts 640, 4k, 16k. The
 calls cycle over enough distinct layers that the pages they read exceed the 50 MB L2 three
 times over (a batch-1 640-token layer is 2.6 MB: the cache would otherwise serve it).
 
@@ -17,16 +27,14 @@ Floors (H200: 4.25 TB/s copy, 780 TFLOP/s bf16): KV bytes per call = batch x con
 
     batch  ctx 640    ctx 4k     ctx 16k     (bytes floor; the FLOPs floor is ~45x lower)
     1      0.62 us    3.9 us     15.8 us
-    8      4.9 us     31.6 us    126 us
+    4      2.5 us     15.8 us    63 us
     32     19.7 us    126 us     505 us
-    64     39.5 us    253 us     1010 us
     256    158 us     1010 us    4040 us
 
-At batch 1-8 the call is latency bound (a few microseconds of launch and merge): each fused
-launch should save about one kernel boundary (1-3 us) per call there. Batches whose split
-count is 1 (256 here) run no merge at all: "merged" is "two-launch" there.
+At batch 1-8 the call is latency bound (a few microseconds of launch and merge).
 
-    python benchmarks/decode_attention.py [--batches 1,8,32,64,256] [--contexts 640,4096,16384]
+    python benchmarks/decode_attention.py [--study loop|merge] [--batches 1,4,32,256]
+                                          [--contexts 640,4096,16384]
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 from _common import cuda_seconds, device_name, report
 
 from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.triton_decode_options import DecodeOptions
 from dyngen_core.attention.triton_paged import TritonPagedBackend
 from dyngen_core.config import ModelConfig
 from dyngen_core.forward import build_forward_batch
@@ -48,16 +57,30 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 256
 CALLS = 32  # layer calls per captured graph
 L2_BYTES = 50 << 20
 COPY_RATE, MATMUL_RATE = 4.25e12, 780e12
-# (options, the variant it equals when the batch's split count is at most the number given:
-# its launches are then the very same, so it is not timed again).
-VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, int] | None]] = {
-    "two-launch": ({"merge_in_kernel": False, "write_in_kernel": False}, None),
-    "merged": ({"merge_in_kernel": True, "write_in_kernel": False}, ("two-launch", 1)),
-    "merged+write": ({"merge_in_kernel": True, "write_in_kernel": True}, None),
-    # All 32 splits of a batch-1 merge in one round of loads instead of two.
-    "+write r128": ({"merge_in_kernel": True, "write_in_kernel": True, "merge_rows": 128},
-                    ("merged+write", 16)),
+Variants = dict[str, tuple[dict[str, Any], tuple[str, int] | None]]
+# Per study: name -> (backend options, the variant it equals when the batch's split count is
+# at most the number given: its launches are then the very same, so it is not timed again).
+# The first variant is the baseline the others are compared with.
+STUDIES: dict[str, Variants] = {
+    "loop": {
+        "old": ({}, None),
+        "pw4": ({"decode_options": DecodeOptions(page_window=4)}, None),
+        "pw16": ({"decode_options": DecodeOptions(page_window=16)}, None),
+        "pw4 s4": ({"decode_options": DecodeOptions(page_window=4, stages=4)}, None),
+        "pw16 s4": ({"decode_options": DecodeOptions(page_window=16, stages=4)}, None),
+    },
+    "merge": {
+        "two-launch": ({"merge_in_kernel": False, "write_in_kernel": False}, None),
+        "merged": ({"merge_in_kernel": True, "write_in_kernel": False}, ("two-launch", 1)),
+        "merged+write": ({"merge_in_kernel": True, "write_in_kernel": True}, None),
+        # All 32 splits of a batch-1 merge in one round of loads instead of two.
+        "+write r128": ({"merge_in_kernel": True, "write_in_kernel": True, "merge_rows": 128},
+                        ("merged+write", 16)),
+    },
 }
+# The merge study merges and writes in the kernel at every batch size; the loop study keeps
+# the backend's default (small batches only), as the engine runs.
+UNBOUNDED: dict[str, dict[str, Any]] = {"merge": {"in_kernel_max_seqs": 1 << 20}, "loop": {}}
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -107,26 +130,27 @@ def graph_us_per_call(backend: TritonPagedBackend, storage: FP16Storage, batch: 
     return us, outs[0].clone()
 
 
-def run_case(batch: int, context: int, device: torch.device) -> dict[str, Any]:
+def run_case(study: str, batch: int, context: int, device: torch.device) -> dict[str, Any]:
     storage, forward, q, layers = make_case(batch, context, device)
-    row: dict[str, Any] = {"batch": batch, "context": context,
+    row: dict[str, Any] = {"study": study, "batch": batch, "context": context,
                            "floor_us": max(kv_bytes(batch, context) / COPY_RATE,
-                                           batch * context * 16384 / MATMUL_RATE) * 1e6}
+                                           batch * context * 16384 / MATMUL_RATE) * 1e6,
+                           "counters_zero": True}
     outputs: dict[str, torch.Tensor] = {}
-    for name, (options, same) in VARIANTS.items():
-        backend = TritonPagedBackend(cascade_min_saved_keys=None, in_kernel_max_seqs=1 << 20,
+    variants = STUDIES[study]
+    for name, (options, same) in variants.items():
+        backend = TritonPagedBackend(cascade_min_saved_keys=None, **UNBOUNDED[study],
                                      **options)
         row["splits"] = backend._decode_splits(batch * KV_HEADS, device)
         if same is not None and row["splits"] <= same[1]:
             row[name], outputs[name] = row[same[0]], outputs[same[0]]
             continue
         row[name], outputs[name] = graph_us_per_call(backend, storage, forward, q, layers)
-        if options["merge_in_kernel"]:
-            row["counters_zero"] = row.get("counters_zero", True) and all(
-                int(c.abs().sum()) == 0 for c in backend.split_counters.held(device))
-    ref = outputs["two-launch"].float()
+        row["counters_zero"] = row["counters_zero"] and all(
+            int(c.abs().sum()) == 0 for c in backend.split_counters.held(device))
+    ref = outputs[next(iter(variants))].float()
     row["max_rel_diff"] = max(float((outputs[name].float() - ref).norm() / ref.norm())
-                              for name in VARIANTS)
+                              for name in variants)
     report("decode_attention", device=device_name(), layers=layers, **row)
     del storage
     torch.cuda.empty_cache()
@@ -135,21 +159,33 @@ def run_case(batch: int, context: int, device: torch.device) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,8,32,64,256")
+    parser.add_argument("--study", default="loop", choices=tuple(STUDIES))
+    parser.add_argument("--batches", default="1,4,32,256")
     parser.add_argument("--contexts", default="640,4096,16384")
     args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
-    rows = [run_case(b, c, device) for b in map(int, args.batches.split(","))
+    rows = [run_case(args.study, b, c, device) for b in map(int, args.batches.split(","))
             for c in map(int, args.contexts.split(","))]
-    print(f"\n{'batch':>5} {'ctx':>6} {'splits':>6} {'floor':>8} {'2-launch':>9} {'merged':>8} "
-          f"{'+write':>8} {'+w r128':>8} {'saved':>7} {'rel diff':>9} counters0")
+    print_table(rows, list(STUDIES[args.study]))
+
+
+def print_table(rows: list[dict[str, Any]], names: list[str]) -> None:
+    """The compact table: us per call of every variant, the best against the first (the
+    baseline) and the best's bandwidth (KV bytes / time)."""
+    width = max(9, *(len(n) + 1 for n in names))
+    print(f"\n{'batch':>5} {'ctx':>6} {'splits':>6} {'floor':>8}"
+          + "".join(f"{n:>{width}}" for n in names)
+          + f" {'best':>9} {'x base':>7} {'TB/s':>6} {'rel diff':>9} counters0")
     for r in rows:
-        print(f"{r['batch']:>5} {r['context']:>6} {r['splits']:>6} {r['floor_us']:>8.2f} "
-              f"{r['two-launch']:>9.2f} {r['merged']:>8.2f} {r['merged+write']:>8.2f} "
-              f"{r['+write r128']:>8.2f} {r['two-launch'] - r['merged+write']:>7.2f} "
-              f"{r['max_rel_diff']:>9.1e} {r['counters_zero']}")
-    print("(us per layer call (write + attention + merge) inside a 32-call CUDA graph; floor: "
-          "KV bytes at 4.25 TB/s; saved: two-launch - merged+write)")
+        best = min(names[1:] or names, key=lambda n: r[n])
+        rate = kv_bytes(r["batch"], r["context"]) / (r[best] * 1e-6) / 1e12
+        print(f"{r['batch']:>5} {r['context']:>6} {r['splits']:>6} {r['floor_us']:>8.2f}"
+              + "".join(f"{r[n]:>{width}.2f}" for n in names)
+              + f" {best:>9} {r[names[0]] / r[best]:>7.2f} {rate:>6.2f}"
+              f" {r['max_rel_diff']:>9.1e} {r['counters_zero']}")
+    print(f"(us per layer call (write + attention + merge) inside a 32-call CUDA graph; floor: "
+          f"KV bytes at 4.25 TB/s; best: the fastest of {', '.join(names[1:])}; x base: "
+          f"{names[0]} / best; TB/s: KV bytes / best's time)")
 
 
 if __name__ == "__main__":
