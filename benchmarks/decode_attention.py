@@ -180,13 +180,13 @@ def print_table(rows: list[dict[str, Any]], names: list[str]) -> None:
     width = max(9, *(len(n) + 1 for n in names))
     print(f"\n{'batch':>5} {'ctx':>6} {'splits':>6} {'floor':>8}"
           + "".join(f"{n:>{width}}" for n in names)
-          + f" {'best':>9} {'x base':>7} {'TB/s':>6} {'rel diff':>9} counters0")
+          + f" {'best':>{width}} {'x base':>7} {'TB/s':>6} {'rel diff':>9} counters0")
     for r in rows:
         best = min(names[1:] or names, key=lambda n: r[n])
         rate = kv_bytes(r["batch"], r["context"]) / (r[best] * 1e-6) / 1e12
         print(f"{r['batch']:>5} {r['context']:>6} {r['splits']:>6} {r['floor_us']:>8.2f}"
               + "".join(f"{r[n]:>{width}.2f}" for n in names)
-              + f" {best:>9} {r[names[0]] / r[best]:>7.2f} {rate:>6.2f}"
+              + f" {best:>{width}} {r[names[0]] / r[best]:>7.2f} {rate:>6.2f}"
               f" {r['max_rel_diff']:>9.1e} {r['counters_zero']}")
     print(f"(us per layer call (write + attention + merge) inside a 32-call CUDA graph; floor: "
           f"KV bytes at 4.25 TB/s; best: the fastest of {', '.join(names[1:])}; x base: "
