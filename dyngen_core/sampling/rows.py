@@ -16,7 +16,7 @@ from dyngen_core.sampling.rng import row_keys
 from dyngen_core.settings import SamplerSettings
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One logits row: its request, its place in that request, and what it needs."""
 
@@ -91,19 +91,28 @@ def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowL
         if group is None:
             group = groups[stages] = []
         index = len(rows)
-        for j in range(num_rows):
-            append(Row(i, j, settings, seed, counter + j, stages))
-            group.append(index + j)
+        if num_rows == 1:  # the usual request: no inner loops
+            append(Row(i, 0, settings, seed, counter, stages))
+            group.append(index)
+        else:
+            for j in range(num_rows):
+                append(Row(i, j, settings, seed, counter + j, stages))
+                group.append(index + j)
         if not greedy:
             all_top_k = all_top_k and top_k > 1
             early_dynamic = early_dynamic or dynamic and "temperature" in stages
             if top_k > max_top_k:
                 max_top_k = top_k
             seed_key = req.seed_key(seed)
-            for j in range(num_rows):
-                sampled.append(index + j)
+            if num_rows == 1:
+                sampled.append(index)
                 seed_keys.append(seed_key)
-                counters.append(counter + j)
+                counters.append(counter)
+            else:
+                for j in range(num_rows):
+                    sampled.append(index + j)
+                    seed_keys.append(seed_key)
+                    counters.append(counter + j)
         if req.return_probs or mirostat:
             prob_rows.extend(range(index, index + num_rows))
         if req.allowed_tokens is not None:
