@@ -63,11 +63,21 @@ class FusedColumns(NamedTuple):
 
 def _host_columns(rows: RowList, bound: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     temps, top_k, top_p = [], [], []
+    # By settings object (a row's stages come from its settings): rows usually share a few,
+    # and these columns are rebuilt whenever the set of sampled jobs changes.
+    seen: dict[int, tuple[float, int, float]] = {}
     for row in rows:
-        settings, stages = row.settings, row.stages
-        temps.append(settings.temperature if "temperature" in stages else 1.0)
-        top_k.append(min(max(settings.top_k, 1), bound))
-        top_p.append(settings.top_p if "top_p" in stages else _NO_TOP_P)
+        settings = row.settings
+        values = seen.get(id(settings))
+        if values is None:
+            stages = row.stages
+            values = seen[id(settings)] = (
+                settings.temperature if "temperature" in stages else 1.0,
+                min(max(settings.top_k, 1), bound),
+                settings.top_p if "top_p" in stages else _NO_TOP_P)
+        temps.append(values[0])
+        top_k.append(values[1])
+        top_p.append(values[2])
     return (np.array(temps, np.float32), np.array(top_k, np.int64),
             np.array(top_p, np.float32))
 
