@@ -157,11 +157,17 @@ def temperature_rows(rows: Sequence[Row], name: str) -> TemperatureRows:
     """The rows using temperature stage ``name``, fixed or dynamic."""
     split = TemperatureRows([], [], [])
     seen: dict[int, tuple[bool, float]] = {}  # by settings object: their attributes are slow
+    last: object = None  # neighbouring rows mostly share one: no look-up for them
+    known = (False, 1.0)
     for i in rows_using(rows, name):
         settings = rows[i].settings
-        known = seen.get(id(settings))
-        if known is None:
-            known = seen[id(settings)] = (settings.uses_dynamic_temperature, settings.temperature)
+        if settings is not last:
+            last = settings
+            found = seen.get(id(settings))
+            if found is None:
+                found = seen[id(settings)] = (settings.uses_dynamic_temperature,
+                                              settings.temperature)
+            known = found
         if known[0]:
             split.dynamic.append(i)
         else:

@@ -261,3 +261,25 @@ def test_bridge_launch_gives_the_tokens_sample_gives(make_generator: Any) -> Non
     generator.iterate()
     active = list(generator._active.values())
     assert bridge.launch(torch.zeros(len(active), vocab), active) is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_temperature_rows_split_mixed_rows_as_each_row_alone(seed: int) -> None:
+    """Runs of shared settings objects, equal copies and dynamic rows: each row lands where
+    its own settings put it (`temperature_rows` reads each settings object once)."""
+    from dyngen_core.sampling.shaping import temperature_rows
+
+    rng = random.Random(seed)
+    pool = _settings()
+    settings = []
+    for _ in range(40):
+        pick = rng.choice(pool)
+        settings.extend([pick if rng.random() < 0.7 else pick.model_copy()] * rng.randint(1, 3))
+    rows = expand_rows([SampleRequest(settings=s, seed=i) for i, s in enumerate(settings)],
+                       random.Random(0))
+    for name in ("temperature", "temperature_last"):
+        split = temperature_rows(rows, name)
+        used = [i for i, r in enumerate(rows) if name in r.stages]
+        assert split.dynamic == [i for i in used if rows[i].settings.uses_dynamic_temperature]
+        assert split.fixed == [i for i in used if not rows[i].settings.uses_dynamic_temperature]
+        assert split.temps == [rows[i].settings.temperature for i in split.fixed]
