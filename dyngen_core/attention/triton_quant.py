@@ -33,7 +33,8 @@ class WordKernelFlags:
     dots and the fast unpack too, 963 with wide scales as well; q8 1001 before, 980 with float16
     dots and the fast unpack, 2494 with wide scales. Whole decode step (benchmarks/
     long_context.py, ms): q4 41.3 -> 33.8; q8 39.7 -> 53.3 with joined values, so 8-bit values
-    are not joined.
+    are not joined. ``page_window``, ``scale_rows`` and ``stages``: off / Triton's default
+    until measured (benchmarks/quant_decode.py variants ``-wW``, ``r``, ``-sS``).
     """
 
     join_keys: bool = False
@@ -42,6 +43,9 @@ class WordKernelFlags:
     half_dot: bool = True
     fast_unpack: bool = True
     wide_scales: bool = False
+    page_window: int = 0
+    scale_rows: bool = False
+    stages: int | None = None
 
     def keywords(self, value_bits: int) -> dict[str, Any]:
         """The flags as `attend_word_decode` keywords for pages of ``value_bits``-bit values."""
@@ -65,12 +69,25 @@ def word_dim_pad(head_dim: int, key_bits: int, value_bits: int) -> int:
     return max(1 << (head_dim - 1).bit_length(), MIN_TILE * 32 // min(key_bits, value_bits))
 
 
+def check_scale_rows(page_args: tuple[Any, ...], groups: int) -> None:
+    """Raise ValueError unless the scales (`triton_paged.page_arguments`: tensors at 8 and 9,
+    strides at 10 to 15) put every row of ``groups`` scales at a multiple of ``groups``
+    elements, as the kernel's scale_rows path tells Triton (for one vector copy a row)."""
+    tensors, strides = page_args[8:10], page_args[10:16]
+    aligned = (all(int(stride) % groups == 0 for stride in strides)
+               and all(t.data_ptr() % (2 * groups) == 0 for t in tensors))
+    if not aligned:
+        raise ValueError(f"scale_rows needs scale rows aligned to {groups} scales (strides "
+                         f"{tuple(strides)}); pass scale_rows=False for this layout")
+
+
 def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: ForwardBatch,
                        exact: ExactOperands, scale_log2: float, *, key_bits: int,
                        value_bits: int, num_kv_heads: int, block_n: int, splits: int,
                        warps: int, launches: int = 1, join_keys: bool = False,
                        join_values: bool = False, half_dot: bool = False,
                        fast_unpack: bool = False, wide_scales: bool = False,
+                       page_window: int = 0, scale_rows: bool = False,
                        stages: int | None = None) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
@@ -95,13 +112,31 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     wide_scales: load the scales as int32 pairs (head_dim a multiple of 64; ignored otherwise),
         which Triton pipelines with the code words (cp.async) instead of a synchronous 2-byte
         gather per loop step; costs registers (q4 64x4 joined, fast: 128 -> 141).
-    stages: software-pipelining stages of the key loop (None: Triton's default).
+    page_window: 0 loads each block's page id inside the key loop (that load feeds the block's
+        addresses, so Triton's pipeliner waits for every copy in flight each step: one
+        memory round trip a block); a power of two loads that many page ids as one vector
+        before the loop over their blocks, so the next blocks' code words stay in flight
+        while a block is computed (sm_90 TTGIR: ``async_wait {num = 0}`` becomes
+        ``num > 0``). The page programs only; the tail's one or two blocks keep the load.
+    scale_rows: load each key's row of scales (contiguous: 8 bytes at head_dim 128, one
+        cp.async that pipelines like the code words) and widen it to the columns in registers
+        (joins), instead of a gather per column (synchronous at 2 bytes; one 4-byte copy per
+        element with wide_scales, which it overrides).
+    stages: software-pipelining stages of the key loop (None: Triton's default, 3); with
+        page_window 0 the per-block page id load makes extra stages useless. With launches=2
+        the tail launch keeps the default. Each stage holds one more block of code words
+        (and scale rows) in shared memory: at 64 keys x 4 warps, 4 stages take 168
+        registers a thread instead of 128 (ptxas, sm_90), 3 programs a multiprocessor.
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
+    if page_window < 0 or page_window & (page_window - 1):
+        raise ValueError(f"page_window must be 0 (off) or a power of two, not {page_window}")
     tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     dim_pad = word_dim_pad(head_dim, key_bits, value_bits)
+    if scale_rows and dim_pad == head_dim:
+        check_scale_rows(page_args, head_dim // 32)
     parts = torch.empty(tokens, num_heads, splits + 1, dim_pad, dtype=torch.float32,
                         device=q.device)
     lse = torch.empty(tokens, num_heads, splits + 1, dtype=torch.float32, device=q.device)
@@ -115,14 +150,17 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
              "K_JOIN": join_keys, "V_JOIN": join_values, "HALF_DOT": half_dot,
              "FAST_UNPACK": fast_unpack and q.is_cuda,  # inline PTX: not in the interpreter
-             "WIDE_SCALES": wide_scales}
+             "WIDE_SCALES": wide_scales, "PAGE_WINDOW": page_window, "SCALE_ROWS": scale_rows}
     grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
     tuning: dict[str, Any] = {"num_warps": warps}
     if stages is not None:
         tuning["num_stages"] = stages
     for programs, role in grids:
+        # The tail alone (one or two blocks) ignores PAGE_WINDOW and keeps Triton's default
+        # stages: one compile of it serves every window and depth.
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
-            *arguments, **shape, PROGRAMS=role, **tuning)
+            *arguments, **(shape | {"PAGE_WINDOW": 0} if role == 2 else shape),
+            PROGRAMS=role, **({"num_warps": warps} if role == 2 else tuning))
     out = torch.empty_like(q)
     combine_splits_kernel[(tokens, num_heads)](
         parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=splits + 1,

@@ -54,17 +54,66 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                        DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                        WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        K_JOIN: tl.constexpr, V_JOIN: tl.constexpr,
-                       FAST_UNPACK: tl.constexpr, WIDE_SCALES: tl.constexpr):
+                       FAST_UNPACK: tl.constexpr, SCALE_LOAD: tl.constexpr,
+                       PAGE_WINDOW: tl.constexpr):
     """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
     BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
-    ``position``, carrying (m_i, l_i, accs). Slot 0 of every page is skipped (its exact head
-    row is attended elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from
-    ``near_lo`` on) are skipped too. K_JOIN: ``qs`` is the whole query tile (one element) and
-    each block's keys enter one dot over whole rows (`dequantized_rows`), else one per field.
-    V_JOIN: ``accs`` is one [BLOCK_M, DIM_PAD] tile and each block's values enter one dot over
-    whole rows, else one tile and dot per field. FAST_UNPACK: codes unpacked two fields at a
-    time in inline PTX where the dots run in float16 (`triton_quant_unpack`). WIDE_SCALES:
-    scales loaded as int32 pairs (`load_scales`)."""
+    ``position``, carrying (m_i, l_i, accs); one block is `_word_block`. PAGE_WINDOW 0: each
+    block loads its page id at the top of its step (a load feeding the step's addresses, so
+    Triton's pipeliner waits for every copy in flight each step: ``async_wait {num = 0}``).
+    PAGE_WINDOW > 0 (a power of two): the ids of PAGE_WINDOW pages are loaded as one vector
+    before the loop over those pages' blocks, and each block picks its id out of it with a
+    masked sum, so no load of the loop feeds an address and the code words of later blocks
+    stay in flight (`triton_cascade_prefetch`)."""
+    if PAGE_WINDOW > 0:
+        window = tl.arange(0, PAGE_WINDOW)
+        last_page = tl.cdiv(hi, PAGE_SIZE)
+        for first_page in range(lo // PAGE_SIZE, last_page, PAGE_WINDOW):
+            ids = tl.load(table_row + first_page + window,
+                          mask=first_page + window < last_page, other=0).to(tl.int64)
+            for n0 in range(tl.maximum(lo, first_page * PAGE_SIZE),
+                            tl.minimum(hi, (first_page + PAGE_WINDOW) * PAGE_SIZE), BLOCK_N):
+                page = tl.sum(tl.where(window == n0 // PAGE_SIZE - first_page, ids, 0), 0)
+                m_i, l_i, accs = _word_block(
+                    qs, m_i, l_i, accs, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
+                    stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr,
+                    stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+                    ring_pos_ptr, ring_base, step_start, near_lo, position,
+                    BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
+                    DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD)
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
+            m_i, l_i, accs = _word_block(
+                qs, m_i, l_i, accs, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr,
+                stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+                ring_pos_ptr, ring_base, step_start, near_lo, position,
+                BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
+                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD)
+    return m_i, l_i, accs
+
+
+@triton.jit
+def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh,
+                stride_vsp, stride_vss, stride_vsh,
+                ring_pos_ptr, ring_base, step_start, near_lo, position,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                K_JOIN: tl.constexpr, V_JOIN: tl.constexpr,
+                FAST_UNPACK: tl.constexpr, SCALE_LOAD: tl.constexpr):
+    """One block of `attend_word_blocks`: keys [n0, n0 + BLOCK_N) (those below ``hi``) in
+    page ``page`` (int64). Slot 0 of every page is skipped (its exact head row is attended
+    elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from ``near_lo``
+    on) are skipped too. K_JOIN: ``qs`` is the whole query tile (one element) and the keys
+    enter one dot over whole rows (`dequantized_rows`), else one per field. V_JOIN:
+    ``accs`` is one [BLOCK_M, DIM_PAD] tile and the values enter one dot over whole rows,
+    else one tile and dot per field. FAST_UNPACK: codes unpacked two fields at a time in
+    inline PTX where the dots run in float16 (`triton_quant_unpack`). SCALE_LOAD: how scales
+    are loaded (`load_scales`'s MODE)."""
     DT: tl.constexpr = qs[0].dtype
     K_PER: tl.constexpr = 32 // K_BITS
     V_PER: tl.constexpr = 32 // V_BITS
@@ -76,59 +125,51 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
     vw = tl.arange(0, V_WPAD)
     kw_ok = kw < HEAD_DIM // K_PER
     vw_ok = vw < HEAD_DIM // V_PER
-    offs = tl.arange(0, BLOCK_N)
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    ks_head = ks_ptr + kv_head * stride_ksh
-    vs_head = vs_ptr + kv_head * stride_vsh
-    for n0 in range(lo, hi, BLOCK_N):
-        page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
-        slots = n0 % PAGE_SIZE + offs
-        keys = n0 + offs
-        key_valid = keys < hi
-        kwords = load_tile(k_head + page * stride_kp, slots, stride_ks, key_valid, kw, kw_ok,
-                           not K_JOIN, K_PADDED)
-        kscale = load_scales(ks_head + page * stride_ksp, slots, stride_kss, key_valid,
-                             kw // (32 // K_PER), kw_ok, not K_JOIN, K_PADDED,
-                             WIDE_SCALES and HEAD_DIM % 64 == 0).to(DT)
-        if K_JOIN:
-            keys_t = tl.trans(dequantized_rows(kwords, kscale, BLOCK_N, K_WPAD, K_BITS, DT,
-                                               FAST_UNPACK))
-            scores = tl.dot(qs[0], keys_t, input_precision=DOT_PRECISION)
-        else:
-            kfields = dequantized_fields(kwords, kscale, K_BITS, DT, FAST_UNPACK)
-            scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
-            for i in tl.static_range(K_PER):
-                scores = tl.dot(qs[i], kfields[i], scores, input_precision=DOT_PRECISION)
-        visible = key_valid & (slots != 0)
-        if WINDOW > 0:
-            near = key_valid & (keys >= near_lo)
-            held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
-            visible = visible & ~(held & (keys > position - WINDOW))
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(DT)
-        vwords = load_tile(v_head + page * stride_vp, slots, stride_vs, key_valid, vw, vw_ok,
-                           False, V_PADDED)
-        vscale = load_scales(vs_head + page * stride_vsp, slots, stride_vss, key_valid,
-                             vw // (32 // V_PER), vw_ok, False, V_PADDED,
-                             WIDE_SCALES and HEAD_DIM % 64 == 0).to(DT)
-        if V_JOIN:
-            vrows = dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT, FAST_UNPACK)
-            accs = (tl.dot(p, vrows, accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
-        else:
-            vfields = dequantized_fields(vwords, vscale, V_BITS, DT, FAST_UNPACK)
-            new_accs = ()
-            for i in tl.static_range(V_PER):
-                acc_i = tl.dot(p, vfields[i], accs[i] * alpha[:, None],
-                               input_precision=DOT_PRECISION)
-                new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
-            accs = new_accs
-        m_i = m_new
-    return m_i, l_i, accs
+    slots = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    key_valid = keys < hi
+    kwords = load_tile(k_ptr + kv_head * stride_kh + page * stride_kp, slots, stride_ks,
+                       key_valid, kw, kw_ok, not K_JOIN, K_PADDED)
+    kscale = load_scales(ks_ptr, kv_head * stride_ksh + page * stride_ksp, slots, stride_kss,
+                         key_valid, kw // (32 // K_PER), kw_ok, not K_JOIN, K_PADDED,
+                         SCALE_LOAD, 32 // K_PER, HEAD_DIM).to(DT)
+    if K_JOIN:
+        keys_t = tl.trans(dequantized_rows(kwords, kscale, BLOCK_N, K_WPAD, K_BITS, DT,
+                                           FAST_UNPACK))
+        scores = tl.dot(qs[0], keys_t, input_precision=DOT_PRECISION)
+    else:
+        kfields = dequantized_fields(kwords, kscale, K_BITS, DT, FAST_UNPACK)
+        scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
+        for i in tl.static_range(K_PER):
+            scores = tl.dot(qs[i], kfields[i], scores, input_precision=DOT_PRECISION)
+    visible = key_valid & (slots != 0)
+    if WINDOW > 0:
+        near = key_valid & (keys >= near_lo)
+        held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
+        visible = visible & ~(held & (keys > position - WINDOW))
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(DT)
+    vwords = load_tile(v_ptr + kv_head * stride_vh + page * stride_vp, slots, stride_vs,
+                       key_valid, vw, vw_ok, False, V_PADDED)
+    vscale = load_scales(vs_ptr, kv_head * stride_vsh + page * stride_vsp, slots, stride_vss,
+                         key_valid, vw // (32 // V_PER), vw_ok, False, V_PADDED,
+                         SCALE_LOAD, 32 // V_PER, HEAD_DIM).to(DT)
+    if V_JOIN:
+        vrows = dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT, FAST_UNPACK)
+        accs = (tl.dot(p, vrows, accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
+    else:
+        vfields = dequantized_fields(vwords, vscale, V_BITS, DT, FAST_UNPACK)
+        new_accs = ()
+        for i in tl.static_range(V_PER):
+            acc_i = tl.dot(p, vfields[i], accs[i] * alpha[:, None],
+                           input_precision=DOT_PRECISION)
+            new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
+        accs = new_accs
+    return m_new, l_i, accs
 
 
 @triton.jit
@@ -173,6 +214,7 @@ def quant_decode_kernel(
     DOT_PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, K_JOIN: tl.constexpr = False,
     V_JOIN: tl.constexpr = False, HALF_DOT: tl.constexpr = False,
     FAST_UNPACK: tl.constexpr = False, WIDE_SCALES: tl.constexpr = False,
+    PAGE_WINDOW: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = False,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + 1) over a decode-only batch (sequence i is
     query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys before
@@ -187,7 +229,13 @@ def quant_decode_kernel(
     halves by the exponent trick and scales apply as HMUL2 (the exact rows keep the query's
     dtype; dequantized rows must stay below 65504 in magnitude, as float16 scales already
     require). FAST_UNPACK: unpack in inline PTX where the dots run in float16 (CUDA only).
-    WIDE_SCALES: scales loaded as int32 pairs (`triton_quant_unpack.load_scales`)."""
+    WIDE_SCALES: scales loaded as int32 pairs (head_dim a multiple of 64, else ignored);
+    SCALE_ROWS (over WIDE_SCALES): as each key's row of contiguous scales, widened to the
+    columns in registers (`triton_quant_unpack.load_scales`).
+    PAGE_WINDOW: the page programs load page ids ahead, PAGE_WINDOW pages at a time (a power
+    of two; 0: one id per block in the loop, `attend_word_blocks`); the tail's one or two
+    blocks keep the per-block load."""
+    SCALE_LOAD: tl.constexpr = 2 if SCALE_ROWS else (WIDE_SCALES and HEAD_DIM % 64 == 0) * 1
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PROGRAMS == 2:
@@ -234,7 +282,8 @@ def quant_decode_kernel(
             k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
             stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
+            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD,
+            PAGE_WINDOW)
     elif PROGRAMS == 2:
         m_i, l_i, acc = _tail_program(
             q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -243,7 +292,7 @@ def quant_decode_kernel(
             stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
             fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
             BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-            DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
+            DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD)
     else:
         if split < NUM_SPLITS:
             m_i, l_i, acc = _page_program(
@@ -251,7 +300,8 @@ def quant_decode_kernel(
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
                 stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-                NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
+                NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD,
+            PAGE_WINDOW)
         else:
             m_i, l_i, acc = _tail_program(
                 q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -260,7 +310,7 @@ def quant_decode_kernel(
                 stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
                 fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
                 BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, WIDE_SCALES)
+                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
                        BLOCK_M, DIM_PAD)
@@ -280,8 +330,9 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
                   V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, K_JOIN: tl.constexpr,
                   V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr,
-                  WIDE_SCALES: tl.constexpr):
-    """Page program ``split``: its share of the keys before ``bulk_hi`` (no exact rows)."""
+                  SCALE_LOAD: tl.constexpr, PAGE_WINDOW: tl.constexpr):
+    """Page program ``split``: its share of the keys before ``bulk_hi`` (no exact rows),
+    page ids loaded ahead in windows of PAGE_WINDOW pages (0: per block)."""
     V_PER: tl.constexpr = 32 // V_BITS
     chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -291,7 +342,7 @@ def _page_program(qs, m_i, l_i, accs, table_row, split, bulk_hi, kv_head,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         table_row, -1, 0, 0, 0,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION, K_JOIN, V_JOIN,
-        FAST_UNPACK, WIDE_SCALES)
+        FAST_UNPACK, SCALE_LOAD, PAGE_WINDOW)
     return m_i, l_i, _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
 
 
@@ -305,7 +356,7 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                   V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   K_JOIN: tl.constexpr, V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr,
-                  WIDE_SCALES: tl.constexpr):
+                  SCALE_LOAD: tl.constexpr):
     """The tail program: keys from ``bulk_hi`` on with the window rule, every page's head
     row, and the window's exact rows, for the decode query at ``ctx - 1``."""
     V_PER: tl.constexpr = 32 // V_BITS
@@ -317,7 +368,7 @@ def _tail_program(q, qs, m_i, l_i, accs, table_row, bulk_hi, ctx, token, kv_head
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         ring_pos_ptr, ring_base, position, near_lo, position,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION, K_JOIN,
-        V_JOIN, FAST_UNPACK, WIDE_SCALES)
+        V_JOIN, FAST_UNPACK, SCALE_LOAD, 0)
     acc = _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
     positions = position + tl.zeros([BLOCK_M], tl.int32)
     m_i, l_i, acc = attend_page_heads(

@@ -133,14 +133,38 @@ def load_tile(base, slots, stride_s, key_valid, cols, col_ok, TRANSPOSED: tl.con
 
 
 @triton.jit
-def load_scales(base, slots, stride_s, key_valid, groups, col_ok, TRANSPOSED: tl.constexpr,
-                PADDED: tl.constexpr, WIDE: tl.constexpr):
-    """float16 scales at ``base`` (a tile as `load_tile`'s; ``groups``: each column's group).
-    WIDE (even group counts, so ``base`` and the row stride are 4-byte aligned): each element
-    loads the int32 holding its group's scale and the next one and shifts its half out. A
-    4-byte gather can go through cp.async, so Triton may pipeline it with the code words (a
-    2-byte gather stays synchronous: a full global-load latency per loop step)."""
-    if WIDE:
+def load_scales(scales_ptr, offset, slots, stride_s, key_valid, groups, col_ok,
+                TRANSPOSED: tl.constexpr, PADDED: tl.constexpr, MODE: tl.constexpr,
+                PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """float16 scales at ``scales_ptr + offset`` (the page and KV head's; a tile as
+    `load_tile`'s; ``groups``: each column's group, ``col // PER_GROUP``).
+
+    MODE 0: a 2-byte gather per element, which cannot go through cp.async, so Triton leaves
+    it a synchronous load in the key loop (a global-load latency per step). MODE 1 (even group
+    counts, so the rows are 4-byte aligned): each element loads the int32 holding its group's
+    scale and the next one and shifts its half out; a 4-byte gather can go through cp.async
+    and pipeline with the code words, but it is one copy per element. MODE 2: each key's row
+    of scales (contiguous, 8 bytes at head_dim 128) as a [keys, groups] tile that goes
+    through cp.async in 4-byte pieces (sm_90 TTGIR), widened to the columns in registers
+    (`_widened`). When the columns hold no padding, ``offset`` and ``stride_s`` must be
+    multiples of the group count (`triton_quant.check_scale_rows`): the kernel tells Triton
+    so, which lets a row be a vector copy (Triton assumes nothing of a stride that is not a
+    multiple of 16, such as 4 scales between KV heads)."""
+    if MODE == 2:
+        G_PAD: tl.constexpr = groups.shape[0] // PER_GROUP
+        group = tl.arange(0, G_PAD)
+        mask = key_valid[:, None]
+        if G_PAD * 32 > HEAD_DIM:  # a mask that varies along the row stops its vector load
+            mask = mask & (group * 32 < HEAD_DIM)[None, :]
+            rows_at = offset + slots * stride_s
+        else:
+            rows_at = tl.multiple_of(offset + slots * stride_s, G_PAD)
+        rows = tl.load(scales_ptr + rows_at[:, None] + group[None, :], mask=mask, other=0)
+        scales = _widened(rows, slots.shape[0], G_PAD, PER_GROUP)
+        if TRANSPOSED:
+            scales = tl.trans(scales)
+    elif MODE == 1:
+        base = scales_ptr + offset
         pairs = load_tile(base.to(tl.pointer_type(tl.int32), bitcast=True), slots,
                           stride_s // 2, key_valid, groups // 2, col_ok, TRANSPOSED, PADDED)
         if TRANSPOSED:
@@ -149,9 +173,24 @@ def load_scales(base, slots, stride_s, key_valid, groups, col_ok, TRANSPOSED: tl
             halves = pairs >> ((groups % 2) * 16)[None, :]
         scales = (halves & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        scales = load_tile(base, slots, stride_s, key_valid, groups, col_ok, TRANSPOSED,
-                           PADDED)
+        scales = load_tile(scales_ptr + offset, slots, stride_s, key_valid, groups, col_ok,
+                           TRANSPOSED, PADDED)
     return scales
+
+
+@triton.jit
+def _widened(rows, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr):
+    """rows [BLOCK_N, G_PAD] as [BLOCK_N, G_PAD * PER_GROUP] (PER_GROUP 1 to 8, a power of
+    two), column ``c`` holding ``rows[:, c // PER_GROUP]``: each join pairs every column with
+    itself, and the row-major reshape puts the pair side by side."""
+    out = rows
+    if PER_GROUP >= 2:
+        out = tl.reshape(tl.join(out, out), (BLOCK_N, G_PAD * 2))
+    if PER_GROUP >= 4:
+        out = tl.reshape(tl.join(out, out), (BLOCK_N, G_PAD * 4))
+    if PER_GROUP >= 8:
+        out = tl.reshape(tl.join(out, out), (BLOCK_N, G_PAD * 8))
+    return out
 
 
 @triton.jit

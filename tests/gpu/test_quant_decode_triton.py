@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -28,14 +29,15 @@ DECODES = [(1, True), (2, True), (17, True), (33, False), (50, True), (64, True)
 
 
 def _setup(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-           seed: int) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
-    """A storage holding every sequence's history (and window) and the batch decoding the
-    next token of each; returns the step's keys and values too."""
+           seed: int, page: int = PAGE
+           ) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
+    """A storage of ``page``-slot pages holding every sequence's history (and window) and
+    the batch decoding the next token of each; returns the step's keys and values too."""
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=HEADS * head_dim, intermediate_size=64, num_layers=1,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim)
-    num_pages = sum(math.ceil(ctx / PAGE) for ctx, _ in DECODES) + 1
-    storage = QuantStorage(config, num_pages, PAGE, dtype, [device], mode,
+    num_pages = sum(math.ceil(ctx / page) for ctx, _ in DECODES) + 1
+    storage = QuantStorage(config, num_pages, page, dtype, [device], mode,
                            recent_window=window)
     storage.reserve_sequences(len(DECODES))
     gen = torch.Generator().manual_seed(seed)
@@ -44,13 +46,13 @@ def _setup(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: to
     random.Random(seed).shuffle(order)
     slices, slots, step_k, step_v, used = [], [], [], [], 0
     for index, (ctx, has_slot) in enumerate(DECODES):
-        count = math.ceil(ctx / PAGE)
+        count = math.ceil(ctx / page)
         table, used = order[used:used + count], used + count
         keys = (torch.randn(ctx, KV_HEADS, head_dim, generator=gen) * 2).to(device, dtype)
         values = torch.randn(ctx, KV_HEADS, head_dim, generator=gen).to(device, dtype)
         slot = index if has_slot else -1
         if ctx > 1:
-            where = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(ctx - 1)],
+            where = torch.tensor([table[p // page] * page + p % page for p in range(ctx - 1)],
                                  device=device)
             storage.write(0, keys[:-1], values[:-1], where)
             storage.write_recent(0, keys[:-1], values[:-1],
@@ -60,25 +62,27 @@ def _setup(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: to
         slots.append(slot)
         step_k.append(keys[-1:])
         step_v.append(values[-1:])
-    batch = build_forward_batch(StepPlan(slices), PAGE, device, seq_slots=slots)
+    batch = build_forward_batch(StepPlan(slices), page, device, seq_slots=slots)
     return storage, batch, torch.cat(step_k), torch.cat(step_v)
 
 
 def _outputs(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-             backend: object, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             backend: object, seed: int = 0, page: int = PAGE
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(backend output, sdpa output) of one decode step over identical storages."""
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(DECODES), HEADS, head_dim, generator=gen).to(device, dtype)
     results = []
     for attend in (backend, SdpaBackend()):
-        storage, batch, k, v = _setup(mode, window, head_dim, dtype, device, seed)
+        storage, batch, k, v = _setup(mode, window, head_dim, dtype, device, seed, page)
         results.append(attend.attend(0, q, k, v, storage, batch,  # type: ignore[attr-defined]
                                      head_dim ** -0.5).float())
     assert torch.isfinite(results[0]).all()
     return results[0], results[1]
 
 
-def _backend(**options: int):  # type: ignore[no-untyped-def]
+def _backend(**options: Any) -> Any:
+    """The Triton backend at this file's tile sizes (triton imported only when called)."""
     from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
 
     return TritonPagedBackend(block_n=16, word_block_n=16, **options)
@@ -123,16 +127,17 @@ def test_word_decode_splits_agree(device: torch.device, launches: int) -> None:
     torch.testing.assert_close(many, one, rtol=2e-4, atol=2e-4)
 
 
-def _with_word_options(monkeypatch: pytest.MonkeyPatch, **options: bool) -> None:
+def _with_word_options(monkeypatch: pytest.MonkeyPatch, **options: bool | int) -> None:
     """Route the backend's q8/q4 decodes through `attend_word_decode` with kernel options
-    the backend does not pass itself."""
-    from functools import partial
-
+    that replace the backend's own (its `WordKernelFlags` keywords: a plain partial would be
+    overridden by them)."""
     from dyngen_core.attention import triton_paged
     from dyngen_core.attention.triton_quant import attend_word_decode
 
-    monkeypatch.setattr(triton_paged, "attend_word_decode", partial(attend_word_decode,
-                                                                    **options))
+    def with_options(*args: object, **keywords: object) -> torch.Tensor:
+        return attend_word_decode(*args, **(keywords | options))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_paged, "attend_word_decode", with_options)
 
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])
@@ -183,6 +188,61 @@ def test_fast_unpack_matches_plain_unpack(device: torch.device,
     assert float((fast_out - ref).norm() / ref.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("window", [0, WINDOW])
+@pytest.mark.parametrize(("page", "page_window", "splits", "launches"),
+                         [(PAGE, 2, 1, 2), (PAGE, 2, 3, 1), (32, 1, 3, 2), (32, 2, 1, 1)])
+def test_page_window_matches_sdpa(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                  mode: str, window: int, page: int, page_window: int,
+                                  splits: int, launches: int) -> None:
+    """Page ids loaded ahead in windows of ``page_window`` pages: float32 exact, with and
+    without the recent window. Contexts of up to 5 pages (16 slots) span several windows and
+    end in a partial one; 32-slot pages hold two 16-key blocks each, so a block's id is picked
+    at an offset inside its page, and 3 splits start mid-page; both launch kinds."""
+    _with_word_options(monkeypatch, page_window=page_window)
+    out, ref = _outputs(mode, window, 32, torch.float32, device,
+                        _backend(max_splits=splits, programs_per_sm=8, word_launches=launches),
+                        page=page)
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_scale_rows_match_sdpa(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                               mode: str, head_dim: int) -> None:
+    """Scales loaded as each key's row and widened to the columns: float32 exact with page
+    ids loaded ahead and the recent window; head_dim 64 pads the columns (masked groups),
+    head_dim 128 fills them (the aligned rows path); keys transposed, values not."""
+    _with_word_options(monkeypatch, scale_rows=True, page_window=2)
+    out, ref = _outputs(mode, WINDOW, head_dim, torch.float32, device,
+                        _backend(max_splits=3, programs_per_sm=8))
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_scale_rows_refuse_unaligned_rows() -> None:
+    """scale_rows tells Triton every row of scales starts at a multiple of the group count;
+    scales whose strides break that are refused instead of read misaligned."""
+    pytest.importorskip("triton")
+    from dyngen_core.attention.triton_quant import check_scale_rows
+
+    scales = torch.zeros(2, 16, 2, 4, dtype=torch.float16)
+    check_scale_rows((None,) * 8 + (scales, scales) + scales.stride()[:3] * 2, 4)
+    with pytest.raises(ValueError, match="scale_rows=False"):
+        check_scale_rows((None,) * 8 + (scales, scales) + (128, 8, 6) * 2, 4)
+
+
+def test_page_window_must_be_a_power_of_two(device: torch.device) -> None:
+    """A window that is not 0 or a power of two is refused before any launch."""
+    pytest.importorskip("triton")
+    from dyngen_core.attention.triton_quant import attend_word_decode
+
+    q = torch.zeros(1, HEADS, 32, device=device)
+    with pytest.raises(ValueError, match="power of two"):
+        attend_word_decode(q, (), None, None, 1.0, key_bits=4,  # type: ignore[arg-type]
+                           value_bits=4, num_kv_heads=KV_HEADS, block_n=16, splits=1,
+                           warps=4, page_window=3)
+
+
 def test_word_flags_join_only_4bit_values_by_default() -> None:
     """The backend's defaults join 4-bit values (faster on an H200) but not 8-bit ones (slower
     there), unless asked to; every other flag passes through unchanged."""
@@ -195,3 +255,5 @@ def test_word_flags_join_only_4bit_values_by_default() -> None:
     assert not WordKernelFlags(join_values=False).keywords(4)["join_values"]
     assert "join_8bit_values" not in flags.keywords(4)
     assert flags.keywords(8)["half_dot"] == flags.half_dot
+    assert WordKernelFlags(page_window=4, scale_rows=True, stages=4).keywords(4) == (
+        flags.keywords(4) | {"page_window": 4, "scale_rows": True, "stages": 4})
