@@ -14,15 +14,18 @@ Neither floor explains q4 at ~1 ms (batch 32): the kernel is bound by unpacking 
 packing, shared-memory stores of each dequantized tile) and by its 252 registers a thread (per
 code field a [16, 16] value dot that Triton ran on every one of the 4 warps).
 
-Variants (``--q8`` / ``--q4``, comma-separated names): ``old`` is the current default (64 keys
-x 4 warps, page and tail programs in two launches, no options); the others add
+Variants (``--q8`` / ``--q4``, comma-separated names): ``old`` is the kernel without options
+(64 keys x 4 warps, page and tail programs in two launches); the others add
 `attend_word_decode`'s options: ``v`` join_values, ``k`` join_keys, ``h`` half_dot, ``f``
-fast_unpack, ``w`` wide_scales, then the launch shape ``NxW``, then optionally ``-pP``:
-splits chosen for P programs per multiprocessor instead of the backend's 4 (P=2: 2 splits at
-batch 32, one wave of 512 programs where 128 registers a thread fit 4 per multiprocessor; 3
-splits make 1.5 waves), then optionally ``-lL``: L=1 runs the page and tail programs in one
-launch (the backend's ``word_launches``; default 2), then optionally ``-sS``: S software-pipelining
-stages of the key loop (default: Triton's).
+fast_unpack, ``w`` wide_scales, ``r`` scale_rows, then the launch shape ``NxW``, then
+suffixes in any order: ``-pP`` splits chosen for P programs per multiprocessor instead of the
+backend's 4 (P=2: 2 splits at batch 32, one wave of 512 programs where 128 registers a thread
+fit 4 per multiprocessor; 3 splits make 1.5 waves); ``-lL`` L=1 runs the page and tail
+programs in one launch (the backend's ``word_launches``; default 2); ``-sS`` S
+software-pipelining stages of the key loop (default: Triton's, 3); ``-wW`` the page programs
+load page ids W pages at a time ahead of their blocks (``page_window``; default 0: one load
+per block inside the loop, which makes the loop wait for every copy each step, so stages
+changed nothing).
 Each variant's output is checked against ``old``'s (relative error, ``err`` in the table; a
 variant that fails to launch, e.g. for shared memory, is reported and skipped). Quantized modes
 run as the runner does (q4 with its 16-position recent window and page heads, q8 with page
@@ -77,10 +80,33 @@ VARIANTS: dict[str, tuple[dict[str, bool], int, int]] = {
                    "wide_scales": True}, 64, 4),
     "vhfw-64x8": ({"join_values": True, "half_dot": True, "fast_unpack": True,
                    "wide_scales": True}, 64, 8),
+    "hfr-64x4": ({"half_dot": True, "fast_unpack": True, "scale_rows": True}, 64, 4),
+    "vhfr-64x4": ({"join_values": True, "half_dot": True, "fast_unpack": True,
+                   "scale_rows": True}, 64, 4),
 }
 # Kept small: each variant compiles two kernels per batch size (~30 compiles in all).
-DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hfw-64x4",
-                    "q4": "old,vh-64x4,vhf-64x4,vhfw-64x4,vhfw-64x4-p2"}
+# The page-window sweep (issue #5): the backend's options (two launches; -l1: one, faster at
+# batch 1 but the joint kernel takes 145 (q8) / 205 (q4) registers a thread against the
+# page programs' 128) without and with page ids loaded ahead (-w), then with scale rows too
+# (r: with the page ids out of the loop the scales' 2-byte gathers are its last synchronous
+# loads), at 2-4 stages (-s). About 45 compiles: run q8 and q4 as two calls (--q4 old /
+# --q8 old) to keep each under 90 s.
+DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x4-l1,hf-64x4-w4,hfr-64x4-w4,hfr-64x4-l1-w4,"
+                          "hfr-64x4-w4-s4",
+                    "q4": "old,vhf-64x4,vhf-64x4-l1,vhf-64x4-w4,vhfr-64x4-w4,vhfr-64x4-l1-w4,"
+                          "vhfr-64x4-w4-s2,vhfr-64x4-w4-s4,vhfr-64x4-w8"}
+SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window"}
+
+
+def parse_variant(name: str) -> tuple[str, dict[str, int]]:
+    """A variant name as its `VARIANTS` key and its suffix values (``-pP``, ``-lL``, ``-sS``,
+    ``-wW``, in any order after the base), e.g. ``vhf-64x4-l1-w4-s4``."""
+    parts = name.split("-")
+    suffixes: dict[str, int] = {}
+    while len(parts) > 1 and parts[-1][:1] in SUFFIXES and parts[-1][1:].isdigit():
+        suffix = parts.pop()
+        suffixes[SUFFIXES[suffix[0]]] = int(suffix[1:])
+    return "-".join(parts), suffixes
 COPIES_BATCH1 = 16
 
 
@@ -130,8 +156,8 @@ def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
 def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
                step_rows: tuple[torch.Tensor, torch.Tensor], options: dict[str, bool],
                block_n: int, warps: int, programs_per_sm: int,
-               max_splits: int, launches: int = 2,
-               stages: int | None = None) -> list[Callable[[], Any]]:
+               max_splits: int, launches: int = 2, stages: int | None = None,
+               page_window: int = 0) -> list[Callable[[], Any]]:
     """`attend_word_decode` over each batch with its operands prepared once (kernel alone)."""
     backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps,
                                  programs_per_sm=programs_per_sm, max_splits=max_splits)
@@ -147,7 +173,7 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
             q, page_args, b, exact, q.shape[2] ** -0.5 * LOG2_E, key_bits=ops.key_bits,
             value_bits=ops.value_bits, num_kv_heads=kv_heads, block_n=block_n,
             splits=splits, warps=warps, launches=launches, stages=stages,
-            **options)
+            page_window=page_window, **options)
 
     return [call(b) for b in batches]
 
@@ -185,14 +211,12 @@ def main() -> None:
                     if mode == "fp16":
                         calls = fp16_calls(storage, group, q, args.max_splits)
                     else:
-                        name_s, _, stages = name.partition("-s")
-                        name_l, _, launches = name_s.partition("-l")
-                        base, _, per_sm = name_l.partition("-p")
+                        base, knobs = parse_variant(name)
                         options, block_n, warps = VARIANTS[base]
                         calls = word_calls(storage, group, q, step_rows, options, block_n,
-                                           warps, int(per_sm or 4), args.max_splits,
-                                           int(launches or 2),
-                                           int(stages) if stages else None)
+                                           warps, knobs.get("per_sm", 4), args.max_splits,
+                                           knobs.get("launches", 2), knobs.get("stages"),
+                                           knobs.get("page_window", 0))
                     out = calls[0]().float()
                     reference = out if reference is None else reference
                     error = float((out - reference).norm() / reference.norm())
@@ -219,7 +243,7 @@ def print_table(rows: list[tuple[str, str, int, float, float, float]],
     """µs (GB/s) per mode and variant, one column per batch, each variant against fp16
     (success for the issue: q4 at most 1.00 at batch 32) and its largest error against old."""
     fp16 = {b: us for mode, _, b, us, _, _ in rows if mode == "fp16"}
-    print(f"\n{'mode':5} {'variant':10}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
+    print(f"\n{'mode':5} {'variant':20}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
           + "".join(f"{'/fp16 b' + str(b):>10}" for b in batches) + f"{'err':>9}")
     seen: dict[tuple[str, str], dict[int, tuple[float, float, float]]] = {}
     for mode, name, b, us, gbps, error in rows:
@@ -230,7 +254,7 @@ def print_table(rows: list[tuple[str, str, int, float, float, float]],
         ratios = "".join(f"{by_batch[b][0] / fp16[b]:>10.2f}" if b in by_batch and b in fp16
                          else f"{'-':>10}" for b in batches)
         error = max(cell[2] for cell in by_batch.values())
-        print(f"{mode:5} {name:10}{cells}{ratios}{error:>9.1e}")
+        print(f"{mode:5} {name:20}{cells}{ratios}{error:>9.1e}")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ cuobjdump and nvdisasm).
 
 One line per kernel variant (Llama-3-8B shape by default: 32 query heads, GQA group 4,
 head_dim 128, 256-token pages): registers per thread, spilled bytes (stack), shared memory,
-the TTGIR's ``convert_layout`` and ``local_alloc`` counts, and SASS counts of the instructions
-that tell where a loop's time goes (shared-memory traffic, int-to-float conversions,
-tensor-core ops, global loads, cp.async (LDGSTS), 16-byte global loads and cp.async
-(LD128: LDG* with .128), local-memory spills).
+the TTGIR's ``convert_layout`` and ``local_alloc`` counts and its ``async_wait`` nums
+(``waits``: copy groups left in flight at each wait; all 0: a loop that waits for every copy
+each step), and SASS counts of the instructions that tell where a loop's time goes
+(shared-memory traffic, int-to-float conversions, tensor-core ops, global loads, cp.async
+(LDGSTS), 16-byte global loads and cp.async (LD128: LDG* with .128), local-memory spills).
 
 Variants: ``old-*`` the general decode kernel (`paged_attention_kernel`; ``-mw``: with the
 in-kernel split merge and step write of small batches; ``-pwN``: its key loop with N page ids
@@ -76,7 +77,7 @@ FLOAT_SCALARS = ("scale_log2", "qk_scale")
 # The `WordKernelFlags` fields as `quant_decode_kernel` constexprs, with their label letters.
 WORD_FLAGS = {"join_keys": ("K_JOIN", "k"), "join_values": ("V_JOIN", "v"),
               "half_dot": ("HALF_DOT", "h"), "fast_unpack": ("FAST_UNPACK", "f"),
-              "wide_scales": ("WIDE_SCALES", "w")}
+              "wide_scales": ("WIDE_SCALES", "w"), "scale_rows": ("SCALE_ROWS", "r")}
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,7 @@ def measure(variant: Variant, dtype: str, arch: int, hints: bool,
         "convert": ttgir.count("ttg.convert_layout"),
         "local_alloc": ttgir.count("ttg.local_alloc"),
         "sass": len(full),
+        "waits": "/".join(re.findall(r"async_wait[^{]*\{num = (\d+)", ttgir)) or "-",
         **{kind: opcodes.get(kind, 0) for kind in SASS_KINDS},
     }
 
@@ -265,7 +267,8 @@ def general_decode_variants(shape: Shape) -> list[Variant]:
 def word_flag_sets(bits: int) -> dict[str, dict[str, bool]]:
     """Tag -> `quant_decode_kernel` option constexprs: none, and the backend's defaults for
     ``bits``-bit pages."""
-    defaults = WordKernelFlags().keywords(bits)
+    defaults = {name: on for name, on in WordKernelFlags().keywords(bits).items()
+                if name in WORD_FLAGS}
     chosen = {WORD_FLAGS[name][0]: bool(on) for name, on in defaults.items()}
     tag = "".join(WORD_FLAGS[name][1] for name, on in defaults.items() if on)
     return {"": {flag: False for flag, _ in WORD_FLAGS.values()}, tag: chosen}
@@ -290,6 +293,35 @@ def word_decode_variants(shape: Shape) -> list[Variant]:
                             "NUM_SPLITS": 4, "WINDOW": window, "DOT_PRECISION": "tf32",
                             "PROGRAMS": role, **flags},
                         warps, bits, ints=runtime_ints(shape, bits)))
+    return out
+
+
+# (page ids loaded ahead, stages, scale rows) of `word_window_variants`.
+WORD_WINDOWS = ((0, 2, False), (0, 3, False), (0, 4, False), (4, 2, False), (4, 3, False),
+                (4, 4, False), (8, 3, False), (0, 3, True), (4, 2, True), (4, 3, True),
+                (4, 4, True), (8, 3, True))
+
+
+def word_window_variants(shape: Shape) -> list[Variant]:
+    """The word kernel's page programs (64 x 4, the backend's default options) with page ids
+    loaded ahead (``-pwW``: PAGE_WINDOW W, 0 the per-block load) at ``-sS`` pipelining stages,
+    ``-r`` with scale rows (SCALE_ROWS): the ``waits`` column shows whether the key loop
+    keeps copies in flight."""
+    rows = max(16, 1 << (shape.group - 1).bit_length())
+    out = []
+    for bits, window in ((8, 0), (4, 16)):
+        tag, flags = list(word_flag_sets(bits).items())[-1]
+        for page_window, stages, scale_rows in WORD_WINDOWS:
+            out.append(Variant(
+                f"new-q{bits}-w{window}-n64x4-pages-{tag}-pw{page_window}-s{stages}"
+                + ("-r" if scale_rows else ""), quant_decode_kernel, {
+                    "G": shape.group, "BLOCK_M": rows, "BLOCK_N": 64,
+                    "HEAD_DIM": shape.head_dim, "DIM_PAD": max(shape.head_dim, 512 // bits),
+                    "PAGE_SIZE": shape.page_size, "K_BITS": bits, "V_BITS": bits,
+                    "NUM_SPLITS": 4, "WINDOW": window, "DOT_PRECISION": "tf32",
+                    "PROGRAMS": 1, **flags, "PAGE_WINDOW": page_window,
+                    "SCALE_ROWS": scale_rows},
+                4, bits, stages=stages, ints=runtime_ints(shape, bits)))
     return out
 
 
@@ -354,7 +386,7 @@ def other_kernel_variants(shape: Shape) -> list[Variant]:
 def variants(shape: Shape) -> list[Variant]:
     """Every variant compared, in print order."""
     return (general_decode_variants(shape) + word_decode_variants(shape)
-            + other_kernel_variants(shape))
+            + word_window_variants(shape) + other_kernel_variants(shape))
 
 
 def main() -> None:
@@ -371,7 +403,7 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, default=None)
     args = parser.parse_args()
     shape = Shape(heads=args.heads, kv_heads=args.heads // args.group, head_dim=args.head_dim)
-    columns = ("regs", "stack", "smem", "convert", "local_alloc", "sass", *SASS_KINDS)
+    columns = ("regs", "stack", "smem", "convert", "local_alloc", "waits", "sass", *SASS_KINDS)
     widths = [max(7, len(c) + 1) for c in columns]
     print(f"{'variant':42}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
     for variant in variants(shape):
