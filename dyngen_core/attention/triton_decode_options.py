@@ -32,11 +32,21 @@ class DecodeOptions:
         4 warps (no spills; benchmarks/triton_resources.py ``old-q6-*-pw4``).
     stages: software-pipelining depth of the decode key loop (Triton's ``num_stages``; 3 is
         Triton's default, what every launch used before this option).
+    word_one_launch_max_seqs: decode batches of at most this many sequences over q8/q4 pages
+        run the word kernel's page and tail programs in one launch (the tail's exact rows then
+        overlap the pages instead of following them); larger ones take the backend's
+        ``word_launches``. One layer at 16k context on an H200 (benchmarks/quant_decode.py):
+        q4 batch 1 28.6 us in one launch against 45.8 in two; batch 32 485.1 against 448.9.
+
+    Defaults: ``page_window`` 16 from benchmarks/decode_attention.py on an H200 (one layer,
+    us, per-tile loop -> window of 16): batch 1 at 16k 30.1 -> 24.3, at 4k 12.8 -> 11.5; batch
+    32 at 16k 503.7 -> 496.2; batch 256 at 4k 991.8 -> 1000.4, at 16k 4066 -> 3999.
     """
 
-    page_window: int = 0
+    page_window: int = 16
     quant_page_window: int = 0
     stages: int = 3
+    word_one_launch_max_seqs: int = 2
 
     def __post_init__(self) -> None:
         for name in ("page_window", "quant_page_window"):

@@ -107,9 +107,8 @@ class TritonPagedBackend:
         per field instead of reshaping them); ``word_block_n=None`` decodes them with the
         general kernel (for comparisons).
     word_launches: 1 runs that kernel's page programs and its exact-row ("tail") programs in
-        one grid, 2 in two launches (neither's code then takes registers from the other: at
-        64 keys x 4 warps with q4's window, one grid spills 760 bytes a thread, the page
-        programs alone none; benchmarks/triton_resources.py).
+        one grid, 2 in two launches (neither's code then takes registers from the other),
+        for batches above ``DecodeOptions.word_one_launch_max_seqs`` sequences.
     cascade_min_saved_keys, cascade_min_members, cascade_min_prefix_pages: when decode-only
         batches over unquantized pages use shared-prefix ("cascade") attention, as the fields
         of `shared_prefix.CascadePolicy` (whose defaults these are, with the reasons);
@@ -226,13 +225,14 @@ class TritonPagedBackend:
 
             return self.cascade.attend(q, ops, page_args, batch, tables, scale, heads,
                                        launch_remainder)
-        word_block_n = self.word_block_n
+        word_block_n, small = self.word_block_n, self.decode_options.word_one_launch_max_seqs
         if (word_block_n is not None and exact is not None
                 and word_decode_fits(batch, ops.key_bits, ops.value_bits, exact, word_block_n)):
             return attend_word_decode(
                 q, page_args, batch, exact, scale * LOG2_E, key_bits=ops.key_bits,
                 value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
-                block_n=word_block_n, warps=self.word_warps, launches=self.word_launches,
+                block_n=word_block_n, warps=self.word_warps,
+                launches=1 if batch.num_seqs <= small else self.word_launches,
                 splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
                 **self.word_keywords[ops.value_bits])
         num_tokens, num_heads, _ = q.shape

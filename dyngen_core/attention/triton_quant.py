@@ -33,8 +33,11 @@ class WordKernelFlags:
     dots and the fast unpack too, 963 with wide scales as well; q8 1001 before, 980 with float16
     dots and the fast unpack, 2494 with wide scales. Whole decode step (benchmarks/
     long_context.py, ms): q4 41.3 -> 33.8; q8 39.7 -> 53.3 with joined values, so 8-bit values
-    are not joined. ``page_window``, ``scale_rows`` and ``stages``: off / Triton's default
-    until measured (benchmarks/quant_decode.py variants ``-wW``, ``r``, ``-sS``).
+    are not joined. Page ids loaded 4 pages ahead with scales read as rows (sixth session, one
+    layer, us, batch 1 one launch / batch 32 two launches): q4 43.6 / 811.6 -> **28.6 / 448.9**
+    (fp16 30.2 / 499.5), q8 57.4 / 987.7 -> 44.2 / 661.1 (two launches at batch 1); a window
+    of 8 pages measured the same, 4 stages slower at batch 32 (476.2), so ``stages`` stays
+    Triton's default.
     """
 
     join_keys: bool = False
@@ -43,8 +46,8 @@ class WordKernelFlags:
     half_dot: bool = True
     fast_unpack: bool = True
     wide_scales: bool = False
-    page_window: int = 0
-    scale_rows: bool = False
+    page_window: int = 4
+    scale_rows: bool = True
     stages: int | None = None
 
     def keywords(self, value_bits: int) -> dict[str, Any]:
