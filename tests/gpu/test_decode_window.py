@@ -99,7 +99,9 @@ def test_window_over_q6_pages(device: torch.device, window: int) -> None:
     with and without a recent window of exact rows, against the sdpa backend."""
     from tests.gpu.test_quant_decode_triton import _outputs
 
-    backend = TritonPagedBackend(block_n=8, word_block_n=None, max_splits=3,
+    # A GPU dot needs 16 keys at least; the interpreter takes the smaller tile.
+    block_n = 16 if device.type == "cuda" else 8
+    backend = TritonPagedBackend(block_n=block_n, word_block_n=None, max_splits=3,
                                  programs_per_sm=4096,
                                  decode_options=DecodeOptions(quant_page_window=2))
     out, ref = _outputs("q6", window, 32, torch.float32, device, backend)
@@ -113,6 +115,9 @@ def test_tile_wider_than_page_keeps_per_tile_loop(device: torch.device) -> None:
     block_n = 2 * int(_shape(device)["page"])  # type: ignore[call-overload]
     backend = _backend(4, 3, block_n)
     assert backend.decode_options.window_for(batch.page_size, block_n, False) == 0
+    if device.type == "cuda":
+        pytest.skip("a 512-key tile over 256-slot pages needs more shared memory than a GPU "
+                    "has; the fallback's choice is checked above, its loop under the interpreter")
     scale = q.shape[2] ** -0.5
     out = backend.attend_cached(0, q, storage, batch, scale)
     limit = 2e-5 if q.dtype == torch.float32 else 2e-2
