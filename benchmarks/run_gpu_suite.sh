@@ -40,7 +40,9 @@ for phase in "$@"; do
       run 90 sweeps.log $PY benchmarks/decode_attention.py
       run 100 sweeps.log $PY benchmarks/cascade_kernel.py
       run 100 sweeps.log $PY benchmarks/prefill_attention.py
-      run 90 sweeps.log $PY benchmarks/quant_decode.py ;;
+      run 90 sweeps.log $PY benchmarks/quant_decode.py
+      run 100 sweeps.log $PY benchmarks/fused_ops.py
+      run 150 sweeps.log $PY benchmarks/quant_write.py ;;
     long) run 150 bench.log $PY benchmarks/long_context.py --quant-kernels 64x4s ;;
     host) run 90 bench.log $PY benchmarks/host_overhead.py ;;
     load) run 240 bench.log $PY benchmarks/load_time.py ;;
