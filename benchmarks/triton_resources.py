@@ -363,23 +363,23 @@ def other_kernel_variants(shape: Shape) -> list[Variant]:
         tiled.warps, stages=tiled.stages, ints=ints))
     sizes = {"narrow": (shape.hidden, shape.hidden), "long_k": (shape.hidden, shape.ffn),
              "wide": (shape.ffn, shape.hidden)}
-    for (rows, weights), config in DEFAULT_CONFIGS.items():
+    for (row_count, weights), config in DEFAULT_CONFIGS.items():
         if config is None:
             continue
         n, k = sizes[weights]
-        block_m = config.rows_per_program(1 if rows == "1" else 16)
+        block_m = config.rows_per_program(1 if row_count == "1" else 16)
         constexprs = {"HAS_BIAS": False, "EVEN_K": k % config.block_k == 0, "BLOCK_M": block_m,
                       "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                       "NUM_STAGES": config.num_stages}
         if config.kernel == "reduce":
             constexprs["PREFETCH"] = config.prefetch
         out.append(Variant(
-            f"skinny-{config.kernel}-{rows}-{weights}-m{block_m}n{config.block_n}"
+            f"skinny-{config.kernel}-{row_count}-{weights}-m{block_m}n{config.block_n}"
             f"k{config.block_k}s{config.num_stages}", getattr(
                 skinny_matmul_kernel, f"skinny_{config.kernel}_kernel"), constexprs,
             config.num_warps, stages=config.num_stages,
-            ints={"M": 1 if rows == "1" else 16, "N": n, "K": k, "stride_xm": k, "stride_wn": k,
-                  "stride_ym": n}))
+            ints={"M": 1 if row_count == "1" else 16, "N": n, "K": k, "stride_xm": k,
+                  "stride_wn": k, "stride_ym": n}))
     return out
 
 
