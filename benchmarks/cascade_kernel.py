@@ -74,7 +74,7 @@ QUESTION = 40
 # name: CascadeOptions fields replaced (the backend's own defaults otherwise). "3launch" is the
 # cascade of the fourth session (own keys through the paged kernel, prefix tiles, a merge
 # kernel); "fused" the backend's default, two launches (`triton_cascade_fused`: the own-keys
-# pass merges); "win*" prefetch the prefix pass's page ids (`triton_cascade_prefetch`), with
+# pass merges); "win*" prefetch the prefix pass's page ids (`prefix_tiles_kernel` WINDOW), with
 # the fused merge and its own keys' page ids loaded ahead too ("fused_win4" alone: the own
 # keys' loop otherwise holds one tile buffer and waits for each copy: no prefetch at all, as
 # the plain decode kernel's). Registers a thread and shared memory (ptxas, sm_90, bf16; none

@@ -6,7 +6,7 @@ runs three kernels instead of one or two:
 1. `triton_kernels.paged_attention_kernel` with ``REMAINDER``: every sequence against its own
    keys, from its group's prefix end (0 for sequences in no group) to its context length;
 2. `triton_cascade_kernels.prefix_tiles_kernel` (float pages whose page size the key tile
-   divides, or its page-prefetching form `triton_cascade_prefetch.prefix_window_kernel`; else
+   divides, optionally loading page ids a window ahead: its WINDOW); else
    the general `shared_prefix_kernel`): every group's query rows against the group's shared
    pages, read once per block of up to ``rows // G_PAD`` members;
 3. `triton_cascade_kernels.merge_cascade_kernel`: both partials of every query row merged by
@@ -33,7 +33,6 @@ from dyngen_core.attention.triton_cascade_kernels import (
     prefix_tiles_kernel,
     shared_prefix_kernel,
 )
-from dyngen_core.attention.triton_cascade_prefetch import prefix_window_kernel
 
 if TYPE_CHECKING:
     from dyngen_core.attention.base import ForwardBatch
@@ -52,8 +51,8 @@ class PrefixLaunch:
         ``num_stages``).
     tiles: run `prefix_tiles_kernel` (float pages, ``block_n`` dividing the page size: see
         `tiles_fit`) instead of the general `shared_prefix_kernel`.
-    window: with ``tiles``, pages whose ids `triton_cascade_prefetch.prefix_window_kernel`
-        loads ahead of their tiles (a power of two; 0: `prefix_tiles_kernel`).
+    window: with ``tiles``, pages whose ids `prefix_tiles_kernel` loads ahead of their tiles
+        (its WINDOW: a power of two; 0 loads each tile's page id in the key loop).
     """
 
     group: int
@@ -84,9 +83,7 @@ def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object,
                       device=q.device)
     if launch.tiles:
         keys, values = ops.keys, ops.values
-        window = {"WINDOW": launch.window} if launch.window else {}
-        kernel = prefix_window_kernel if launch.window else prefix_tiles_kernel
-        kernel[(tables.grid_blocks, num_kv_heads, launch.splits)](
+        prefix_tiles_kernel[(tables.grid_blocks, num_kv_heads, launch.splits)](
             q, q.stride(0), q.stride(1), keys, values, *keys.stride()[:3], *values.stride()[:3],
             batch.page_table, batch.page_table.stride(0), batch.query_start,
             tables.member_seq, tables.group_end, tables.group_prefix, tables.block_group,
@@ -95,7 +92,7 @@ def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object,
             scale_log2,
             G=launch.group, G_PAD=launch.group_pad, BLOCK_M=launch.rows,
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
-            PAGE_SIZE=batch.page_size, **window,
+            PAGE_SIZE=batch.page_size, WINDOW=launch.window,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=launch.warps, num_stages=launch.stages,
         )

@@ -31,6 +31,7 @@ from dyngen_core.attention.triton_kernels import (
     load_scaled_queries,
     log2_sum_exp,
 )
+from dyngen_core.attention.triton_page_window import tile_page, window_ids, window_keys
 
 if TYPE_CHECKING:
     from dyngen_core.attention.base import ForwardBatch
@@ -73,17 +74,14 @@ def own_keys_windowed(q, m_i, l_i, acc, table_row, kv_lo, kv_hi, k_base, v_base,
     of BLOCK_N counted from a page start and BLOCK_N dividing PAGE_SIZE (so no tile straddles
     a page): one page id per tile, picked out of a vector of ``WINDOW`` ids loaded before the
     window's tiles (no load in the tile loop feeds an address, so the pipeliner keeps tile
-    copies in flight: `triton_cascade_prefetch`). ``q`` is scaled (`load_scaled_queries`)."""
-    window = tl.arange(0, WINDOW)
+    copies in flight: `triton_cascade_kernels.prefix_tiles_kernel`, its WINDOW). ``q`` is
+    scaled (`load_scaled_queries`)."""
     slots = tl.arange(0, BLOCK_N)
-    last_page = tl.cdiv(kv_hi, PAGE_SIZE)
-    for first_page in range(kv_lo // PAGE_SIZE, last_page, WINDOW):
-        ids = tl.load(table_row + first_page + window, mask=first_page + window < last_page,
-                      other=0).to(tl.int64)
-        lo = tl.maximum(kv_lo, first_page * PAGE_SIZE)
-        hi = tl.minimum(kv_hi, (first_page + WINDOW) * PAGE_SIZE)
+    for first_page in range(kv_lo // PAGE_SIZE, tl.cdiv(kv_hi, PAGE_SIZE), WINDOW):
+        ids = window_ids(table_row, first_page, kv_hi, PAGE_SIZE, WINDOW)
+        lo, hi = window_keys(first_page, kv_lo, kv_hi, PAGE_SIZE, WINDOW)
         for n0 in range(lo, hi, BLOCK_N):
-            page = tl.sum(tl.where(window == n0 // PAGE_SIZE - first_page, ids, 0), 0)
+            page = tile_page(ids, first_page, n0, PAGE_SIZE, WINDOW)
             rows = n0 % PAGE_SIZE + slots
             key_valid = n0 + slots < hi
             mask = key_valid[:, None] & (dims < HEAD_DIM)[None, :]

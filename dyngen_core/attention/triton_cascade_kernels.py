@@ -31,6 +31,7 @@ from dyngen_core.attention.triton_kernels import (
     log2_sum_exp,
     normalized_rows,
 )
+from dyngen_core.attention.triton_page_window import tile_page, window_ids, window_keys
 
 
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
@@ -161,6 +162,44 @@ def _page_tile(ptr, slot, slots, stride_s, dims, HEAD_DIM: tl.constexpr, HEAD_PA
     return tile
 
 
+@triton.jit
+def _tile_step(q, m_i, l_i, acc, k_base, v_base, slot, stride_ks, stride_vs, scale_log2, dims,
+               slots, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """The online softmax over one tile: keys ``slot + slots`` of the page and head at
+    ``k_base`` / ``v_base``; the scale multiplies the fp32 scores (q stays the dot operand)."""
+    k = _page_tile(k_base, slot, slots, stride_ks, dims, HEAD_DIM, HEAD_PAD)
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
+    p = tl.exp2(scores * scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _page_tile(v_base, slot, slots, stride_vs, dims, HEAD_DIM, HEAD_PAD)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                        input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _window_tiles(q, m_i, l_i, acc, table_row, kv_lo, kv_hi, k_head, v_head, stride_ks,
+                  stride_vs, stride_kp, stride_vp, scale_log2, dims, slots,
+                  WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """`_tile_step` over keys [kv_lo, kv_hi) (whole tiles), the page ids of each WINDOW pages
+    loaded as one vector first (`triton_page_window`)."""
+    for first_page in range(kv_lo // PAGE_SIZE, tl.cdiv(kv_hi, PAGE_SIZE), WINDOW):
+        ids = window_ids(table_row, first_page, kv_hi, PAGE_SIZE, WINDOW)
+        lo, hi = window_keys(first_page, kv_lo, kv_hi, PAGE_SIZE, WINDOW)
+        for n0 in range(lo, hi, BLOCK_N):
+            page = tile_page(ids, first_page, n0, PAGE_SIZE, WINDOW)
+            m_i, l_i, acc = _tile_step(
+                q, m_i, l_i, acc, k_head + page * stride_kp, v_head + page * stride_vp,
+                n0 % PAGE_SIZE, stride_ks, stride_vs, scale_log2, dims, slots, HEAD_DIM,
+                HEAD_PAD, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
 @triton.jit(do_not_specialize=["stride_pt"])
 def prefix_tiles_kernel(
@@ -173,7 +212,7 @@ def prefix_tiles_kernel(
     scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     """`shared_prefix_kernel` for float pages, with nothing in its key loop but the two dots,
     the online softmax and two unmasked tile loads. Same grid, tables and partials (its split
@@ -188,6 +227,12 @@ def prefix_tiles_kernel(
     stay in shared memory as the tensor cores' operand: scaled in registers first, they were
     reloaded from shared memory every step and held 47 more registers a thread (ptxas, sm_90,
     128 rows x 8 warps: 240 -> 193; 64 rows x 8 warps: 127, two programs a multiprocessor).
+
+    WINDOW > 0 (a power of two): the page ids of WINDOW pages are loaded as one vector ahead of
+    those pages' tiles (`_window_tiles`). Loading each tile's page id inside the key loop makes
+    the tile's address depend on a load of the same loop, and Triton's pipeliner (3.6, sm_90)
+    then waits for every copy in flight at the top of each step (``async_wait {num = 0}`` in
+    its TTGIR); with the ids picked out of a vector by a masked sum the copies stay in flight.
     """
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,21 +262,19 @@ def prefix_tiles_kernel(
         leader = tl.load(member_seq_ptr + first)
         table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
         m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
-        for n0 in range(kv_lo, kv_hi, BLOCK_N):
-            page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
-            slot = n0 % PAGE_SIZE
-            k = _page_tile(k_ptr + page * stride_kp + kv_head * stride_kh, slot, slots, stride_ks,
-                           dims, HEAD_DIM, HEAD_PAD)
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
-            p = tl.exp2(scores * scale_log2 - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _page_tile(v_ptr + page * stride_vp + kv_head * stride_vh, slot, slots, stride_vs,
-                           dims, HEAD_DIM, HEAD_PAD)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
+        if WINDOW == 0:
+            for n0 in range(kv_lo, kv_hi, BLOCK_N):
+                page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
+                m_i, l_i, acc = _tile_step(
+                    q, m_i, l_i, acc, k_ptr + page * stride_kp + kv_head * stride_kh,
+                    v_ptr + page * stride_vp + kv_head * stride_vh, n0 % PAGE_SIZE, stride_ks,
+                    stride_vs, scale_log2, dims, slots, HEAD_DIM, HEAD_PAD, DOT_PRECISION)
+        else:
+            m_i, l_i, acc = _window_tiles(
+                q, m_i, l_i, acc, table_row, kv_lo, kv_hi, k_ptr + kv_head * stride_kh,
+                v_ptr + kv_head * stride_vh, stride_ks, stride_vs, stride_kp, stride_vp,
+                scale_log2, dims, slots, WINDOW, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE,
+                DOT_PRECISION)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         part_row = (member.to(tl.int64) * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,

@@ -68,8 +68,8 @@ class CascadeOptions:
         and plain decode programs per multiprocessor (the remainder pass's split count).
     prefix_kernel: "tiles" runs the shared prefixes through `prefix_tiles_kernel` wherever it
         fits (float pages; its tile is ``prefix_block_n`` keys, halved until it divides the
-        page size, at least 16), "window" through `prefix_window_kernel` where the same
-        holds (page ids loaded ahead, so the tile copies pipeline: `triton_cascade_prefetch`),
+        page size, at least 16), "window" through the same kernel with the page ids of
+        ``prefix_window`` pages loaded ahead of their tiles (so the tile copies pipeline),
         "general" always through `shared_prefix_kernel` (the first version, kept for
         comparison).
     prefix_window: pages per id vector of the "window" kernel (a power of two).

@@ -9,7 +9,8 @@ trip: a batch-1 decode at 16k context read its 67 MB at 2.2 TB/s on an H200.
 `attend_key_windows` loads the page ids of ``PAGE_WINDOW`` pages as one vector before the loop
 over that window's tiles and picks each tile's page id out of it with a masked sum (no load),
 so tile addresses depend on loop values alone and the pipeliner keeps tiles in flight, as the
-cascade's passes do (`triton_cascade_prefetch`, `triton_cascade_fused.own_keys_windowed`). It
+cascade's passes do (`prefix_tiles_kernel` with a WINDOW,
+`triton_cascade_fused.own_keys_windowed`). It
 needs every tile inside one page: BLOCK_N divides PAGE_SIZE and the range starts at a multiple
 of BLOCK_N (`attend_keys` takes either form; `triton_decode_options.DecodeOptions`).
 """
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from dyngen_core.attention.triton_exact_kernels import exact_row_of_page, window_holds
+from dyngen_core.attention.triton_page_window import tile_page, window_ids, window_keys
 
 
 @triton.jit
@@ -122,18 +124,13 @@ def attend_key_windows(q, m_i, l_i, acc, table_row, kv_lo, kv_hi, position, kv_h
     """`attend_key_range` with the page ids of ``PAGE_WINDOW`` pages (a power of two) loaded
     as one vector ahead of each window's tiles, so the tile loads pipeline. ``kv_lo`` is a
     multiple of BLOCK_N and BLOCK_N divides PAGE_SIZE: every tile lies in one page."""
-    window = tl.arange(0, PAGE_WINDOW)
-    last_page = tl.cdiv(kv_hi, PAGE_SIZE)
-    for first_page in range(kv_lo // PAGE_SIZE, last_page, PAGE_WINDOW):
-        ids = tl.load(table_row + first_page + window, mask=first_page + window < last_page,
-                      other=0).to(tl.int64)
-        lo = tl.maximum(kv_lo, first_page * PAGE_SIZE)
-        hi = tl.minimum(kv_hi, (first_page + PAGE_WINDOW) * PAGE_SIZE)
+    for first_page in range(kv_lo // PAGE_SIZE, tl.cdiv(kv_hi, PAGE_SIZE), PAGE_WINDOW):
+        ids = window_ids(table_row, first_page, kv_hi, PAGE_SIZE, PAGE_WINDOW)
+        lo, hi = window_keys(first_page, kv_lo, kv_hi, PAGE_SIZE, PAGE_WINDOW)
         for n0 in range(lo, hi, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
-            # The tile's page id from the vector: arithmetic on loop values, no load.
-            tile_page = tl.sum(tl.where(window == n0 // PAGE_SIZE - first_page, ids, 0), 0)
-            page = tl.zeros([BLOCK_N], tl.int64) + tile_page
+            page = tl.zeros([BLOCK_N], tl.int64) + tile_page(ids, first_page, n0, PAGE_SIZE,
+                                                             PAGE_WINDOW)
             m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, keys, keys < hi, page, position, kv_head, dims,
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,

@@ -34,6 +34,7 @@ from dyngen_core.attention.triton_exact_kernels import (
     window_holds,
 )
 from dyngen_core.attention.triton_kernels import _rotate_rows, log2_sum_exp
+from dyngen_core.attention.triton_page_window import tile_page, window_ids, window_keys
 from dyngen_core.attention.triton_quant_unpack import (
     dequantized_fields,
     dequantized_rows,
@@ -64,16 +65,13 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
     PAGE_WINDOW > 0 (a power of two): the ids of PAGE_WINDOW pages are loaded as one vector
     before the loop over those pages' blocks, and each block picks its id out of it with a
     masked sum, so no load of the loop feeds an address and the code words of later blocks
-    stay in flight (`triton_cascade_prefetch`)."""
+    stay in flight (as `triton_cascade_kernels.prefix_tiles_kernel` with a WINDOW)."""
     if PAGE_WINDOW > 0:
-        window = tl.arange(0, PAGE_WINDOW)
-        last_page = tl.cdiv(hi, PAGE_SIZE)
-        for first_page in range(lo // PAGE_SIZE, last_page, PAGE_WINDOW):
-            ids = tl.load(table_row + first_page + window,
-                          mask=first_page + window < last_page, other=0).to(tl.int64)
-            for n0 in range(tl.maximum(lo, first_page * PAGE_SIZE),
-                            tl.minimum(hi, (first_page + PAGE_WINDOW) * PAGE_SIZE), BLOCK_N):
-                page = tl.sum(tl.where(window == n0 // PAGE_SIZE - first_page, ids, 0), 0)
+        for first_page in range(lo // PAGE_SIZE, tl.cdiv(hi, PAGE_SIZE), PAGE_WINDOW):
+            ids = window_ids(table_row, first_page, hi, PAGE_SIZE, PAGE_WINDOW)
+            start, end = window_keys(first_page, lo, hi, PAGE_SIZE, PAGE_WINDOW)
+            for n0 in range(start, end, BLOCK_N):
+                page = tile_page(ids, first_page, n0, PAGE_SIZE, PAGE_WINDOW)
                 m_i, l_i, accs = _word_block(
                     qs, m_i, l_i, accs, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
                     stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr,
