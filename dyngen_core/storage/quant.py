@@ -39,7 +39,6 @@ longer spend their range on what all keys share. `Cache` sets them from `calibra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +52,7 @@ from dyngen_core.storage.qformat import (
     check_head_dim,
     dequantize,
 )
+from dyngen_core.storage.quant_layer import QuantLayer
 from dyngen_core.storage.quant_write import (
     resolve_triton_write,
     write_step_triton,
@@ -72,35 +72,6 @@ MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
 # nothing for its cost: memory, and outputs that depend on whether a prefix came from the cache.
 DEFAULT_RECENT_WINDOW = {"q8": 0, "q6": 16, "q4": 16}
-
-
-@dataclass
-class QuantLayer:
-    """The page tensors of one layer (what a kernel reading quantized pages directly needs)."""
-
-    key_codes: torch.Tensor
-    key_scales: torch.Tensor
-    value_codes: torch.Tensor
-    value_scales: torch.Tensor
-    head_rows: torch.Tensor  # [2, num_pages + 1, kv_heads, head_dim]: key heads, value heads
-
-    @property
-    def key_heads(self) -> torch.Tensor:
-        """The unquantized first key row of every page, [num_pages + 1, kv_heads, head_dim]."""
-        return self.head_rows[0]
-
-    @property
-    def value_heads(self) -> torch.Tensor:
-        """The unquantized first value row of every page, like `key_heads`."""
-        return self.head_rows[1]
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The [num_pages, page_size, ...] tensors (what page copies move slot by slot)."""
-        return (self.key_codes, self.key_scales, self.value_codes, self.value_scales)
-
-    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unquantized first rows of every page, [num_pages + 1, kv_heads, head_dim]."""
-        return (self.key_heads, self.value_heads)
 
 
 class QuantStorage:
