@@ -2,11 +2,17 @@
 requests (temperature 0.8, top_p 0.9, top_k 50), each call with 1-4 requests ended and 0-4 new
 ones appended, as a busy server's steps look. ``carry`` is the `RowCache` (the survivors' rows
 carried over, `row_carry`); ``rebuild`` the same cache with carrying off (every such call
-expands every request, as before). ``+columns`` adds the compact draw's per-row columns built
-from the new list (`compact._keys_and_columns` on the CPU: no copy), which a changed list
-rebuilds in both modes. Both modes run the same request lists, interleaved, in one process.
+expands every request and rebuilds every column, as before). ``+compact`` adds the compact
+draw's per-row columns and RNG keys for the new list (`compact._keys_and_columns`, on the CPU:
+no copy; the CPU draw), ``+fused`` the fused draw's (`fused._keys_and_columns`, the GPU's
+default draw, here with CPU tensors): built afresh after a rebuild, their host columns cut
+and extended after a carry. Both modes run the same request lists, interleaved, in one
+process.
 
-    python benchmarks/sampler_rows.py [--jobs 256] [--calls 400] [--repeats 5]
+``--own-settings`` gives each request its own (equal) settings object, as separate API calls
+do, instead of one shared object (columns computed by settings object then cost per row).
+
+    python benchmarks/sampler_rows.py [--jobs 256] [--calls 400] [--repeats 5] [--own-settings]
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dyngen_core.sampling.compact import _keys_and_columns
+from dyngen_core.sampling import compact, fused
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.upload import Staging
@@ -35,13 +41,15 @@ class RebuildingCache(RowCache):
         return None
 
 
-def request_lists(jobs: int, calls: int, seed: int = 0) -> list[list[SampleRequest]]:
+def request_lists(jobs: int, calls: int, seed: int = 0,
+                  own_settings: bool = False) -> list[list[SampleRequest]]:
     """``calls + 1`` request lists: ``jobs`` requests, then each list the previous one with
     1-4 requests ended and 0-4 appended (refilled to ``jobs`` when it shrinks by 16)."""
     rng = random.Random(seed)
 
     def new() -> SampleRequest:
-        return SampleRequest(settings=SETTINGS, seed=rng.getrandbits(63),
+        settings = SETTINGS.model_copy() if own_settings else SETTINGS
+        return SampleRequest(settings=settings, seed=rng.getrandbits(63),
                              counter=rng.randrange(1000))
 
     lists = [[new() for _ in range(jobs)]]
@@ -54,8 +62,10 @@ def request_lists(jobs: int, calls: int, seed: int = 0) -> list[list[SampleReque
     return lists
 
 
-def time_calls(cache: RowCache, lists: list[list[SampleRequest]], columns: bool) -> float:
-    """Median microseconds of one `RowCache.rows` call (and the compact columns)."""
+def time_calls(cache: RowCache, lists: list[list[SampleRequest]], columns: str) -> float:
+    """Median microseconds of one `RowCache.rows` call (and the ``columns`` draw's columns:
+    "compact", "fused" or "" for none)."""
+    draw = {"compact": compact._keys_and_columns, "fused": fused._keys_and_columns}.get(columns)
     seeds, staging = random.Random(0), Staging(torch.device("cpu"))
     cache.rows(lists[0], seeds, kept=True)
     times = []
@@ -64,8 +74,8 @@ def time_calls(cache: RowCache, lists: list[list[SampleRequest]], columns: bool)
             request.counter += 1
         start = time.perf_counter()
         rows = cache.rows(requests, seeds, kept=True)
-        if columns:
-            _keys_and_columns(rows, staging, 50)
+        if draw is not None:
+            draw(rows, staging, 50)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
@@ -75,16 +85,18 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=256)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--own-settings", action="store_true")
     args = parser.parse_args()
-    lists = request_lists(args.jobs, args.calls)
+    lists = request_lists(args.jobs, args.calls, own_settings=args.own_settings)
     results: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        for columns in (False, True):
+        for columns in ("", "compact", "fused"):
             for name, make in (("rebuild", RebuildingCache), ("carry", RowCache)):
-                key = name + ("+columns" if columns else "")
+                key = name + ("+" + columns if columns else "")
                 results.setdefault(key, []).append(time_calls(make(), lists, columns))
-    print(f"{args.jobs} requests, 1-4 ended and 0-4 joined per call; median us per call "
-          f"(best of {args.repeats} runs of {args.calls} calls)")
+    print(f"{args.jobs} requests ({'own' if args.own_settings else 'one shared'} settings), "
+          f"1-4 ended and 0-4 joined per call; median us per call (best of {args.repeats} "
+          f"runs of {args.calls} calls)")
     for key, values in results.items():
         print(f"  {key:<16} {min(values):8.1f}")
 

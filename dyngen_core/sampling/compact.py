@@ -23,8 +23,9 @@ import torch
 from dyngen_core.sampling import filters
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rng import perturb
-from dyngen_core.sampling.rows import RowList, on_rows, rows_using
+from dyngen_core.sampling.rows import RowList, on_rows, positions_of, rows_using, without
 from dyngen_core.sampling.shaping import (
+    COLUMN_STAGES,
     TemperatureRows,
     column_values,
     shape_tail,
@@ -143,3 +144,54 @@ def fetch_compact(best: torch.Tensor, choice: torch.Tensor) -> tuple[list[int], 
     # abs(v) < inf is False for NaN and +-inf: invalid rows come back as -1.
     ids = torch.where(best.squeeze(1).abs() < float("inf"), choice, -1).tolist()
     return ids, [token >= 0 for token in ids]
+
+
+def carry_columns(columns: _Columns, previous: RowList, rows: RowList, dropped: Sequence[int],
+                  start: int, bound: int) -> _Columns:
+    """`_columns(rows, bound)` from ``columns``, those of ``previous``, when ``rows`` is
+    ``previous`` without its rows ``dropped`` (ascending), then new rows from ``start`` on
+    (`row_carry.carry_rows`): the survivors' entries are cut out of the old lists and arrays,
+    only the new rows' are computed. The same lists and values as a fresh `_columns`."""
+    new = list(rows[start:])
+    fixed, temps_removed = without(columns.temperature.fixed, dropped)
+    temps = _deleted(columns.temperature.temps, temps_removed)
+    dynamic = without(columns.temperature.dynamic, dropped)[0]
+    added = temperature_rows(new, "temperature")
+    temperature = TemperatureRows(fixed + _shifted(added.fixed, start), temps + added.temps,
+                                  dynamic + _shifted(added.dynamic, start))
+    cut, removed = without(columns.cut, dropped)
+    new_cut = [i for i in rows_using(new, "top_k") if new[i].settings.top_k < bound]
+    kept_k = np.delete(columns.ints[0].ravel(), removed) if columns.cut else np.zeros(0, np.int64)
+    cut_k = np.concatenate([kept_k, np.array([new[i].settings.top_k for i in new_cut], np.int64)])
+    cut += _shifted(new_cut, start)
+    ints = [cut_k.reshape(-1, 1)] if cut else []
+    old_tail = dict(zip(columns.tail, columns.floats, strict=False))
+    new_tail = column_values(new)
+    floats, tail = [], []
+    for name in COLUMN_STAGES:
+        values = np.zeros(0, np.float32)
+        if name in old_tail:
+            removed = positions_of(rows_using(previous, name), dropped)
+            values = np.delete(old_tail[name].ravel(), removed)
+        if name in new_tail:
+            values = np.concatenate([values, np.array(new_tail[name], np.float32)])
+        if values.size:
+            tail.append(name)
+            floats.append(values.reshape(-1, 1))
+    if temperature.fixed:
+        kept_temps = (np.delete(columns.floats[-1].ravel(), temps_removed)
+                      if columns.temperature.fixed else np.zeros(0, np.float32))
+        floats.append(np.concatenate([kept_temps, np.array(added.temps, np.float32)])
+                      .reshape(-1, 1))
+    return _Columns(temperature, cut, int(cut_k.max()) if cut else 0, tail, ints, floats)
+
+
+def _shifted(indices: list[int], start: int) -> list[int]:
+    return [start + i for i in indices]
+
+
+def _deleted(values: list[float], positions: list[int]) -> list[float]:
+    out = list(values)
+    for position in reversed(positions):
+        del out[position]
+    return out

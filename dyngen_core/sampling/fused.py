@@ -17,12 +17,13 @@ triton is imported only when the fused draw runs (CI has none).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from dyngen_core.sampling.rows import RowList
+from dyngen_core.sampling.rows import Row, RowList
 from dyngen_core.sampling.upload import Staging
 from dyngen_core.triton_support import require_triton, triton_by_default
 
@@ -61,7 +62,11 @@ class FusedColumns(NamedTuple):
     top_p: torch.Tensor
 
 
-def _host_columns(rows: RowList, bound: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+HostColumns = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def host_columns(rows: Sequence[Row], bound: int) -> HostColumns:
+    """The rows' `FusedColumns` on the host: float32 temps, int64 top_k, float32 top_p."""
     temps, top_k, top_p = [], [], []
     # By settings object (a row's stages come from its settings): rows usually share a few,
     # and these columns are rebuilt whenever the set of sampled jobs changes.
@@ -90,11 +95,28 @@ def _keys_and_columns(rows: RowList, staging: Staging,
     memo_key = ("fused", bound)
     columns = rows.memo.get(memo_key)
     if columns is None:
-        temps, top_k, top_p = _host_columns(rows, bound)
+        # On the host too: a list carried over from this one cuts them (`carry_host_columns`).
+        host = rows.memo.get(("fused-host", bound))
+        if host is None:
+            host = rows.memo[("fused-host", bound)] = host_columns(rows, bound)
+        temps, top_k, top_p = host
         (keys_on, top_k_on), (temps_on, top_p_on) = staging.send([keys, top_k], [temps, top_p])
         columns = rows.memo[memo_key] = FusedColumns(temps_on, top_k_on, top_p_on)
         return keys_on, columns
     return staging.send_ints(keys), columns
+
+
+def carry_host_columns(host: HostColumns, rows: Sequence[Row], dropped: Sequence[int],
+                       start: int, bound: int) -> HostColumns:
+    """`host_columns(rows, bound)` from ``host``, those of a list that ``rows`` is without its
+    rows ``dropped`` (ascending) and with new rows from ``start`` on (`row_carry.carry_rows`):
+    the survivors' values cut out, the new rows' computed. Selecting rows of the old device
+    columns instead would cost kernels of their own; sent with the step's keys, these are a
+    few more bytes in a copy that happens anyway."""
+    added = host_columns(rows[start:], bound)
+    temps, top_k, top_p = (np.concatenate([np.delete(old, dropped), new])
+                           for old, new in zip(host, added, strict=True))
+    return temps, top_k, top_p
 
 
 def draw_fused(x: torch.Tensor, rows: RowList, staging: Staging, bound: int) -> torch.Tensor:

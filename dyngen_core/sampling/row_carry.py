@@ -12,14 +12,13 @@ field (the caller refreshes counters and masks as for a kept list).
 from __future__ import annotations
 
 import random
-from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import repeat
-from operator import sub
 
+from dyngen_core.sampling.compact import carry_columns
+from dyngen_core.sampling.fused import carry_host_columns
 from dyngen_core.sampling.request import SampleRequest
-from dyngen_core.sampling.rows import RowList, expand_rows
+from dyngen_core.sampling.rows import RowList, expand_rows, without
 
 # Requests by `bound_key`: what a list's top_k bound is derived from, kept up to date as
 # requests end and join (a few counts instead of a pass over every request).
@@ -35,8 +34,8 @@ def carry_rows(previous: RowList, dropped: Sequence[int], requests: Sequence[Sam
     bounds: `bound_counts` of the surviving requests (those that ended already taken out);
         the new requests are added to it.
     The surviving `Row` objects move to the new list (their ``request`` index is rewritten):
-    ``previous`` must not be used afterwards. Its ``memo`` is not carried: the stages rebuild
-    what they need."""
+    ``previous`` must not be used afterwards. Of its ``memo``, the draws' host columns are
+    carried (`_carry_memo`); the stages rebuild the rest."""
     rows = RowList()
     rows.extend(previous)
     for i in reversed(dropped):
@@ -57,34 +56,31 @@ def carry_rows(previous: RowList, dropped: Sequence[int], requests: Sequence[Sam
     extras = [requests[i] for i in rows.extra_requests]
     rows.any_top_tokens = any(r.return_top_tokens > 0 for r in extras)
     rows.any_logits = any(r.return_logits for r in extras)
-    if len(rows) < len(requests):
-        appended = requests[len(rows):]
+    start = len(rows)
+    if start < len(requests):
+        appended = requests[start:]
         _append_rows(rows, expand_rows(appended, seeds))
         bounds.update(bound_key(r) for r in appended)
     if len(rows.groups) > 1:  # `expand_rows` order: by first row
         rows.groups = dict(sorted(rows.groups.items(), key=lambda item: item[1][0]))
     _settle_bounds(rows, bounds)
+    _carry_memo(previous, rows, dropped, start)
     return rows
 
 
-def without(indices: list[int], dropped: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Ascending row ``indices`` renumbered for a list without rows ``dropped`` (ascending),
-    and the positions in ``indices`` of the dropped ones. A few dropped rows cut ``indices``
-    into a few runs, each shifted in one C-level pass."""
-    if not dropped:
-        return list(indices), []
-    out: list[int] = []
-    removed: list[int] = []
-    start = 0
-    for shift, row in enumerate(dropped):
-        stop = bisect_left(indices, row, start)
-        out.extend(map(sub, indices[start:stop], repeat(shift)) if shift else indices[start:stop])
-        start = stop
-        if stop < len(indices) and indices[stop] == row:
-            removed.append(stop)
-            start += 1
-    out.extend(map(sub, indices[start:], repeat(len(dropped))))
-    return out, removed
+def _carry_memo(previous: RowList, rows: RowList, dropped: Sequence[int], start: int) -> None:
+    """Of ``previous.memo``, the draws' host columns cut and extended for ``rows``
+    (`compact.carry_columns`, `fused.carry_host_columns`): their Python is most of a
+    memo's rebuild. Device copies are not carried: the first draw sends them again with that
+    step's keys (one copy either way). Other entries are cheap to rebuild."""
+    memo = rows.memo
+    for key, value in previous.memo.items():
+        if not isinstance(key, tuple):
+            continue
+        if key[0] == "compact":
+            memo[key] = carry_columns(value, previous, rows, dropped, start, key[1])
+        elif key[0] == "fused-host":
+            memo[key] = carry_host_columns(value, rows, dropped, start, key[1])
 
 
 def _append_rows(rows: RowList, tail: RowList) -> None:

@@ -4,8 +4,11 @@ that run a stage on a subset of rows (rows that do not use a stage are left unto
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import sub
 from typing import Any
 
 import numpy as np
@@ -154,6 +157,37 @@ def rows_using_any(rows: Sequence[Row], stages: frozenset[str]) -> list[int]:
     if len(hits) <= 1:
         return list(hits[0]) if hits else []
     return sorted(i for group in hits for i in group)
+
+
+def without(indices: list[int], dropped: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Ascending row ``indices`` renumbered for a list without rows ``dropped`` (ascending),
+    and the positions in ``indices`` of the dropped ones. A few dropped rows cut ``indices``
+    into a few runs, each shifted in one C-level pass."""
+    if not dropped:
+        return list(indices), []
+    out: list[int] = []
+    removed: list[int] = []
+    start = 0
+    for shift, row in enumerate(dropped):
+        stop = bisect_left(indices, row, start)
+        out.extend(map(sub, indices[start:stop], repeat(shift)) if shift else indices[start:stop])
+        start = stop
+        if stop < len(indices) and indices[stop] == row:
+            removed.append(stop)
+            start += 1
+    out.extend(map(sub, indices[start:], repeat(len(dropped))))
+    return out, removed
+
+
+def positions_of(indices: list[int], rows: Sequence[int]) -> list[int]:
+    """The positions in ascending ``indices`` of those of ``rows`` they hold (``without``'s
+    second result, alone)."""
+    found = []
+    for row in rows:
+        position = bisect_left(indices, row)
+        if position < len(indices) and indices[position] == row:
+            found.append(position)
+    return found
 
 
 def on_rows(

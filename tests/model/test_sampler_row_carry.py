@@ -13,12 +13,16 @@ import pytest
 import torch
 
 from dyngen_core import SamplerSettings
+from dyngen_core.sampling import fused
+from dyngen_core.sampling.compact import _columns, _keys_and_columns
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.rows import RowList, expand_rows
 from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.sampling.upload import Staging
 
 VOCAB = 512
+BOUNDS = (50, 16)  # compact draw bounds: top_k 7, 20 and 30 are cut below both or one
 
 SETTINGS = [
     SamplerSettings(temperature=0.8, top_p=0.9, top_k=50),
@@ -53,6 +57,14 @@ def _contents(rows: RowList) -> dict[str, object]:
     }
 
 
+def _columns_contents(rows: RowList, bound: int) -> list[object]:
+    """The compact draw's host columns of ``rows`` (from its memo), comparable."""
+    columns = rows.memo[("compact", bound)]
+    arrays = [(a.dtype.str, a.shape, a.tolist()) for a in (*columns.ints, *columns.floats)]
+    return [columns.temperature, columns.cut, columns.k_max, type(columns.k_max),
+            columns.tail, arrays]
+
+
 def _churn(rng: random.Random, requests: list[SampleRequest],
            settings: list[SamplerSettings], serial: int) -> list[SampleRequest]:
     """``requests`` with 0-4 random ones ended and 0-4 new ones appended."""
@@ -66,6 +78,7 @@ def _churn(rng: random.Random, requests: list[SampleRequest],
 def test_carried_rows_hold_what_a_fresh_build_holds(settings: list[SamplerSettings]) -> None:
     rng = random.Random(len(settings))
     cache, seeds = RowCache(), random.Random(0)
+    staging = Staging(torch.device("cpu"))
     requests = [_request(rng, settings, i) for i in range(20)]
     cache.rows(requests, seeds, kept=True)
     carried = 0
@@ -73,12 +86,28 @@ def test_carried_rows_hold_what_a_fresh_build_holds(settings: list[SamplerSettin
         previous = cache.rows(requests, seeds, kept=True)
         by_request = {id(q): row for q, row in zip(requests, previous, strict=True)}
         requests = _churn(rng, requests, settings, 100 * step)
+        for bound in BOUNDS:  # what the compact and fused draws leave in the memo
+            _keys_and_columns(previous, staging, bound)
+            fused._keys_and_columns(previous, staging, bound)
         rows = cache.rows(requests, seeds, kept=True)
         # Carried: each surviving request keeps its row object.
         survived = [by_request.get(id(q)) for q in requests]
         assert all(row is None or row is mine for row, mine in zip(survived, rows))
         carried += rows is not previous and any(row is not None for row in survived)
-        assert _contents(rows) == _contents(expand_rows(requests, random.Random(0))), step
+        fresh = expand_rows(requests, random.Random(0))
+        assert _contents(rows) == _contents(fresh), step
+        for bound in BOUNDS if rows is not previous else ():
+            # The compact draw's host columns are carried; their device copies are not.
+            assert ("compact-sent", bound) not in rows.memo
+            fresh.memo[("compact", bound)] = _columns(fresh, bound)
+            assert _columns_contents(rows, bound) == _columns_contents(fresh, bound), step
+            assert ("fused", bound) not in rows.memo
+            carried_host = rows.memo[("fused-host", bound)]
+            for mine, theirs in zip(carried_host, fused.host_columns(fresh, bound), strict=True):
+                assert mine.dtype == theirs.dtype and mine.tolist() == theirs.tolist(), step
+            # The fused draw sends the carried host columns with the keys.
+            _, sent = fused._keys_and_columns(rows, staging, bound)
+            assert [t.tolist() for t in sent] == [a.tolist() for a in carried_host]
         # Kept: the next call with the same objects reuses the carried list.
         assert cache.rows(requests, seeds, kept=True) is rows
     assert carried
@@ -95,7 +124,7 @@ def test_a_carried_list_reuses_the_survivors_rows_and_expands_only_the_new_reque
     assert list(carried[:5]) == survivors and all(a is b for a, b in zip(carried, survivors))
     assert [r.request for r in carried] == list(range(7))
     assert [r.seed for r in carried[5:]] == [q.seed for q in new]
-    assert not carried.memo  # the stages rebuild their columns for the new rows
+    assert not carried.memo  # nothing to carry: no draw ran on the previous rows
 
 
 @pytest.mark.parametrize("change", ["reorder", "old_after_new", "duplicate", "drafts",
@@ -127,7 +156,8 @@ def test_other_changes_build_the_rows_afresh(change: str) -> None:
         assert _contents(again) == _contents(fresh)
 
 
-@pytest.mark.parametrize("settings", [SETTINGS[:1], SETTINGS], ids=["top_p", "mixed"])
+@pytest.mark.parametrize("settings", [SETTINGS[:1], [*SETTINGS[:2], *SETTINGS[3:5]], SETTINGS],
+                         ids=["top_p", "compact_mixed", "mixed"])
 def test_a_sampler_with_jobs_ending_and_joining_samples_like_a_fresh_one(
         settings: list[SamplerSettings]) -> None:
     rng = random.Random(11)
