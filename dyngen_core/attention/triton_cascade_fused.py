@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dyngen_core.attention.triton_decode_merge import fold_partials
 from dyngen_core.attention.triton_kernels import (
     attend_key_range,
     initial_state,
@@ -37,32 +38,6 @@ if TYPE_CHECKING:
     from dyngen_core.attention.base import ForwardBatch
     from dyngen_core.attention.triton_cascade_tables import CascadeTables
     from dyngen_core.attention.triton_paged import PageOperands, _HeadShape
-
-
-@triton.jit
-def fold_partials(m_i, l_i, acc, part_ptr, lse_ptr, first_row, count, valid, dims,
-                  SPLIT_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """Fold ``count`` partials of each row into the online-softmax state (m_i, l_i, acc):
-    row r's partials are rows ``first_row[r] + s`` (s < count) of the float32 outputs
-    [*, HEAD_PAD] at ``part_ptr`` (normalized) with their log2-sum-exp at ``lse_ptr``; a
-    normalized partial with log2-sum-exp L is the state (L, 1, output). ``SPLIT_BLOCK`` of them
-    are loaded per round (one round of loads in flight instead of one per partial); rows not
-    ``valid`` load nothing. Loads bypass L1 (``.cg``): another program may have just written
-    them."""
-    for s0 in range(0, count, SPLIT_BLOCK):
-        splits = s0 + tl.arange(0, SPLIT_BLOCK)
-        mask = valid[:, None] & (splits < count)[None, :]
-        rows = first_row[:, None] + splits[None, :]
-        lse = tl.load(lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m_i, tl.max(lse, 1))
-        weight = tl.exp2(lse - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        parts = tl.load(part_ptr + rows[:, :, None] * HEAD_PAD + dims[None, None, :],
-                        mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
-        acc = acc * alpha[:, None] + tl.sum(parts * weight[:, :, None], 1)
-        l_i = l_i * alpha + tl.sum(weight, 1)
-        m_i = m_new
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -235,5 +210,5 @@ def attend_remainder_merged(q: torch.Tensor, ops: PageOperands, batch: ForwardBa
     return out
 
 
-__all__ = ["attend_remainder_merged", "fold_partials", "own_keys_windowed",
+__all__ = ["attend_remainder_merged", "own_keys_windowed",
            "remainder_merge_kernel"]

@@ -54,31 +54,44 @@ def count_in_and_merge(counter_ptr, part_out_ptr, part_lse_ptr, out_ptr, out_bas
 
 
 @triton.jit
+def fold_partials(m_i, l_i, acc, part_ptr, lse_ptr, first_row, count, valid, dims,
+                  SPLIT_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Fold ``count`` partials of each row into the online-softmax state (m_i, l_i, acc):
+    row r's partials are rows ``first_row[r] + s`` (s < count) of the float32 outputs
+    [*, HEAD_PAD] at ``part_ptr`` (normalized) with their log2-sum-exp at ``lse_ptr``; a
+    normalized partial with log2-sum-exp L is the state (L, 1, output). ``SPLIT_BLOCK`` of them
+    are loaded per round (one round of loads in flight instead of one per partial); rows not
+    ``valid`` load nothing. Loads bypass L1 (``.cg``): another program may have just written
+    them."""
+    for s0 in range(0, count, SPLIT_BLOCK):
+        splits = s0 + tl.arange(0, SPLIT_BLOCK)
+        mask = valid[:, None] & (splits < count)[None, :]
+        rows = first_row[:, None] + splits[None, :]
+        lse = tl.load(lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        weight = tl.exp2(lse - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        parts = tl.load(part_ptr + rows[:, :, None] * HEAD_PAD + dims[None, None, :],
+                        mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.sum(parts * weight[:, :, None], 1)
+        l_i = l_i * alpha + tl.sum(weight, 1)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, out_base, stride_oh, first_row,
                     first_head, splits_read, NUM_SPLITS: tl.constexpr, G: tl.constexpr,
                     G_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     HEAD_PAD: tl.constexpr):
-    """Log-sum-exp merge of ``SPLIT_BLOCK`` splits at a time for all G rows (one round of
-    loads in flight at a short context, instead of one per split)."""
+    """Log-sum-exp merge of the splits of all G rows (`fold_partials` from an empty state),
+    stored to the output."""
     group = tl.arange(0, G_PAD)
     dims = tl.arange(0, HEAD_PAD)
-    split_rows = (first_row + group) * NUM_SPLITS
-    top = tl.full([G_PAD], -1.0e30, tl.float32)
-    total = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
-    for s0 in range(0, splits_read, SPLIT_BLOCK):
-        splits = s0 + tl.arange(0, SPLIT_BLOCK)
-        mask = (group < G)[:, None] & (splits < splits_read)[None, :]
-        rows = split_rows[:, None] + splits[None, :]
-        lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        new_top = tl.maximum(top, tl.max(lse, 1))
-        weight = tl.exp2(lse - new_top[:, None])
-        alpha = tl.exp2(top - new_top)
-        parts = tl.load(part_out_ptr + rows[:, :, None] * HEAD_PAD + dims[None, None, :],
-                        mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
-        acc = acc * alpha[:, None] + tl.sum(parts * weight[:, :, None], 1)
-        total = total * alpha + tl.sum(weight, 1)
-        top = new_top
+    _, total, acc = fold_partials(
+        tl.full([G_PAD], -1.0e30, tl.float32), tl.zeros([G_PAD], tl.float32),
+        tl.zeros([G_PAD, HEAD_PAD], tl.float32), part_out_ptr, part_lse_ptr,
+        (first_row + group) * NUM_SPLITS, splits_read, group < G, dims, SPLIT_BLOCK, HEAD_PAD)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     o_ptrs = out_ptr + out_base + (first_head + group)[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
@@ -114,4 +127,4 @@ class SplitCounters:
         return list(self._buffers.get(device, []))
 
 
-__all__ = ["SplitCounters", "count_in_and_merge"]
+__all__ = ["SplitCounters", "count_in_and_merge", "fold_partials"]
