@@ -1,5 +1,6 @@
 """Whether the optional Triton kernels (those with a torch twin: the fp16 KV write, the fused
-sampler draw) run on a device, decided in one place.
+sampler draw) run on a device, decided in one place, and the device context their launches
+run in.
 
 Triton is never required (CI has none): a kernel runs by default on CUDA when triton is
 installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use),
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -28,3 +30,13 @@ def require_triton(device: torch.device, option: str) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{option}=True needs a CUDA device (got {device}), or "
                          "TRITON_INTERPRET=1 to run the kernel on the CPU in tests")
+
+
+def launch_device(device: torch.device) -> AbstractContextManager[object]:
+    """The context a Triton launch on ``device`` runs in: Triton launches on the current CUDA
+    device, so a tensor on another GPU (a layer split over devices) needs its own; entered
+    only then, since the switch costs host time on every eager launch."""
+    if device.type == "cuda" and device.index is not None \
+            and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return nullcontext()

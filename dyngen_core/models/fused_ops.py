@@ -18,12 +18,10 @@ in CUDA graphs like any kernel.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.triton_support import require_triton, triton_by_default
+from dyngen_core.triton_support import launch_device, require_triton, triton_by_default
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # What `Model` starts with: None runs the kernels where triton runs by default (CUDA with triton
@@ -123,7 +121,7 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     inner, stride_inner = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else None
-    with _on_device(x):
+    with launch_device(x.device):
         rms_norm_kernel[(-(-rows // block_m),)](
             x, y if residual is None else residual, weight, y if h is None else h, y,
             rows, n, inner, x.stride(0), stride_inner,
@@ -147,7 +145,7 @@ def launch_silu_mul(gate_up: torch.Tensor, *, block: int = 0,
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     block = block or SILU_BLOCK
     y = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    with _on_device(gate_up):
+    with launch_device(gate_up.device):
         silu_mul_kernel[(rows, -(-inter // block))](
             gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block,
             num_warps=num_warps or SILU_WARPS,
@@ -160,14 +158,6 @@ def _norm_routable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (not torch.compiler.is_compiling() and x.dtype in HALF_DTYPES
             and weight.dtype == x.dtype and x.dim() in (2, 3) and x.stride(-1) == 1
             and weight.stride(0) == 1 and x.numel() > 0 and x.shape[-1] <= MAX_NORM_DIM)
-
-
-def _on_device(x: torch.Tensor) -> AbstractContextManager[object]:
-    """Triton launches on the current device: a layer on another GPU needs its own (entered
-    only then: the switch costs host time on every eager launch)."""
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
-        return torch.cuda.device(x.device)
-    return nullcontext()
 
 
 def _next_pow2(n: int) -> int:

@@ -21,7 +21,6 @@ alone, so it is captured in CUDA graphs like any kernel.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.triton_support import triton_by_default
+from dyngen_core.triton_support import launch_device, triton_by_default
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("reduce", "dot")
@@ -180,7 +179,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               else kernels.skinny_dot_kernel)
     grid = (-(-n // config.block_n), -(-rows // block_m))
     # Triton launches on the current device: a layer on another GPU needs its own.
-    with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
+    with launch_device(x.device):
         _launch(kernel, grid, x, weight, bias, out, config, block_m)
 
 

@@ -18,11 +18,9 @@ runs (CI has none).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
-from dyngen_core.triton_support import require_triton, triton_by_default
+from dyngen_core.triton_support import launch_device, require_triton, triton_by_default
 
 
 def triton_write_default(device: torch.device) -> bool:
@@ -59,7 +57,7 @@ def write_rows_triton(keys: torch.Tensor, values: torch.Tensor, key: torch.Tenso
     key = _last_dim_contiguous(key.to(keys.dtype))
     value = _last_dim_contiguous(value.to(values.dtype))
     page_size = keys.shape[1]
-    with torch.cuda.device(keys.device) if keys.is_cuda else nullcontext():
+    with launch_device(keys.device):
         kv_write_kernel[(tokens,)](
             key, value, slots,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -36,13 +36,12 @@ slots on the device: capturable in CUDA graphs, no host sync.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 
 import torch
 
 from dyngen_core.storage.hadamard import inv_sqrt
 from dyngen_core.storage.qformat import GROUP_SIZE
-from dyngen_core.triton_support import require_triton, triton_by_default
+from dyngen_core.triton_support import launch_device, require_triton, triton_by_default
 
 # Overrides the default of `QuantStorage(triton_write=None)`, for A/B runs of scripts that
 # build their storage with defaults: "triton" (the one-launch write) or "native" (the old one).
@@ -89,7 +88,7 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     key_codes, key_scales, value_codes, value_scales = pages
     num_pages, page_size = key_codes.shape[:2]
-    with torch.cuda.device(key.device) if key.is_cuda else nullcontext():
+    with launch_device(key.device):
         quant_write_kernel[(tokens,)](
             key, value, slot_mapping, key if offsets is None else offsets.contiguous(), signs,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -118,7 +117,7 @@ def write_window_triton(exact: torch.Tensor, positions: torch.Tensor, seq_slots:
         return
     row_size = exact.shape[2] * exact.shape[3]
     device = ring_rows.device
-    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+    with launch_device(device):
         window_write_kernel[(tokens,)](
             exact.contiguous().to(ring_rows.dtype), positions.to(device),
             seq_slots.to(device), ring_rows, ring_positions,
