@@ -24,7 +24,8 @@ cumulative) over the measured steps. ``--gc-freeze`` moves every object alive be
 measured steps out of the cyclic collector's reach, as a long-running server may do after
 loading: full collections then no longer walk the model's and libraries' objects.
 ``--torch-draw`` keeps the sampler's torch draw on CUDA (by default the compact draw is one
-fused Triton kernel there when triton is installed), to compare the two.
+fused Triton kernel there when triton is installed), to compare the two; ``--no-draw-graphs``
+launches the fused draw eagerly instead of replaying it from a CUDA graph (`draw_graph`).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class CollectionClock:
 
 def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettings,
             steps: int, profile: int = 0, freeze_gc: bool = False,
-            torch_draw: bool = False, overlap: bool = True) -> dict[str, float]:
+            torch_draw: bool = False, overlap: bool = True,
+            draw_graphs: bool = True) -> dict[str, float]:
     model = tiny_model(vocab, device)
     cache = Cache(model, max_tokens=jobs * 512, mode="fp16")
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=word_tokenizer(vocab),
@@ -127,6 +129,8 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     generator._runner = FixedLogitsRunner(vocab, jobs, device)
     if torch_draw:
         generator._bridge.sampler.fused_draw = False
+    if not draw_graphs:
+        generator._bridge.sampler.draw_graphs = None
     generator.enqueue([Job(input_ids=[100 + i, 200 + i, 300 + i], max_new_tokens=400,
                            stop_conditions=["t1 t2 t3", 5], gen_settings=settings, identifier=i)
                        for i in range(jobs)])
@@ -208,6 +212,8 @@ def main() -> None:
                         help="generator with overlap_steps=False (each step waits for its tokens)")
     parser.add_argument("--torch-draw", action="store_true",
                         help="the sampler's torch draw on CUDA instead of the fused kernel")
+    parser.add_argument("--no-draw-graphs", action="store_true",
+                        help="launch the fused draw eagerly instead of from CUDA graphs")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -218,11 +224,13 @@ def main() -> None:
         for label in args.sampling.split(","):
             figures = step_ms(device, args.jobs, args.vocab, SETTINGS[label], args.steps,
                               args.profile, args.gc_freeze, args.torch_draw,
-                              not args.no_overlap)
+                              not args.no_overlap, not args.no_draw_graphs)
             fused = not args.torch_draw and fused_draw_default(device)
+            graphs = fused and device.type == "cuda" and not args.no_draw_graphs
             report("host_overhead.step", device=name, device_name=device_name(),
                    jobs=args.jobs, vocab=args.vocab, sampling=label, target_ms=1.0,
-                   fused_draw=fused, overlap=not args.no_overlap, **figures)
+                   fused_draw=fused, draw_graphs=graphs, overlap=not args.no_overlap,
+                   **figures)
 
 
 if __name__ == "__main__":

@@ -92,18 +92,33 @@ def _keys_and_columns(rows: RowList, staging: Staging,
     """This step's row keys on the device, and the rows' columns: sent with the keys (one
     copy) the first time, then kept in ``rows.memo`` while the rows are reused."""
     keys = rows.keys()
-    memo_key = ("fused", bound)
-    columns = rows.memo.get(memo_key)
+    columns = rows.memo.get(("fused", bound))
     if columns is None:
-        # On the host too: a list carried over from this one cuts them (`carry_host_columns`).
-        host = rows.memo.get(("fused-host", bound))
-        if host is None:
-            host = rows.memo[("fused-host", bound)] = host_columns(rows, bound)
-        temps, top_k, top_p = host
+        temps, top_k, top_p = _host_columns_of(rows, bound)
         (keys_on, top_k_on), (temps_on, top_p_on) = staging.send([keys, top_k], [temps, top_p])
-        columns = rows.memo[memo_key] = FusedColumns(temps_on, top_k_on, top_p_on)
+        columns = rows.memo[("fused", bound)] = FusedColumns(temps_on, top_k_on, top_p_on)
         return keys_on, columns
     return staging.send_ints(keys), columns
+
+
+def fused_columns(rows: RowList, staging: Staging, bound: int) -> FusedColumns:
+    """The rows' `FusedColumns` on the device, kept in ``rows.memo`` as `_keys_and_columns`
+    keeps them (sent alone, one copy, when missing)."""
+    columns = rows.memo.get(("fused", bound))
+    if columns is None:
+        temps, top_k, top_p = _host_columns_of(rows, bound)
+        (top_k_on,), (temps_on, top_p_on) = staging.send([top_k], [temps, top_p])
+        columns = rows.memo[("fused", bound)] = FusedColumns(temps_on, top_k_on, top_p_on)
+    return columns
+
+
+def _host_columns_of(rows: RowList, bound: int) -> HostColumns:
+    """The rows' columns on the host, kept in ``rows.memo`` (a list carried over from this
+    one cuts them instead of recomputing: `carry_host_columns`)."""
+    host = rows.memo.get(("fused-host", bound))
+    if host is None:
+        host = rows.memo[("fused-host", bound)] = host_columns(rows, bound)
+    return host
 
 
 def carry_host_columns(host: HostColumns, rows: Sequence[Row], dropped: Sequence[int],
@@ -123,17 +138,24 @@ def draw_fused(x: torch.Tensor, rows: RowList, staging: Staging, bound: int) -> 
     """The compact draw of ``x`` ``[rows, vocab]`` (edited logits, any float dtype; not
     modified) with ``bound`` candidates per row, fused: int64 ``[rows]`` on the device, each
     row's token, or -1 for a row with no allowed token (or a NaN logit)."""
+    keys, columns = _keys_and_columns(rows, staging, bound)
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    launch_fused_draw(x, keys, columns, bound, out)
+    return out
+
+
+def launch_fused_draw(x: torch.Tensor, keys: torch.Tensor, columns: FusedColumns, bound: int,
+                      out: torch.Tensor) -> None:
+    """The top-k of ``x`` and the kernel over it, each row's token into ``out`` [rows]
+    (``keys`` int64 [rows, 2]); what `draw_graph` captures."""
     from dyngen_core.sampling.fused_kernel import compact_draw_kernel
 
-    keys, columns = _keys_and_columns(rows, staging, bound)
     values, token_ids = torch.topk(x, bound, dim=-1)
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     block = max(16, 1 << (bound - 1).bit_length())
     compact_draw_kernel[(x.shape[0],)](
         values, token_ids, keys, columns.temps, columns.top_k, columns.top_p, out, bound,
         values.stride(0), token_ids.stride(0), BLOCK=block, LIBDEVICE=x.device.type == "cuda",
         num_warps=1 if block <= 256 else 4)
-    return out
 
 
 def hashed_uniforms(keys: torch.Tensor, token_ids: torch.Tensor, *,

@@ -40,6 +40,7 @@ import torch
 
 from dyngen_core.sampling.compact import compact_bound, draw_compact, fetch_compact, full_rows
 from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
+from dyngen_core.sampling.draw_graph import DrawGraphs, graphable
 from dyngen_core.sampling.edits import apply_edits
 from dyngen_core.sampling.fused import check_fused_device, draw_fused, fusable, fused_draw_default
 from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
@@ -66,6 +67,11 @@ class Sampler:
         `dyngen_core.sampling.fused`); None (default): on CUDA when triton is installed. True
         needs triton and CUDA (or ``TRITON_INTERPRET=1``, for tests); False keeps the torch
         draw everywhere.
+    draw_graphs: replay the fused draw from CUDA graphs (`draw_graph`: one launch instead of
+        the top-k's, the output's and the kernel's) where the logits are drawn from in place
+        (no logit edits). None (default): on CUDA whenever the fused draw runs; True needs
+        CUDA and the fused draw; False launches it eagerly. The tokens a graph returns are a
+        view of its output: valid until this sampler's next draw.
     """
 
     def __init__(
@@ -76,12 +82,18 @@ class Sampler:
         token_pieces: Sequence[str] | None = None,
         eos_token_ids: Sequence[int] = (),
         fused_draw: bool | None = None,
+        draw_graphs: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         if fused_draw:
             check_fused_device(self.device)
         self.fused_draw = fused_draw_default(self.device) if fused_draw is None else fused_draw
+        if draw_graphs and (self.device.type != "cuda" or not self.fused_draw):
+            raise ValueError("draw_graphs=True needs a CUDA device and the fused draw "
+                             f"(device {self.device}, fused_draw={self.fused_draw})")
+        use_graphs = self.fused_draw and self.device.type == "cuda" and draw_graphs is not False
+        self.draw_graphs = DrawGraphs(self.device) if use_graphs else None
         self._rows = RowCache()
         self._vocab = VocabTables(vocab_size, token_pieces, eos_token_ids)
         self._seeds = random.Random()
@@ -176,7 +188,10 @@ class Sampler:
                 x[:, vocab_size:] = float("-inf")
             apply_edits(x, rows, requests, self._vocab)
         if bound and self.fused_draw and fusable(rows, bound):
-            return _Drawn(None, draw_fused(x, rows, self._staging, bound))
+            graphed = (self.draw_graphs.draw(x, rows, self._staging, bound)
+                       if self.draw_graphs is not None and not edits and graphable(x) else None)
+            return _Drawn(None, graphed if graphed is not None
+                          else draw_fused(x, rows, self._staging, bound))
         if bound:
             drawn = draw_compact(x, rows, requests, self._vocab, self._staging, bound)
             choice = drawn.token_ids.gather(1, drawn.pick).squeeze(1)

@@ -58,6 +58,21 @@ class Staging:
         used), on a GPU one copy out of the pinned buffer read as int64."""
         if self.device.type == "cpu":
             return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        return self._copy(self._pinned_ints_of(array)).view(array.shape)
+
+    def send_ints_into(self, array: np.ndarray, target: torch.Tensor) -> None:
+        """Copy ``array`` (as int64) into the int64 device tensor ``target`` of as many
+        elements, without waiting: `send_ints` for a caller that reads the values from a fixed
+        place (a CUDA graph's static input). On the CPU a plain copy."""
+        if self.device.type == "cpu":
+            target.copy_(torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+                         .view(target.shape))
+            return
+        target.copy_(self._pinned_ints_of(array).view(target.shape), non_blocking=True)
+        self._record_copy()
+
+    def _pinned_ints_of(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` written into the pinned buffer as int64: the buffer's first elements."""
         size = array.size
         pinned = self._reserve(8 * size)
         if self._pinned_ints is None:
@@ -65,7 +80,7 @@ class Staging:
             self._pinned_ints = ints.numpy(), ints
         host_array, host = self._pinned_ints
         host_array[:size] = array.reshape(-1)
-        return self._copy(host[:size]).view(array.shape)
+        return host[:size]
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -86,10 +101,14 @@ class Staging:
 
     def _copy(self, host: torch.Tensor) -> torch.Tensor:
         device = host.to(self.device, non_blocking=True)
+        self._record_copy()
+        return device
+
+    def _record_copy(self) -> None:
+        """Mark the pinned buffer busy until the copy just queued is done (`_reserve`)."""
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._copied.record()
-        return device
 
 
 def _views(flat: torch.Tensor, dtype: torch.dtype, arrays: Sequence[np.ndarray],

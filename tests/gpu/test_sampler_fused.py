@@ -17,6 +17,7 @@ import torch
 
 from dyngen_core import SamplerSettings
 from dyngen_core.sampling import sampler as sampler_module
+from dyngen_core.sampling.draw_graph import DrawGraphs
 from dyngen_core.sampling.request import SampleRequest, SamplingError
 from dyngen_core.sampling.rng import _log_neg_log_uniform, _mix32, open_uniform, row_keys
 from dyngen_core.sampling.sampler import Sampler
@@ -78,14 +79,21 @@ def _requests(settings: list[SamplerSettings], rows: int, step: int) -> list[Sam
 
 
 def _count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts fused draws, eager (`draw_fused`) or replayed (`DrawGraphs.draw`, on CUDA)."""
     calls: list[int] = []
     original = sampler_module.draw_fused
+    original_graph = DrawGraphs.draw
 
     def counted(*args: object) -> torch.Tensor:
         calls.append(1)
         return original(*args)  # type: ignore[arg-type]
 
+    def counted_graph(*args: object) -> torch.Tensor | None:
+        calls.append(1)
+        return original_graph(*args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(sampler_module, "draw_fused", counted)
+    monkeypatch.setattr(DrawGraphs, "draw", counted_graph)
     return calls
 
 

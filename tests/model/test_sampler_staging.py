@@ -97,3 +97,12 @@ def test_compact_draw_reports_rows_without_an_allowed_token() -> None:
         assert exc.request_indices == [2]
     else:
         raise AssertionError("a row with every logit -inf was sampled")
+
+
+def test_send_ints_into_fills_the_target_in_place() -> None:
+    staging = Staging(torch.device("cpu"))
+    target = torch.full((4, 2), -7, dtype=torch.int64)
+    keys = row_keys([11, 12, 13], [0, 5, 2**40])
+    staging.send_ints_into(keys, target[:3])
+    assert torch.equal(target[:3], torch.from_numpy(keys))
+    assert target[3].tolist() == [-7, -7]
