@@ -275,6 +275,21 @@ def report(benchmark: str, **fields: Any) -> None:
             f.write(line + "\n")
 
 
+def kernel_table(fn: Callable[[], Any], label: str, top: int = 15, runs: int = 3) -> None:
+    """Print the ``top`` kernels by total device time over ``runs`` calls of ``fn``
+    (torch.profiler; kernels replayed from CUDA graphs are listed one by one)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(runs):
+            fn()
+        synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(f"--- {label}: top kernels over {runs} calls")
+    print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60))
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

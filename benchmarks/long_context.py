@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from _common import (
     copy_bandwidth,
     device_name,
     free_memory,
+    kernel_table,
     random_model,
     report,
     synchronize,
@@ -96,6 +98,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quant-kernels", default="64x4",
                         help="comma-separated: NxW (q8/q4 word kernel) or general")
+    parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
+                        help="print each mode's top kernels of a step at this batch size")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
@@ -123,6 +127,9 @@ def main() -> None:
                 report("long_context.decode", mode=mode, kernel=kernel, batch=batch,
                        step_ms=seconds * 1e3, tok_s=batch / seconds,
                        roofline_fraction=floor / seconds, cache_GB=cache.nbytes() / 1e9)
+                if batch == args.profile:
+                    kernel_table(partial(decode_seconds, runner, batch, args.context,
+                                         pages_per_seq, 1), f"{mode} {kernel} batch {batch}")
             del runner
             free_memory()
         del cache

@@ -20,6 +20,7 @@ from _common import (
     bench_config,
     copy_bandwidth,
     cuda_seconds,
+    kernel_table,
     random_model,
     report,
     weight_bytes,
@@ -80,17 +81,7 @@ def main() -> None:
     report("profile_step", batch=args.batch, context=args.context, mode=args.mode,
            graph=args.graph, compiled=args.compile,
            step_ms=seconds * 1e3, floor_ms=floor * 1e3, fraction=floor / seconds)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(3):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=60))
-
+    kernel_table(step, f"{args.mode} batch {args.batch} at {args.context}", top=args.top)
 
 if __name__ == "__main__":
     main()
