@@ -71,6 +71,12 @@ class TokenPieces:
         self._added = frozenset(added_ids)
         # id -> (text after another token, text alone), or None when the id is not simple.
         self.table: dict[int, tuple[str, str] | None] = {}
+        # The same two texts in lists indexed by id (None: not simple, or not filled yet): the
+        # detokenizer's per-token read. A step's tokens are spread over the vocabulary when
+        # sampled (not greedy), and each look-up then misses the CPU caches: one list slot
+        # costs one miss where a dict entry, its int key and the tuple cost four.
+        self.after: list[str | None] = [None] * num_ids
+        self.alone: list[str | None] = [None] * num_ids
         if num_ids:
             self.fill(range(num_ids))
 
@@ -103,10 +109,18 @@ class TokenPieces:
     def fill(self, token_ids: Iterable[int]) -> None:
         """Put the entries of ``token_ids`` in the table (ids already there are kept)."""
         table, added, decode = self.table, self._added, self._tokenizer.decode
+        after, alone = self.after, self.alone
         for token_id in token_ids:
-            if token_id not in table:
-                table[token_id] = None if token_id in added else _entry(
-                    decode([token_id]), decode([token_id, token_id]))
+            if token_id in table:
+                continue
+            entry = table[token_id] = None if token_id in added else _entry(
+                decode([token_id]), decode([token_id, token_id]))
+            if entry is not None and token_id >= 0:
+                if token_id >= len(after):
+                    grow = [None] * (token_id + 1 - len(after))
+                    after.extend(grow)
+                    alone.extend(grow)
+                after[token_id], alone[token_id] = entry
 
     def lookup(self, token_id: int) -> tuple[str, str] | None:
         """``(text after another simple token, text alone)`` of a simple token, else None."""
@@ -172,10 +186,12 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._pieces = pieces
-        self._table = pieces.table if pieces is not None else {}
+        self._after: list[str | None] = pieces.after if pieces is not None else []
+        self._alone: list[str | None] = pieces.alone if pieces is not None else []
         self._lookup: Callable[[int], tuple[str, str] | None] = (
             pieces.lookup if pieces is not None else _no_entry)
         # True when the window is one simple token, fully read: the fast path's precondition.
+        # While it holds, `_read_text` may be stale (the window's text is in ``alone``).
         self._simple_tail = False
         self._decode_special = not skip_special_tokens
         tail = list(prompt_ids or [])[-2 * PROMPT_CONTEXT_TOKENS :]
@@ -189,22 +205,27 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
         if self._simple_tail:
-            try:  # the table holds the whole vocabulary (`TokenPieces.build`)
-                entry = self._table[token_id]
-            except KeyError:
-                entry = self._lookup(token_id)
-            if entry is not None:
+            try:  # the lists cover the whole vocabulary (`TokenPieces.build`)
+                text = self._after[token_id]
+            except IndexError:
+                text = None
+            if text is None and self._lookup(token_id) is not None:  # filled lazily
+                text = self._after[token_id]
+            if text is not None:
                 # What the slow path computes for [w, t] when both are simple: t's piece, and
                 # a window of just t (whose text alone is its context for the next token). The
-                # window is this detokenizer's own one-token list: updated in place.
+                # window is this detokenizer's own one-token list: updated in place. Its text
+                # (`_read_text`) is read from the table only when the slow path needs it.
                 self._window[0] = token_id
-                self._read_text = entry[1]
-                return entry[0]
+                return text
         return self.add((token_id,))
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; returns the text they complete (possibly empty)."""
-        self._simple_tail = False
+        if self._simple_tail:  # `add_token` left `_read_text` behind: the window's text
+            context = self._alone[self._window[0]]
+            assert context is not None  # the window's token is simple
+            self._read_text, self._simple_tail = context, False
         self._window.extend(token_ids)
         pending = len(self._window) - self._read
         if pending == 0:
