@@ -37,7 +37,6 @@ from _common import (
 )
 
 from dyngen_core import Cache
-from dyngen_core.attention import get_backend
 from dyngen_core.attention.base import AttentionBackend
 from dyngen_core.plan import SequenceSlice, StepPlan
 from dyngen_core.runner import ModelRunner
@@ -75,19 +74,21 @@ def decode_seconds(runner: ModelRunner, batch: int, context: int, pages_per_seq:
     return (time.perf_counter() - start) / steps
 
 
-def quant_backend(kernel: str, device: torch.device) -> AttentionBackend:
-    """The Triton backend decoding q8/q4 pages with ``kernel`` ("NxW" or "general")."""
+def quant_backend(kernel: str, max_splits: int) -> AttentionBackend:
+    """The Triton backend decoding q8/q4 pages with ``kernel`` ("NxW" or "general"), its
+    contexts split into at most ``max_splits`` parts."""
     from dyngen_core.attention.triton_paged import TritonPagedBackend
     from dyngen_core.attention.triton_quant import WordKernelFlags
 
     if kernel == "general":
-        return TritonPagedBackend(word_block_n=None)
+        return TritonPagedBackend(word_block_n=None, max_splits=max_splits)
     plain = kernel.endswith("p")
     kernel = kernel.removesuffix("p")
     block_n, warps = (int(part) for part in kernel.rstrip("s").split("x"))
     flags = WordKernelFlags(False, False, False, False, False, False) if plain else None
     return TritonPagedBackend(word_block_n=block_n, word_warps=warps,
-                              word_launches=2 if kernel.endswith("s") else 1, word_flags=flags)
+                              word_launches=2 if kernel.endswith("s") else 1, word_flags=flags,
+                              max_splits=max_splits)
 
 
 def main() -> None:
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quant-kernels", default="64x4",
                         help="comma-separated: NxW (q8/q4 word kernel) or general")
+    parser.add_argument("--max-splits", type=int, default=32,
+                        help="most parts a decode's context is split into (every mode)")
     parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
                         help="print each mode's top kernels of a step at this batch size")
     args = parser.parse_args()
@@ -117,8 +120,8 @@ def main() -> None:
         pages_per_seq = args.context // cache.page_size
         kv_bytes = cache.nbytes() / cache.max_tokens
         for kernel in kernels if mode != "fp16" else ["general"]:
-            backend = (quant_backend(kernel, device) if mode != "fp16"
-                       else get_backend("triton", device))
+            backend = (quant_backend(kernel, args.max_splits) if mode != "fp16"
+                       else quant_backend("general", args.max_splits))
             runner = ModelRunner(model, cache, backend, max_batch_size=max(batches))
             for batch in batches:
                 seconds = decode_seconds(runner, batch, args.context, pages_per_seq, args.steps)
