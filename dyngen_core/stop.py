@@ -57,14 +57,16 @@ class _PrefixIndex:
         self._longest = max((len(s) - 1 for s in strings), default=0)
         # A held end ends with the last character of some proper prefix: text ending in any
         # other character holds nothing back, found without a scan (the usual token).
-        self._ends = frozenset(s[k - 1] for s in strings for k in range(1, len(s)))
+        self.ends = frozenset(s[k - 1] for s in strings for k in range(1, len(s)))
+        # No string fits in a shorter text: with an end outside ``ends`` too, it passes.
+        self.shortest = min(map(len, strings), default=0)
         # A held end starts with some string's first character: only those places are tried
         # (most text has none of them near its end), found by one regex scan.
         firsts = sorted({s[0] for s in strings if len(s) > 1})
         self._starts = re.compile("|".join(map(re.escape, firsts))) if firsts else None
 
     def held_length(self, text: str) -> int:
-        if self._starts is None or not text or text[-1] not in self._ends:
+        if self._starts is None or not text or text[-1] not in self.ends:
             return 0
         tail = text[-self._longest:] if len(text) > self._longest else text
         found = self._starts.search(tail)
@@ -85,7 +87,10 @@ class StopMatcher:
     Read-only attributes: ``held_text``, the text held back because it may be the start of a
     stop string; ``matched``, the stop string that matched (None until one does); ``passes``,
     texts known to pass through `feed` unchanged while nothing is held (shared by matchers of
-    the same strings), so a caller may skip `feed` for them.
+    the same strings), so a caller may skip `feed` for them; ``end_chars`` and ``shortest``:
+    while nothing is held, a text shorter than ``shortest`` (the shortest stop string's length)
+    that is empty or ends in a character outside ``end_chars`` (those that end a proper prefix
+    of a stop string) passes `feed` unchanged too, without being looked up.
     """
 
     def __init__(
@@ -97,6 +102,8 @@ class StopMatcher:
         self._index = (_PrefixIndex(self.stop_strings) if indexes is None
                        else indexes.get(self.stop_strings))
         self.passes: set[str] = self._index.passes
+        self.end_chars: frozenset[str] = self._index.ends
+        self.shortest: int = self._index.shortest
         self.held_text = ""
         self.matched: str | None = None
 

@@ -52,6 +52,11 @@ class JobStream:
                                 indexes=stop_indexes)
         # Read once per token: copied here from the job (whose limits do not change).
         self._has_stop_strings = bool(self.stop.stop_strings)
+        # Texts that pass the stop strings on sight (see `StopMatcher`): most token texts of
+        # a sampled step, which are spread over the vocabulary, so the shared set of passing
+        # texts would miss the CPU caches on them, and learn each one through `feed` first.
+        self._stop_shortest = self.stop.shortest
+        self._stop_end_chars = self.stop.end_chars
         self._min_new_tokens = job.min_new_tokens
         self._max_new_tokens = job.max_new_tokens
         self.banned = BannedStringMatcher(list(job.banned_strings)) if job.banned_strings else None
@@ -104,7 +109,9 @@ class JobStream:
         text = self.detok.add_token(token_id)
         if self._has_stop_strings:
             stop = self.stop
-            if stop.held_text or text not in stop.passes:
+            if stop.held_text or text and (
+                    len(text) >= self._stop_shortest or text[-1] in self._stop_end_chars
+            ) and text not in stop.passes:
                 text = stop.feed(text)
                 if stop.matched is not None:
                     return self._end(text, EosReason.STOP_STRING, token_id)
