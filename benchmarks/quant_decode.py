@@ -8,7 +8,11 @@ heads of a KV head padded to 16 MMA rows):
 | batch | fp16 | q8 | q4 | dots (padded) |
 | --- | --- | --- | --- | --- |
 | 32 | 2.15 GB, 505 µs | 1.14 GB, 268 µs | 0.60 GB, 142 µs | 34 GFLOP, 44 µs |
+| 4 | 269 MB, 63 µs | 143 MB, 34 µs | 75 MB, 18 µs | 4.3 GFLOP, 5.5 µs |
 | 1 | 67 MB, 16 µs | 36 MB, 8 µs | 19 MB, 4 µs | 1.1 GFLOP, 1.4 µs |
+
+The split partials a merge reads are small beside them (batch 1, 33 partials of 32 heads x
+128 float32: 0.54 MB); what the in-kernel merge saves is the second launch.
 
 Neither floor explains q4 at ~1 ms (batch 32): the kernel is bound by unpacking (shifts, masks,
 packing, shared-memory stores of each dequantized tile) and by its 252 registers a thread (per
@@ -25,7 +29,10 @@ programs in one launch (the backend's ``word_launches``; default 2); ``-sS`` S
 software-pipelining stages of the key loop (default: Triton's, 3); ``-wW`` the page programs
 load page ids W pages at a time ahead of their blocks (``page_window``; default 0: one load
 per block inside the loop, which makes the loop wait for every copy each step, so stages
-changed nothing).
+changed nothing); ``-mM`` merges the splits in the attention kernel (``counters``, M its
+``merge_rows``: query rows x partials per load round, the backend's 64) instead of
+`combine_splits_kernel` (the backend does so for batches of at most 4 sequences; batch 1 is
+where the saved launch shows, 2.8 us a layer on an H200).
 Each variant's output is checked against ``old``'s (relative error, ``err`` in the table; a
 variant that fails to launch, e.g. for shared memory, is reported and skipped). Quantized modes
 run as the runner does (q4 with its 16-position recent window and page heads, q8 with page
@@ -33,6 +40,12 @@ heads). Each call is timed inside a CUDA graph of ``--calls`` calls (batch 1 cyc
 sequences' pages so L2 holds none of them), median of 5 replays.
 
     python benchmarks/quant_decode.py [--context 16384] [--batches 1,32] [--q8 ...] [--q4 ...]
+
+The in-kernel merge against the second kernel, as the backend launches at batch 1 (one
+launch) and 4 (two launches) (``--merge-sweep`` sets those variants and batches 1,4):
+
+    python benchmarks/quant_decode.py --merge-sweep --modes fp16,q4
+    python benchmarks/quant_decode.py --merge-sweep --modes fp16,q8
 
 End to end (the issue's figure): ``python3 benchmarks/long_context.py``.
 """
@@ -95,12 +108,16 @@ DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x4-l1,hf-64x4-w4,hfr-64x4-w4,hfr-64x
                           "hfr-64x4-w4-s4",
                     "q4": "old,vhf-64x4,vhf-64x4-l1,vhf-64x4-w4,vhfr-64x4-w4,vhfr-64x4-l1-w4,"
                           "vhfr-64x4-w4-s2,vhfr-64x4-w4-s4,vhfr-64x4-w8"}
-SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window"}
+# The backend's defaults in both launch forms, without and with the in-kernel merge.
+MERGE_SWEEP = {"q8": "hfr-64x4-l1-w4,hfr-64x4-l1-w4-m64,hfr-64x4-w4,hfr-64x4-w4-m64",
+               "q4": "vhfr-64x4-l1-w4,vhfr-64x4-l1-w4-m64,vhfr-64x4-w4,vhfr-64x4-w4-m64"}
+SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window",
+            "m": "merge_rows"}
 
 
 def parse_variant(name: str) -> tuple[str, dict[str, int]]:
     """A variant name as its `VARIANTS` key and its suffix values (``-pP``, ``-lL``, ``-sS``,
-    ``-wW``, in any order after the base), e.g. ``vhf-64x4-l1-w4-s4``."""
+    ``-wW``, ``-mM``, in any order after the base), e.g. ``vhf-64x4-l1-w4-s4-m64``."""
     parts = name.split("-")
     suffixes: dict[str, int] = {}
     while len(parts) > 1 and parts[-1][:1] in SUFFIXES and parts[-1][1:].isdigit():
@@ -157,14 +174,17 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
                step_rows: tuple[torch.Tensor, torch.Tensor], options: dict[str, bool],
                block_n: int, warps: int, programs_per_sm: int,
                max_splits: int, launches: int = 2, stages: int | None = None,
-               page_window: int = 0) -> list[Callable[[], Any]]:
-    """`attend_word_decode` over each batch with its operands prepared once (kernel alone)."""
+               page_window: int = 0, merge_rows: int = 0) -> list[Callable[[], Any]]:
+    """`attend_word_decode` over each batch with its operands prepared once (kernel alone);
+    ``merge_rows`` > 0: the splits merged in the kernel, that many rows x partials a round."""
     backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps,
                                  programs_per_sm=programs_per_sm, max_splits=max_splits)
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
     kv_heads = ops.keys.shape[2]
     splits = backend._decode_splits(q.shape[0] * kv_heads, q.device)
+    counters = (backend.split_counters.for_launch(q.device, q.shape[0] * kv_heads)
+                if merge_rows else None)
 
     def call(b: ForwardBatch) -> Callable[[], Any]:
         exact = exact_operands(storage, 0, b, step_rows)
@@ -173,7 +193,8 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
             q, page_args, b, exact, q.shape[2] ** -0.5 * LOG2_E, key_bits=ops.key_bits,
             value_bits=ops.value_bits, num_kv_heads=kv_heads, block_n=block_n,
             splits=splits, warps=warps, launches=launches, stages=stages,
-            page_window=page_window, **options)
+            page_window=page_window, counters=counters, merge_rows=merge_rows or 64,
+            **options)
 
     return [call(b) for b in batches]
 
@@ -186,9 +207,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=16, help="calls per CUDA graph")
     parser.add_argument("--q8", default=DEFAULT_VARIANTS["q8"], help="q8 variants")
     parser.add_argument("--q4", default=DEFAULT_VARIANTS["q4"], help="q4 variants")
+    parser.add_argument("--modes", default="fp16,q8,q4", help="cache modes timed, in order")
+    parser.add_argument("--merge-sweep", action="store_true",
+                        help="batches 1,4 and the merge on/off variants (MERGE_SWEEP)")
     parser.add_argument("--max-splits", type=int, default=32,
                         help="most splits of a decode's context (the backend's max_splits)")
     args = parser.parse_args()
+    if args.merge_sweep:
+        args.batches, args.q8, args.q4 = "1,4", MERGE_SWEEP["q8"], MERGE_SWEEP["q4"]
     device = torch.device(args.device)
     config = bench_config(args)
     batches = [int(b) for b in args.batches.split(",")]
@@ -196,7 +222,7 @@ def main() -> None:
     pages_per_seq = args.context // 256
     rows: list[tuple[str, str, int, float, float, float]] = []
     began = time.perf_counter()
-    for mode in ("fp16", "q8", "q4"):
+    for mode in args.modes.split(","):
         storage = one_layer_storage(config, mode, sequences * args.context, device)
         per_token = storage.nbytes() / (storage.num_pages * 256)
         windowed = mode != "fp16" and storage.reserve_sequences(sequences)
@@ -216,7 +242,8 @@ def main() -> None:
                         calls = word_calls(storage, group, q, step_rows, options, block_n,
                                            warps, knobs.get("per_sm", 4), args.max_splits,
                                            knobs.get("launches", 2), knobs.get("stages"),
-                                           knobs.get("page_window", 0))
+                                           knobs.get("page_window", 0),
+                                           knobs.get("merge_rows", 0))
                     out = calls[0]().float()
                     reference = out if reference is None else reference
                     error = float((out - reference).norm() / reference.norm())

@@ -16,7 +16,8 @@ in-kernel split merge and step write of small batches; ``-pwN``: its key loop wi
 loaded ahead of the tiles, `DecodeOptions.page_window`; ``-sN``: N pipeline stages);
 ``new-*`` the q8/q4 word decode kernel
 (`quant_decode_kernel`) over tiles and launch kinds, without its options and with the
-backend's defaults (`triton_quant.WordKernelFlags`, tag ``-vhfw``: letters of the options on);
+backend's defaults (`triton_quant.WordKernelFlags`, tag ``-vhfw``: letters of the options on;
+``-merge``: with the in-kernel split merge);
 ``prefix-*`` the cascade's shared-prefix kernel, ``prefill-*`` the tiled prefill kernel and
 ``skinny-*`` the backend's default configurations of the skinny matmul kernels.
 

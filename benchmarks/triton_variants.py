@@ -177,6 +177,32 @@ def word_window_variants(shape: Shape) -> list[Variant]:
     return out
 
 
+def word_merge_variants(shape: Shape) -> list[Variant]:
+    """The word kernel as the backend launches it at batch 1 (32 splits, 64 x 4, its default
+    options and page window; the tail without the window) per launch kind, with the splits
+    merged by `combine_splits_kernel` or in the kernel (``-merge``: MERGE, 16 partials a
+    round over the group's 4 rows, as `attend_word_decode`'s merge_rows 64)."""
+    rows = max(16, 1 << (shape.group - 1).bit_length())
+    group_pad = 1 << (shape.group - 1).bit_length()
+    out = []
+    for bits, window in ((8, 0), (4, 16)):
+        tag, flags = list(word_flag_sets(bits).items())[-1]
+        for programs, role in (("both", 0), ("pages", 1), ("tail", 2)):
+            for merge in (False, True):
+                out.append(Variant(
+                    f"new-q{bits}-w{window}-n64x4-{programs}-{tag}-s32"
+                    + ("-merge" if merge else ""), quant_decode_kernel, {
+                        "G": shape.group, "BLOCK_M": rows, "BLOCK_N": 64,
+                        "HEAD_DIM": shape.head_dim, "DIM_PAD": max(shape.head_dim, 512 // bits),
+                        "PAGE_SIZE": shape.page_size, "K_BITS": bits, "V_BITS": bits,
+                        "NUM_SPLITS": 32, "WINDOW": window, "DOT_PRECISION": "tf32",
+                        "PROGRAMS": role, **flags, "PAGE_WINDOW": 0 if role == 2 else 4,
+                        "MERGE": merge, "G_PAD": group_pad,
+                        "SPLIT_BLOCK": min(64, 64 // group_pad)},
+                    4, bits, ints=runtime_ints(shape, bits)))
+    return out
+
+
 def other_kernel_variants(shape: Shape) -> list[Variant]:
     """The cascade's prefix kernel (backend: 64 rows x 64 keys x 4 warps, 3 stages), its
     page-prefetching form and its fused own-keys pass (one split and several), the
@@ -238,4 +264,5 @@ def other_kernel_variants(shape: Shape) -> list[Variant]:
 def variants(shape: Shape) -> list[Variant]:
     """Every variant compared, in print order."""
     return (general_decode_variants(shape) + word_decode_variants(shape)
-            + word_window_variants(shape) + other_kernel_variants(shape))
+            + word_window_variants(shape) + word_merge_variants(shape)
+            + other_kernel_variants(shape))

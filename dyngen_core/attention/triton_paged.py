@@ -42,6 +42,7 @@ from dyngen_core.attention.triton_quant import (
     WORD_BITS,
     WordKernelFlags,
     attend_word_decode,
+    word_counters,
     word_decode_fits,
 )
 from dyngen_core.attention.triton_step_write import StepWrite, step_write_for
@@ -234,6 +235,8 @@ class TritonPagedBackend:
                 block_n=word_block_n, warps=self.word_warps,
                 launches=1 if batch.num_seqs <= small else self.word_launches,
                 splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
+                counters=word_counters(self.split_counters, batch, heads.num_kv_heads, q.device,
+                                       self.merge_in_kernel, self.in_kernel_max_seqs),
                 **self.word_keywords[ops.value_bits])
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)

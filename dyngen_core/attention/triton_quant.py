@@ -4,6 +4,8 @@
 prefill and mixed batches, and q6 pages, keep `triton_kernels.paged_attention_kernel`. The
 launch depends on the batch shape only (grid: sequences x KV heads x (splits + 1), the extra
 program per sequence and head attending the exact rows), so it can be captured in a CUDA graph.
+Its splits are merged by a second kernel, or (``counters``) in the same launch, which saves a
+kernel boundary per layer in a batch-1 CUDA-graph step (`triton_decode_merge`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.triton_decode_merge import SplitCounters
 from dyngen_core.attention.triton_exact import ExactOperands
 from dyngen_core.attention.triton_kernels import combine_splits_kernel
 from dyngen_core.attention.triton_quant_kernels import quant_decode_kernel
@@ -91,7 +94,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                        join_values: bool = False, half_dot: bool = False,
                        fast_unpack: bool = False, wide_scales: bool = False,
                        page_window: int = 0, scale_rows: bool = False,
-                       stages: int | None = None) -> torch.Tensor:
+                       stages: int | None = None, counters: torch.Tensor | None = None,
+                       merge_rows: int = 64) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -130,9 +134,21 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         the tail launch keeps the default. Each stage holds one more block of code words
         (and scale rows) in shared memory: at 64 keys x 4 warps, 4 stages take 168
         registers a thread instead of 128 (ptxas, sm_90), 3 programs a multiprocessor.
+    counters: None merges the splits + 1 partials in a second kernel
+        (`combine_splits_kernel`); else at least batch.num_seqs x num_kv_heads zeroed int32
+        counters (`triton_decode_merge.SplitCounters.for_launch`, left zeroed), and the
+        program of each sequence and KV head that finishes last merges them in the attention
+        kernel (with two launches: the tail program, which counts in after every page
+        program): one kernel launch less (that launch: 2.8 us a layer at batch 1, H200). Launches
+        sharing counters must not run concurrently (one stream).
+    merge_rows: query rows x partials per load round of that in-kernel merge.
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
+    if counters is not None and counters.numel() < batch.num_seqs * num_kv_heads:
+        raise ValueError(f"counters hold {counters.numel()} int32, fewer than the "
+                         f"{batch.num_seqs * num_kv_heads} (sequence, KV head) pairs; take "
+                         f"them from SplitCounters.for_launch")
     if page_window < 0 or page_window & (page_window - 1):
         raise ValueError(f"page_window must be 0 (off) or a power of two, not {page_window}")
     tokens, num_heads, head_dim = q.shape
@@ -143,17 +159,23 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     parts = torch.empty(tokens, num_heads, splits + 1, dim_pad, dtype=torch.float32,
                         device=q.device)
     lse = torch.empty(tokens, num_heads, splits + 1, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
     arguments = (q, q.stride(0), q.stride(1), *page_args,
                  batch.page_table, batch.page_table.stride(0), batch.context_lens,
-                 batch.query_start, *exact.arguments(), parts, lse, scale_log2)
-    shape = {"G": group, "BLOCK_M": max(16, 1 << (group - 1).bit_length()), "BLOCK_N": block_n,
+                 batch.query_start, *exact.arguments(), parts, lse, out, out.stride(0),
+                 out.stride(1), counters if counters is not None else batch.context_lens,
+                 scale_log2)
+    group_pad = 1 << (group - 1).bit_length()
+    shape = {"G": group, "BLOCK_M": max(16, group_pad), "BLOCK_N": block_n,
              "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "PAGE_SIZE": batch.page_size,
              "K_BITS": key_bits, "V_BITS": value_bits, "NUM_SPLITS": splits,
              "WINDOW": exact.window,
              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
              "K_JOIN": join_keys, "V_JOIN": join_values, "HALF_DOT": half_dot,
              "FAST_UNPACK": fast_unpack and q.is_cuda,  # inline PTX: not in the interpreter
-             "WIDE_SCALES": wide_scales, "PAGE_WINDOW": page_window, "SCALE_ROWS": scale_rows}
+             "WIDE_SCALES": wide_scales, "PAGE_WINDOW": page_window, "SCALE_ROWS": scale_rows,
+             "MERGE": counters is not None, "G_PAD": group_pad,
+             "SPLIT_BLOCK": min(1 << splits.bit_length(), max(1, merge_rows // group_pad))}
     grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
     tuning: dict[str, Any] = {"num_warps": warps}
     if stages is not None:
@@ -164,9 +186,22 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
             *arguments, **(shape | {"PAGE_WINDOW": 0} if role == 2 else shape),
             PROGRAMS=role, **({"num_warps": warps} if role == 2 else tuning))
-    out = torch.empty_like(q)
+    if counters is not None:
+        return out
     combine_splits_kernel[(tokens, num_heads)](
         parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=splits + 1,
         SPLITS_PAD=1 << splits.bit_length(), HEAD_DIM=head_dim, HEAD_PAD=dim_pad, num_warps=4,
     )
     return out
+
+
+def word_counters(counters: SplitCounters, batch: ForwardBatch, num_kv_heads: int,
+                  device: torch.device, merge: bool, max_seqs: int) -> torch.Tensor | None:
+    """The ``counters`` argument of `attend_word_decode` under `TritonPagedBackend`'s rule
+    (its ``merge_in_kernel`` as ``merge``, ``in_kernel_max_seqs`` as ``max_seqs``): counters
+    from ``counters`` for batches of at most ``max_seqs`` sequences, else None. Unlike the
+    general kernel's rule it needs no split count above 1: the tail program always adds a
+    partial to merge."""
+    if not merge or batch.num_seqs > max_seqs:
+        return None
+    return counters.for_launch(device, batch.num_seqs * num_kv_heads)

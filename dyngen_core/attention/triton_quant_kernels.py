@@ -20,7 +20,8 @@ Exact rows (the rule of `attention.sdpa_recent`): the page-loop programs mask sl
 page and stop before the recent window's first block; one more program per (sequence, KV head),
 the "tail", attends the rest (the last blocks with the window rule, every page's head row, and
 the window's exact rows) and writes one more partial result, merged with the splits' by
-`triton_kernels.combine_splits_kernel`. So the page loop carries no exact-row work at all.
+`triton_kernels.combine_splits_kernel` (or, MERGE, in the kernel: `triton_decode_merge`). So
+the page loop carries no exact-row work at all.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dyngen_core.attention.triton_decode_merge import count_in_and_merge
 from dyngen_core.attention.triton_exact_kernels import (
     attend_exact_rows,
     attend_page_heads,
@@ -204,7 +206,7 @@ def quant_decode_kernel(
     page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
     head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, seq_slots_ptr,
     fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh,
-    part_out_ptr, part_lse_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, counter_ptr,
     scale_log2,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
@@ -213,6 +215,7 @@ def quant_decode_kernel(
     V_JOIN: tl.constexpr = False, HALF_DOT: tl.constexpr = False,
     FAST_UNPACK: tl.constexpr = False, WIDE_SCALES: tl.constexpr = False,
     PAGE_WINDOW: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = False,
+    MERGE: tl.constexpr = False, G_PAD: tl.constexpr = 1, SPLIT_BLOCK: tl.constexpr = 1,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + 1) over a decode-only batch (sequence i is
     query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys before
@@ -232,7 +235,13 @@ def quant_decode_kernel(
     columns in registers (`triton_quant_unpack.load_scales`).
     PAGE_WINDOW: the page programs load page ids ahead, PAGE_WINDOW pages at a time (a power
     of two; 0: one id per block in the loop, `attend_word_blocks`); the tail's one or two
-    blocks keep the per-block load."""
+    blocks keep the per-block load.
+    MERGE: the program of each (sequence, KV head) that counts in last at ``counter_ptr``
+    (a zeroed int32 per pair, row-major; `triton_decode_merge.count_in_and_merge` resets it)
+    merges all NUM_SPLITS + 1 partials (empty splits weigh 0), ``SPLIT_BLOCK`` per round
+    over ``G_PAD`` (G's power of two) rows, into ``out`` [T, H, HEAD_DIM] (strides
+    ``stride_ot``, ``stride_oh``, 1). Two launches: the page programs count in, the tail
+    (launched after them on the stream) counts in last."""
     SCALE_LOAD: tl.constexpr = 2 if SCALE_ROWS else (WIDE_SCALES and HEAD_DIM % 64 == 0) * 1
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -316,6 +325,16 @@ def quant_decode_kernel(
     tl.store(part_out_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc,
              mask=row_valid[:, None])
     tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+    if MERGE:
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        if PROGRAMS == 1:  # the tail launch after this one counts in last and merges
+            tl.atomic_add(counter, 1, sem="relaxed")
+        else:
+            count_in_and_merge(counter, part_out_ptr, part_lse_ptr, out_ptr,
+                               token.to(tl.int64) * stride_ot, stride_oh,
+                               (token.to(tl.int64) * tl.num_programs(1) + kv_head) * G,
+                               kv_head * G, NUM_SPLITS + 1, NUM_SPLITS + 1, G, G_PAD,
+                               SPLIT_BLOCK, HEAD_DIM, DIM_PAD)
 
 
 @triton.jit
