@@ -41,7 +41,8 @@ class _KeyMeanRecorder(FP16Storage):
         self.sums: dict[int, torch.Tensor] = {}
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, *,
+              decode_window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.sums[layer] = key[1:].float().sum(dim=0)
         super().write(layer, key, value, slot_mapping)
 

@@ -67,6 +67,14 @@ class ForwardBatch:
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens_host)
 
+    @property
+    def decode_window(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions, token_seq_slots) of a decode-only batch with sequence slots, else None:
+        what `KVStorage.write`'s ``decode_window`` takes."""
+        if self.token_seq_slots is None or not self.is_decode_only:
+            return None
+        return self.positions, self.token_seq_slots
+
 
 class AttentionBackend(Protocol):
     """Writes this step's keys/values into storage and attends over each sequence's pages.

@@ -75,7 +75,7 @@ class SdpaBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
-        storage.write(layer, k, v, batch.slot_mapping)
+        storage.write(layer, k, v, batch.slot_mapping, decode_window=batch.decode_window)
         recent = (isinstance(storage, QuantStorage) and storage.recent is not None
                   and batch.seq_slots is not None)
         groups = self._groups(batch, q.device, recent)

@@ -193,7 +193,7 @@ class TritonPagedBackend:
         deferred = (self.write_in_kernel and storage.mode == "fp16" and batch.is_decode_only
                     and batch.num_seqs <= self.in_kernel_max_seqs)
         if not deferred:
-            storage.write(layer, k, v, batch.slot_mapping)
+            storage.write(layer, k, v, batch.slot_mapping, decode_window=batch.decode_window)
         out = self.attend_cached(layer, q, storage, batch, scale, step_rows=(k, v),
                                  write_step=deferred)
         if batch.token_seq_slots is not None:

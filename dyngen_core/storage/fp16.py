@@ -62,8 +62,10 @@ class FP16Storage:
 
     @torch.inference_mode()
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Store key/value rows [T, num_kv_heads, head_dim] at flat slots [T] (int64)."""
+              slot_mapping: torch.Tensor, *,
+              decode_window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Store key/value rows [T, num_kv_heads, head_dim] at flat slots [T] (int64);
+        ``decode_window`` is ignored (no per-sequence state)."""
         keys = self.keys[layer]
         slots = slot_mapping.to(keys.device, non_blocking=True)
         self._writers[layer](keys, self.values[layer], key, value, slots)

@@ -27,7 +27,8 @@ readers take the recent rows from `gather_recent`.
 
 Per layer and step, the exact rows are made once by `write` and reused by the calls after it
 (`step_rows.StepMemo`). On CUDA with triton, `write` is one Triton launch and the window's
-write one more (`quant_write`); otherwise the torch ops around the native kernel
+write one more (`quant_write`), or none when `write` is given a decode-only step's
+``decode_window`` (``fold_decode_window``); otherwise the torch ops around the native kernel
 (`quant_write_native`; benchmarks/storage_ops.py counts them).
 
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
@@ -54,6 +55,8 @@ from dyngen_core.storage.qformat import (
 )
 from dyngen_core.storage.quant_layer import QuantLayer
 from dyngen_core.storage.quant_write import (
+    decode_window_write,
+    resolve_fold_window,
     resolve_triton_write,
     write_step_triton,
     write_window_triton,
@@ -97,12 +100,17 @@ class QuantStorage:
             with triton installed, unless ``DYNGEN_QUANT_WRITE`` is "native" (or "triton");
             True: every layer (ValueError where it cannot run: no triton, or the CPU without
             ``TRITON_INTERPRET=1``); False: never.
+        fold_decode_window: `write` given a ``decode_window`` stores the window rows itself
+            (in the Triton write's launch) and the `write_recent` after it does nothing;
+            False: it ignores ``decode_window``. None: ``DYNGEN_QUANT_FOLD_WINDOW`` ("1"/"0"),
+            else off. An attribute: settable between steps (graphs keep what they captured).
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: Sequence[torch.device | str], mode: str = "q4", *,
                  bits: tuple[int, int] | None = None, use_native: bool = True,
-                 recent_window: int | None = None, triton_write: bool | None = None) -> None:
+                 recent_window: int | None = None, triton_write: bool | None = None,
+                 fold_decode_window: bool | None = None) -> None:
         if mode not in MODE_BITS:
             raise ValueError(f"quantized cache mode {mode!r} is unknown; use one of "
                              f"{tuple(MODE_BITS)} (or 'fp16' for the unquantized storage)")
@@ -127,6 +135,7 @@ class QuantStorage:
         wants_native = use_native and any(d.type == "cuda" for d in self.devices)
         self._native = native.load_native() if wants_native else None
         self._triton = [resolve_triton_write(triton_write, d) for d in self.devices]
+        self.fold_decode_window = resolve_fold_window(fold_decode_window)
         self.key_offsets: list[torch.Tensor] | None = None
         self._memo = StepMemo()
         self.recent: RecentWindow | None = None
@@ -195,37 +204,50 @@ class QuantStorage:
         return self._native if self.devices[layer].type == "cuda" else None
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, *,
+              decode_window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Quantize key/value rows [T, num_kv_heads, head_dim] and store them at the flat
         slots ``slot_mapping`` [T] (page * page_size + offset); rows landing on slot 0 of a
         page also become that page's exact head row. Values are taken in the keys' dtype (the
-        model gives both in its own)."""
+        model gives both in its own). ``decode_window``: (positions, sequence slots) [T] of a
+        decode-only step (one token per sequence, never a prefill chunk): with
+        ``fold_decode_window`` and a reserved window, the rows enter the windows now and the
+        `write_recent` of these tensors after it does nothing (a decode query reads no window
+        row its step replaces); else ignored."""
         device, pages = self.devices[layer], self.layers[layer]
+        fold = (decode_window_write(self.recent, layer, device, decode_window)
+                if self.fold_decode_window else None)
         if self._triton[layer]:
             offsets = self.key_offsets[layer] if self.key_offsets is not None else None
             exact = write_step_triton(key, value, slot_mapping.to(device), offsets,
                                       self._signs[device], pages.tensors(),
                                       (self.key_format.bits, self.value_format.bits),
-                                      pages.head_rows, self.dtype)
+                                      pages.head_rows, self.dtype, fold)
             self._memo.keep_rows(layer, key, value, ExactStepRows(exact=exact))
-            return
-        rows = self._prepare_rows(layer, key, value)
-        self._memo.keep_rows(layer, key, value, rows)
-        assert rows.stored is not None and rows.rotated is not None
-        write_pages(pages.tensors(), (self.key_format, self.value_format), rows.stored,
-                    rows.rotated, slot_mapping, self._kernels(layer), self._signs[device])
-        index = self._memo.index("heads", layer, device, (slot_mapping,), lambda: head_index(
-            slot_mapping, self.page_size, self.num_pages, device))
-        write_heads(pages.head_rows, index, rows.exact)
+        else:
+            rows = self._prepare_rows(layer, key, value)
+            self._memo.keep_rows(layer, key, value, rows)
+            assert rows.stored is not None and rows.rotated is not None
+            write_pages(pages.tensors(), (self.key_format, self.value_format), rows.stored,
+                        rows.rotated, slot_mapping, self._kernels(layer), self._signs[device])
+            index = self._memo.index("heads", layer, device, (slot_mapping,),
+                                     lambda: head_index(slot_mapping, self.page_size,
+                                                        self.num_pages, device))
+            write_heads(pages.head_rows, index, rows.exact)
+        if fold is not None and decode_window is not None:
+            if not self._triton[layer]:  # its general rule gives the decode rule's rows
+                self.write_recent(layer, key, value, *decode_window)
+            self._memo.keep_window(layer, (key, value, *decode_window))
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
         """Put the step's rows [T, num_kv_heads, head_dim] into their sequences' recent windows
         (``positions``, ``seq_slots``: [T], -1 for no slot). Call it after the layer's
         attention: a prefill chunk's rows would otherwise replace window rows of earlier
-        positions its first queries still read. No-op without `reserve_sequences`."""
+        positions its first queries still read. No-op without `reserve_sequences`, and for
+        the very tensors the last `write` was given as its (folded) ``decode_window``."""
         recent = self.recent
-        if recent is None:
+        if recent is None or self._memo.window_kept(layer, (key, value, positions, seq_slots)):
             return
         if self._triton[layer]:
             target = recent.layers[layer]

@@ -9,7 +9,9 @@ quantize-on-write (csrc/), the head rows' ``index_copy_``, and after attention t
 indices. In a batch-1 CUDA-graph step of a Llama-3-8B-shape model on an H200 they cost about
 15-20 us per layer, against 0 for the fp16 storage's one-launch write. `write_step_triton` does
 all of the write in one launch (`quant_write_kernel.quant_write_kernel`), and
-`write_window_triton` the window in another, each computing its row indices itself.
+`write_window_triton` the window in another, each computing its row indices itself. In a
+decode-only step (one token per sequence) the first launch can store the window rows as well
+(`DecodeWindowWrite`): 2-3 us a layer less in a batch-1 graph step.
 
 Agreement with the write it replaces: codes and scales are bit for bit those of the native
 kernel (same butterfly order, IEEE division, round half to even, fp16 scale rounding); the
@@ -36,17 +38,67 @@ slots on the device: capturable in CUDA graphs, no host sync.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from dyngen_core.storage.hadamard import inv_sqrt
 from dyngen_core.storage.qformat import GROUP_SIZE
+from dyngen_core.storage.recent import RecentLayer, RecentWindow
 from dyngen_core.triton_support import launch_device, require_triton, triton_by_default
 
 # Overrides the default of `QuantStorage(triton_write=None)`, for A/B runs of scripts that
 # build their storage with defaults: "triton" (the one-launch write) or "native" (the old one).
 WRITE_ENV = "DYNGEN_QUANT_WRITE"
 WINDOW_SCAN = 256
+# Overrides the default of `QuantStorage(fold_decode_window=None)` likewise: "1" stores a
+# decode-only step's window rows in the write's launch, "0" in a launch of their own.
+FOLD_ENV = "DYNGEN_QUANT_FOLD_WINDOW"
+
+
+@dataclass(frozen=True)
+class DecodeWindowWrite:
+    """The recent-window write of a decode-only step, done by `write_step_triton`'s launch.
+
+    positions, seq_slots: [T] each token's position and its sequence's slot (-1: none), on
+        the layer's device; one token per sequence (the rule is then `recent.RecentWindow`'s).
+    target: the layer's window (`recent.RecentLayer`: rows in the compute dtype, positions).
+    window: positions kept per sequence.
+    """
+
+    positions: torch.Tensor
+    seq_slots: torch.Tensor
+    target: RecentLayer
+    window: int
+
+    def arguments(self) -> tuple[object, ...]:
+        """In the kernel's order: positions, sequence slots, rows, positions, slots held."""
+        rows = self.target.rows
+        return (self.positions, self.seq_slots, rows, self.target.positions,
+                (rows.shape[1] - 1) // self.window)
+
+
+def decode_window_write(recent: RecentWindow | None, layer: int, device: torch.device,
+                        decode_window: tuple[torch.Tensor, torch.Tensor] | None
+                        ) -> DecodeWindowWrite | None:
+    """The window write of ``layer`` for a decode-only step's (positions, sequence slots)
+    ``decode_window`` (None: none given, or no window reserved)."""
+    if decode_window is None or recent is None:
+        return None
+    positions, seq_slots = (t.to(device) for t in decode_window)
+    return DecodeWindowWrite(positions, seq_slots, recent.layers[layer], recent.window)
+
+
+def resolve_fold_window(option: bool | None) -> bool:
+    """Whether `QuantStorage` folds a decode-only step's window write into its page write.
+    ``option`` None: the ``DYNGEN_QUANT_FOLD_WINDOW`` environment variable ("1" or "0"), off
+    when unset."""
+    if option is not None:
+        return option
+    chosen = os.environ.get(FOLD_ENV, "")
+    if chosen not in ("", "0", "1"):
+        raise ValueError(f"{FOLD_ENV}={chosen!r}: use '1' or '0' (or unset it)")
+    return chosen == "1"
 
 
 def resolve_triton_write(option: bool | None, device: torch.device) -> bool:
@@ -70,7 +122,8 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
                       offsets: torch.Tensor | None, signs: torch.Tensor,
                       pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                       bits: tuple[int, int], head_rows: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, window: DecodeWindowWrite | None = None
+                      ) -> torch.Tensor:
     """Quantize key/value rows [T, kv_heads, head_dim] (last dimension contiguous, or they are
     copied) into ``pages`` (key codes, key scales, value codes, value scales: a layer's
     [num_pages, page_size, kv_heads, ...] tensors) at flat slots ``slot_mapping`` [T] (int32 or
@@ -78,7 +131,8 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     bits, value bits); ``signs``: `hadamard.rotation_signs` (32) on the device. Rows at slot 0
     of a page also go to ``head_rows`` [2, num_pages + 1, kv_heads, head_dim]. Returns the
     step's exact rows [2, T, kv_heads, head_dim] in ``dtype`` (rotated, minus the offsets:
-    `step_rows.ExactStepRows.exact`)."""
+    `step_rows.ExactStepRows.exact`). ``window``: also store those rows in the recent window
+    of a decode-only step (its rows must be in ``dtype``)."""
     from dyngen_core.storage.quant_write_kernel import quant_write_kernel
 
     tokens, heads, head_dim = key.shape
@@ -88,15 +142,21 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     key_codes, key_scales, value_codes, value_scales = pages
     num_pages, page_size = key_codes.shape[:2]
+    if window is not None and window.target.rows.dtype != dtype:
+        raise ValueError(f"the window rows are {window.target.rows.dtype}; the exact rows "
+                         f"{dtype}: build both with the storage's compute dtype")
+    window_args = window.arguments() if window is not None else (
+        slot_mapping, slot_mapping, exact, slot_mapping, 0)
     with launch_device(key.device):
         quant_write_kernel[(tokens,)](
             key, value, slot_mapping, key if offsets is None else offsets.contiguous(), signs,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_codes, key_scales, value_codes, value_scales, head_rows, exact,
-            num_pages * page_size, num_pages,
+            num_pages * page_size, num_pages, *window_args,
             HEADS=heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, KEY_BITS=bits[0],
             VALUE_BITS=bits[1], HAS_OFFSETS=offsets is not None,
             ROWS=_next_pow2(heads * head_dim // GROUP_SIZE), INV_SQRT=inv_sqrt(GROUP_SIZE),
+            WINDOW=window.window if window is not None else 0,
             num_warps=4, enable_fp_fusion=False,
         )
     return exact

@@ -7,6 +7,8 @@ once to the keys' dtype, as `step_rows.offset_keys`), rotates every group of 32 
 1/sqrt(32) factor), quantizes them (`qformat`: signed extreme, fp16 scale, round half to even)
 and stores codes and scales at the token's slot; it also stores the rotated rows in the compute
 dtype as the step's exact rows and, for a slot that opens a page, as that page's head row.
+With WINDOW > 0 (a decode-only step: one token per sequence) it also stores those rows in the
+token's sequence's recent window, in place of `window_write_kernel`'s second launch.
 
 `window_write_kernel`: program ``t`` puts token t's exact rows into its sequence's recent
 window (`recent.RecentWindow`), the row index computed in the kernel (the rule of
@@ -107,9 +109,10 @@ def quant_write_kernel(
     key_token_stride, key_head_stride, value_token_stride, value_head_stride,
     key_codes, key_scales, value_codes, value_scales, head_rows, exact,
     num_slots, num_pages,
+    positions, seq_slots, ring_rows, ring_positions, slots_held,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    ROWS: tl.constexpr, INV_SQRT: tl.constexpr,
+    ROWS: tl.constexpr, INV_SQRT: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """Program ``t`` writes token t (see the module docstring). ``key``/``value``: rows
     [T, HEADS, HEAD_DIM], last dimension contiguous; ``offsets``: float32 [HEADS, HEAD_DIM]
@@ -117,7 +120,10 @@ def quant_write_kernel(
     (contiguous); ``head_rows`` [2, num_pages + 1, HEADS, HEAD_DIM] and ``exact``
     [2, T, HEADS, HEAD_DIM] in the compute dtype. ROWS: HEADS * HEAD_DIM / 32 rounded up to a
     power of two. A slot outside [0, num_slots) stores no codes and no head row (its exact rows
-    are still stored: a reader may attend to them)."""
+    are still stored: a reader may attend to them). WINDOW > 0: the exact rows also go to the
+    recent window (``positions``, ``seq_slots`` [T]; ``ring_rows``, ``ring_positions``,
+    ``slots_held``: as `window_write_kernel`'s) by the rule of a decode-only step
+    (`_store_decode_window`); WINDOW 0 reads none of them."""
     token = tl.program_id(0).to(tl.int64)
     num_tokens = tl.num_programs(0).to(tl.int64)
     slot = tl.load(slots + token).to(tl.int64)
@@ -154,10 +160,35 @@ def quant_write_kernel(
     head_at = head_rows + (slot // PAGE_SIZE) * row_size + element
     tl.store(head_at, key_exact, mask=head_mask)
     tl.store(head_at + (num_pages + 1) * row_size, value_exact, mask=head_mask)
+    if WINDOW > 0:
+        _store_decode_window(key_exact, value_exact, token, element, mask, positions, seq_slots,
+                             ring_rows, ring_positions, slots_held, row_size, WINDOW)
     _quantize_store(key_rot, key_codes, key_scales, slot, valid, rows, lanes,
                     GROUPS, ROWS, KEY_BITS)
     _quantize_store(value_rot, value_codes, value_scales, slot, valid, rows, lanes,
                     GROUPS, ROWS, VALUE_BITS)
+
+
+@triton.jit
+def _store_decode_window(key_exact, value_exact, token, element, mask, positions, seq_slots,
+                         ring_rows, ring_positions, slots_held, ROW_SIZE: tl.constexpr,
+                         WINDOW: tl.constexpr):
+    """Token ``token``'s exact rows into its sequence's window, when the step is decode-only:
+    row ``s * WINDOW + p % WINDOW`` for position ``p`` of sequence slot ``s`` in
+    [0, slots_held), else the spare last row holding position -1. With one token per sequence
+    this is `window_write_kernel`'s rule (the token is its sequence's newest), and the row it
+    replaces held position ``p - WINDOW``, which no query of the step reads (a decode query at
+    ``p`` reads window positions in (p - WINDOW, p) and its own from the step's rows), so the
+    write may come before attention."""
+    slot = tl.load(seq_slots + token).to(tl.int64)
+    position = tl.load(positions + token).to(tl.int64)
+    kept = (slot >= 0) & (slot < slots_held)
+    spare = slots_held * WINDOW
+    row = tl.where(kept, slot * WINDOW + position % WINDOW, spare)
+    ring_at = ring_rows + row * ROW_SIZE + element
+    tl.store(ring_at, key_exact, mask=mask)
+    tl.store(ring_at + (spare + 1) * ROW_SIZE, value_exact, mask=mask)
+    tl.store(ring_positions + row, tl.where(kept, position, -1).to(tl.int32))
 
 
 @triton.jit

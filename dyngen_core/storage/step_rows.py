@@ -14,6 +14,10 @@ When a result is reused:
   references: a freed tensor never matches, nor can its id be taken by another while held)
   that were not written in place since (version counters; tensors made under
   ``torch.inference_mode`` keep none, and nothing writes a layer's keys between its calls).
+- Window written: `KVStorage.write` given a decode-only step's window marks it done for the
+  very same key, value, position and sequence-slot tensors, so the `write_recent` after it
+  skips; the next `keep_rows` (any layer's write) drops the mark. A missed mark costs only a
+  second, identical window write.
 - Row indices: derived from the batch tensors every layer shares; reused by a later layer of
   the same forward only (layers run in increasing order, so a call for a layer at or below
   the one that last used an entry belongs to a new forward, which recomputes it: a CUDA graph
@@ -104,21 +108,37 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 class StepMemo:
-    """The exact rows of the layer last written and the row indices of the current forward."""
+    """The exact rows of the layer last written (and whether its write stored the recent
+    window) and the row indices of the current forward."""
 
     def __init__(self) -> None:
         self._rows: tuple[int, _Inputs, ExactStepRows] | None = None
+        self._window: tuple[int, _Inputs] | None = None
         self._indices: dict[tuple[str, torch.device], tuple[_Inputs, int, object]] = {}
 
     def clear(self) -> None:
         """Forget everything (what the rows are derived with changed, e.g. the key offsets)."""
         self._rows = None
+        self._window = None
         self._indices.clear()
 
     def keep_rows(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                   rows: ExactStepRows) -> None:
         """Remember ``rows``, prepared from ``key``/``value`` for ``layer``."""
         self._rows = (layer, _Inputs((key, value)), rows)
+        self._window = None
+
+    def keep_window(self, layer: int, inputs: Sequence[torch.Tensor]) -> None:
+        """Remember that ``layer``'s recent window holds the rows of ``inputs`` (key, value,
+        positions, sequence slots): the write after `keep_rows` stored them."""
+        self._window = (layer, _Inputs(inputs))
+
+    def window_kept(self, layer: int, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether `keep_window` marked these very ``inputs`` of ``layer`` since the last
+        `keep_rows`."""
+        kept = self._window
+        return (kept is not None and kept[0] == layer and len(inputs) == len(kept[1].refs)
+                and kept[1].matches(inputs))
 
     def rows(self, layer: int, key: torch.Tensor,
              value: torch.Tensor | None = None) -> ExactStepRows | None:
