@@ -103,7 +103,7 @@ class QuantStorage:
         fold_decode_window: `write` given a ``decode_window`` stores the window rows itself
             (in the Triton write's launch) and the `write_recent` after it does nothing;
             False: it ignores ``decode_window``. None: ``DYNGEN_QUANT_FOLD_WINDOW`` ("1"/"0"),
-            else off. An attribute: settable between steps (graphs keep what they captured).
+            else on. An attribute: settable between steps (graphs keep what they captured).
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,

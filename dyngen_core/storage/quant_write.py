@@ -91,14 +91,15 @@ def decode_window_write(recent: RecentWindow | None, layer: int, device: torch.d
 
 def resolve_fold_window(option: bool | None) -> bool:
     """Whether `QuantStorage` folds a decode-only step's window write into its page write.
-    ``option`` None: the ``DYNGEN_QUANT_FOLD_WINDOW`` environment variable ("1" or "0"), off
-    when unset."""
+    ``option`` None: the ``DYNGEN_QUANT_FOLD_WINDOW`` environment variable ("1" or "0"), on
+    when unset (H200, q4, 8 KV heads x 128: write and window 4.59 -> 3.36 us a layer at batch
+    1, 5.01 -> 3.82 at batch 32, and one launch less; benchmarks/quant_write.py)."""
     if option is not None:
         return option
     chosen = os.environ.get(FOLD_ENV, "")
     if chosen not in ("", "0", "1"):
         raise ValueError(f"{FOLD_ENV}={chosen!r}: use '1' or '0' (or unset it)")
-    return chosen == "1"
+    return chosen != "0"
 
 
 def resolve_triton_write(option: bool | None, device: torch.device) -> bool:

@@ -102,7 +102,10 @@ def test_batch_offers_the_window_to_decode_only_steps() -> None:
 
 def test_fold_option_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FOLD_ENV, raising=False)
+    assert resolve_fold_window(None) is True  # on unless turned off
+    monkeypatch.setenv(FOLD_ENV, "0")
     assert resolve_fold_window(None) is False
+    assert resolve_fold_window(True) is True
     monkeypatch.setenv(FOLD_ENV, "1")
     assert resolve_fold_window(None) is True
     assert resolve_fold_window(False) is False
