@@ -27,9 +27,9 @@ class PendingStep:
     """A launched step whose sampled tokens are still on their way to the host.
 
     plan: the step's plan; active: its sampling jobs, in plan order (row i is active[i]);
-    ids: [rows] int64 on the device, each row's argmax: always a valid token id, what the next
-        step reads (a row with no finite logit fails its job when resolved; its next input is
-        computed and dropped);
+    ids: [rows] int64 on the device, what the next step reads: each row's token, or -1 for a
+        row without one, which a `TokenFeed` reads as token 0 (its job fails when resolved;
+        its next input is computed and dropped);
     host: the rows being copied to the host, -1 where a row had no finite logit;
     ready: recorded after the copy (None on the CPU).
     """
@@ -68,10 +68,11 @@ class TokenLauncher:
     def launch(self, ids: torch.Tensor, plan: StepPlan, active: list[ActiveJob],
                fed: torch.Tensor | None = None) -> PendingStep:
         """A `PendingStep` of ``ids`` ([rows] int64 on the device, -1 for a row without a
-        token); ``fed``: what the next step reads instead (valid ids everywhere), default
-        ``ids`` with -1 read as token 0 (its job fails when resolved; that row is dropped)."""
+        token); ``fed``: what the next step reads instead, default ``ids`` (a feed reads -1 as
+        token 0, so no clamp is launched here: its job fails when resolved, that row is
+        dropped)."""
         if fed is None:
-            fed = ids.clamp(min=0)
+            fed = ids
         if self.device.type != "cuda":
             return PendingStep(plan, active, fed, ids, None)
         host, ready = self._buffer(ids.shape[0])
@@ -94,7 +95,8 @@ class TokenLauncher:
 class TokenFeed:
     """Inputs of a step that are another step's sampled tokens, read on the device.
 
-    ids: the pending step's device ids; targets: flat input rows of this step to fill;
+    ids: the pending step's device ids (-1, a row without a token, is read as token 0);
+    targets: flat input rows of this step to fill;
     rows: for each target, the row of ``ids`` it takes; in_order: targets and rows are both
     0, 1, 2, ... (steady decoding: one contiguous copy).
     """
@@ -108,13 +110,15 @@ class TokenFeed:
         """Fill the targets of ``input_ids`` (the step's [count] inputs, then padding rows that
         repeat the last input, as CUDA-graph buckets have) from ``ids``."""
         targets, rows = self.targets, self.rows
+        # The clamp reads -1 as token 0 in the copy itself (a separate clamp of the sampled ids
+        # was one more launch every step).
         if self.in_order:
-            input_ids[: len(targets)].copy_(self.ids[: len(targets)])
+            torch.clamp(self.ids[: len(targets)], min=0, out=input_ids[: len(targets)])
         else:
             device = input_ids.device
             index = torch.tensor(targets, dtype=torch.int64).to(device, non_blocking=True)
             source = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-            input_ids.index_copy_(0, index, self.ids.index_select(0, source))
+            input_ids.index_copy_(0, index, self.ids.index_select(0, source).clamp_(min=0))
         if input_ids.shape[0] > count and targets and targets[-1] == count - 1:
             input_ids[count:].copy_(input_ids[count - 1].expand(input_ids.shape[0] - count))
 

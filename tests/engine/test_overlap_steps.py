@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.overlap import TokenLauncher
+from dyngen_core.overlap import TokenFeed, TokenLauncher
 from tests.engine.step_helpers import kill_row, mixed_prompts
 
 GREEDY = SamplerSettings.greedy()
@@ -148,3 +149,16 @@ def test_tiny_budgets_end_with_and_without_overlap(make_generator, monkeypatch, 
     assert overlapped == synchronous
     finals = [r for r in overlapped if r["eos"]]
     assert len(finals) == 3 and all(r["new_tokens"] == budget for r in finals)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_feed_reads_a_row_without_a_token_as_token_zero(in_order: bool) -> None:
+    """-1 (a row the sampler found no token for) enters the next step's inputs as token 0, in
+    the copy itself; other rows are copied as they are, and padding repeats the last input."""
+    ids = torch.tensor([7, -1, 9])
+    inputs = torch.full((5,), 99, dtype=torch.int64)
+    targets, rows = ([0, 1, 2], [0, 1, 2]) if in_order else ([0, 1, 2], [2, 1, 0])
+    TokenFeed(ids, targets, rows, in_order=in_order).apply(inputs, 3)
+    expected = [7, 0, 9] if in_order else [9, 0, 7]
+    assert inputs.tolist() == expected + [expected[-1]] * 2
+    assert ids.tolist() == [7, -1, 9]  # the pending step's ids are not changed
