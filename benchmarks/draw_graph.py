@@ -1,0 +1,80 @@
+"""Host time of one sampled step's draw on the GPU: `Sampler.launch_tokens` for 256 top-p rows
+(temperature 0.8, top_p 0.9, top_k 50) over [256, 128256] float32 logits, with the fused draw
+launched eagerly (top-k, output, Triton kernel) or replayed from its CUDA graph
+(`sampling.draw_graph`), and the bare replay of that graph. Host microseconds per call
+(median; the device is synchronized every 8 calls so its queue never fills), and the device
+time per call from CUDA events.
+
+    python benchmarks/draw_graph.py [--rows 256] [--vocab 128256] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import device_name, report
+
+from dyngen_core import SamplerSettings
+from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.sampling.sampler import Sampler
+
+SETTINGS = SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)
+
+
+def host_us(call: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """(median host us per call, device us per call) over ``calls`` calls after a warm-up."""
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+        enable_timing=True)
+    start_event.record()
+    for i in range(calls):
+        begin = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - begin)
+        if i % 8 == 7:
+            torch.cuda.synchronize()
+    end_event.record()
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e6, start_event.elapsed_time(end_event) * 1e3 / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    logits = torch.randn(args.rows, args.vocab, device=device) * 3
+    requests = [SampleRequest(settings=SETTINGS, seed=i, counter=0) for i in range(args.rows)]
+    results = {}
+    for graphs in (False, True):
+        sampler = Sampler(args.vocab, device, draw_graphs=graphs)
+
+        def step(sampler: Sampler = sampler) -> None:
+            for request in requests:
+                request.counter += 1
+            sampler.launch_tokens(logits, requests, kept=True)
+
+        results["graph" if graphs else "eager"] = host_us(step, args.calls)
+        if graphs:
+            assert sampler.draw_graphs is not None
+            entry = next(iter(sampler.draw_graphs._graphs.values()))
+            results["replay only"] = host_us(entry.graph.replay, args.calls)
+    for name, (host, device_us) in results.items():
+        report("draw_graph", device=device_name(), rows=args.rows, vocab=args.vocab,
+               path=name, host_us=host, device_us=device_us)
+    print(f"{'path':<12} {'host us':>9} {'device us':>10}")
+    for name, (host, device_us) in results.items():
+        print(f"{name:<12} {host:9.1f} {device_us:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
