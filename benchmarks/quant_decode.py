@@ -32,7 +32,13 @@ per block inside the loop, which makes the loop wait for every copy each step, s
 changed nothing); ``-mM`` merges the splits in the attention kernel (``counters``, M its
 ``merge_rows``: query rows x partials per load round, the backend's 64) instead of
 `combine_splits_kernel` (the backend does so for batches of at most 4 sequences; batch 1 is
-where the saved launch shows, 2.8 us a layer on an H200).
+where the saved launch shows, 2.8 us a layer on an H200); ``-tT`` the tail's work in T programs
+(``tail_parts``: 1 the single serial tail, 3 its blocks, page heads and window rows side by
+side; default: the kernel's, 3 with a window); ``-nN`` the one-launch kernel's register cap
+(``max_registers``; 0 none; default: the kernel's, 168 with the tail in parts); ``-xX`` at most
+X page splits for this variant (``--max-splits`` otherwise; the fp16 rows take it too, e.g.
+``--fp16 fp16,fp16-x64``); ``-l0`` launches as the backend picks them (one launch up to
+`DecodeOptions.word_one_launch_max_seqs` sequences, else two).
 Each variant's output is checked against ``old``'s (relative error, ``err`` in the table; a
 variant that fails to launch, e.g. for shared memory, is reported and skipped). Quantized modes
 run as the runner does (q4 with its 16-position recent window and page heads, q8 with page
@@ -40,6 +46,14 @@ heads). Each call is timed inside a CUDA graph of ``--calls`` calls (batch 1 cyc
 sequences' pages so L2 holds none of them), median of 5 replays.
 
     python benchmarks/quant_decode.py [--context 16384] [--batches 1,32] [--q8 ...] [--q4 ...]
+
+The tail in parts against the single serial tail, at 32 page splits and more (45: 8 x 48
+programs fill 132 multiprocessors x 3; 64: two waves), as the backend launches at batch 1 (one
+launch) and 4 (two launches); ``--tail-sweep`` sets those variants, fp16 at 32 and 64 splits,
+modes fp16,q4 and batches 1,4 (success: q4 t3 at or below fp16 at batch 1, against ~0.89x of
+its speed with t1 in the runner):
+
+    python benchmarks/quant_decode.py --tail-sweep
 
 The in-kernel merge against the second kernel, as the backend launches at batch 1 (one
 launch) and 4 (two launches) (``--merge-sweep`` sets those variants and batches 1,4):
@@ -63,6 +77,7 @@ from _common import add_common_args, bench_config, cuda_seconds, device_name, re
 from attention_kernels import decode_inputs, one_layer_storage
 
 from dyngen_core.attention.base import ForwardBatch
+from dyngen_core.attention.triton_decode_options import DecodeOptions
 from dyngen_core.attention.triton_exact import exact_operands
 from dyngen_core.attention.triton_paged import (
     LOG2_E,
@@ -111,13 +126,22 @@ DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x4-l1,hf-64x4-w4,hfr-64x4-w4,hfr-64x
 # The backend's defaults in both launch forms, without and with the in-kernel merge.
 MERGE_SWEEP = {"q8": "hfr-64x4-l1-w4,hfr-64x4-l1-w4-m64,hfr-64x4-w4,hfr-64x4-w4-m64",
                "q4": "vhfr-64x4-l1-w4,vhfr-64x4-l1-w4-m64,vhfr-64x4-w4,vhfr-64x4-w4-m64"}
+# The tail in parts (the backend's defaults and launch rule, in-kernel merge): t1 is the
+# backend before parts; -n0 the parts without the register cap; t4 the window's two blocks in
+# two programs; -x the page split count (~13 compiles).
+TAIL_SWEEP = {"q4": "vhfr-64x4-l0-w4-m64-t1,vhfr-64x4-l0-w4-m64-t3-n0,vhfr-64x4-l0-w4-m64-t3,"
+                    "vhfr-64x4-l0-w4-m64-t4,vhfr-64x4-l0-w4-m64-t3-x45,"
+                    "vhfr-64x4-l0-w4-m64-t3-x64",
+              "q8": "hfr-64x4-l0-w4-m64-t1,hfr-64x4-l0-w4-m64-t1-x64",
+              "fp16": "fp16,fp16-x64"}
 SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window",
-            "m": "merge_rows"}
+            "m": "merge_rows", "t": "tail_parts", "n": "max_registers", "x": "max_splits"}
 
 
 def parse_variant(name: str) -> tuple[str, dict[str, int]]:
-    """A variant name as its `VARIANTS` key and its suffix values (``-pP``, ``-lL``, ``-sS``,
-    ``-wW``, ``-mM``, in any order after the base), e.g. ``vhf-64x4-l1-w4-s4-m64``."""
+    """A variant name as its `VARIANTS` key (or ``fp16``) and its suffix values (``-pP``,
+    ``-lL``, ``-sS``, ``-wW``, ``-mM``, ``-tT``, ``-nN``, ``-xX``, in any order after the base),
+    e.g. ``vhf-64x4-l1-w4-s4-m64-t3``."""
     parts = name.split("-")
     suffixes: dict[str, int] = {}
     while len(parts) > 1 and parts[-1][:1] in SUFFIXES and parts[-1][1:].isdigit():
@@ -172,13 +196,18 @@ def fp16_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
 
 def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
                step_rows: tuple[torch.Tensor, torch.Tensor], options: dict[str, bool],
-               block_n: int, warps: int, programs_per_sm: int,
-               max_splits: int, launches: int = 2, stages: int | None = None,
-               page_window: int = 0, merge_rows: int = 0) -> list[Callable[[], Any]]:
-    """`attend_word_decode` over each batch with its operands prepared once (kernel alone);
-    ``merge_rows`` > 0: the splits merged in the kernel, that many rows x partials a round."""
+               block_n: int, warps: int, knobs: dict[str, int],
+               max_splits: int) -> list[Callable[[], Any]]:
+    """`attend_word_decode` over each batch with its operands prepared once (kernel alone),
+    with a variant's suffix ``knobs`` (`parse_variant`; ``merge_rows`` > 0: the splits merged
+    in the kernel, that many rows x partials a round; ``launches`` 0: the backend's rule)."""
     backend = TritonPagedBackend(word_block_n=block_n, word_warps=warps,
-                                 programs_per_sm=programs_per_sm, max_splits=max_splits)
+                                 programs_per_sm=knobs.get("per_sm", 4),
+                                 max_splits=knobs.get("max_splits", max_splits))
+    launches = knobs.get("launches", 2)
+    if launches == 0:
+        launches = 1 if q.shape[0] <= DecodeOptions().word_one_launch_max_seqs else 2
+    merge_rows = knobs.get("merge_rows", 0)
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
     kv_heads = ops.keys.shape[2]
@@ -192,9 +221,10 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
         return lambda: attend_word_decode(
             q, page_args, b, exact, q.shape[2] ** -0.5 * LOG2_E, key_bits=ops.key_bits,
             value_bits=ops.value_bits, num_kv_heads=kv_heads, block_n=block_n,
-            splits=splits, warps=warps, launches=launches, stages=stages,
-            page_window=page_window, counters=counters, merge_rows=merge_rows or 64,
-            **options)
+            splits=splits, warps=warps, launches=launches, stages=knobs.get("stages"),
+            page_window=knobs.get("page_window", 0), counters=counters,
+            merge_rows=merge_rows or 64, tail_parts=knobs.get("tail_parts"),
+            max_registers=knobs.get("max_registers"), **options)
 
     return [call(b) for b in batches]
 
@@ -207,14 +237,23 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=16, help="calls per CUDA graph")
     parser.add_argument("--q8", default=DEFAULT_VARIANTS["q8"], help="q8 variants")
     parser.add_argument("--q4", default=DEFAULT_VARIANTS["q4"], help="q4 variants")
-    parser.add_argument("--modes", default="fp16,q8,q4", help="cache modes timed, in order")
+    parser.add_argument("--fp16", default="fp16", help="fp16 rows (fp16, fp16-xX)")
+    parser.add_argument("--modes", default=None,
+                        help="cache modes timed, in order (default fp16,q8,q4)")
     parser.add_argument("--merge-sweep", action="store_true",
                         help="batches 1,4 and the merge on/off variants (MERGE_SWEEP)")
+    parser.add_argument("--tail-sweep", action="store_true",
+                        help="batches 1,4, modes fp16,q4 and the tail-parts variants "
+                             "(TAIL_SWEEP)")
     parser.add_argument("--max-splits", type=int, default=32,
                         help="most splits of a decode's context (the backend's max_splits)")
     args = parser.parse_args()
     if args.merge_sweep:
         args.batches, args.q8, args.q4 = "1,4", MERGE_SWEEP["q8"], MERGE_SWEEP["q4"]
+    if args.tail_sweep:
+        args.batches, args.q8, args.q4 = "1,4", TAIL_SWEEP["q8"], TAIL_SWEEP["q4"]
+        args.fp16, args.modes = TAIL_SWEEP["fp16"], args.modes or "fp16,q4"
+    args.modes = args.modes or "fp16,q8,q4"
     device = torch.device(args.device)
     config = bench_config(args)
     batches = [int(b) for b in args.batches.split(",")]
@@ -230,20 +269,18 @@ def main() -> None:
             batch, q, step_rows = decode_inputs(config, batch_size, args.context, device,
                                                 windowed)
             group = copies(batch, batch_size, pages_per_seq)
-            names = ["fp16"] if mode == "fp16" else getattr(args, mode).split(",")
+            names = getattr(args, mode).split(",")
             reference = None
             for name in names:
                 try:
+                    base, knobs = parse_variant(name)
                     if mode == "fp16":
-                        calls = fp16_calls(storage, group, q, args.max_splits)
+                        calls = fp16_calls(storage, group, q,
+                                           knobs.get("max_splits", args.max_splits))
                     else:
-                        base, knobs = parse_variant(name)
                         options, block_n, warps = VARIANTS[base]
                         calls = word_calls(storage, group, q, step_rows, options, block_n,
-                                           warps, knobs.get("per_sm", 4), args.max_splits,
-                                           knobs.get("launches", 2), knobs.get("stages"),
-                                           knobs.get("page_window", 0),
-                                           knobs.get("merge_rows", 0))
+                                           warps, knobs, args.max_splits)
                     out = calls[0]().float()
                     reference = out if reference is None else reference
                     error = float((out - reference).norm() / reference.norm())
@@ -269,8 +306,8 @@ def print_table(rows: list[tuple[str, str, int, float, float, float]],
                 batches: list[int]) -> None:
     """µs (GB/s) per mode and variant, one column per batch, each variant against fp16
     (success for the issue: q4 at most 1.00 at batch 32) and its largest error against old."""
-    fp16 = {b: us for mode, _, b, us, _, _ in rows if mode == "fp16"}
-    print(f"\n{'mode':5} {'variant':20}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
+    fp16 = {b: us for mode, name, b, us, _, _ in rows if name == "fp16"}
+    print(f"\n{'mode':5} {'variant':28}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
           + "".join(f"{'/fp16 b' + str(b):>10}" for b in batches) + f"{'err':>9}")
     seen: dict[tuple[str, str], dict[int, tuple[float, float, float]]] = {}
     for mode, name, b, us, gbps, error in rows:
@@ -281,7 +318,7 @@ def print_table(rows: list[tuple[str, str, int, float, float, float]],
         ratios = "".join(f"{by_batch[b][0] / fp16[b]:>10.2f}" if b in by_batch and b in fp16
                          else f"{'-':>10}" for b in batches)
         error = max(cell[2] for cell in by_batch.values())
-        print(f"{mode:5} {name:20}{cells}{ratios}{error:>9.1e}")
+        print(f"{mode:5} {name:28}{cells}{ratios}{error:>9.1e}")
 
 
 if __name__ == "__main__":

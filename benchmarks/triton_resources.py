@@ -17,7 +17,8 @@ loaded ahead of the tiles, `DecodeOptions.page_window`; ``-sN``: N pipeline stag
 ``new-*`` the q8/q4 word decode kernel
 (`quant_decode_kernel`) over tiles and launch kinds, without its options and with the
 backend's defaults (`triton_quant.WordKernelFlags`, tag ``-vhfw``: letters of the options on;
-``-merge``: with the in-kernel split merge);
+``-merge``: with the in-kernel split merge; ``-sN``: N page splits; ``-tT``: the tail's
+work in T programs, `attend_word_decode`'s tail_parts);
 ``prefix-*`` the cascade's shared-prefix kernel, ``prefill-*`` the tiled prefill kernel and
 ``skinny-*`` the backend's default configurations of the skinny matmul kernels.
 
@@ -129,8 +130,10 @@ def measure(variant: Variant, dtype: str, arch: int, hints: bool,
     constexprs = complete_constexprs(variant.fn, variant.constexprs, variant.label)
     signature, attrs = signature_and_hints(variant, constexprs, dtype, hints)
     source = ASTSource(fn=variant.fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": variant.warps, "num_stages": variant.stages})
+    options: dict[str, Any] = {"num_warps": variant.warps, "num_stages": variant.stages}
+    if variant.maxnreg is not None:
+        options["maxnreg"] = variant.maxnreg
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
@@ -176,13 +179,13 @@ def main() -> None:
     shape = Shape(heads=args.heads, kv_heads=args.heads // args.group, head_dim=args.head_dim)
     columns = ("regs", "stack", "smem", "convert", "local_alloc", "waits", "sass", *SASS_KINDS)
     widths = [max(7, len(c) + 1) for c in columns]
-    print(f"{'variant':42}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
+    print(f"{'variant':48}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
     for variant in variants(shape):
         if args.only not in variant.label:
             continue
         figures = measure(variant, args.dtype, args.arch, not args.no_hints, args.dump)
         cells = "".join(f"{figures[c]:>{w}}" for c, w in zip(columns, widths))
-        print(f"{variant.label:42}{cells}", flush=True)
+        print(f"{variant.label:48}{cells}", flush=True)
 
 
 if __name__ == "__main__":

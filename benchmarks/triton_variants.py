@@ -55,6 +55,7 @@ class Variant:
     bits: int = 0
     stages: int = 3
     ints: dict[str, int] = field(default_factory=dict)
+    maxnreg: int | None = None
 
 
 def runtime_ints(shape: Shape, bits: int) -> dict[str, int]:
@@ -203,6 +204,33 @@ def word_merge_variants(shape: Shape) -> list[Variant]:
     return out
 
 
+def word_tail_variants(shape: Shape) -> list[Variant]:
+    """The q4 word kernel as the backend launches it at batch 1 (16-position window, 64 x 4,
+    its default options, page window 4, in-kernel merge) with its tail in ``-tT`` parts
+    (`attend_word_decode`'s tail_parts; t1 the single serial tail), over 32 and 64 page splits
+    (``-sN``), in one launch (``both``) and the tail launch of two (``tail``); ``-nR``: at
+    most R registers a thread (max_registers, the one launch's default with parts)."""
+    rows = max(16, 1 << (shape.group - 1).bit_length())
+    group_pad = 1 << (shape.group - 1).bit_length()
+    tag, flags = list(word_flag_sets(4).items())[-1]
+    out = []
+    for programs, role, splits, parts, cap in (
+            ("both", 0, 32, 1, None), ("both", 0, 32, 2, 168), ("both", 0, 32, 3, None),
+            ("both", 0, 32, 3, 168), ("both", 0, 32, 4, 168), ("both", 0, 64, 1, None),
+            ("both", 0, 64, 3, 168), ("tail", 2, 32, 1, None), ("tail", 2, 32, 3, None)):
+        out.append(Variant(
+            f"new-q4-w16-n64x4-{programs}-{tag}-s{splits}-merge-t{parts}"
+            + (f"-n{cap}" if cap else ""), quant_decode_kernel, {
+                "G": shape.group, "BLOCK_M": rows, "BLOCK_N": 64, "HEAD_DIM": shape.head_dim,
+                "DIM_PAD": max(shape.head_dim, 128), "PAGE_SIZE": shape.page_size,
+                "K_BITS": 4, "V_BITS": 4, "NUM_SPLITS": splits, "WINDOW": 16,
+                "DOT_PRECISION": "tf32", "PROGRAMS": role, **flags,
+                "PAGE_WINDOW": 0 if role == 2 else 4, "MERGE": True, "G_PAD": group_pad,
+                "SPLIT_BLOCK": min(64, 64 // group_pad), "TAIL_PARTS": parts},
+            4, 4, ints=runtime_ints(shape, 4), maxnreg=cap))
+    return out
+
+
 def other_kernel_variants(shape: Shape) -> list[Variant]:
     """The cascade's prefix kernel (backend: 64 rows x 64 keys x 4 warps, 3 stages), its
     page-prefetching form and its fused own-keys pass (one split and several), the
@@ -265,4 +293,4 @@ def variants(shape: Shape) -> list[Variant]:
     """Every variant compared, in print order."""
     return (general_decode_variants(shape) + word_decode_variants(shape)
             + word_window_variants(shape) + word_merge_variants(shape)
-            + other_kernel_variants(shape))
+            + word_tail_variants(shape) + other_kernel_variants(shape))

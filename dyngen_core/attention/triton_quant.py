@@ -2,8 +2,9 @@
 
 `TritonPagedBackend` routes decode-only batches over q8/q4 pages here (`word_decode_fits`);
 prefill and mixed batches, and q6 pages, keep `triton_kernels.paged_attention_kernel`. The
-launch depends on the batch shape only (grid: sequences x KV heads x (splits + 1), the extra
-program per sequence and head attending the exact rows), so it can be captured in a CUDA graph.
+launch depends on the batch shape only (grid: sequences x KV heads x (splits + tail parts), the
+tail parts per sequence and head attending the exact rows and the window's blocks), so it can be
+captured in a CUDA graph.
 Its splits are merged by a second kernel, or (``counters``) in the same launch, which saves a
 kernel boundary per layer in a batch-1 CUDA-graph step (`triton_decode_merge`).
 """
@@ -22,6 +23,14 @@ from dyngen_core.attention.triton_kernels import combine_splits_kernel
 from dyngen_core.attention.triton_quant_kernels import quant_decode_kernel
 
 WORD_BITS = (4, 8)
+# Tail parts the kernel splits its exact-row work into (`triton_quant_programs.tail_program`):
+# more than 4 would only add empty programs (the window's keys span at most two blocks).
+MAX_TAIL_PARTS = 4
+# Registers a thread of the one-launch kernel with its tail in parts is held to by default: 3
+# programs of 4 warps then share a multiprocessor's 64K (q4 64 x 4 with the backend's options,
+# ptxas sm_90: 183 registers uncapped, 2 a multiprocessor, so batch 1's 8 x (32 + 3) programs
+# overflow the 264 slots of 132 of them; at 168: no spills, 41 KB of shared memory).
+PARTS_MAX_REGISTERS = 168
 # tl.dot needs 16 along every dimension: 16 words of codes per tile at least.
 MIN_TILE = 16
 
@@ -40,7 +49,10 @@ class WordKernelFlags:
     layer, us, batch 1 one launch / batch 32 two launches): q4 43.6 / 811.6 -> **28.6 / 448.9**
     (fp16 30.2 / 499.5), q8 57.4 / 987.7 -> 44.2 / 661.1 (two launches at batch 1); a window
     of 8 pages measured the same, 4 stages slower at batch 32 (476.2), so ``stages`` stays
-    Triton's default.
+    Triton's default. ``tail_parts`` None: the tail's three phases run as three programs when
+    the cache has a recent window (batch 1, 16k, one layer in the runner's graph, H200: q4
+    33.7 us with the single serial tail against 24.5 without a window; 1 restores that tail),
+    and ``max_registers`` None holds that one-launch kernel to 3 programs a multiprocessor.
     """
 
     join_keys: bool = False
@@ -52,6 +64,8 @@ class WordKernelFlags:
     page_window: int = 4
     scale_rows: bool = True
     stages: int | None = None
+    tail_parts: int | None = None
+    max_registers: int | None = None
 
     def keywords(self, value_bits: int) -> dict[str, Any]:
         """The flags as `attend_word_decode` keywords for pages of ``value_bits``-bit values."""
@@ -95,7 +109,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                        fast_unpack: bool = False, wide_scales: bool = False,
                        page_window: int = 0, scale_rows: bool = False,
                        stages: int | None = None, counters: torch.Tensor | None = None,
-                       merge_rows: int = 64) -> torch.Tensor:
+                       merge_rows: int = 64, tail_parts: int | None = None,
+                       max_registers: int | None = None) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -134,14 +149,27 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         the tail launch keeps the default. Each stage holds one more block of code words
         (and scale rows) in shared memory: at 64 keys x 4 warps, 4 stages take 168
         registers a thread instead of 128 (ptxas, sm_90), 3 programs a multiprocessor.
-    counters: None merges the splits + 1 partials in a second kernel
+    counters: None merges the splits + tail_parts partials in a second kernel
         (`combine_splits_kernel`); else at least batch.num_seqs x num_kv_heads zeroed int32
         counters (`triton_decode_merge.SplitCounters.for_launch`, left zeroed), and the
         program of each sequence and KV head that finishes last merges them in the attention
-        kernel (with two launches: the tail program, which counts in after every page
-        program): one kernel launch less (that launch: 2.8 us a layer at batch 1, H200). Launches
-        sharing counters must not run concurrently (one stream).
+        kernel (with two launches: the last tail part, the tail launch counting in after every
+        page program): one kernel launch less (that launch: 2.8 us a layer at batch 1,
+        H200). Launches sharing counters must not run concurrently (one stream).
     merge_rows: query rows x partials per load round of that in-kernel merge.
+    tail_parts: programs per sequence and KV head that attend what the page programs leave
+        (`triton_quant_programs.tail_program`): (a) the last one or two blocks under the
+        window rule, (b) every page's head row, (c) the window's and the step's exact rows.
+        1: one program runs (a), (b), (c) one after the other (each phase waits on its own
+        loads, and at batch 1 that serial program outlasts the page programs); 2: (a) and
+        (b)+(c) side by side; 3: one program each; 4: (a)'s blocks in two programs too. Each
+        writes its own partial. None: 3 when ``exact`` carries a recent window, else 1 (then
+        (a) and (c) are empty). The parts attend the window's rows in 16-row tiles where the
+        window has at most 16 positions (the single tail in key blocks, as before).
+    max_registers: registers a thread of the one-launch kernel (launches=1) may use (ptxas's
+        maxnreg), so that more of its programs share a multiprocessor; two launches are
+        never capped. None: `PARTS_MAX_REGISTERS` (3 programs a multiprocessor) with warps 4
+        and the tail in parts, else no cap; 0: no cap.
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
@@ -151,14 +179,21 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                          f"them from SplitCounters.for_launch")
     if page_window < 0 or page_window & (page_window - 1):
         raise ValueError(f"page_window must be 0 (off) or a power of two, not {page_window}")
+    if tail_parts is None:
+        tail_parts = 3 if exact.window > 0 else 1
+    if not 1 <= tail_parts <= MAX_TAIL_PARTS:
+        raise ValueError(f"tail_parts must be 1 to {MAX_TAIL_PARTS} (or None: 3 with a "
+                         f"recent window, else 1), not {tail_parts}")
+    cap = _register_cap(max_registers, tail_parts, warps)
     tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     dim_pad = word_dim_pad(head_dim, key_bits, value_bits)
     if scale_rows and dim_pad == head_dim:
         check_scale_rows(page_args, head_dim // 32)
-    parts = torch.empty(tokens, num_heads, splits + 1, dim_pad, dtype=torch.float32,
+    partials = splits + tail_parts
+    parts = torch.empty(tokens, num_heads, partials, dim_pad, dtype=torch.float32,
                         device=q.device)
-    lse = torch.empty(tokens, num_heads, splits + 1, dtype=torch.float32, device=q.device)
+    lse = torch.empty(tokens, num_heads, partials, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     arguments = (q, q.stride(0), q.stride(1), *page_args,
                  batch.page_table, batch.page_table.stride(0), batch.context_lens,
@@ -175,11 +210,14 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "FAST_UNPACK": fast_unpack and q.is_cuda,  # inline PTX: not in the interpreter
              "WIDE_SCALES": wide_scales, "PAGE_WINDOW": page_window, "SCALE_ROWS": scale_rows,
              "MERGE": counters is not None, "G_PAD": group_pad,
-             "SPLIT_BLOCK": min(1 << splits.bit_length(), max(1, merge_rows // group_pad))}
-    grids = ([(splits + 1, 0)] if launches == 1 else [(splits, 1), (1, 2)])
+             "SPLIT_BLOCK": min(_pow2(partials), max(1, merge_rows // group_pad)),
+             "TAIL_PARTS": tail_parts}
+    grids = ([(partials, 0)] if launches == 1 else [(splits, 1), (tail_parts, 2)])
     tuning: dict[str, Any] = {"num_warps": warps}
     if stages is not None:
         tuning["num_stages"] = stages
+    if launches == 1 and cap:
+        tuning["maxnreg"] = cap
     for programs, role in grids:
         # The tail alone (one or two blocks) ignores PAGE_WINDOW and keeps Triton's default
         # stages: one compile of it serves every window and depth.
@@ -189,10 +227,26 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     if counters is not None:
         return out
     combine_splits_kernel[(tokens, num_heads)](
-        parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=splits + 1,
-        SPLITS_PAD=1 << splits.bit_length(), HEAD_DIM=head_dim, HEAD_PAD=dim_pad, num_warps=4,
+        parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=partials,
+        SPLITS_PAD=_pow2(partials), HEAD_DIM=head_dim, HEAD_PAD=dim_pad, num_warps=4,
     )
     return out
+
+
+def _register_cap(max_registers: int | None, tail_parts: int, warps: int) -> int | None:
+    """`attend_word_decode`'s register cap of a one-launch kernel (its ``max_registers``
+    rule); None: no cap."""
+    if max_registers is None:
+        return PARTS_MAX_REGISTERS if tail_parts > 1 and warps == 4 else None
+    if max_registers < 0:
+        raise ValueError(f"max_registers must be 0 (no cap), None or positive, not "
+                         f"{max_registers}")
+    return max_registers or None
+
+
+def _pow2(count: int) -> int:
+    """The smallest power of two >= ``count`` (>= 1)."""
+    return 1 << (max(1, count) - 1).bit_length()
 
 
 def word_counters(counters: SplitCounters, batch: ForwardBatch, num_kv_heads: int,
@@ -200,8 +254,8 @@ def word_counters(counters: SplitCounters, batch: ForwardBatch, num_kv_heads: in
     """The ``counters`` argument of `attend_word_decode` under `TritonPagedBackend`'s rule
     (its ``merge_in_kernel`` as ``merge``, ``in_kernel_max_seqs`` as ``max_seqs``): counters
     from ``counters`` for batches of at most ``max_seqs`` sequences, else None. Unlike the
-    general kernel's rule it needs no split count above 1: the tail program always adds a
-    partial to merge."""
+    general kernel's rule it needs no split count above 1: the tail always adds a partial
+    to merge."""
     if not merge or batch.num_seqs > max_seqs:
         return None
     return counters.for_launch(device, batch.num_seqs * num_kv_heads)
