@@ -244,7 +244,7 @@ def test_tail_parts_follow_the_window_and_the_flags(device: torch.device,
     ({"tail_parts": 0}, "tail_parts must be 1 to 4"),
     ({"tail_parts": 5}, "tail_parts must be 1 to 4"),
     ({"max_registers": -1}, "max_registers must be 0")])
-def test_bad_tail_options_are_refused(device: torch.device, options: dict[str, int],
+def test_bad_tail_options_are_refused(device: torch.device, options: dict[str, Any],
                                       message: str) -> None:
     """Tail parts outside 1..4 and negative register caps are refused before any launch."""
     pytest.importorskip("triton")
