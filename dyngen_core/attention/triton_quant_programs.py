@@ -265,7 +265,7 @@ def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
     blocks_hi = tl.minimum(lo + chunk, ctx)
     if TAIL_PARTS == 1:
         m_i, l_i, acc = _word_range(
-            qs, table_row, lo, blocks_hi, kv_head, k_ptr, v_ptr, stride_kp, stride_ks,
+            qs, table_row, bulk_hi, ctx, kv_head, k_ptr, v_ptr, stride_kp, stride_ks,
             stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss,
             stride_ksh, stride_vsp, stride_vss, stride_vsh, ring_pos_ptr, ring_base, position,
             near_lo, position, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
