@@ -111,6 +111,10 @@ VARIANTS: dict[str, tuple[dict[str, bool], int, int]] = {
     "hfr-64x4": ({"half_dot": True, "fast_unpack": True, "scale_rows": True}, 64, 4),
     "vhfr-64x4": ({"join_values": True, "half_dot": True, "fast_unpack": True,
                    "scale_rows": True}, 64, 4),
+    "vhfr-32x4": ({"join_values": True, "half_dot": True, "fast_unpack": True,
+                   "scale_rows": True}, 32, 4),
+    "vhfr-128x8": ({"join_values": True, "half_dot": True, "fast_unpack": True,
+                    "scale_rows": True}, 128, 8),
 }
 # Kept small: each variant compiles two kernels per batch size (~30 compiles in all).
 # The page-window sweep (issue #5): the backend's options (two launches; -l1: one, faster at
@@ -126,12 +130,13 @@ DEFAULT_VARIANTS = {"q8": "old,hf-64x4,hf-64x4-l1,hf-64x4-w4,hfr-64x4-w4,hfr-64x
 # The backend's defaults in both launch forms, without and with the in-kernel merge.
 MERGE_SWEEP = {"q8": "hfr-64x4-l1-w4,hfr-64x4-l1-w4-m64,hfr-64x4-w4,hfr-64x4-w4-m64",
                "q4": "vhfr-64x4-l1-w4,vhfr-64x4-l1-w4-m64,vhfr-64x4-w4,vhfr-64x4-w4-m64"}
-# The tail in parts (the backend's defaults and launch rule, in-kernel merge): t1 is the
-# backend before parts; -n0 the parts without the register cap; -x the page split count. About
-# 12 compiles. (t4, the window's two blocks in two programs, changes nothing at 16384 tokens:
+# The tail in parts (the backend's defaults and launch rule): t1 is the backend before parts;
+# -m64 with the in-kernel merge; -n0 the parts without the register cap; -x the page split
+# count; 32- and 128-key blocks. About 16 compiles. (t4, the window's two blocks in two programs, changes nothing at 16384 tokens:
 # with a 16-position window the tail's keys are then exactly one block.)
-TAIL_SWEEP = {"q4": "vhfr-64x4-l0-w4-m64-t1,vhfr-64x4-l0-w4-m64-t3-n0,vhfr-64x4-l0-w4-m64-t3,"
-                    "vhfr-64x4-l0-w4-m64-t3-x45,vhfr-64x4-l0-w4-m64-t3-x64",
+TAIL_SWEEP = {"q4": "vhfr-64x4-l0-w4-t1,vhfr-64x4-l0-w4-t3,vhfr-64x4-l0-w4-m64-t3,"
+                    "vhfr-64x4-l0-w4-t3-n0,vhfr-64x4-l0-w4-t3-x45,vhfr-32x4-l0-w8-t3,"
+                    "vhfr-128x8-l0-w2-t3",
               "q8": "hfr-64x4-l0-w4-m64-t1,hfr-64x4-l0-w4-m64-t1-x64",
               "fp16": "fp16,fp16-x64"}
 SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window",

@@ -170,6 +170,7 @@ class TritonPagedBackend:
         flags = word_flags or WordKernelFlags()
         # Per code width, built once: the decode path reads them every layer of every step.
         self.word_keywords = {bits: flags.keywords(bits) for bits in WORD_BITS}
+        self.word_merge = flags.merge_in_kernel and merge_in_kernel
         self.split_counters = SplitCounters()
         self.word_block_n = word_block_n
         self.word_warps = word_warps
@@ -236,7 +237,7 @@ class TritonPagedBackend:
                 launches=1 if batch.num_seqs <= small else self.word_launches,
                 splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
                 counters=word_counters(self.split_counters, batch, heads.num_kv_heads, q.device,
-                                       self.merge_in_kernel, self.in_kernel_max_seqs),
+                                       self.word_merge, self.in_kernel_max_seqs),
                 **self.word_keywords[ops.value_bits])
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)

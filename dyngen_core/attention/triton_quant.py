@@ -53,6 +53,10 @@ class WordKernelFlags:
     the cache has a recent window (batch 1, 16k, one layer in the runner's graph, H200: q4
     33.7 us with the single serial tail against 24.5 without a window; 1 restores that tail),
     and ``max_registers`` None holds that one-launch kernel to 3 programs a multiprocessor.
+    ``merge_in_kernel``: merge the splits in the attention kernel (`attend_word_decode`'s
+    ``counters``) where the backend merges fp16 decodes in theirs; off, as it measured slower
+    than the second kernel (H200, 16k, one layer, us, batch 1 / 4: 27.3 / 100.0 with
+    `combine_splits_kernel`, 29.3 / 103.9 merged in the kernel).
     """
 
     join_keys: bool = False
@@ -66,10 +70,13 @@ class WordKernelFlags:
     stages: int | None = None
     tail_parts: int | None = None
     max_registers: int | None = None
+    merge_in_kernel: bool = False
 
     def keywords(self, value_bits: int) -> dict[str, Any]:
-        """The flags as `attend_word_decode` keywords for pages of ``value_bits``-bit values."""
+        """The flags as `attend_word_decode` keywords for pages of ``value_bits``-bit values
+        (``merge_in_kernel`` is the backend's to apply: it passes the counters)."""
         flags = asdict(self)
+        flags.pop("merge_in_kernel")
         join_8bit = flags.pop("join_8bit_values")
         flags["join_values"] = self.join_values and (value_bits == 4 or join_8bit)
         return flags

@@ -111,9 +111,11 @@ def _backend(splits: int, merged: bool) -> Any:
     """The Triton backend at this file's tiles with ``splits`` parts (triton imported only
     when called)."""
     from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+    from dyngen_core.attention.triton_quant import WordKernelFlags
 
     return TritonPagedBackend(block_n=16, word_block_n=16, max_splits=splits,
-                              programs_per_sm=64, merge_in_kernel=merged)
+                              programs_per_sm=64, merge_in_kernel=merged,
+                              word_flags=WordKernelFlags(merge_in_kernel=merged))
 
 
 def _merged_and_combined(monkeypatch: pytest.MonkeyPatch, device: torch.device, mode: str,

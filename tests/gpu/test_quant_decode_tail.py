@@ -127,10 +127,15 @@ def _routed(monkeypatch: pytest.MonkeyPatch, merged: bool,
 def _backend(splits: int, merged: bool, **options: Any) -> Any:
     """The Triton backend at this file's tiles with ``splits`` page splits (triton imported
     only when called)."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+    from dataclasses import replace
 
+    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+    from dyngen_core.attention.triton_quant import WordKernelFlags
+
+    flags = replace(options.pop("word_flags", None) or WordKernelFlags(), merge_in_kernel=merged)
     return TritonPagedBackend(block_n=16, word_block_n=16, max_splits=splits,
-                              programs_per_sm=64, merge_in_kernel=merged, **options)
+                              programs_per_sm=64, merge_in_kernel=merged, word_flags=flags,
+                              **options)
 
 
 def _word_output(monkeypatch: pytest.MonkeyPatch, device: torch.device, mode: str,
