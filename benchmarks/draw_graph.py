@@ -1,8 +1,9 @@
 """Host time of one sampled step's draw on the GPU: `Sampler.launch_tokens` for 256 top-p rows
 (temperature 0.8, top_p 0.9, top_k 50) over [256, 128256] float32 logits, with the fused draw
 launched eagerly (top-k, output, Triton kernel) or replayed from its CUDA graph
-(`sampling.draw_graph`), and the bare replay of that graph. Host microseconds per call
-(median; the device is synchronized every 8 calls so its queue never fills), and the device
+(`sampling.draw_graph`), and the bare replay of that graph. Host microseconds per call (median;
+the device is synchronized after each call, outside the clock: a call queued behind the last
+one's device work would wait for it, as the keys' pinned buffer is reused), and the device
 time per call from CUDA events.
 
     python benchmarks/draw_graph.py [--rows 256] [--vocab 128256] [--calls 200]
@@ -26,7 +27,8 @@ SETTINGS = SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)
 
 
 def host_us(call: Callable[[], Any], calls: int) -> tuple[float, float]:
-    """(median host us per call, device us per call) over ``calls`` calls after a warm-up."""
+    """(median host us per call, device us per call) over ``calls`` calls after a warm-up (the
+    device figure includes the host's gaps between calls: an upper bound)."""
     for _ in range(5):
         call()
     torch.cuda.synchronize()
@@ -34,12 +36,11 @@ def host_us(call: Callable[[], Any], calls: int) -> tuple[float, float]:
     start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
         enable_timing=True)
     start_event.record()
-    for i in range(calls):
+    for _ in range(calls):
         begin = time.perf_counter()
         call()
         times.append(time.perf_counter() - begin)
-        if i % 8 == 7:
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
     end_event.record()
     torch.cuda.synchronize()
     return sorted(times)[len(times) // 2] * 1e6, start_event.elapsed_time(end_event) * 1e3 / calls
