@@ -18,6 +18,7 @@ paged kernel; the first one listed enters the q4/fp16 ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from functools import partial
 from typing import Any
@@ -74,9 +75,11 @@ def decode_seconds(runner: ModelRunner, batch: int, context: int, pages_per_seq:
     return (time.perf_counter() - start) / steps
 
 
-def quant_backend(kernel: str, max_splits: int) -> AttentionBackend:
+def quant_backend(kernel: str, max_splits: int, tail_parts: int | None = None
+                  ) -> AttentionBackend:
     """The Triton backend decoding q8/q4 pages with ``kernel`` ("NxW" or "general"), its
-    contexts split into at most ``max_splits`` parts."""
+    contexts split into at most ``max_splits`` parts, the word kernel's exact rows in
+    ``tail_parts`` programs (None: its default)."""
     from dyngen_core.attention.triton_paged import TritonPagedBackend
     from dyngen_core.attention.triton_quant import WordKernelFlags
 
@@ -85,7 +88,9 @@ def quant_backend(kernel: str, max_splits: int) -> AttentionBackend:
     plain = kernel.endswith("p")
     kernel = kernel.removesuffix("p")
     block_n, warps = (int(part) for part in kernel.rstrip("s").split("x"))
-    flags = WordKernelFlags(False, False, False, False, False, False) if plain else None
+    flags = (WordKernelFlags(False, False, False, False, False, False) if plain
+             else WordKernelFlags())
+    flags = dataclasses.replace(flags, tail_parts=tail_parts)
     return TritonPagedBackend(word_block_n=block_n, word_warps=warps,
                               word_launches=2 if kernel.endswith("s") else 1, word_flags=flags,
                               max_splits=max_splits)
@@ -99,6 +104,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quant-kernels", default="64x4",
                         help="comma-separated: NxW (q8/q4 word kernel) or general")
+    parser.add_argument("--modes", default=",".join(MODES), help="cache modes to run")
+    parser.add_argument("--tail-parts", type=int, default=None,
+                        help="the q8/q4 kernel's exact-row programs (default: its own rule)")
     parser.add_argument("--max-splits", type=int, default=32,
                         help="most parts a decode's context is split into (every mode)")
     parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
@@ -114,13 +122,14 @@ def main() -> None:
            context=args.context, copy_GBps=bandwidth / 1e9, weight_GB=weights / 1e9)
     rates: dict[tuple[str, int], float] = {}
     kernels = args.quant_kernels.split(",")
-    for mode in MODES:
+    for mode in args.modes.split(","):
         cache = Cache(model, max_tokens=max(batches) * args.context, mode=mode)
         fill_random(cache)
         pages_per_seq = args.context // cache.page_size
         kv_bytes = cache.nbytes() / cache.max_tokens
         for kernel in kernels if mode != "fp16" else ["general"]:
-            backend = (quant_backend(kernel, args.max_splits) if mode != "fp16"
+            backend = (quant_backend(kernel, args.max_splits, args.tail_parts)
+                       if mode != "fp16"
                        else quant_backend("general", args.max_splits))
             runner = ModelRunner(model, cache, backend, max_batch_size=max(batches))
             for batch in batches:
@@ -138,8 +147,9 @@ def main() -> None:
         del cache
         free_memory()
     for batch in batches:
-        report("long_context.q4_over_fp16", batch=batch,
-               ratio=rates[("q4", batch)] / rates[("fp16", batch)])
+        if ("q4", batch) in rates and ("fp16", batch) in rates:
+            report("long_context.q4_over_fp16", batch=batch,
+                   ratio=rates[("q4", batch)] / rates[("fp16", batch)])
 
 
 if __name__ == "__main__":
