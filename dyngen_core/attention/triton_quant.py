@@ -49,10 +49,11 @@ class WordKernelFlags:
     layer, us, batch 1 one launch / batch 32 two launches): q4 43.6 / 811.6 -> **28.6 / 448.9**
     (fp16 30.2 / 499.5), q8 57.4 / 987.7 -> 44.2 / 661.1 (two launches at batch 1); a window
     of 8 pages measured the same, 4 stages slower at batch 32 (476.2), so ``stages`` stays
-    Triton's default. ``tail_parts`` None: the tail's three phases run as three programs when
-    the cache has a recent window (batch 1, 16k, one layer in the runner's graph, H200: q4
-    33.7 us with the single serial tail against 24.5 without a window; 1 restores that tail),
-    and ``max_registers`` None holds that one-launch kernel to 3 programs a multiprocessor.
+    Triton's default. ``tail_parts`` None: the tail's three phases run as three programs in
+    the two-launch form when the cache has a recent window (H200, 16k, one layer, q4 batch 4:
+    110.0 -> 95.9 us), one program in the one-launch form (batch 1: 28.2 us with one, 31.5
+    with three parts; whole runner step 5.602 vs 5.635 ms); ``max_registers`` None holds a
+    one-launch kernel with its tail in parts to 3 programs a multiprocessor.
     ``merge_in_kernel``: merge the splits in the attention kernel (`attend_word_decode`'s
     ``counters``) where the backend merges fp16 decodes in theirs; off, as it measured slower
     than the second kernel (H200, 16k, one layer, us, batch 1 / 4: 27.3 / 100.0 with
@@ -168,10 +169,11 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         (`triton_quant_programs.tail_program`): (a) the last one or two blocks under the
         window rule, (b) every page's head row, (c) the window's and the step's exact rows.
         1: one program runs (a), (b), (c) one after the other (each phase waits on its own
-        loads, and at batch 1 that serial program outlasts the page programs); 2: (a) and
-        (b)+(c) side by side; 3: one program each; 4: (a)'s blocks in two programs too. Each
-        writes its own partial. None: 3 when ``exact`` carries a recent window, else 1 (then
-        (a) and (c) are empty). The parts attend the window's rows in 16-row tiles where the
+        loads); 2: (a) and (b)+(c) side by side; 3: one program each; 4: (a)'s blocks in two
+        programs too. Each writes its own partial. None: 3 when ``exact`` carries a recent
+        window and the tail has a launch of its own (launches=2), else 1 (without a window
+        (a) and (c) are empty; in one launch the parts measured no faster, see
+        `WordKernelFlags`). The parts attend the window's rows in 16-row tiles where the
         window has at most 16 positions (the single tail in key blocks, as before).
     max_registers: registers a thread of the one-launch kernel (launches=1) may use (ptxas's
         maxnreg), so that more of its programs share a multiprocessor; two launches are
@@ -187,10 +189,10 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     if page_window < 0 or page_window & (page_window - 1):
         raise ValueError(f"page_window must be 0 (off) or a power of two, not {page_window}")
     if tail_parts is None:
-        tail_parts = 3 if exact.window > 0 else 1
+        tail_parts = 3 if exact.window > 0 and launches == 2 else 1
     if not 1 <= tail_parts <= MAX_TAIL_PARTS:
         raise ValueError(f"tail_parts must be 1 to {MAX_TAIL_PARTS} (or None: 3 with a "
-                         f"recent window, else 1), not {tail_parts}")
+                         f"recent window in two launches, else 1), not {tail_parts}")
     cap = _register_cap(max_registers, tail_parts, warps)
     tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads

@@ -203,21 +203,23 @@ def test_many_page_splits(device: torch.device, monkeypatch: pytest.MonkeyPatch,
     reference = _attend(SdpaBackend(), "q4", 16, ONE_DECODE, device)
     for merged in (True, False):
         out, used = _word_output(monkeypatch, device, "q4", 16, ONE_DECODE, splits, merged,
-                                 launches=1)
+                                 launches=1, tail_parts=3)
         assert used[0]["NUM_SPLITS"] == splits and used[0]["grid"][2] == splits + 3
         torch.testing.assert_close(out, reference, rtol=2e-4, atol=2e-4)
 
 
 def test_tail_parts_follow_the_window_and_the_flags(device: torch.device,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default the tail runs in three parts when the cache has a recent window and in one
-    without, and a one-launch kernel with its tail in parts is held to 3 programs a
+    """By default the tail runs in three parts when the cache has a recent window and the
+    tail has its own launch (batches of 3 here), in one in a single launch (batch 1) or
+    without a window; a one-launch kernel with its tail in parts is held to 3 programs a
     multiprocessor's registers; `WordKernelFlags.tail_parts` and ``max_registers`` reach the
     kernel through the backend."""
     from dyngen_core.attention import triton_paged, triton_quant
     from dyngen_core.attention.triton_quant import PARTS_MAX_REGISTERS, WordKernelFlags
 
-    def parts_used(window: int, flags: WordKernelFlags | None) -> list[tuple[int, Any]]:
+    def parts_used(window: int, flags: WordKernelFlags | None,
+                   decodes: list[tuple[int, bool]] = ONE_DECODE) -> list[tuple[int, Any]]:
         launches: list[dict[str, Any]] = []
         kernel = triton_quant.quant_decode_kernel
 
@@ -231,16 +233,19 @@ def test_tail_parts_follow_the_window_and_the_flags(device: torch.device,
         with monkeypatch.context() as patch:
             patch.setattr(triton_quant, "quant_decode_kernel", Recorded())
             backend = _backend(2, True, word_flags=flags)
-            out = _attend(backend, "q4", window, ONE_DECODE, device)
+            out = _attend(backend, "q4", window, decodes, device)
         assert torch.isfinite(out).all()
         return [(launch["TAIL_PARTS"], launch.get("maxnreg")) for launch in launches]
 
     assert triton_paged.attend_word_decode is triton_quant.attend_word_decode
-    assert parts_used(4, None) == [(3, PARTS_MAX_REGISTERS)]
+    assert parts_used(4, None) == [(1, None)]
+    assert parts_used(4, None, DECODES[4]) == [(3, None), (3, None)]  # page, tail launch
+    assert parts_used(0, None, DECODES[0]) == [(1, None), (1, None)]
+    assert parts_used(4, WordKernelFlags(tail_parts=3)) == [(3, PARTS_MAX_REGISTERS)]
     assert parts_used(0, None) == [(1, None)]
     assert parts_used(4, WordKernelFlags(tail_parts=1)) == [(1, None)]
     assert parts_used(0, WordKernelFlags(tail_parts=2)) == [(2, PARTS_MAX_REGISTERS)]
-    assert parts_used(4, WordKernelFlags(max_registers=0)) == [(3, None)]
+    assert parts_used(4, WordKernelFlags(tail_parts=3, max_registers=0)) == [(3, None)]
     assert parts_used(4, WordKernelFlags(tail_parts=1, max_registers=200)) == [(1, 200)]
     assert WordKernelFlags(tail_parts=1).keywords(4)["tail_parts"] == 1
 
