@@ -10,8 +10,6 @@ TRITON_INTERPRET=1 (small shapes)."""
 
 from __future__ import annotations
 
-import math
-import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,10 +18,8 @@ import torch
 
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.sdpa import SdpaBackend
-from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
 from dyngen_core.storage.quant import QuantStorage
+from tests.gpu.quant_setup import decode_step
 
 pytestmark = pytest.mark.gpu
 
@@ -41,39 +37,10 @@ ONE_DECODE = [(49, True)]
 
 def _setup(mode: str, window: int, decodes: list[tuple[int, bool]], device: torch.device,
            seed: int) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
-    """A float32 storage holding every sequence's history (and window) in shuffled pages, and
-    the batch decoding the next token of each; returns the step's keys and values too."""
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
-                         hidden_size=HEADS * HEAD_DIM, intermediate_size=64, num_layers=1,
-                         num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-    num_pages = sum(math.ceil(ctx / PAGE) for ctx, _ in decodes) + 1
-    storage = QuantStorage(config, num_pages, PAGE, torch.float32, [device], mode,
-                           recent_window=window)
-    storage.reserve_sequences(len(decodes))
-    gen = torch.Generator().manual_seed(seed)
-    storage.set_key_offsets([torch.randn(KV_HEADS, HEAD_DIM, generator=gen)])
-    order = list(range(num_pages))
-    random.Random(seed).shuffle(order)
-    slices, slots, step_k, step_v, used = [], [], [], [], 0
-    for index, (ctx, has_slot) in enumerate(decodes):
-        count = math.ceil(ctx / PAGE)
-        table, used = order[used:used + count], used + count
-        keys = (torch.randn(ctx, KV_HEADS, HEAD_DIM, generator=gen) * 2).to(device)
-        values = torch.randn(ctx, KV_HEADS, HEAD_DIM, generator=gen).to(device)
-        slot = index if has_slot else -1
-        if ctx > 1:
-            where = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(ctx - 1)],
-                                 device=device)
-            storage.write(0, keys[:-1], values[:-1], where)
-            storage.write_recent(0, keys[:-1], values[:-1],
-                                 torch.arange(ctx - 1, device=device),
-                                 torch.full((ctx - 1,), slot, device=device))
-        slices.append(SequenceSlice(index, [1], ctx - 1, table, True))
-        slots.append(slot)
-        step_k.append(keys[-1:])
-        step_v.append(values[-1:])
-    batch = build_forward_batch(StepPlan(slices), PAGE, device, seq_slots=slots)
-    return storage, batch, torch.cat(step_k), torch.cat(step_v)
+    """`quant_setup.decode_step` of ``decodes`` in float32 at this file's shapes."""
+    return decode_step(mode, window, decodes, heads=HEADS, kv_heads=KV_HEADS,
+                       head_dim=HEAD_DIM, page=PAGE, dtype=torch.float32, device=device,
+                       seed=seed)
 
 
 def _attend(backend: Any, mode: str, window: int, decodes: list[tuple[int, bool]],

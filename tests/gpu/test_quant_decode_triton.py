@@ -6,8 +6,6 @@ TRITON_INTERPRET=1 (small shapes)."""
 
 from __future__ import annotations
 
-import math
-import random
 from typing import Any
 
 import pytest
@@ -15,11 +13,9 @@ import torch
 
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.sdpa import SdpaBackend
-from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
 from dyngen_core.storage.quant import QuantStorage
 from tests.gpu.conftest import interpreter_mode
+from tests.gpu.quant_setup import decode_step
 
 pytestmark = pytest.mark.gpu
 
@@ -31,39 +27,9 @@ DECODES = [(1, True), (2, True), (17, True), (33, False), (50, True), (64, True)
 def _setup(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: torch.device,
            seed: int, page: int = PAGE
            ) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
-    """A storage of ``page``-slot pages holding every sequence's history (and window) and
-    the batch decoding the next token of each; returns the step's keys and values too."""
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
-                         hidden_size=HEADS * head_dim, intermediate_size=64, num_layers=1,
-                         num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim)
-    num_pages = sum(math.ceil(ctx / page) for ctx, _ in DECODES) + 1
-    storage = QuantStorage(config, num_pages, page, dtype, [device], mode,
-                           recent_window=window)
-    storage.reserve_sequences(len(DECODES))
-    gen = torch.Generator().manual_seed(seed)
-    storage.set_key_offsets([torch.randn(KV_HEADS, head_dim, generator=gen)])
-    order = list(range(num_pages))
-    random.Random(seed).shuffle(order)
-    slices, slots, step_k, step_v, used = [], [], [], [], 0
-    for index, (ctx, has_slot) in enumerate(DECODES):
-        count = math.ceil(ctx / page)
-        table, used = order[used:used + count], used + count
-        keys = (torch.randn(ctx, KV_HEADS, head_dim, generator=gen) * 2).to(device, dtype)
-        values = torch.randn(ctx, KV_HEADS, head_dim, generator=gen).to(device, dtype)
-        slot = index if has_slot else -1
-        if ctx > 1:
-            where = torch.tensor([table[p // page] * page + p % page for p in range(ctx - 1)],
-                                 device=device)
-            storage.write(0, keys[:-1], values[:-1], where)
-            storage.write_recent(0, keys[:-1], values[:-1],
-                                 torch.arange(ctx - 1, device=device),
-                                 torch.full((ctx - 1,), slot, device=device))
-        slices.append(SequenceSlice(index, [1], ctx - 1, table, True))
-        slots.append(slot)
-        step_k.append(keys[-1:])
-        step_v.append(values[-1:])
-    batch = build_forward_batch(StepPlan(slices), page, device, seq_slots=slots)
-    return storage, batch, torch.cat(step_k), torch.cat(step_v)
+    """`quant_setup.decode_step` of this file's decodes at ``head_dim`` and ``page``."""
+    return decode_step(mode, window, DECODES, heads=HEADS, kv_heads=KV_HEADS,
+                       head_dim=head_dim, page=page, dtype=dtype, device=device, seed=seed)
 
 
 def _outputs(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: torch.device,
