@@ -104,3 +104,29 @@ def test_padding_rows_never_reach_the_caller(cuda_device: torch.device) -> None:
     got = graphed.launch_tokens(buffer[:33], _requests(PLAIN, 33, 0))
     assert got is not None and got.shape == (33,)
     assert all(0 <= t < VOCAB for t in got.tolist())
+
+
+def test_a_failed_capture_falls_back_to_the_eager_draw(cuda_device: torch.device,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose top-k cannot be captured: one warning, then the eager draw's tokens, and
+    no further capture attempts."""
+    graphed, eager = _pair(cuda_device)
+    assert graphed.draw_graphs is not None
+    attempts = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        attempts.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    logits = torch.randn(24, VOCAB, device=cuda_device)
+    with pytest.warns(RuntimeWarning, match="capturing the fused draw failed"):
+        got = graphed.launch_tokens(logits, _requests(PLAIN, 24, 0))
+    again = graphed.launch_tokens(logits, _requests(PLAIN, 24, 1))
+    want = eager.launch_tokens(logits, _requests(PLAIN, 24, 0))
+    want_again = eager.launch_tokens(logits, _requests(PLAIN, 24, 1))
+    assert got is not None and again is not None and want is not None
+    assert want_again is not None
+    assert got.tolist() == want.tolist() and again.tolist() == want_again.tolist()
+    assert len(attempts) == 1 and graphed.draw_graphs.failure is not None
+    assert len(graphed.draw_graphs) == 0
