@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +190,7 @@ class DynamicGenerator:
 
     def stats(self) -> GeneratorStats:
         """Pages by state, prefill tokens computed and reused, jobs running and waiting."""
-        s = self._scheduler.stats()
-        shared = {f.name: getattr(s, f.name) for f in fields(GeneratorStats) if hasattr(s, f.name)}
-        # Draft counters stay 0 until speculative decoding lands.
-        return GeneratorStats(**shared)
+        return self._scheduler.stats()
 
     def check_invariant(self) -> None:
         """Raise AssertionError if the page invariant (DESIGN.md §4) does not hold."""

@@ -139,6 +139,12 @@ def streaming_result(job: Any, text: str, token_id: int) -> StreamingResult:
 class GeneratorStats:
     """A snapshot of the engine: pages by state, prefill work done and saved, jobs, drafts.
 
+    pages_referenced / pages_cached / pages_free: the pool's three states (they sum to
+    pages_total). prefill_tokens_computed: prefill tokens the model computed (recomputation
+    after preemption included). prefill_tokens_reused: prefill tokens taken from the cache
+    instead (prompt cache hits, pages shared with running jobs, partial-page copies).
+    jobs_active: running jobs. jobs_pending: waiting jobs. draft_tokens_accepted /
+    draft_tokens_rejected: speculative drafts (0 until speculative decoding lands).
     preemptions: running jobs sent back to the queue because the cache ran out of pages, so
     far (each recomputes its tokens, mostly from cached pages); a cache too small for the load
     shows here first.

@@ -37,6 +37,7 @@ from dyngen_core.errors import JobError
 from dyngen_core.pages.defrag import plan_defrag
 from dyngen_core.pages.pool import PagePool
 from dyngen_core.plan import PENDING_TOKEN, PageCopy, SequenceSlice, StepOutcome, StepPlan
+from dyngen_core.results import GeneratorStats
 from dyngen_core.scheduling.bookkeeping import (
     apply_decode_tokens,
     check_fits,
@@ -55,7 +56,6 @@ from dyngen_core.scheduling.prefix import (
     take_prefix_pages,
 )
 from dyngen_core.scheduling.sequence import (
-    SchedulerStats,
     Sequence,
     SequenceStatus,
     SequenceView,
@@ -268,9 +268,11 @@ class Scheduler:
         seq = self._jobs.get(job_id)
         return None if seq is None else SequenceView(seq)
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> GeneratorStats:
+        """Pages by state, prefill tokens computed and reused, jobs running and waiting,
+        preemptions (`results.GeneratorStats`)."""
         pool = self.pool
-        return SchedulerStats(
+        return GeneratorStats(
             pages_total=pool.num_pages, pages_referenced=pool.num_referenced,
             pages_cached=pool.num_cached, pages_free=pool.num_free,
             prefill_tokens_computed=self._prefill_computed,

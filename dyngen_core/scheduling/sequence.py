@@ -147,25 +147,3 @@ class SequenceView:
         s = self._seq
         return (f"SequenceView(job_id={s.job_id}, status={s.status.value}, tokens={s.num_tokens}, "
                 f"computed={s.num_computed}, pages={len(s.page_table)})")
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """Page and token counters.
-
-    pages_referenced / pages_cached / pages_free: the pool's three states (they sum to total).
-    prefill_tokens_computed: prefill tokens the model computed (recomputation after preemption
-        included). prefill_tokens_reused: prefill tokens taken from the cache instead (prompt
-        cache hits, pages shared with running jobs, partial-page copies).
-    jobs_active: running jobs. jobs_pending: waiting jobs. preemptions: jobs preempted so far.
-    """
-
-    pages_total: int
-    pages_referenced: int
-    pages_cached: int
-    pages_free: int
-    prefill_tokens_computed: int
-    prefill_tokens_reused: int
-    jobs_active: int
-    jobs_pending: int
-    preemptions: int
