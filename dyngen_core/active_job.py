@@ -35,24 +35,27 @@ class ActiveJob:
     seed: int
     matcher: Any = None
     state: SamplerState = field(default_factory=SamplerState)
-    history: list[int] = field(default_factory=list)
-    draws: int = 0
     banned_at: dict[int, set[int]] = field(default_factory=dict)
     time_enqueued: float = field(default_factory=time.perf_counter)
     time_started: float | None = None
     time_first_token: float | None = None
-
-    @property
-    def needs_history(self) -> bool:
-        return self._needs_history
+    # The sampler's request for this job, set by `SamplingBridge.activate` and updated in
+    # place each step: its ``counter`` counts the job's draws (the RNG counter: a seeded job's
+    # tokens depend only on its seed and this count), its history and state are this record's.
+    request: SampleRequest = field(init=False, repr=False, compare=False)
+    # Set when the generator ends the job (it is then out of its active jobs).
+    ended: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.job.job_id is None:
             raise JobError(f"{self.job!r} has no job id yet; the generator assigns one at enqueue")
         self.job_id: int = self.job.job_id
-        # Settings are frozen: decide once whether the sampler must see the token history.
-        self._needs_history = bool(self.settings.active_stages() & {"penalties", "dry"})
         job = self.job
+        # Settings are frozen: decide once whether the sampler must see the token history
+        # (only penalties and DRY read it). Then ``history`` holds the prompt and the accepted
+        # tokens; else it stays empty (nothing reads it), saving an append per token.
+        self.needs_history = bool(self.settings.active_stages() & {"penalties", "dry"})
+        self.history: list[int] = list(job.input_ids) if self.needs_history else []
         self.wants_extras = bool(job.return_probs or job.return_top_tokens or job.return_logits)
         # A plain greedy job's token is always the argmax of its logits row: no stage, mask
         # (no constraint; no banned strings, so no banned positions; no min_new_tokens, so stop
@@ -70,9 +73,6 @@ class ActiveJob:
             self.settings.is_greedy and not self.settings.active_stages() and not self.wants_extras
             and self.matcher is None and not self.may_ban
         )
-        # The sampler's request for this job, built once by the sampling bridge and updated in
-        # place each step (its history and state are this record's own lists and objects).
-        self.request: SampleRequest | None = None
 
     def banned_now(self) -> AbstractSet[int]:
         """Token ids forbidden at the next position (banned-string rewinds, min_new_tokens)."""
@@ -86,7 +86,8 @@ class ActiveJob:
 
     def on_token(self, token_id: int) -> Exception | None:
         """Account an accepted token; returns an error if the constraint rejects it."""
-        self.history.append(token_id)
+        if self.needs_history:
+            self.history.append(token_id)
         if self.matcher is not None and not self.matcher.accept(token_id):
             return JobError(f"the constraint rejected token {token_id}: {self.matcher.error}")
         return None
@@ -95,7 +96,7 @@ class ActiveJob:
         """Drop the last ``num_tokens`` accepted tokens (the stream already dropped them)."""
         # The token that triggered the rewind was never passed to on_token.
         undo = num_tokens - 1
-        if undo > 0:
+        if undo > 0 and self.needs_history:
             del self.history[-undo:]
         self.state.rollback(undo)
         if self.matcher is not None and undo > 0:

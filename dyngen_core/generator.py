@@ -185,7 +185,8 @@ class DynamicGenerator:
         self._pending = None  # its jobs are cancelled below; their tokens are not wanted
         for job_id in list(self._active):
             self._scheduler.cancel(job_id)
-            self._active.pop(job_id).job.finished = True
+            active = self._active.pop(job_id)
+            active.ended = active.job.finished = True
         self._finished_results.clear()
 
     def stats(self) -> GeneratorStats:
@@ -289,7 +290,7 @@ class DynamicGenerator:
             self._emit_rows(pending.active, tokens, {}, out, time.perf_counter(), drawn=True)
             return
         for a in pending.active:
-            a.draws += 1
+            a.request.counter += 1
         self._emit_step(pending.plan, StepTokens(tokens), out)
 
     def _fail(self, plan: StepPlan, error: Exception) -> None:
@@ -318,12 +319,12 @@ class DynamicGenerator:
         None row, or a job that ended since, is skipped) to ``out``; a job's first token comes
         after its "started" result. ``drawn``: also count the draw of each job still running
         (an overlapped step's, which `SamplingBridge.sample` did not count)."""
-        active_jobs, append, new_result = self._active, out.append, streaming_result
+        append, new_result = out.append, streaming_result
         for active, token in zip(rows, tokens, strict=True):
-            if active is None or active_jobs.get(active.job_id) is not active:
+            if active is None or active.ended:
                 continue  # ended (failed sampling, cancelled)
             if drawn:
-                active.draws += 1
+                active.request.counter += 1
             if active.time_first_token is None:
                 self._emit_start(active, out, now, prefill=False)
                 active.time_first_token = now
@@ -334,7 +335,8 @@ class DynamicGenerator:
                     append(result)
                 continue
             # The common case, no end, rewind, constraint or extras: `_stream_update` inlined.
-            active.history.append(token)
+            if active.needs_history:
+                active.history.append(token)
             append(new_result(active.job, update, token))
 
     def _emit_start(self, active: ActiveJob, out: list[Result], now: float, *,
@@ -373,6 +375,7 @@ class DynamicGenerator:
                  error: BaseException | None = None) -> None:
         """Free the job's pages now and queue its final result (carrying the last chunk)."""
         active = self._active.pop(job_id)
+        active.ended = True
         seq = self._scheduler.sequence(job_id)
         cached_tokens = seq.num_cached_tokens if seq is not None else 0
         self._scheduler.finish(job_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,9 @@ class SamplingBridge:
         self.stop_indexes = StopIndexes()
         self._constraint_compiler: ConstraintCompiler | None = None
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="dyngen-masks")
+        # The jobs of the last `launch` and their requests, until a `sample` changes requests.
+        self._launched: list[ActiveJob] | None = None
+        self._launched_requests: list[SampleRequest] = []
         self.sampler = Sampler(
             self.vocab_size,
             model.device,
@@ -82,15 +86,26 @@ class SamplingBridge:
             )
         settings.check_token_ids(self.vocab_size)
         stops = self.eos_token_ids if job.uses_default_stops else job.stop_token_ids
-        return ActiveJob(
+        active = ActiveJob(
             job=job,
             stream=JobStream(job, self.tokenizer, frozenset(stops), self.pieces,
                              self.stop_indexes),
             settings=settings,
             seed=job.seed if job.seed is not None else fallback_seed,
             matcher=None if job.constraint is None else self._compiler().matcher(job.constraint),
-            history=list(job.input_ids),
         )
+        # Built once and updated in place: its counter is the job's count of draws, and its
+        # history and state are the record's own list and object.
+        active.request = SampleRequest(
+            settings=settings,
+            seed=active.seed,
+            history=active.history if active.needs_history else (),
+            state=active.state,
+            return_probs=job.return_probs,
+            return_top_tokens=job.return_top_tokens,
+            return_logits=job.return_logits,
+        )
+        return active
 
     def _compiler(self) -> ConstraintCompiler:
         # Built on first use: it indexes the whole vocabulary once for every later job.
@@ -129,15 +144,15 @@ class SamplingBridge:
         except SamplingError:
             return None
         for a in active:
-            a.draws += 1
+            a.request.counter += 1
         return tokens
 
     def launch_plain(self, logits: torch.Tensor,
                      active: Sequence[ActiveJob]) -> tuple[torch.Tensor, torch.Tensor]:
         """`sample_plain` left on the device for an overlapped step: (each row's argmax, what
         the next step reads; the same with -1 for rows without a finite logit, what goes to the
-        host), see `Sampler.greedy_on_device`. The caller counts the draws when it takes the
-        tokens."""
+        host), see `Sampler.greedy_on_device`. The caller counts the draws (each job's
+        ``request.counter``) when it takes the tokens."""
         if logits.shape[0] != len(active):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(active)} sampling jobs")
         return self.sampler.greedy_on_device(logits)
@@ -146,6 +161,7 @@ class SamplingBridge:
                masks: Future[np.ndarray] | None = None) -> StepTokens:
         """Sample one token for each active job (logits rows in the same order). A job whose
         row cannot be sampled (every token masked out) gets an exception instead."""
+        self._launched = None  # the requests' masks change here: `launch` sets them again
         bitmask = masks.result() if masks is not None else None
         requests = self._requests(active, bitmask)
         rows = list(range(len(active)))
@@ -170,7 +186,7 @@ class SamplingBridge:
             for i, token in zip(rows, ids):
                 out.tokens[i] = token
         for a in active if not failed else [active[i] for i in rows]:
-            a.draws += 1
+            a.request.counter += 1
         for k, r in full.items():
             a = active[rows[k]]
             out.extras[a.job_id] = SampledTokens(
@@ -185,21 +201,32 @@ class SamplingBridge:
         host work overlaps the next forward. None, with nothing drawn, when a job cannot take
         part: it has a constraint, may ban a token at a position (banned strings,
         min_new_tokens), asks for extra outputs or uses mirostat; `sample` it then. The caller
-        adds 1 to each job's ``draws`` once the tokens are taken, as `sample` does."""
+        adds 1 to each job's ``request.counter`` once the tokens are taken, as `sample` does."""
+        launched = self._launched
+        if launched is None or len(launched) != len(active) or not all(
+                map(is_, active, launched)):
+            requests = self._launch_requests(active)
+            if requests is None:
+                return None
+            self._launched, self._launched_requests = list(active), requests
+        # Else the same jobs as the last launch and no `sample` since: their requests are as
+        # that launch left them (counters live in the requests, and launchable never changes).
+        # A job's request keeps its settings, seed and outputs: `kept` rows are reused.
+        return self.sampler.launch_tokens(logits, self._launched_requests, kept=True)
+
+    def _launch_requests(self, active: Sequence[ActiveJob]) -> list[SampleRequest] | None:
+        """The jobs' requests without a mask (what `_requests(active, None)` gives them), or
+        None when one is not ``launchable``."""
         requests: list[SampleRequest] = []
         append = requests.append
-        for a in active:  # `_requests(active, None)`, checking each job on the way
+        for a in active:
             if not a.launchable:
-                return None  # the requests updated so far are updated again by `sample`
+                self._launched = None
+                return None
             request = a.request
-            if request is None:
-                append(self._request(a, None))
-            else:  # `_request` of a job built before that never bans a token
-                request.counter = a.draws
-                request.allowed_tokens = None
-                append(request)
-        # A job's request keeps its settings, seed and outputs: `kept` rows are reused.
-        return self.sampler.launch_tokens(logits, requests, kept=True)
+            request.allowed_tokens = None  # a `sample` with constraint masks may have set one
+            append(request)
+        return requests
 
     def _requests(self, active: Sequence[ActiveJob],
                   bitmask: np.ndarray | None) -> list[SampleRequest]:
@@ -210,29 +237,16 @@ class SamplingBridge:
         append = requests.append
         for a in active:
             request = a.request
-            if request is None or a.may_ban:
-                append(self._request(a, None))
-                continue
-            # `_request` of a job that was built before and never bans a token.
-            request.counter = a.draws
-            request.allowed_tokens = None
+            if a.may_ban:
+                request.allowed_tokens = self._allowed(a, None)
+            else:  # what `_allowed` finds, without asking
+                request.allowed_tokens = None
             append(request)
         return requests
 
     def _request(self, a: ActiveJob, constraint_mask: np.ndarray | None) -> SampleRequest:
+        """The job's request with this step's allowed tokens."""
         request = a.request
-        if request is None:
-            job = a.job
-            request = a.request = SampleRequest(
-                settings=a.settings,
-                seed=a.seed,
-                history=a.history if a.needs_history else (),
-                state=a.state,
-                return_probs=job.return_probs,
-                return_top_tokens=job.return_top_tokens,
-                return_logits=job.return_logits,
-            )
-        request.counter = a.draws
         if constraint_mask is None and not a.may_ban:
             request.allowed_tokens = None  # what _allowed finds, without asking
         else:
