@@ -194,9 +194,9 @@ class IncrementalDetokenizer:
         self._alone: list[str | None] = pieces.alone if pieces is not None else []
         self._lookup: Callable[[int], tuple[str, str] | None] = (
             pieces.lookup if pieces is not None else _no_entry)
-        # True when the window is one simple token, fully read: the fast path's precondition.
-        # While it holds, `_read_text` may be stale (the window's text is in ``alone``).
-        self._simple_tail = False
+        # The window while it is one simple token, fully read (the fast path's precondition),
+        # else None. While set, `_read_text` may be stale (the window's text is in ``alone``).
+        self.simple_window: list[int] | None = None
         self._decode_special = not skip_special_tokens
         tail = list(prompt_ids or [])[-2 * PROMPT_CONTEXT_TOKENS :]
         first = len(tail) - PROMPT_CONTEXT_TOKENS
@@ -207,8 +207,13 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
 
     def add_token(self, token_id: int) -> str:
-        """Append one token; returns the text it completes (possibly empty)."""
-        if self._simple_tail:
+        """Append one token; returns the text it completes (possibly empty).
+
+        A caller may take this fast path itself (saving a call per token): while
+        ``simple_window`` is not None and ``pieces.after[token_id]`` is a text (not None, the id
+        within the list), that text is the token's, and storing the id in ``simple_window[0]``
+        is all this call would do."""
+        if self.simple_window is not None:
             try:  # the lists cover the whole vocabulary (`TokenPieces.build`)
                 text = self._after[token_id]
             except IndexError:
@@ -226,10 +231,10 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; returns the text they complete (possibly empty)."""
-        if self._simple_tail:  # `add_token` left `_read_text` behind: the window's text
+        if self.simple_window is not None:  # `add_token` left `_read_text` behind
             context = self._alone[self._window[0]]
             assert context is not None  # the window's token is simple
-            self._read_text, self._simple_tail = context, False
+            self._read_text, self.simple_window = context, None
         self._window.extend(token_ids)
         pending = len(self._window) - self._read
         if pending == 0:
@@ -267,7 +272,8 @@ class IncrementalDetokenizer:
         self._read = upto - start
         if self._pieces is not None and len(self._window) == 1 == self._read:
             entry = self._pieces.lookup(self._window[0])
-            self._simple_tail = entry is not None and entry[1] == self._read_text
+            simple = entry is not None and entry[1] == self._read_text
+            self.simple_window = self._window if simple else None
         return new_text
 
     def _clean_start(self, ids: list[int], start: int, upto: int) -> tuple[int, str]:

@@ -63,6 +63,8 @@ class JobStream:
         # Every token may end the job and none is held for a rewind: `advance`'s short path.
         self._plain = self.banned is None and self._min_new_tokens == 0
         self.detok = self._new_detokenizer(job.input_ids)
+        # The detokenizer's fast path, taken here without a call (`add_token` says how).
+        self._after: list[str | None] = pieces.after if pieces is not None else []
         self._chunks: list[str] = []  # joined on demand: += on an attribute copies every step
         # Tokens whose text the banned matcher still holds back (candidates for a rewind).
         self.held_tokens: list[int] = []
@@ -106,7 +108,17 @@ class JobStream:
         # every job every step, so the stop matcher is only called when the text may matter.
         if token_id in self.stop_token_ids:
             return self._end(self._release_all(), EosReason.STOP_TOKEN, token_id)
-        text = self.detok.add_token(token_id)
+        window = self.detok.simple_window
+        text = None
+        if window is not None:
+            try:
+                text = self._after[token_id]
+            except IndexError:
+                pass
+            if text is not None:
+                window[0] = token_id
+        if text is None:
+            text = self.detok.add_token(token_id)
         if self._has_stop_strings:
             stop = self.stop
             if stop.held_text or text and (
