@@ -23,7 +23,7 @@ from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.generate import run_generate
 from dyngen_core.job import Job
 from dyngen_core.models import Model
-from dyngen_core.overlap import PendingStep, TokenLauncher, token_feed
+from dyngen_core.overlap import PendingStep, TokenFeed, TokenLauncher, token_feed
 from dyngen_core.plan import PENDING_TOKEN, SampledTokens, StepPlan
 from dyngen_core.results import EosReason, GeneratorStats, Result, streaming_result
 from dyngen_core.runner import ModelRunner
@@ -106,17 +106,9 @@ class DynamicGenerator:
         self._next_job_id = 0
 
     @classmethod
-    def from_model_dir(
-        cls,
-        model_dir: str | Path,
-        *,
-        cache_tokens: int = 32768,
-        cache_mode: str = "fp16",
-        device: Any = None,
-        dtype: Any = None,
-        progress: bool = False,
-        **options: Any,
-    ) -> DynamicGenerator:
+    def from_model_dir(cls, model_dir: str | Path, *, cache_tokens: int = 32768,
+                       cache_mode: str = "fp16", device: Any = None, dtype: Any = None,
+                       progress: bool = False, **options: Any) -> DynamicGenerator:
         """Load model, tokenizer and a cache of ``cache_tokens`` tokens in ``cache_mode``;
         ``options`` are the constructor's keyword arguments."""
         model = Model.load(model_dir, device=device, dtype=dtype, progress=progress)
@@ -213,13 +205,12 @@ class DynamicGenerator:
         if plan.is_empty:
             self._resolve(pending, results)
             return results + self._take_finished()
-        active_jobs = self._active
-        active = [active_jobs[s.job_id] for s in plan.slices if s.sample]
-        plain = self._bridge.all_plain(active)
         try:
-            # Grammar masks overlap the forward.
-            masks = None if plain else self._bridge.start_masks(active)
-            logits = self._runner.run(plan, token_feed(plan, pending))
+            feed = token_feed(plan, pending)
+            active = self._sampling_jobs(plan, pending, feed)
+            plain = self._bridge.all_plain(active)
+            masks = None if plain else self._bridge.start_masks(active)  # during the forward
+            logits = self._runner.run(plan, feed)
             if active and logits is None:
                 raise RuntimeError(f"the runner returned no logits for {len(active)} sampling "
                                    "slices")
@@ -245,6 +236,17 @@ class DynamicGenerator:
         self._scheduler.apply_tokens(plan, sampled.tokens)
         self._emit_step(plan, sampled, results)
         return results + self._take_finished()
+
+    def _sampling_jobs(self, plan: StepPlan, pending: PendingStep | None,
+                       feed: TokenFeed | None) -> list[ActiveJob]:
+        """The records of ``plan``'s sampling slices, in order: the pending step's own list
+        when the plan decodes its jobs again in order (an in-order feed, one row per slice:
+        slice i is one token, pending row i's), which the bridge then knows at once."""
+        if feed is not None and feed.in_order and pending is not None \
+                and len(feed.rows) == len(plan.slices) == len(pending.active):
+            return pending.active
+        active_jobs = self._active
+        return [active_jobs[s.job_id] for s in plan.slices if s.sample]
 
     def _launch(self, logits: torch.Tensor, plan: StepPlan, active: list[ActiveJob],
                 plain: bool) -> PendingStep | None:

@@ -67,8 +67,9 @@ class SamplingBridge:
         self._constraint_compiler: ConstraintCompiler | None = None
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="dyngen-masks")
         # The jobs of the last `launch` and their requests, until a `sample` changes requests.
-        self._launched: list[ActiveJob] | None = None
+        self._launched: Sequence[ActiveJob] | None = None
         self._launched_requests: list[SampleRequest] = []
+        self._plain_list: Sequence[ActiveJob] | None = None  # the last list `all_plain` passed
         self.sampler = Sampler(
             self.vocab_size,
             model.device,
@@ -125,12 +126,16 @@ class SamplingBridge:
         bitmask = compiler.new_bitmask(len(active))
         return self._mask_thread.submit(_fill, compiler, matchers, bitmask)
 
-    @staticmethod
-    def all_plain(active: Sequence[ActiveJob]) -> bool:
-        """Whether every job is ``plain_greedy`` (then `sample_plain` may sample them)."""
+    def all_plain(self, active: Sequence[ActiveJob]) -> bool:
+        """Whether every job is ``plain_greedy`` (then `sample_plain` may sample them). The
+        last list found so is remembered (``plain_greedy`` never changes): the caller must not
+        change a list it passed."""
+        if active is self._plain_list:
+            return True
         for a in active:
             if not a.plain_greedy:
                 return False
+        self._plain_list = active
         return True
 
     def sample_plain(self, logits: torch.Tensor, active: Sequence[ActiveJob]) -> list[int] | None:
@@ -201,14 +206,15 @@ class SamplingBridge:
         host work overlaps the next forward. None, with nothing drawn, when a job cannot take
         part: it has a constraint, may ban a token at a position (banned strings,
         min_new_tokens), asks for extra outputs or uses mirostat; `sample` it then. The caller
-        adds 1 to each job's ``request.counter`` once the tokens are taken, as `sample` does."""
+        adds 1 to each job's ``request.counter`` once the tokens are taken, as `sample` does,
+        and does not change ``active`` afterwards (it is remembered)."""
         launched = self._launched
-        if launched is None or len(launched) != len(active) or not all(
-                map(is_, active, launched)):
+        if launched is not active and (launched is None or len(launched) != len(active)
+                                       or not all(map(is_, active, launched))):
             requests = self._launch_requests(active)
             if requests is None:
                 return None
-            self._launched, self._launched_requests = list(active), requests
+            self._launched, self._launched_requests = active, requests
         # Else the same jobs as the last launch and no `sample` since: their requests are as
         # that launch left them (counters live in the requests, and launchable never changes).
         # A job's request keeps its settings, seed and outputs: `kept` rows are reused.
