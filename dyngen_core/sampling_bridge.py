@@ -69,7 +69,9 @@ class SamplingBridge:
         # The jobs of the last `launch` and their requests, until a `sample` changes requests.
         self._launched: Sequence[ActiveJob] | None = None
         self._launched_requests: list[SampleRequest] = []
-        self._plain_list: Sequence[ActiveJob] | None = None  # the last list `all_plain` passed
+        # The last lists `all_plain` passed and `start_masks` found without a constraint.
+        self._plain_list: Sequence[ActiveJob] | None = None
+        self._unconstrained_list: Sequence[ActiveJob] | None = None
         self.sampler = Sampler(
             self.vocab_size,
             model.device,
@@ -118,9 +120,13 @@ class SamplingBridge:
 
     def start_masks(self, active: Sequence[ActiveJob]) -> Future[np.ndarray] | None:
         """Start computing the constrained jobs' token masks on a helper thread, so the grammar
-        engine (which releases the GIL) works while the forward runs."""
+        engine (which releases the GIL) works while the forward runs. The last list found
+        without a constraint is remembered (a job's matcher never changes)."""
+        if active is self._unconstrained_list:
+            return None
         matchers = [a.matcher for a in active]
         if matchers.count(None) == len(matchers):
+            self._unconstrained_list = active
             return None
         compiler = self._compiler()
         bitmask = compiler.new_bitmask(len(active))
