@@ -132,8 +132,9 @@ MERGE_SWEEP = {"q8": "hfr-64x4-l1-w4,hfr-64x4-l1-w4-m64,hfr-64x4-w4,hfr-64x4-w4-
                "q4": "vhfr-64x4-l1-w4,vhfr-64x4-l1-w4-m64,vhfr-64x4-w4,vhfr-64x4-w4-m64"}
 # The tail in parts (the backend's defaults and launch rule): t1 is the backend before parts;
 # -m64 with the in-kernel merge; -n0 the parts without the register cap; -x the page split
-# count; 32- and 128-key blocks. About 16 compiles. (t4, the window's two blocks in two programs, changes nothing at 16384 tokens:
-# with a 16-position window the tail's keys are then exactly one block.)
+# count; 32- and 128-key blocks. About 16 compiles. (t4, the window's two blocks in two
+# programs, changes nothing at 16384 tokens: with a 16-position window the tail's keys are
+# then exactly one block.)
 TAIL_SWEEP = {"q4": "vhfr-64x4-l0-w4-t1,vhfr-64x4-l0-w4-t3,vhfr-64x4-l0-w4-m64-t3,"
                     "vhfr-64x4-l0-w4-t3-n0,vhfr-64x4-l0-w4-t3-x45,vhfr-32x4-l0-w8-t3,"
                     "vhfr-128x8-l0-w2-t3",
