@@ -34,13 +34,12 @@ from typing import Any
 
 import torch
 
-from dyngen_core.sampling.fused import FusedColumns, fused_columns, launch_fused_draw
+from dyngen_core.sampling.fused import NO_TOP_P, FusedColumns, fused_columns, launch_fused_draw
 from dyngen_core.sampling.rows import RowList
 from dyngen_core.sampling.upload import Staging
 
 ROW_BUCKET = 32
 MAX_GRAPHS = 16
-_NO_TOP_P = 2.0  # `fused._NO_TOP_P`: padding rows are not cut
 
 # (storage address, offset, strides, width, dtype, bucket, bound) of the logits a graph reads
 GraphKey = tuple[int, int, tuple[int, ...], int, torch.dtype, int, int]
@@ -114,7 +113,7 @@ class DrawGraphs:
         keys = torch.zeros(rows, 2, dtype=torch.int64, device=device)
         columns = FusedColumns(torch.ones(rows, dtype=torch.float32, device=device),
                                torch.ones(rows, dtype=torch.int64, device=device),
-                               torch.full((rows,), _NO_TOP_P, dtype=torch.float32,
+                               torch.full((rows,), NO_TOP_P, dtype=torch.float32,
                                           device=device))
         out = torch.empty(rows, dtype=torch.int64, device=device)
         # Warm up on a side stream (compiles the kernel, sizes the top-k's workspace), as

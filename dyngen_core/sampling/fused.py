@@ -31,7 +31,7 @@ from dyngen_core.triton_support import require_triton, triton_by_default
 FUSED_STAGES = frozenset({"bias", "penalties", "dry", "temperature", "top_k", "top_p"})
 # One program holds a row's candidates in registers.
 MAX_FUSED_BOUND = 1024
-_NO_TOP_P = 2.0  # a top_p no mass reaches: the row is not cut
+NO_TOP_P = 2.0  # a top_p no mass reaches: the row is not cut
 
 
 def fused_draw_default(device: torch.device) -> bool:
@@ -79,7 +79,7 @@ def host_columns(rows: Sequence[Row], bound: int) -> HostColumns:
             values = seen[id(settings)] = (
                 settings.temperature if "temperature" in stages else 1.0,
                 min(max(settings.top_k, 1), bound),
-                settings.top_p if "top_p" in stages else _NO_TOP_P)
+                settings.top_p if "top_p" in stages else NO_TOP_P)
         temps.append(values[0])
         top_k.append(values[1])
         top_p.append(values[2])
