@@ -31,6 +31,12 @@ the fold: success is ``fold_us`` about 2-3 us below ``new_us`` at batch 1 and 32
     python benchmarks/quant_write.py [--batch 1 32 256] [--modes q4] [--windows 16 0]
                                      [--repeats 30] [--paths old new fold]
 
+``--head-blocks 1 2 4``: also time the fold (the new write where there is no window) with
+each program writing that many KV heads of a token (`QuantStorage.write_head_block`; default
+all 8 in one program): columns ``hN us``. At batch 1 one program does all the work of a
+layer's write in a chain of dependent steps; split by head the chain is as long but eight
+times narrower.
+
 ``--modes``: cache modes (q4, q6, q8); ``--windows``: recent windows (0: none); ``--repeats``:
 graph replays per figure; ``--paths``: which writes to time (``fold`` needs ``new``, and a
 window). The old path needs the csrc/ build (cached by torch after the first run on a machine;
@@ -143,6 +149,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--paths", nargs="+", default=["old", "new", "fold"],
                         choices=["old", "new", "fold"])
+    parser.add_argument("--head-blocks", type=int, nargs="*", default=[])
     args = parser.parse_args()
     device = torch.device("cuda")
     table = []
@@ -168,6 +175,9 @@ def _measure(mode: str, batch: int, window: int, rows: dict[str, torch.Tensor],
         storages["new"] = _storage(mode, batch, window, True, device)
     if "fold" in args.paths and window > 0:
         storages["fold"] = _storage(mode, batch, window, True, device, fold=True)
+    for block in args.head_blocks:
+        storages[f"h{block}"] = _storage(mode, batch, window, True, device, fold=window > 0)
+        storages[f"h{block}"].write_head_block = block
     figures = {f"{name}_us": round(_graph_us(storage, rows, args.repeats), 2)
                for name, storage in storages.items()}
     agreement: dict[str, float] = {}
@@ -196,7 +206,9 @@ def _print_table(table: list[tuple[str, int, int, dict[str, float], dict[str, fl
               f"{cell(agreement, 'code_diff', '.1e'):>7} "
               f"{cell(agreement, 'scale_diff', '.1e'):>7} "
               f"{cell(agreement, 'exact_ulps', '.2f'):>5} "
-              f"{cell(agreement, 'fold_diff', '.1e'):>7}")
+              f"{cell(agreement, 'fold_diff', '.1e'):>7}"
+              + "".join(f"  {name[:-3]} {value:.2f}" for name, value in figures.items()
+                        if name.startswith("h")))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,9 @@ class QuantStorage:
             (in the Triton write's launch) and the `write_recent` after it does nothing;
             False: it ignores ``decode_window``. None: ``DYNGEN_QUANT_FOLD_WINDOW`` ("1"/"0"),
             else on. An attribute: settable between steps (graphs keep what they captured).
+
+    Attribute ``write_head_block``: KV heads per program of the Triton write (None: a token's
+    heads in one program; `quant_write.write_step_triton`), settable like the fold.
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
@@ -136,6 +139,7 @@ class QuantStorage:
         self._native = native.load_native() if wants_native else None
         self._triton = [resolve_triton_write(triton_write, d) for d in self.devices]
         self.fold_decode_window = resolve_fold_window(fold_decode_window)
+        self.write_head_block: int | None = None
         self.key_offsets: list[torch.Tensor] | None = None
         self._memo = StepMemo()
         self.recent: RecentWindow | None = None
@@ -222,7 +226,8 @@ class QuantStorage:
             exact = write_step_triton(key, value, slot_mapping.to(device), offsets,
                                       self._signs[device], pages.tensors(),
                                       (self.key_format.bits, self.value_format.bits),
-                                      pages.head_rows, self.dtype, fold)
+                                      pages.head_rows, self.dtype, fold,
+                                      self.write_head_block)
             self._memo.keep_rows(layer, key, value, ExactStepRows(exact=exact))
         else:
             rows = self._prepare_rows(layer, key, value)

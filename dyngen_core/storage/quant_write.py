@@ -123,8 +123,8 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
                       offsets: torch.Tensor | None, signs: torch.Tensor,
                       pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                       bits: tuple[int, int], head_rows: torch.Tensor,
-                      dtype: torch.dtype, window: DecodeWindowWrite | None = None
-                      ) -> torch.Tensor:
+                      dtype: torch.dtype, window: DecodeWindowWrite | None = None,
+                      head_block: int | None = None) -> torch.Tensor:
     """Quantize key/value rows [T, kv_heads, head_dim] (last dimension contiguous, or they are
     copied) into ``pages`` (key codes, key scales, value codes, value scales: a layer's
     [num_pages, page_size, kv_heads, ...] tensors) at flat slots ``slot_mapping`` [T] (int32 or
@@ -133,7 +133,8 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     of a page also go to ``head_rows`` [2, num_pages + 1, kv_heads, head_dim]. Returns the
     step's exact rows [2, T, kv_heads, head_dim] in ``dtype`` (rotated, minus the offsets:
     `step_rows.ExactStepRows.exact`). ``window``: also store those rows in the recent window
-    of a decode-only step (its rows must be in ``dtype``)."""
+    of a decode-only step (its rows must be in ``dtype``). ``head_block``: KV heads per
+    program (a divisor of kv_heads; None: all of a token's heads in one program)."""
     from dyngen_core.storage.quant_write_kernel import quant_write_kernel
 
     tokens, heads, head_dim = key.shape
@@ -148,17 +149,21 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
                          f"{dtype}: build both with the storage's compute dtype")
     window_args = window.arguments() if window is not None else (
         slot_mapping, slot_mapping, exact, slot_mapping, 0)
+    head_block = head_block or heads
+    if heads % head_block:
+        raise ValueError(f"head_block={head_block} does not divide the {heads} KV heads")
+    rows = _next_pow2(head_block * head_dim // GROUP_SIZE)
     with launch_device(key.device):
-        quant_write_kernel[(tokens,)](
+        quant_write_kernel[(tokens, heads // head_block)](
             key, value, slot_mapping, key if offsets is None else offsets.contiguous(), signs,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_codes, key_scales, value_codes, value_scales, head_rows, exact,
             num_pages * page_size, num_pages, *window_args,
             HEADS=heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, KEY_BITS=bits[0],
             VALUE_BITS=bits[1], HAS_OFFSETS=offsets is not None,
-            ROWS=_next_pow2(heads * head_dim // GROUP_SIZE), INV_SQRT=inv_sqrt(GROUP_SIZE),
-            WINDOW=window.window if window is not None else 0,
-            num_warps=4, enable_fp_fusion=False,
+            ROWS=rows, INV_SQRT=inv_sqrt(GROUP_SIZE),
+            WINDOW=window.window if window is not None else 0, HEAD_BLOCK=head_block,
+            num_warps=min(4, max(1, rows // 4)), enable_fp_fusion=False,
         )
     return exact
 

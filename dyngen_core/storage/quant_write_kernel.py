@@ -1,7 +1,8 @@
 """Triton kernels of the quantized storage's decode-step write (`quant_write` launches them).
 
-`quant_write_kernel`: program ``t`` takes token t's key and value rows [HEADS, HEAD_DIM] as the
-model left them (strided views), and in registers subtracts the key offsets (float32, rounded
+`quant_write_kernel`: program ``(t, b)`` takes the key and value rows of token t's b-th block
+of HEAD_BLOCK heads [HEAD_BLOCK, HEAD_DIM] (all heads when HEAD_BLOCK is HEADS) as the model
+left them (strided views), and in registers subtracts the key offsets (float32, rounded
 once to the keys' dtype, as `step_rows.offset_keys`), rotates every group of 32 values
 (`hadamard`: the signs, then the five butterfly stages in the native kernel's order, then the
 1/sqrt(32) factor), quantizes them (`qformat`: signed extreme, fp16 scale, round half to even)
@@ -62,12 +63,13 @@ def _butterfly(v, lanes, DISTANCE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(rot, codes, scales, slot, valid, rows, lanes,
-                    GROUPS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
+def _quantize_store(rot, codes, scales, slot, valid, rows, lanes, first,
+                    GROUPS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, ROWS: tl.constexpr,
+                    BITS: tl.constexpr):
     """Quantize rotated groups ``rot`` [ROWS, 32] (`qformat.quantize_rotated`) and store the
-    codes and fp16 scales of a token's GROUPS groups at flat ``slot`` (nothing if not
-    ``valid``). The slot's codes are GROUPS * 32 * BITS / 8 contiguous bytes (group by group),
-    its scales GROUPS contiguous halves."""
+    codes and fp16 scales of BLOCK_GROUPS of a token's GROUPS groups, from group ``first``, at
+    flat ``slot`` (nothing if not ``valid``). The slot's codes are GROUPS * 32 * BITS / 8
+    contiguous bytes (group by group), its scales GROUPS contiguous halves."""
     LOWEST: tl.constexpr = -(1 << (BITS - 1))
     HIGHEST: tl.constexpr = (1 << (BITS - 1)) - 1
     amax = tl.max(tl.abs(rot), axis=1)
@@ -83,8 +85,10 @@ def _quantize_store(rot, codes, scales, slot, valid, rows, lanes,
     code = tl.minimum(tl.maximum(code, LOWEST * 1.0), HIGHEST * 1.0)
     code = tl.where(nonzero[:, None], code, 0.0).to(tl.int32)
     group = tl.arange(0, ROWS)
-    tl.store(scales + slot * GROUPS + group, scale16, mask=valid & (group < GROUPS))
-    row_mask = valid & (rows < GROUPS)
+    tl.store(scales + slot * GROUPS + first + group, scale16,
+             mask=valid & (group < BLOCK_GROUPS))
+    row_mask = valid & (rows < BLOCK_GROUPS)
+    rows = rows + first
     if BITS == 8:
         tl.store(codes + slot * (GROUPS * 32) + rows * 32 + lanes, code.to(tl.int8),
                  mask=row_mask & (lanes < 32))
@@ -113,14 +117,16 @@ def quant_write_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ROWS: tl.constexpr, INV_SQRT: tl.constexpr, WINDOW: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
 ):
-    """Program ``t`` writes token t (see the module docstring). ``key``/``value``: rows
+    """Program (t, b) writes heads [b * HEAD_BLOCK, (b + 1) * HEAD_BLOCK) of token t (see the
+    module docstring; HEAD_BLOCK divides HEADS). ``key``/``value``: rows
     [T, HEADS, HEAD_DIM], last dimension contiguous; ``offsets``: float32 [HEADS, HEAD_DIM]
     (read when HAS_OFFSETS); ``signs``: float32 [32]; codes/scales: the layer's page tensors
     (contiguous); ``head_rows`` [2, num_pages + 1, HEADS, HEAD_DIM] and ``exact``
-    [2, T, HEADS, HEAD_DIM] in the compute dtype. ROWS: HEADS * HEAD_DIM / 32 rounded up to a
-    power of two. A slot outside [0, num_slots) stores no codes and no head row (its exact rows
-    are still stored: a reader may attend to them). WINDOW > 0: the exact rows also go to the
+    [2, T, HEADS, HEAD_DIM] in the compute dtype. ROWS: HEAD_BLOCK * HEAD_DIM / 32 rounded up
+    to a power of two. A slot outside [0, num_slots) stores no codes and no head row (its exact
+    rows are still stored: a reader may attend to them). WINDOW > 0: the exact rows also go to the
     recent window (``positions``, ``seq_slots`` [T]; ``ring_rows``, ``ring_positions``,
     ``slots_held``: as `window_write_kernel`'s) by the rule of a decode-only step
     (`_store_decode_window`); WINDOW 0 reads none of them."""
@@ -131,12 +137,14 @@ def quant_write_kernel(
     slot = tl.where(valid, slot, 0)  # keep even the masked addresses inside the pages
     GROUPS: tl.constexpr = HEADS * HEAD_DIM // 32
     PER_HEAD: tl.constexpr = HEAD_DIM // 32
+    BLOCK_GROUPS: tl.constexpr = HEAD_BLOCK * PER_HEAD
+    first = tl.program_id(1) * BLOCK_GROUPS
     rows = tl.arange(0, ROWS)[:, None]
     lanes = tl.arange(0, 32)[None, :]
-    mask = (rows < GROUPS) & (lanes < 32)
-    head = rows // PER_HEAD
+    mask = (rows < BLOCK_GROUPS) & (lanes < 32)
+    head = (first + rows) // PER_HEAD
     dim = (rows % PER_HEAD) * 32 + lanes
-    element = rows * 32 + lanes  # head * HEAD_DIM + dim
+    element = (first + rows) * 32 + lanes  # head * HEAD_DIM + dim
     sign = tl.load(signs + lanes)
     stored_type: tl.constexpr = key.dtype.element_ty
     k = tl.load(key + token * key_token_stride + head * key_head_stride + dim, mask=mask,
@@ -163,10 +171,10 @@ def quant_write_kernel(
     if WINDOW > 0:
         _store_decode_window(key_exact, value_exact, token, element, mask, positions, seq_slots,
                              ring_rows, ring_positions, slots_held, row_size, WINDOW)
-    _quantize_store(key_rot, key_codes, key_scales, slot, valid, rows, lanes,
-                    GROUPS, ROWS, KEY_BITS)
-    _quantize_store(value_rot, value_codes, value_scales, slot, valid, rows, lanes,
-                    GROUPS, ROWS, VALUE_BITS)
+    _quantize_store(key_rot, key_codes, key_scales, slot, valid, rows, lanes, first,
+                    GROUPS, BLOCK_GROUPS, ROWS, KEY_BITS)
+    _quantize_store(value_rot, value_codes, value_scales, slot, valid, rows, lanes, first,
+                    GROUPS, BLOCK_GROUPS, ROWS, VALUE_BITS)
 
 
 @triton.jit
@@ -188,7 +196,8 @@ def _store_decode_window(key_exact, value_exact, token, element, mask, positions
     ring_at = ring_rows + row * ROW_SIZE + element
     tl.store(ring_at, key_exact, mask=mask)
     tl.store(ring_at + (spare + 1) * ROW_SIZE, value_exact, mask=mask)
-    tl.store(ring_positions + row, tl.where(kept, position, -1).to(tl.int32))
+    if tl.program_id(1) == 0:
+        tl.store(ring_positions + row, tl.where(kept, position, -1).to(tl.int32))
 
 
 @triton.jit

@@ -100,9 +100,12 @@ def _write(storage: QuantStorage, rows: dict[str, torch.Tensor]) -> None:
         storage.write_recent(layer, key, value, rows["positions"], rows["seq_slots"])
 
 
-def test_fold_matches_two_launches(device: torch.device,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("head_block", [None, 1])
+def test_fold_matches_two_launches(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                   head_block: int | None) -> None:
+    """Also with one program per KV head (each stores its heads' window rows)."""
     folded, plain = _storage(True, device), _storage(False, device)
+    folded.write_head_block = head_block
     _assert_same(folded, plain)
     launches = []
     original = quant.write_window_triton

@@ -114,15 +114,21 @@ def _check_layer(fast: QuantStorage, before: list[torch.Tensor], layer: int,
     assert torch.equal(pages.head_rows, want_heads)
 
 
-@pytest.mark.parametrize(("mode", "heads", "dim", "dtype", "offsets"), [
-    ("q4", 2, 128, torch.bfloat16, True),
-    ("q6", 3, 64, torch.bfloat16, True),
-    ("q8", 3, 64, torch.float16, False),
-    ("q4", 1, 32, torch.float32, False),
+@pytest.mark.parametrize(("mode", "heads", "dim", "dtype", "offsets", "head_block"), [
+    ("q4", 2, 128, torch.bfloat16, True, None),
+    ("q4", 2, 128, torch.bfloat16, True, 1),
+    ("q6", 3, 64, torch.bfloat16, True, None),
+    ("q6", 3, 64, torch.bfloat16, True, 1),
+    ("q8", 3, 64, torch.float16, False, 1),
+    ("q8", 3, 64, torch.float16, False, None),
+    ("q4", 1, 32, torch.float32, False, None),
 ])
 def test_write_matches_native_arithmetic(device: torch.device, mode: str, heads: int, dim: int,
-                                         dtype: torch.dtype, offsets: bool) -> None:
+                                         dtype: torch.dtype, offsets: bool,
+                                         head_block: int | None) -> None:
+    """Also with each program writing ``head_block`` of a token's heads."""
     fast, _ = _pair(mode, heads, dim, dtype, offsets, device)
+    fast.write_head_block = head_block
     # Page heads (0, 16, 48), mid-page slots, the last slot, and one outside the pages.
     slots = torch.tensor([0, 5, 16, 33, 48, 95, 7, -1, PAGES * PAGE, 17], device=device)
     for layer in range(LAYERS):
