@@ -32,8 +32,8 @@ the fold: success is ``fold_us`` about 2-3 us below ``new_us`` at batch 1 and 32
                                      [--repeats 30] [--paths old new fold]
 
 ``--head-blocks 1 2 4``: also time the fold (the new write where there is no window) with
-each program writing that many KV heads of a token (`QuantStorage.write_head_block`; default
-all 8 in one program): columns ``hN us``. At batch 1 one program does all the work of a
+each program writing that many KV heads of a token (`QuantStorage.write_head_block`, default
+1, which the other columns use): columns ``hN us``. At batch 1 one program does all the work of a
 layer's write in a chain of dependent steps; split by head the chain is as long but eight
 times narrower.
 

@@ -105,8 +105,8 @@ class QuantStorage:
             False: it ignores ``decode_window``. None: ``DYNGEN_QUANT_FOLD_WINDOW`` ("1"/"0"),
             else on. An attribute: settable between steps (graphs keep what they captured).
 
-    Attribute ``write_head_block``: KV heads per program of the Triton write (None: a token's
-    heads in one program; `quant_write.write_step_triton`), settable like the fold.
+    Attribute ``write_head_block``: KV heads per program of the Triton write (default 1;
+    `quant_write.write_step_triton`), settable like the fold.
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
@@ -139,7 +139,7 @@ class QuantStorage:
         self._native = native.load_native() if wants_native else None
         self._triton = [resolve_triton_write(triton_write, d) for d in self.devices]
         self.fold_decode_window = resolve_fold_window(fold_decode_window)
-        self.write_head_block: int | None = None
+        self.write_head_block = 1
         self.key_offsets: list[torch.Tensor] | None = None
         self._memo = StepMemo()
         self.recent: RecentWindow | None = None

@@ -124,7 +124,7 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
                       pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                       bits: tuple[int, int], head_rows: torch.Tensor,
                       dtype: torch.dtype, window: DecodeWindowWrite | None = None,
-                      head_block: int | None = None) -> torch.Tensor:
+                      head_block: int = 1) -> torch.Tensor:
     """Quantize key/value rows [T, kv_heads, head_dim] (last dimension contiguous, or they are
     copied) into ``pages`` (key codes, key scales, value codes, value scales: a layer's
     [num_pages, page_size, kv_heads, ...] tensors) at flat slots ``slot_mapping`` [T] (int32 or
@@ -134,7 +134,10 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     step's exact rows [2, T, kv_heads, head_dim] in ``dtype`` (rotated, minus the offsets:
     `step_rows.ExactStepRows.exact`). ``window``: also store those rows in the recent window
     of a decode-only step (its rows must be in ``dtype``). ``head_block``: KV heads per
-    program (a divisor of kv_heads; None: all of a token's heads in one program)."""
+    program (a divisor of kv_heads). One: a batch-1 write is one program's chain of dependent
+    steps, and split by head it is eight times narrower (H200, 8 KV heads x 128, q4 with the
+    window folded, us a layer: 3.57 -> 2.44 at batch 1, 3.83 -> 2.85 at batch 32; 2 and 4
+    heads in between; benchmarks/quant_write.py --head-blocks)."""
     from dyngen_core.storage.quant_write_kernel import quant_write_kernel
 
     tokens, heads, head_dim = key.shape
@@ -149,8 +152,7 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
                          f"{dtype}: build both with the storage's compute dtype")
     window_args = window.arguments() if window is not None else (
         slot_mapping, slot_mapping, exact, slot_mapping, 0)
-    head_block = head_block or heads
-    if heads % head_block:
+    if head_block < 1 or heads % head_block:
         raise ValueError(f"head_block={head_block} does not divide the {heads} KV heads")
     rows = _next_pow2(head_block * head_dim // GROUP_SIZE)
     with launch_device(key.device):

@@ -115,17 +115,17 @@ def _check_layer(fast: QuantStorage, before: list[torch.Tensor], layer: int,
 
 
 @pytest.mark.parametrize(("mode", "heads", "dim", "dtype", "offsets", "head_block"), [
-    ("q4", 2, 128, torch.bfloat16, True, None),
+    ("q4", 2, 128, torch.bfloat16, True, 2),
     ("q4", 2, 128, torch.bfloat16, True, 1),
-    ("q6", 3, 64, torch.bfloat16, True, None),
+    ("q6", 3, 64, torch.bfloat16, True, 3),
     ("q6", 3, 64, torch.bfloat16, True, 1),
     ("q8", 3, 64, torch.float16, False, 1),
-    ("q8", 3, 64, torch.float16, False, None),
-    ("q4", 1, 32, torch.float32, False, None),
+    ("q8", 3, 64, torch.float16, False, 3),
+    ("q4", 1, 32, torch.float32, False, 1),
 ])
 def test_write_matches_native_arithmetic(device: torch.device, mode: str, heads: int, dim: int,
                                          dtype: torch.dtype, offsets: bool,
-                                         head_block: int | None) -> None:
+                                         head_block: int) -> None:
     """Also with each program writing ``head_block`` of a token's heads."""
     fast, _ = _pair(mode, heads, dim, dtype, offsets, device)
     fast.write_head_block = head_block
