@@ -1,6 +1,6 @@
 """Whether the optional Triton kernels (those with a torch twin: the fp16 KV write, the fused
-sampler draw) run on a device, decided in one place, and the device context their launches
-run in.
+sampler draw) run on a device, decided in one place, the device context their launches run
+in, and whether a launch is a programmatic dependent launch (`pdl_launch`).
 
 Triton is never required (CI has none): a kernel runs by default on CUDA when triton is
 installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use),
@@ -14,6 +14,9 @@ import os
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+
+# "0" turns programmatic dependent launches off (for A/B runs); anything else leaves them on.
+PDL_ENV = "DYNGEN_PDL"
 
 
 def triton_by_default(device: torch.device) -> bool:
@@ -40,3 +43,13 @@ def launch_device(device: torch.device) -> AbstractContextManager[object]:
             and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return nullcontext()
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether a Triton launch on ``device`` is a programmatic dependent launch (the kernel
+    then starts with `triton_pdl.pdl_start`; pass the result as its ``GDC`` and as
+    ``launch_pdl``): on CUDA devices of compute capability 9.0 or above, unless the
+    ``DYNGEN_PDL`` environment variable is "0"."""
+    if device.type != "cuda" or os.environ.get(PDL_ENV) == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9

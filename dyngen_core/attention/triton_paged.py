@@ -34,7 +34,7 @@ from dyngen_core.attention.triton_decode_options import DecodeOptions, split_buf
 from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
 from dyngen_core.attention.triton_kernels import (
     ROTATION_GROUP,
-    combine_splits_kernel,
+    launch_combine,
     paged_attention_kernel,
 )
 from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
@@ -48,6 +48,7 @@ from dyngen_core.attention.triton_quant import (
 from dyngen_core.attention.triton_step_write import StepWrite, step_write_for
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
+from dyngen_core.triton_support import pdl_launch
 
 LOG2_E = 1.4426950408889634
 
@@ -262,11 +263,7 @@ class TritonPagedBackend:
                            rows=rows, block_q=block_q, blocks=blocks, splits=splits, exact=exact,
                            counters=counters, step_write=step_write)
         if splits > 1 and counters is None:
-            combine_splits_kernel[(num_tokens, num_heads)](
-                parts, lse, out, out.stride(0), out.stride(1), num_heads,
-                NUM_SPLITS=splits, SPLITS_PAD=triton_next_pow2(splits),
-                HEAD_DIM=heads.head_dim, HEAD_PAD=heads.head_pad, num_warps=4,
-            )
+            launch_combine(parts, lse, out, splits, heads.head_dim, heads.head_pad)
         return out
 
     def cascade_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
@@ -296,6 +293,7 @@ class TritonPagedBackend:
         unused = batch.query_start
         exact_args = exact.arguments() if exact is not None else (
             q, q, q, q, unused, unused, q, q, 0, 0)
+        pdl = pdl_launch(q.device)
         paged_attention_kernel[(grid0, heads.num_kv_heads, splits)](
             q, q.stride(0), q.stride(1), *page_args,
             batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
@@ -318,7 +316,8 @@ class TritonPagedBackend:
             PAGE_WINDOW=0 if blocks is not None else decode.window_for(
                 batch.page_size, self.block_n, ops.key_bits > 0 or ops.value_bits > 0),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            MERGE=counters is not None, WRITE_STEP=step_write is not None,
+            MERGE=counters is not None, WRITE_STEP=step_write is not None, GDC=pdl,
+            launch_pdl=pdl,
             SPLIT_BLOCK=min(triton_next_pow2(splits),
                             max(1, self.merge_rows // heads.group_pad)),
         )

@@ -45,7 +45,12 @@ import torch
 from dyngen_core.storage.hadamard import inv_sqrt
 from dyngen_core.storage.qformat import GROUP_SIZE
 from dyngen_core.storage.recent import RecentLayer, RecentWindow
-from dyngen_core.triton_support import launch_device, require_triton, triton_by_default
+from dyngen_core.triton_support import (
+    launch_device,
+    pdl_launch,
+    require_triton,
+    triton_by_default,
+)
 
 # Overrides the default of `QuantStorage(triton_write=None)`, for A/B runs of scripts that
 # build their storage with defaults: "triton" (the one-launch write) or "native" (the old one).
@@ -155,6 +160,7 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     if head_block < 1 or heads % head_block:
         raise ValueError(f"head_block={head_block} does not divide the {heads} KV heads")
     rows = _next_pow2(head_block * head_dim // GROUP_SIZE)
+    pdl = pdl_launch(key.device)
     with launch_device(key.device):
         quant_write_kernel[(tokens, heads // head_block)](
             key, value, slot_mapping, key if offsets is None else offsets.contiguous(), signs,
@@ -165,7 +171,8 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
             VALUE_BITS=bits[1], HAS_OFFSETS=offsets is not None,
             ROWS=rows, INV_SQRT=inv_sqrt(GROUP_SIZE),
             WINDOW=window.window if window is not None else 0, HEAD_BLOCK=head_block,
-            num_warps=min(4, max(1, rows // 4)), enable_fp_fusion=False,
+            num_warps=min(4, max(1, rows // 4)), enable_fp_fusion=False, GDC=pdl,
+            launch_pdl=pdl,
         )
     return exact
 
