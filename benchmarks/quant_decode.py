@@ -38,12 +38,14 @@ side; default: the kernel's, 3 with a window); ``-nN`` the one-launch kernel's r
 (``max_registers``; 0 none; default: the kernel's, 168 with the tail in parts); ``-xX`` at most
 X page splits for this variant (``--max-splits`` otherwise; the fp16 rows take it too, e.g.
 ``--fp16 fp16,fp16-x64``); ``-l0`` launches as the backend picks them (one launch up to
-`DecodeOptions.word_one_launch_max_seqs` sequences, else two).
-Each variant's output is checked against ``old``'s (relative error, ``err`` in the table; a
-variant that fails to launch, e.g. for shared memory, is reported and skipped). Quantized modes
-run as the runner does (q4 with its 16-position recent window and page heads, q8 with page
-heads). Each call is timed inside a CUDA graph of ``--calls`` calls (batch 1 cycles over 16
-sequences' pages so L2 holds none of them), median of 5 replays.
+`DecodeOptions.word_one_launch_max_seqs` sequences, else two); ``-oO`` the key-loop options
+as bits (1 lazy_sum, 2 paired_values, 4 small_tail_rows, 8 swapped_values;
+`attend_word_decode`).
+Each variant's output is checked against the first variant's (relative error, ``err`` in
+the table; a variant that fails to launch, e.g. for shared memory, is reported and skipped).
+Quantized modes run as the runner does (q4 with its 16-position recent window and page
+heads, q8 with page heads). Each call is timed inside a CUDA graph of ``--calls`` calls (batch
+1 cycles over 16 sequences' pages so L2 holds none of them), median of 5 replays.
 
     python benchmarks/quant_decode.py [--context 16384] [--batches 1,32] [--q8 ...] [--q4 ...]
 
@@ -60,6 +62,17 @@ launch) and 4 (two launches) (``--merge-sweep`` sets those variants and batches 
 
     python benchmarks/quant_decode.py --merge-sweep --modes fp16,q4
     python benchmarks/quant_decode.py --merge-sweep --modes fp16,q8
+
+The key loop's shared-memory round trips (``--loop-sweep``: LOOP_SWEEP's variants, batches
+1,4,32, modes fp16,q4; success: a batch-1 q4 row well below the first's ~28 us, towards fp16's
+~23.6, with batches 4 and 32 no slower), and one variant alone under Nsight Compute (a single
+``--q4`` variant and mode: every quant_decode_kernel launch is that variant's):
+
+    python benchmarks/quant_decode.py --loop-sweep
+    ncu --clock-control none -k regex:quant_decode_kernel --launch-skip 20 --launch-count 1 \
+        --section WarpStateStats --section SourceCounters --section Occupancy \
+        --section MemoryWorkloadAnalysis python3 benchmarks/quant_decode.py --modes q4 \
+        --batches 1 --q4 vhfr-64x4-l0-w4-o15-n128-x64
 
 End to end (the issue's figure): ``python3 benchmarks/long_context.py``.
 """
@@ -140,13 +153,25 @@ TAIL_SWEEP = {"q4": "vhfr-64x4-l0-w4-t1,vhfr-64x4-l0-w4-t3,vhfr-64x4-l0-w4-m64-t
                     "vhfr-128x8-l0-w2-t3",
               "q8": "hfr-64x4-l0-w4-m64-t1,hfr-64x4-l0-w4-m64-t1-x64",
               "fp16": "fp16,fp16-x64"}
+# The key loop's shared-memory round trips (`attend_word_decode`'s lazy_sum 1, paired_values
+# 2, small_tail_rows 4, swapped_values 8, as ``-oO`` bits) at the backend's launch rule, then
+# with more page splits where the smaller kernel lets them be one wave: 48 splits at 3
+# programs a multiprocessor (168 registers, 41 KB), 64 at 4 (-n128). Batch 1 is the target
+# (H200 before: q4 ~28 us, fp16 ~23.6); batches 4 and 32 check nothing regressed (-x and -n
+# change nothing there). About 20 compiles.
+LOOP_SWEEP = {"q4": "vhfr-64x4-l0-w4,vhfr-64x4-l0-w4-o1,vhfr-64x4-l0-w4-o3,vhfr-64x4-l0-w4-o7,"
+                    "vhfr-64x4-l0-w4-o15,vhfr-64x4-l0-w4-o15-x48,"
+                    "vhfr-64x4-l0-w4-o15-n128-x64",
+              "fp16": "fp16"}
 SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window",
-            "m": "merge_rows", "t": "tail_parts", "n": "max_registers", "x": "max_splits"}
+            "m": "merge_rows", "t": "tail_parts", "n": "max_registers", "x": "max_splits",
+            "o": "loop_flags"}
 
 
 def parse_variant(name: str) -> tuple[str, dict[str, int]]:
     """A variant name as its `VARIANTS` key (or ``fp16``) and its suffix values (``-pP``,
-    ``-lL``, ``-sS``, ``-wW``, ``-mM``, ``-tT``, ``-nN``, ``-xX``, in any order after the base),
+    ``-lL``, ``-sS``, ``-wW``, ``-mM``, ``-tT``, ``-nN``, ``-xX``, ``-oO``, in any order after
+    the base),
     e.g. ``vhf-64x4-l1-w4-s4-m64-t3``."""
     parts = name.split("-")
     suffixes: dict[str, int] = {}
@@ -214,6 +239,9 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
     if launches == 0:
         launches = 1 if q.shape[0] <= DecodeOptions().word_one_launch_max_seqs else 2
     merge_rows = knobs.get("merge_rows", 0)
+    loop = knobs.get("loop_flags", 0)
+    loop_options = {"lazy_sum": bool(loop & 1), "paired_values": bool(loop & 2),
+                    "small_tail_rows": bool(loop & 4), "swapped_values": bool(loop & 8)}
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
     kv_heads = ops.keys.shape[2]
@@ -230,7 +258,7 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
             splits=splits, warps=warps, launches=launches, stages=knobs.get("stages"),
             page_window=knobs.get("page_window", 0), counters=counters,
             merge_rows=merge_rows or 64, tail_parts=knobs.get("tail_parts"),
-            max_registers=knobs.get("max_registers"), **options)
+            max_registers=knobs.get("max_registers"), **options, **loop_options)
 
     return [call(b) for b in batches]
 
@@ -251,6 +279,9 @@ def main() -> None:
     parser.add_argument("--tail-sweep", action="store_true",
                         help="batches 1,4, modes fp16,q4 and the tail-parts variants "
                              "(TAIL_SWEEP)")
+    parser.add_argument("--loop-sweep", action="store_true",
+                        help="batches 1,4,32, modes fp16,q4 and the key-loop variants "
+                             "(LOOP_SWEEP)")
     parser.add_argument("--max-splits", type=int, default=32,
                         help="most splits of a decode's context (the backend's max_splits)")
     args = parser.parse_args()
@@ -259,6 +290,10 @@ def main() -> None:
     if args.tail_sweep:
         args.batches, args.q8, args.q4 = "1,4", TAIL_SWEEP["q8"], TAIL_SWEEP["q4"]
         args.fp16, args.modes = TAIL_SWEEP["fp16"], args.modes or "fp16,q4"
+    if args.loop_sweep:
+        args.batches = args.batches if args.batches != "1,32" else "1,4,32"
+        args.q4, args.fp16 = LOOP_SWEEP["q4"], LOOP_SWEEP["fp16"]
+        args.modes = args.modes or "fp16,q4"
     args.modes = args.modes or "fp16,q8,q4"
     device = torch.device(args.device)
     config = bench_config(args)

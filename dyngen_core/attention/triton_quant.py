@@ -58,6 +58,9 @@ class WordKernelFlags:
     ``counters``) where the backend merges fp16 decodes in theirs; off, as it measured slower
     than the second kernel (H200, 16k, one layer, us, batch 1 / 4: 27.3 / 100.0 with
     `combine_splits_kernel`, 29.3 / 103.9 merged in the kernel).
+    ``lazy_sum``, ``paired_values``, ``swapped_values``, ``small_tail_rows``: fewer
+    shared-memory round trips and bank conflicts in the key loop and a smaller one-launch
+    kernel (`attend_word_decode`); off until measured.
     """
 
     join_keys: bool = False
@@ -72,6 +75,10 @@ class WordKernelFlags:
     tail_parts: int | None = None
     max_registers: int | None = None
     merge_in_kernel: bool = False
+    lazy_sum: bool = False
+    paired_values: bool = False
+    swapped_values: bool = False
+    small_tail_rows: bool = False
 
     def keywords(self, value_bits: int) -> dict[str, Any]:
         """The flags as `attend_word_decode` keywords for pages of ``value_bits``-bit values
@@ -118,7 +125,9 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                        page_window: int = 0, scale_rows: bool = False,
                        stages: int | None = None, counters: torch.Tensor | None = None,
                        merge_rows: int = 64, tail_parts: int | None = None,
-                       max_registers: int | None = None) -> torch.Tensor:
+                       max_registers: int | None = None, lazy_sum: bool = False,
+                       paired_values: bool = False, swapped_values: bool = False,
+                       small_tail_rows: bool = False) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
     page_args: `triton_paged.page_arguments` of the layer (codes as int32 words, scales,
@@ -179,6 +188,25 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         maxnreg), so that more of its programs share a multiprocessor; two launches are
         never capped. None: `PARTS_MAX_REGISTERS` (3 programs a multiprocessor) with warps 4
         and the tail in parts, else no cap; 0: no cap.
+    lazy_sum: the key loop keeps a [rows, block_n] tile of running softmax sums and reduces
+        it once after the loop, instead of a row sum per block: with 16 query rows Triton
+        spreads the 4 warps over the keys, so each row sum crossed the warps through shared
+        memory (q4 64 x 4 page loop, ptxas sm_90, per block: bar.sync 8 -> 5, shared stores
+        and loads of 32 bits 6 + 6 -> 3 + 3, shuffles 16 -> 10; 8 more registers a thread).
+    paired_values: with joined values, join each word's fields in the order the inline-PTX
+        unpack pairs them in 32-bit registers ((0, 4), (1, 5), ...) instead of dim order, so
+        the dequantized tile is stored for its dot without byte permutes (PRMT 64 -> 32 a
+        block); the accumulator's columns are put back in dim order once after the loop.
+    swapped_values: with joined values, swap the 2nd and 3rd quarters of the value tile's
+        columns (and back in the accumulator after the loop): at head_dim 128 in 4 warps the
+        two threads of a row then store their 16-byte pieces to different banks of Triton's
+        swizzled layout; in dim order the tile's 8 stores a block were 2-way bank conflicts.
+    small_tail_rows: the single tail (tail_parts 1) reads the recent window in the parts'
+        16-row tiles (a window of at most 16 positions): the one-launch q4 kernel then needs
+        41 KB of shared memory instead of 88 (with lazy_sum and paired_values: 168 registers
+        instead of 204 and no spills), so 3 programs share a multiprocessor (4 at
+        max_registers 128, which spills 32 bytes a thread outside the page loop), and a
+        batch-1 grid of 8 x (48 + 1) (or 8 x (64 + 1)) programs is one wave.
     """
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, not {launches}")
@@ -220,7 +248,9 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "WIDE_SCALES": wide_scales, "PAGE_WINDOW": page_window, "SCALE_ROWS": scale_rows,
              "MERGE": counters is not None, "G_PAD": group_pad,
              "SPLIT_BLOCK": min(_pow2(partials), max(1, merge_rows // group_pad)),
-             "TAIL_PARTS": tail_parts}
+             "TAIL_PARTS": tail_parts,
+             "LOOP_FLAGS": (int(lazy_sum) + 2 * int(paired_values) + 4 * int(small_tail_rows)
+                            + 8 * int(swapped_values))}
     grids = ([(partials, 0)] if launches == 1 else [(splits, 1), (tail_parts, 2)])
     tuning: dict[str, Any] = {"num_warps": warps}
     if stages is not None:

@@ -57,7 +57,7 @@ def quant_decode_kernel(
     FAST_UNPACK: tl.constexpr = False, WIDE_SCALES: tl.constexpr = False,
     PAGE_WINDOW: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = False,
     MERGE: tl.constexpr = False, G_PAD: tl.constexpr = 1, SPLIT_BLOCK: tl.constexpr = 1,
-    TAIL_PARTS: tl.constexpr = 1,
+    TAIL_PARTS: tl.constexpr = 1, LOOP_FLAGS: tl.constexpr = 0,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + TAIL_PARTS) over a decode-only batch (sequence
     i is query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys
@@ -80,6 +80,10 @@ def quant_decode_kernel(
     PAGE_WINDOW: the page programs load page ids ahead, PAGE_WINDOW pages at a time (a power
     of two; 0: one id per block in the loop, `attend_word_blocks`); the tail's one or two
     blocks keep the per-block load.
+    LOOP_FLAGS: key-loop options (bits, `triton_quant.WordKernelFlags` lazy_sum and
+    paired_values): 1 keeps per-key running sums reduced once after the loop, 2 joins the
+    values in the unpack's pair order (with V_JOIN; `triton_quant_programs._word_block`), 4
+    gives the single tail 16-row window tiles, 8 swaps the value tile's middle quarters.
     MERGE: the program of each (sequence, KV head) that counts in last at ``counter_ptr``
     (a zeroed int32 per pair, row-major; `triton_decode_merge.count_in_and_merge` resets it)
     merges all NUM_SPLITS + TAIL_PARTS partials (empty ones weigh 0), ``SPLIT_BLOCK`` per
@@ -130,7 +134,8 @@ def quant_decode_kernel(
             k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
             stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, PAGE_WINDOW)
+            NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, PAGE_WINDOW,
+            LOOP_FLAGS)
     elif PROGRAMS == 2:
         m_i, l_i, acc = tail_program(
             split - NUM_SPLITS, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -139,7 +144,7 @@ def quant_decode_kernel(
             stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
             fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
             BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-            DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, TAIL_PARTS)
+            DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, TAIL_PARTS, LOOP_FLAGS)
     else:
         if split < NUM_SPLITS:
             m_i, l_i, acc = page_program(
@@ -148,7 +153,7 @@ def quant_decode_kernel(
                 ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
                 stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
                 NUM_SPLITS, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD,
-                PAGE_WINDOW)
+                PAGE_WINDOW, LOOP_FLAGS)
         else:
             m_i, l_i, acc = tail_program(
                 split - NUM_SPLITS, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
@@ -157,7 +162,8 @@ def quant_decode_kernel(
                 stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
                 fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
                 BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, TAIL_PARTS)
+                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, TAIL_PARTS,
+                LOOP_FLAGS)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
                        BLOCK_M, DIM_PAD)

@@ -38,6 +38,8 @@ from dyngen_core.attention.triton_quant_unpack import (
     join_columns,
     load_scales,
     load_tile,
+    swapped_quarters,
+    unpaired_columns,
 )
 
 
@@ -52,7 +54,7 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                        WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        K_JOIN: tl.constexpr, V_JOIN: tl.constexpr,
                        FAST_UNPACK: tl.constexpr, SCALE_LOAD: tl.constexpr,
-                       PAGE_WINDOW: tl.constexpr):
+                       PAGE_WINDOW: tl.constexpr, LOOP_FLAGS: tl.constexpr = 0):
     """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
     BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
     ``position``, carrying (m_i, l_i, accs); one block is `_word_block`. PAGE_WINDOW 0: each
@@ -74,7 +76,7 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                     stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
                     ring_pos_ptr, ring_base, step_start, near_lo, position,
                     BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-                    DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD)
+                    DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, LOOP_FLAGS)
     else:
         for n0 in range(lo, hi, BLOCK_N):
             page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
@@ -84,7 +86,7 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                 stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
                 ring_pos_ptr, ring_base, step_start, near_lo, position,
                 BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
-                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD)
+                DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, LOOP_FLAGS)
     return m_i, l_i, accs
 
 
@@ -98,7 +100,8 @@ def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
                 DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                 WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 K_JOIN: tl.constexpr, V_JOIN: tl.constexpr,
-                FAST_UNPACK: tl.constexpr, SCALE_LOAD: tl.constexpr):
+                FAST_UNPACK: tl.constexpr, SCALE_LOAD: tl.constexpr,
+                LOOP_FLAGS: tl.constexpr):
     """One block of `attend_word_blocks`: keys [n0, n0 + BLOCK_N) (those below ``hi``) in
     page ``page`` (int64). Slot 0 of every page is skipped (its exact head row is attended
     elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from ``near_lo``
@@ -107,8 +110,15 @@ def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
     ``accs`` is one [BLOCK_M, DIM_PAD] tile and the values enter one dot over whole rows,
     else one tile and dot per field. FAST_UNPACK: codes unpacked two fields at a time in
     inline PTX where the dots run in float16 (`triton_quant_unpack`). SCALE_LOAD: how scales
-    are loaded (`load_scales`'s MODE)."""
+    are loaded (`load_scales`'s MODE). LOOP_FLAGS bits: 1, ``l_i`` a [BLOCK_M, BLOCK_N] tile
+    of running sums, reduced once after the loop; 2 (with V_JOIN), the joined value columns
+    in the unpack's pair order (`triton_quant_unpack.paired_fields`); 8 (with V_JOIN), the
+    joined value tile's column quarters 2 and 3 swapped (`swapped_quarters`); 4 is the
+    tail's (`tail_program`). `_word_range` undoes them after the loop."""
     DT: tl.constexpr = qs[0].dtype
+    LAZY: tl.constexpr = LOOP_FLAGS % 2 == 1
+    PAIRED: tl.constexpr = (LOOP_FLAGS // 2) % 2 == 1
+    SWAPPED: tl.constexpr = (LOOP_FLAGS // 8) % 2 == 1
     K_PER: tl.constexpr = 32 // K_BITS
     V_PER: tl.constexpr = 32 // V_BITS
     K_WPAD: tl.constexpr = DIM_PAD // K_PER
@@ -145,7 +155,10 @@ def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if LAZY:  # no per-block sum across the warps that split the keys (shared memory + bar)
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(DT)
     vwords = load_tile(v_ptr + kv_head * stride_vh + page * stride_vp, slots, stride_vs,
                        key_valid, vw, vw_ok, False, V_PADDED)
@@ -153,7 +166,10 @@ def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
                          key_valid, vw // (32 // V_PER), vw_ok, False, V_PADDED,
                          SCALE_LOAD, 32 // V_PER, HEAD_DIM).to(DT)
     if V_JOIN:
-        vrows = dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT, FAST_UNPACK)
+        vrows = dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT, FAST_UNPACK,
+                                 PAIRED)
+        if SWAPPED:
+            vrows = swapped_quarters(vrows, BLOCK_N, DIM_PAD)
         accs = (tl.dot(p, vrows, accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
     else:
         vfields = dequantized_fields(vwords, vscale, V_BITS, DT, FAST_UNPACK)
@@ -200,7 +216,8 @@ def page_program(qs, table_row, split, bulk_hi, kv_head,
                  V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, K_JOIN: tl.constexpr,
                  V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr,
-                 SCALE_LOAD: tl.constexpr, PAGE_WINDOW: tl.constexpr):
+                 SCALE_LOAD: tl.constexpr, PAGE_WINDOW: tl.constexpr,
+                 LOOP_FLAGS: tl.constexpr = 0):
     """Page program ``split``: (m, l, acc) of its share of the keys before ``bulk_hi`` (no
     exact rows), page ids loaded ahead in windows of PAGE_WINDOW pages (0: per block)."""
     chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -211,7 +228,7 @@ def page_program(qs, table_row, split, bulk_hi, kv_head,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         table_row, -1, 0, 0, 0,
         BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION,
-        K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, PAGE_WINDOW)
+        K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, PAGE_WINDOW, LOOP_FLAGS)
 
 
 @triton.jit
@@ -224,19 +241,35 @@ def _word_range(qs, table_row, lo, hi, kv_head,
                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                 V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 K_JOIN: tl.constexpr, V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr,
-                SCALE_LOAD: tl.constexpr, PAGE_WINDOW: tl.constexpr):
+                SCALE_LOAD: tl.constexpr, PAGE_WINDOW: tl.constexpr,
+                LOOP_FLAGS: tl.constexpr = 0):
     """`attend_word_blocks` over keys [lo, hi) from an empty state: (m, l, acc) with the
-    accumulators joined into one [BLOCK_M, DIM_PAD] tile."""
+    accumulators joined into one [BLOCK_M, DIM_PAD] tile in dim order (LOOP_FLAGS: the
+    running sums reduced, the paired value columns put back in order)."""
     V_PER: tl.constexpr = 32 // V_BITS
+    LAZY: tl.constexpr = LOOP_FLAGS % 2 == 1
+    PAIRED: tl.constexpr = (LOOP_FLAGS // 2) % 2 == 1 and V_JOIN
+    SWAPPED: tl.constexpr = (LOOP_FLAGS // 8) % 2 == 1 and V_JOIN
+    if LAZY:
+        l_0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        l_0 = tl.zeros([BLOCK_M], tl.float32)
     m_i, l_i, accs = attend_word_blocks(
-        qs, tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_M], tl.float32),
+        qs, tl.full([BLOCK_M], -1.0e30, tl.float32), l_0,
         _zero_accs(BLOCK_M, DIM_PAD, V_PER, V_JOIN), table_row, lo, hi, kv_head,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         ring_pos_ptr, ring_base, step_start, near_lo, position,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION, K_JOIN,
-        V_JOIN, FAST_UNPACK, SCALE_LOAD, PAGE_WINDOW)
-    return m_i, l_i, _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
+        V_JOIN, FAST_UNPACK, SCALE_LOAD, PAGE_WINDOW, LOOP_FLAGS)
+    if LAZY:
+        l_i = tl.sum(l_i, 1)
+    acc = _joined_accs(accs, BLOCK_M, DIM_PAD, V_PER, V_JOIN)
+    if SWAPPED:
+        acc = swapped_quarters(acc, BLOCK_M, DIM_PAD)
+    if PAIRED:
+        acc = unpaired_columns(acc, BLOCK_M, DIM_PAD // V_PER, V_PER)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -249,7 +282,8 @@ def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  K_JOIN: tl.constexpr, V_JOIN: tl.constexpr, FAST_UNPACK: tl.constexpr,
-                 SCALE_LOAD: tl.constexpr, TAIL_PARTS: tl.constexpr):
+                 SCALE_LOAD: tl.constexpr, TAIL_PARTS: tl.constexpr,
+                 LOOP_FLAGS: tl.constexpr = 0):
     """Tail part ``part`` of TAIL_PARTS (module docstring) for the decode query at
     ``ctx - 1``: (m, l, acc) of its keys, ``q`` the query tile (exact rows), ``qs`` its
     columns as the blocks take them."""
@@ -257,6 +291,9 @@ def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
     # A window of up to 16 positions is one 16-row tile, not a key block's 64 rows (the
     # single tail keeps the key block, as before parts existed).
     ROWS_N: tl.constexpr = 16 if WINDOW <= 16 else BLOCK_N
+    # LOOP_FLAGS bit 4: the single tail takes the parts' 16-row tiles too (smaller shared
+    # memory for the one-launch kernel).
+    SINGLE_ROWS_N: tl.constexpr = ROWS_N if (LOOP_FLAGS // 4) % 2 == 1 else BLOCK_N
     position = ctx - 1
     near_lo = ctx - WINDOW
     positions = position + tl.zeros([BLOCK_M], tl.int32)
@@ -269,7 +306,7 @@ def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
             stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss,
             stride_ksh, stride_vsp, stride_vss, stride_vsh, ring_pos_ptr, ring_base, position,
             near_lo, position, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
-            WINDOW, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, 0)
+            WINDOW, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, 0, LOOP_FLAGS)
         m_i, l_i, acc = attend_page_heads(
             q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head, dims,
             head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base, position,
@@ -278,7 +315,7 @@ def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
             m_i, l_i, acc = attend_exact_rows(
                 q, m_i, l_i, acc, tl.maximum(near_lo, 0), ctx, positions, kv_head, dims,
                 fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, stride_er,
-                stride_eh, ring_base, position, token, BLOCK_N, HEAD_DIM, WINDOW,
+                stride_eh, ring_base, position, token, SINGLE_ROWS_N, HEAD_DIM, WINDOW,
                 DOT_PRECISION)
     else:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -291,7 +328,7 @@ def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
                 stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh, ring_pos_ptr,
                 ring_base, position, near_lo, position, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM,
                 DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK,
-                SCALE_LOAD, 0)
+                SCALE_LOAD, 0, LOOP_FLAGS)
         elif part == BLOCK_PARTS:
             m_i, l_i, acc = attend_page_heads(
                 q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head,

@@ -217,10 +217,50 @@ def dequantized_fields(words, scales, BITS: tl.constexpr, DT: tl.constexpr,
 
 @triton.jit
 def dequantized_rows(words, scales, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr,
-                     BITS: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+                     BITS: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+                     PAIRED: tl.constexpr = False):
     """Code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized to whole
     rows [BLOCK_N, W_PAD * 32 / BITS] in dim order, for one dot per block: with N = DIM_PAD
     (values) Triton spreads its warps over the dims instead of repeating a [BLOCK_M, W_PAD]
-    dot per field on every warp, and one layout conversion replaces one per field."""
-    return join_columns(dequantized_fields(words, scales, BITS, DT, FAST), BLOCK_N, W_PAD,
-                        32 // BITS)
+    dot per field on every warp, and one layout conversion replaces one per field. PAIRED:
+    the columns of each word in `paired_fields` order instead (undo with `unpaired_columns`
+    on whatever the rows are multiplied into)."""
+    fields = dequantized_fields(words, scales, BITS, DT, FAST)
+    if PAIRED:
+        fields = paired_fields(fields, 32 // BITS)
+    return join_columns(fields, BLOCK_N, W_PAD, 32 // BITS)
+
+
+@triton.jit
+def paired_fields(fields, PER_WORD: tl.constexpr):
+    """The fields of a word in the order the inline-PTX unpack makes them as half2 pairs,
+    (0, 4), (1, 5), (2, 6), (3, 7) (8-bit: (0, 2), (1, 3)): joined in this order, each pair of
+    adjacent columns is one 32-bit register of the unpack, so the joined tile needs no byte
+    permutes (PRMT) to pack its halves for the shared-memory store of the dot operand."""
+    if PER_WORD == 8:
+        out = (fields[0], fields[4], fields[1], fields[5], fields[2], fields[6], fields[3],
+               fields[7])
+    else:
+        out = (fields[0], fields[2], fields[1], fields[3])  # type: ignore[assignment]
+    return out
+
+
+@triton.jit
+def unpaired_columns(x, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
+    """x [BLOCK_M, W_PAD * PER_WORD] whose columns are in `paired_fields` order per word
+    (column ``w * PER_WORD + 2 h + s`` holds dim ``w * PER_WORD + s * PER_WORD / 2 + h``)
+    back in dim order."""
+    HALF: tl.constexpr = PER_WORD // 2
+    y = tl.permute(tl.reshape(x, (BLOCK_M, W_PAD, HALF, 2)), (0, 1, 3, 2))
+    return tl.reshape(y, (BLOCK_M, W_PAD * PER_WORD))
+
+
+@triton.jit
+def swapped_quarters(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] with its second and third quarters of columns swapped (its own inverse).
+    For a joined value tile of 128 columns in 4 warps (two threads a row, 64 columns each),
+    the two threads of a row then store 16-byte pieces that Triton's swizzled shared layout
+    (8 pieces a phase, XOR-ed with the row) puts in different banks: in dim order both
+    threads' pieces of one row land in the same 8 banks, a 2-way conflict per store."""
+    y = tl.permute(tl.reshape(x, (ROWS, 2, 2, COLS // 4)), (0, 2, 1, 3))
+    return tl.reshape(y, (ROWS, COLS))

@@ -223,3 +223,26 @@ def test_word_flags_join_only_4bit_values_by_default() -> None:
     assert flags.keywords(8)["half_dot"] == flags.half_dot
     assert WordKernelFlags(page_window=4, scale_rows=True, stages=4).keywords(4) == (
         flags.keywords(4) | {"page_window": 4, "scale_rows": True, "stages": 4})
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize(("loop_flags", "launches"), [(3, 2), (2, 1), (15, 1), (8, 2)])
+def test_key_loop_options_match_sdpa(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                     mode: str, loop_flags: int, launches: int) -> None:
+    """The key loop's options (`attend_word_decode`): lazy_sum (bit 1: running sums per key,
+    reduced after the loop), paired_values (bit 2: joined values in the unpack's pair order,
+    put back in dim order after the loop), small_tail_rows (bit 4: the single tail's window in
+    16-row tiles, here under 32-key blocks so the tiles differ), swapped_values (bit 8: the
+    value tile's middle column quarters swapped, and back after the loop): float32 exact with
+    the recent window, head_dim 64, page ids ahead, 3 splits, both launch kinds (the single
+    tail in one)."""
+    from dyngen_core.attention.triton_paged import TritonPagedBackend
+
+    _with_word_options(monkeypatch, join_values=True, page_window=2,
+                       lazy_sum=bool(loop_flags & 1), paired_values=bool(loop_flags & 2),
+                       small_tail_rows=bool(loop_flags & 4),
+                       swapped_values=bool(loop_flags & 8))
+    backend = TritonPagedBackend(block_n=16, word_block_n=32, max_splits=3, programs_per_sm=8,
+                                 word_launches=launches)
+    out, ref = _outputs(mode, WINDOW, 64, torch.float32, device, backend, page=32)
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
