@@ -158,9 +158,11 @@ TAIL_SWEEP = {"q4": "vhfr-64x4-l0-w4-t1,vhfr-64x4-l0-w4-t3,vhfr-64x4-l0-w4-m64-t
 # with more page splits where the smaller kernel lets them be one wave: 48 splits at 3
 # programs a multiprocessor (168 registers, 41 KB), 64 at 4 (-n128). Batch 1 is the target
 # (H200 before: q4 ~28 us, fp16 ~23.6); batches 4 and 32 check nothing regressed (-x and -n
-# change nothing there). About 20 compiles.
+# change nothing there; o12 keeps the page programs of two launches at 128 registers, where
+# lazy_sum and paired_values take them to 168). About 35 compiles: if the run passes 90 s,
+# run --batches 1 and --batches 4,32 as two calls.
 LOOP_SWEEP = {"q4": "vhfr-64x4-l0-w4,vhfr-64x4-l0-w4-o1,vhfr-64x4-l0-w4-o3,vhfr-64x4-l0-w4-o7,"
-                    "vhfr-64x4-l0-w4-o15,vhfr-64x4-l0-w4-o15-x48,"
+                    "vhfr-64x4-l0-w4-o12,vhfr-64x4-l0-w4-o15,vhfr-64x4-l0-w4-o15-x48,"
                     "vhfr-64x4-l0-w4-o15-n128-x64",
               "fp16": "fp16"}
 SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window",
