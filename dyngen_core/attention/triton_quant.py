@@ -19,8 +19,9 @@ import torch
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.triton_decode_merge import SplitCounters
 from dyngen_core.attention.triton_exact import ExactOperands
-from dyngen_core.attention.triton_kernels import combine_splits_kernel
+from dyngen_core.attention.triton_kernels import launch_combine
 from dyngen_core.attention.triton_quant_kernels import quant_decode_kernel
+from dyngen_core.triton_support import pdl_launch
 
 WORD_BITS = (4, 8)
 # Tail parts the kernel splits its exact-row work into (`triton_quant_programs.tail_program`):
@@ -250,7 +251,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "SPLIT_BLOCK": min(_pow2(partials), max(1, merge_rows // group_pad)),
              "TAIL_PARTS": tail_parts,
              "LOOP_FLAGS": (int(lazy_sum) + 2 * int(paired_values) + 4 * int(small_tail_rows)
-                            + 8 * int(swapped_values))}
+                            + 8 * int(swapped_values)), "GDC": pdl_launch(q.device)}
     grids = ([(partials, 0)] if launches == 1 else [(splits, 1), (tail_parts, 2)])
     tuning: dict[str, Any] = {"num_warps": warps}
     if stages is not None:
@@ -262,13 +263,11 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         # stages: one compile of it serves every window and depth.
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
             *arguments, **(shape | {"PAGE_WINDOW": 0} if role == 2 else shape),
-            PROGRAMS=role, **({"num_warps": warps} if role == 2 else tuning))
+            PROGRAMS=role, launch_pdl=shape["GDC"],
+            **({"num_warps": warps} if role == 2 else tuning))
     if counters is not None:
         return out
-    combine_splits_kernel[(tokens, num_heads)](
-        parts, lse, out, out.stride(0), out.stride(1), num_heads, NUM_SPLITS=partials,
-        SPLITS_PAD=_pow2(partials), HEAD_DIM=head_dim, HEAD_PAD=dim_pad, num_warps=4,
-    )
+    launch_combine(parts, lse, out, partials, head_dim, dim_pad)
     return out
 
 

@@ -35,6 +35,7 @@ from dyngen_core.attention.triton_decode_merge import count_in_and_merge
 from dyngen_core.attention.triton_kernels import _rotate_rows, log2_sum_exp
 from dyngen_core.attention.triton_quant_programs import page_program, tail_program
 from dyngen_core.attention.triton_quant_unpack import split_columns
+from dyngen_core.triton_pdl import pdl_start
 
 
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
@@ -57,7 +58,7 @@ def quant_decode_kernel(
     FAST_UNPACK: tl.constexpr = False, WIDE_SCALES: tl.constexpr = False,
     PAGE_WINDOW: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = False,
     MERGE: tl.constexpr = False, G_PAD: tl.constexpr = 1, SPLIT_BLOCK: tl.constexpr = 1,
-    TAIL_PARTS: tl.constexpr = 1, LOOP_FLAGS: tl.constexpr = 0,
+    TAIL_PARTS: tl.constexpr = 1, LOOP_FLAGS: tl.constexpr = 0, GDC: tl.constexpr = False,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + TAIL_PARTS) over a decode-only batch (sequence
     i is query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys
@@ -90,8 +91,9 @@ def quant_decode_kernel(
     round over ``G_PAD`` (G's power of two) rows, into ``out`` [T, H, HEAD_DIM] (strides
     ``stride_ot``, ``stride_oh``, 1). Two launches: the page programs only count in; the tail
     parts (launched after them on the stream) count in with acquire-release, and the last of
-    them merges."""
+    them merges. GDC: launched as a programmatic dependent launch (`triton_pdl`)."""
     SCALE_LOAD: tl.constexpr = 2 if SCALE_ROWS else (WIDE_SCALES and HEAD_DIM % 64 == 0) * 1
+    pdl_start(GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PROGRAMS == 2:
