@@ -80,14 +80,13 @@ def _routed(monkeypatch: pytest.MonkeyPatch, merged: bool,
             patch.setattr(triton_quant.torch, "empty_like", poisoned(empty_like))
             return attend_word_decode(*args, **(keywords | options))
 
-    class NoCombine:
-        def __getitem__(self, grid: object) -> None:
-            raise AssertionError("combine_splits_kernel ran although the kernel merged")
+    def no_combine(*args: Any) -> None:
+        raise AssertionError("combine_splits_kernel ran although the kernel merged")
 
     monkeypatch.setattr(triton_paged, "attend_word_decode", routed)
     monkeypatch.setattr(triton_quant, "quant_decode_kernel", Recorded())
     if merged:
-        monkeypatch.setattr(triton_quant, "combine_splits_kernel", NoCombine())
+        monkeypatch.setattr(triton_quant, "launch_combine", no_combine)
     return launches
 
 
