@@ -7,11 +7,12 @@ Triton kernel (whose launcher binds a dozen arguments in Python) every step. A r
 launch; the RNG keys still cross in one copy, into the graph's static input.
 
 What a graph holds: for one logits buffer (``x``'s storage, offset, strides and dtype), a row
-bucket and a candidate bound, the top-k of the bucket's rows of that buffer and the kernel over
-them, writing tokens into a static output. Its inputs are static tensors: the RNG keys (copied
-in every call) and the rows' columns (temperature, top_k, top_p: copied when the sampler's rows
-change, `fused.fused_columns`). Rows past the call's count are padding: computed from whatever
-the buffer and the static inputs hold there, and dropped. Buckets are multiples of
+bucket, a candidate bound and a top-k (`fused.TOPK_CHOICES`), that top-k of the bucket's rows
+of that buffer and the kernel over them, writing tokens into a static output. Its inputs are
+static tensors: the RNG keys (copied in every call) and the rows' columns (temperature, top_k,
+top_p: copied when the sampler's rows change, `fused.fused_columns`). Rows past the call's
+count are padding: computed from whatever the buffer and the static inputs hold there, and
+dropped. Buckets are multiples of
 `ROW_BUCKET` rows, capped at the rows the buffer's storage holds, so a batch that loses or gains
 a job keeps its graph.
 
@@ -34,15 +35,23 @@ from typing import Any
 
 import torch
 
-from dyngen_core.sampling.fused import NO_TOP_P, FusedColumns, fused_columns, launch_fused_draw
+from dyngen_core.sampling.fused import (
+    DEFAULT_TOPK,
+    NO_TOP_P,
+    FusedColumns,
+    TopkChoice,
+    fused_columns,
+    launch_fused_draw,
+)
 from dyngen_core.sampling.rows import RowList
 from dyngen_core.sampling.upload import Staging
 
 ROW_BUCKET = 32
 MAX_GRAPHS = 16
 
-# (storage address, offset, strides, width, dtype, bucket, bound) of the logits a graph reads
-GraphKey = tuple[int, int, tuple[int, ...], int, torch.dtype, int, int]
+# (storage address, offset, strides, width, dtype, bucket, bound) of the logits a graph
+# reads, and its top-k
+GraphKey = tuple[int, int, tuple[int, ...], int, torch.dtype, int, int, str]
 
 
 @dataclass
@@ -70,22 +79,23 @@ class DrawGraphs:
         self._pool: Any = None  # a graph memory pool handle
         self.failure: str | None = None
 
-    def draw(self, x: torch.Tensor, rows: RowList, staging: Staging,
-             bound: int) -> torch.Tensor | None:
+    def draw(self, x: torch.Tensor, rows: RowList, staging: Staging, bound: int,
+             topk: TopkChoice = DEFAULT_TOPK) -> torch.Tensor | None:
         """`fused.draw_fused` of ``x`` [rows, vocab] by replaying its graph (captured on the
-        first call for this buffer, bucket and bound): int64 [rows], a view of the graph's
-        output (valid until the graph's next replay). None, with nothing launched, once a
-        capture has failed (``failure`` says why; the caller draws eagerly from then on)."""
+        first call for this buffer, bucket, bound and ``topk``): int64 [rows], a view of the
+        graph's output (valid until the graph's next replay). None, with nothing launched,
+        once a capture has failed (``failure`` says why; the caller draws eagerly from then
+        on)."""
         if self.failure is not None:
             return None
         count = x.shape[0]
         bucket = _bucket(x)
         key: GraphKey = (x.untyped_storage().data_ptr(), int(x.storage_offset()),
-                         tuple(x.stride()), x.shape[1], x.dtype, bucket, bound)
+                         tuple(x.stride()), x.shape[1], x.dtype, bucket, bound, topk)
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(_rows_view(x, bucket), bound)
+                entry = self._capture(_rows_view(x, bucket), bound, topk)
             except RuntimeError as exc:  # a torch build whose top-k cannot be captured
                 self.failure = f"capturing the fused draw failed: {exc}"
                 warnings.warn(f"{self.failure}; drawing without CUDA graphs", RuntimeWarning,
@@ -108,7 +118,7 @@ class DrawGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def _capture(self, x: torch.Tensor, bound: int) -> _DrawGraph:
+    def _capture(self, x: torch.Tensor, bound: int, topk: TopkChoice) -> _DrawGraph:
         rows, device = x.shape[0], x.device
         keys = torch.zeros(rows, 2, dtype=torch.int64, device=device)
         columns = FusedColumns(torch.ones(rows, dtype=torch.float32, device=device),
@@ -121,11 +131,11 @@ class DrawGraphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            launch_fused_draw(x, keys, columns, bound, out)
+            launch_fused_draw(x, keys, columns, bound, out, topk=topk)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            launch_fused_draw(x, keys, columns, bound, out)
+            launch_fused_draw(x, keys, columns, bound, out, topk=topk)
         if self._pool is None:
             self._pool = graph.pool()  # later graphs share its memory: never run concurrently
         return _DrawGraph(graph, keys, columns, out)

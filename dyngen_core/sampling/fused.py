@@ -12,13 +12,20 @@ order than torch's kernels, so a token whose preceding mass is within float roun
 may be kept by one and cut by the other. The compact and full-width torch draws already differ
 in the same way (their softmax sums run over different widths).
 
+The top-k itself is ``torch.topk`` or a two-stage Triton top-k (`topk_kernel.topk_rows`,
+which reads each row once), chosen by ``topk`` (`TOPK_CHOICES`; the sampler's ``fused_topk``
+option). Both give the candidates descending with a NaN first (so a NaN row is still
+reported); equal logits come in column order from the Triton one and in an unspecified order
+from torch.topk, so where equal logits straddle the bound the two may keep different ones.
+torch.topk stays for bounds past `TRITON_TOPK_MAX_BOUND`.
+
 triton is imported only when the fused draw runs (CI has none).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +39,11 @@ FUSED_STAGES = frozenset({"bias", "penalties", "dry", "temperature", "top_k", "t
 # One program holds a row's candidates in registers.
 MAX_FUSED_BOUND = 1024
 NO_TOP_P = 2.0  # a top_p no mass reaches: the row is not cut
+TopkChoice = Literal["torch", "triton"]
+TOPK_CHOICES: tuple[TopkChoice, ...] = ("torch", "triton")
+# The fused draw's top-k when the sampler is not told; "triton" once the H200 shows it faster.
+DEFAULT_TOPK: TopkChoice = "torch"
+TRITON_TOPK_MAX_BOUND = 1024  # `topk_kernel.MAX_BOUND`, without importing triton here
 
 
 def fused_draw_default(device: torch.device) -> bool:
@@ -42,6 +54,14 @@ def fused_draw_default(device: torch.device) -> bool:
 def check_fused_device(device: torch.device) -> None:
     """Raise ValueError when the kernel cannot run on ``device``."""
     require_triton(device, "fused_draw")
+
+
+def check_topk_choice(topk: str) -> TopkChoice:
+    """``topk`` as a `TopkChoice`; ValueError naming the choices when it is none."""
+    for choice in TOPK_CHOICES:
+        if topk == choice:
+            return choice
+    raise ValueError(f"fused_topk must be one of {TOPK_CHOICES} (or None); got {topk!r}")
 
 
 def fusable(rows: RowList, bound: int) -> bool:
@@ -134,28 +154,48 @@ def carry_host_columns(host: HostColumns, rows: Sequence[Row], dropped: Sequence
     return temps, top_k, top_p
 
 
-def draw_fused(x: torch.Tensor, rows: RowList, staging: Staging, bound: int) -> torch.Tensor:
+def draw_fused(x: torch.Tensor, rows: RowList, staging: Staging, bound: int,
+               topk: TopkChoice = DEFAULT_TOPK) -> torch.Tensor:
     """The compact draw of ``x`` ``[rows, vocab]`` (edited logits, any float dtype; not
     modified) with ``bound`` candidates per row, fused: int64 ``[rows]`` on the device, each
-    row's token, or -1 for a row with no allowed token (or a NaN logit)."""
+    row's token, or -1 for a row with no allowed token (or a NaN logit). ``topk``: which
+    top-k finds the candidates (`launch_fused_draw`)."""
     keys, columns = _keys_and_columns(rows, staging, bound)
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    launch_fused_draw(x, keys, columns, bound, out)
+    launch_fused_draw(x, keys, columns, bound, out, topk=topk)
     return out
 
 
 def launch_fused_draw(x: torch.Tensor, keys: torch.Tensor, columns: FusedColumns, bound: int,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, *, topk: TopkChoice = DEFAULT_TOPK) -> None:
     """The top-k of ``x`` and the kernel over it, each row's token into ``out`` [rows]
-    (``keys`` int64 [rows, 2]); what `draw_graph` captures."""
+    (``keys`` int64 [rows, 2]); what `draw_graph` captures.
+
+    topk: "torch" (``torch.topk``) or "triton" (`topk_kernel.topk_rows`; torch.topk for
+        bounds past `TRITON_TOPK_MAX_BOUND`): the same candidates either way, up to which
+        of equal logits at the bound are kept (module docstring).
+    """
     from dyngen_core.sampling.fused_kernel import compact_draw_kernel
 
-    values, token_ids = torch.topk(x, bound, dim=-1)
+    values, token_ids = candidates(x, bound, topk)
     block = max(16, 1 << (bound - 1).bit_length())
     compact_draw_kernel[(x.shape[0],)](
         values, token_ids, keys, columns.temps, columns.top_k, columns.top_p, out, bound,
         values.stride(0), token_ids.stride(0), BLOCK=block, LIBDEVICE=x.device.type == "cuda",
         num_warps=1 if block <= 256 else 4)
+
+
+def candidates(x: torch.Tensor, bound: int,
+               topk: TopkChoice = DEFAULT_TOPK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``bound`` (values, int64 token ids) of every row of ``x``, descending, by the
+    ``topk`` of `launch_fused_draw` (values float32 from "triton", ``x``'s dtype from
+    "torch")."""
+    if topk == "triton" and bound <= min(TRITON_TOPK_MAX_BOUND, x.shape[1]):
+        from dyngen_core.sampling.topk_kernel import topk_rows
+
+        return topk_rows(x, bound)
+    values, token_ids = torch.topk(x, bound, dim=-1)
+    return values, token_ids
 
 
 def hashed_uniforms(keys: torch.Tensor, token_ids: torch.Tensor, *,

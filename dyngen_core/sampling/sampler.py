@@ -42,7 +42,14 @@ from dyngen_core.sampling.compact import compact_bound, draw_compact, fetch_comp
 from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
 from dyngen_core.sampling.draw_graph import DrawGraphs, graphable
 from dyngen_core.sampling.edits import apply_edits
-from dyngen_core.sampling.fused import check_fused_device, draw_fused, fusable, fused_draw_default
+from dyngen_core.sampling.fused import (
+    DEFAULT_TOPK,
+    check_fused_device,
+    check_topk_choice,
+    draw_fused,
+    fusable,
+    fused_draw_default,
+)
 from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.rows import Row, RowList
@@ -72,6 +79,10 @@ class Sampler:
         (no logit edits). None (default): on CUDA whenever the fused draw runs; True needs
         CUDA and the fused draw; False launches it eagerly. The tokens a graph returns are a
         view of its output: valid until this sampler's next draw.
+    fused_topk: the top-k that finds the fused draw's candidates: "torch" (``torch.topk``)
+        or "triton" (`topk_kernel`: a two-stage Triton top-k that reads each row once; the
+        same candidates, ties to the lower column); None (default): `fused.DEFAULT_TOPK`.
+        "triton" needs the fused draw.
     """
 
     def __init__(
@@ -83,6 +94,7 @@ class Sampler:
         eos_token_ids: Sequence[int] = (),
         fused_draw: bool | None = None,
         draw_graphs: bool | None = None,
+        fused_topk: str | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -94,6 +106,10 @@ class Sampler:
                              f"(device {self.device}, fused_draw={self.fused_draw})")
         use_graphs = self.fused_draw and self.device.type == "cuda" and draw_graphs is not False
         self.draw_graphs = DrawGraphs(self.device) if use_graphs else None
+        self.fused_topk = DEFAULT_TOPK if fused_topk is None else check_topk_choice(fused_topk)
+        if fused_topk == "triton" and not self.fused_draw:
+            raise ValueError(f"fused_topk={fused_topk!r} needs the fused draw (fused_draw "
+                             f"is {self.fused_draw} on {self.device})")
         self._rows = RowCache()
         self._vocab = VocabTables(vocab_size, token_pieces, eos_token_ids)
         self._seeds = random.Random()
@@ -188,10 +204,11 @@ class Sampler:
                 x[:, vocab_size:] = float("-inf")
             apply_edits(x, rows, requests, self._vocab)
         if bound and self.fused_draw and fusable(rows, bound):
-            graphed = (self.draw_graphs.draw(x, rows, self._staging, bound)
+            topk = self.fused_topk
+            graphed = (self.draw_graphs.draw(x, rows, self._staging, bound, topk)
                        if self.draw_graphs is not None and not edits and graphable(x) else None)
             return _Drawn(None, graphed if graphed is not None
-                          else draw_fused(x, rows, self._staging, bound))
+                          else draw_fused(x, rows, self._staging, bound, topk))
         if bound:
             drawn = draw_compact(x, rows, requests, self._vocab, self._staging, bound)
             choice = drawn.token_ids.gather(1, drawn.pick).squeeze(1)
