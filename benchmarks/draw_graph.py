@@ -4,9 +4,11 @@ launched eagerly (top-k, output, Triton kernel) or replayed from its CUDA graph
 (`sampling.draw_graph`), and the bare replay of that graph. Host microseconds per call (median;
 the device is synchronized after each call, outside the clock: a call queued behind the last
 one's device work would wait for it, as the keys' pinned buffer is reused), and the device
-time per call from CUDA events.
+time per call from CUDA events. Each path runs with each fused top-k asked for (``--topk``:
+torch.topk, the Triton top-k of `sampling.topk_kernel`, or both).
 
     python benchmarks/draw_graph.py [--rows 256] [--vocab 128256] [--calls 200]
+                                    [--topk torch|triton|both]
 """
 
 from __future__ import annotations
@@ -51,30 +53,33 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--topk", choices=("torch", "triton", "both"), default="both",
+                        help="the fused draw's top-k (Sampler's fused_topk)")
     args = parser.parse_args()
     device = torch.device("cuda")
     logits = torch.randn(args.rows, args.vocab, device=device) * 3
     requests = [SampleRequest(settings=SETTINGS, seed=i, counter=0) for i in range(args.rows)]
     results = {}
-    for graphs in (False, True):
-        sampler = Sampler(args.vocab, device, draw_graphs=graphs)
+    for topk in ("torch", "triton") if args.topk == "both" else (args.topk,):
+        for graphs in (False, True):
+            sampler = Sampler(args.vocab, device, draw_graphs=graphs, fused_topk=topk)
 
-        def step(sampler: Sampler = sampler) -> None:
-            for request in requests:
-                request.counter += 1
-            sampler.launch_tokens(logits, requests, kept=True)
+            def step(sampler: Sampler = sampler) -> None:
+                for request in requests:
+                    request.counter += 1
+                sampler.launch_tokens(logits, requests, kept=True)
 
-        results["graph" if graphs else "eager"] = host_us(step, args.calls)
-        if graphs:
-            assert sampler.draw_graphs is not None
-            entry = next(iter(sampler.draw_graphs._graphs.values()))
-            results["replay only"] = host_us(entry.graph.replay, args.calls)
-    for name, (host, device_us) in results.items():
+            results[("graph" if graphs else "eager", topk)] = host_us(step, args.calls)
+            if graphs:
+                assert sampler.draw_graphs is not None
+                entry = next(iter(sampler.draw_graphs._graphs.values()))
+                results[("replay only", topk)] = host_us(entry.graph.replay, args.calls)
+    for (name, topk), (host, device_us) in results.items():
         report("draw_graph", device=device_name(), rows=args.rows, vocab=args.vocab,
-               path=name, host_us=host, device_us=device_us)
-    print(f"{'path':<12} {'host us':>9} {'device us':>10}")
-    for name, (host, device_us) in results.items():
-        print(f"{name:<12} {host:9.1f} {device_us:10.1f}")
+               path=name, topk=topk, host_us=host, device_us=device_us)
+    print(f"{'path':<12} {'top-k':<7} {'host us':>9} {'device us':>10}")
+    for (name, topk), (host, device_us) in results.items():
+        print(f"{name:<12} {topk:<7} {host:9.1f} {device_us:10.1f}")
 
 
 if __name__ == "__main__":
