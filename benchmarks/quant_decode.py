@@ -160,10 +160,12 @@ TAIL_SWEEP = {"q4": "vhfr-64x4-l0-w4-t1,vhfr-64x4-l0-w4-t3,vhfr-64x4-l0-w4-m64-t
 # (H200 before: q4 ~28 us, fp16 ~23.6); batches 4 and 32 check nothing regressed (-x and -n
 # change nothing there; o12 keeps the page programs of two launches at 128 registers, where
 # lazy_sum and paired_values take them to 168). About 35 compiles: if the run passes 90 s,
-# run --batches 1 and --batches 4,32 as two calls.
+# run --batches 1 and --batches 4,32 as two calls. q8 (--modes q8: its values are not
+# joined, so bits 2 and 8 change nothing) checks whether lazy_sum and small_tail_rows pay.
 LOOP_SWEEP = {"q4": "vhfr-64x4-l0-w4,vhfr-64x4-l0-w4-o1,vhfr-64x4-l0-w4-o3,vhfr-64x4-l0-w4-o7,"
                     "vhfr-64x4-l0-w4-o12,vhfr-64x4-l0-w4-o15,vhfr-64x4-l0-w4-o15-x48,"
                     "vhfr-64x4-l0-w4-o15-n128-x64",
+              "q8": "hfr-64x4-l0-w4,hfr-64x4-l0-w4-o1,hfr-64x4-l0-w4-o4,hfr-64x4-l0-w4-o5",
               "fp16": "fp16"}
 SUFFIXES = {"p": "per_sm", "l": "launches", "s": "stages", "w": "page_window",
             "m": "merge_rows", "t": "tail_parts", "n": "max_registers", "x": "max_splits",
@@ -294,7 +296,7 @@ def main() -> None:
         args.fp16, args.modes = TAIL_SWEEP["fp16"], args.modes or "fp16,q4"
     if args.loop_sweep:
         args.batches = args.batches if args.batches != "1,32" else "1,4,32"
-        args.q4, args.fp16 = LOOP_SWEEP["q4"], LOOP_SWEEP["fp16"]
+        args.q4, args.q8, args.fp16 = LOOP_SWEEP["q4"], LOOP_SWEEP["q8"], LOOP_SWEEP["fp16"]
         args.modes = args.modes or "fp16,q4"
     args.modes = args.modes or "fp16,q8,q4"
     device = torch.device(args.device)

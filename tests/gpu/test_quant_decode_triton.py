@@ -246,3 +246,18 @@ def test_key_loop_options_match_sdpa(device: torch.device, monkeypatch: pytest.M
                                  word_launches=launches)
     out, ref = _outputs(mode, WINDOW, 64, torch.float32, device, backend, page=32)
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_word_flags_key_loop_options_only_4bit_values_by_default() -> None:
+    """The key loop's options (`triton_quant.LOOP_OPTIONS`) are on for 4-bit values (fastest
+    on an H200 at every batch) and off for 8-bit ones unless loop_8bit asks; an option turned
+    off stays off for both."""
+    pytest.importorskip("triton")
+    from dyngen_core.attention.triton_quant import LOOP_OPTIONS, WordKernelFlags
+
+    flags = WordKernelFlags()
+    assert all(flags.keywords(4)[name] for name in LOOP_OPTIONS)
+    assert not any(flags.keywords(8)[name] for name in LOOP_OPTIONS)
+    assert all(WordKernelFlags(loop_8bit=True).keywords(8)[name] for name in LOOP_OPTIONS)
+    assert not WordKernelFlags(lazy_sum=False).keywords(4)["lazy_sum"]
+    assert "loop_8bit" not in flags.keywords(4) and "loop_8bit" not in flags.keywords(8)
