@@ -34,8 +34,6 @@ MAX_TAIL_PARTS = 4
 PARTS_MAX_REGISTERS = 168
 # tl.dot needs 16 along every dimension: 16 words of codes per tile at least.
 MIN_TILE = 16
-# The key loop's options (`WordKernelFlags`), on for 4-bit values only unless loop_8bit.
-LOOP_OPTIONS = ("lazy_sum", "paired_values", "swapped_values", "small_tail_rows")
 
 
 @dataclass(frozen=True)
@@ -63,10 +61,10 @@ class WordKernelFlags:
     `combine_splits_kernel`, 29.3 / 103.9 merged in the kernel).
     ``lazy_sum``, ``paired_values``, ``swapped_values``, ``small_tail_rows``: fewer
     shared-memory round trips and bank conflicts in the key loop and a smaller one-launch
-    kernel (`attend_word_decode`); on for 4-bit values, where all four measured fastest at
-    every batch (H200, 16k, one layer, us, batch 1 / 4 / 32: 26.6 / 95.6 / 511.0 off, 24.9 /
-    85.5 / 420.9 on; fp16 28.1 / 80.7 / 495.9); for 8-bit values only with ``loop_8bit``
-    (there they spill 16 bytes a thread and were not measured faster).
+    kernel (`attend_word_decode`); all on, as they measured fastest at every batch (H200,
+    16k, one layer, us, batch 1 / 4 / 32: q4 26.6 / 95.6 / 511.0 off, 24.9 / 85.5 / 420.9 on;
+    fp16 28.1 / 80.7 / 495.9; q8, whose values are not joined so only lazy_sum and
+    small_tail_rows act, 34.4 / 112.1 / 662.5 off, 33.1 / 108.2 / 621.2 on).
     """
 
     join_keys: bool = False
@@ -85,7 +83,6 @@ class WordKernelFlags:
     paired_values: bool = True
     swapped_values: bool = True
     small_tail_rows: bool = True
-    loop_8bit: bool = False
 
     def keywords(self, value_bits: int) -> dict[str, Any]:
         """The flags as `attend_word_decode` keywords for pages of ``value_bits``-bit values
@@ -94,9 +91,6 @@ class WordKernelFlags:
         flags.pop("merge_in_kernel")
         join_8bit = flags.pop("join_8bit_values")
         flags["join_values"] = self.join_values and (value_bits == 4 or join_8bit)
-        if value_bits != 4 and not flags.pop("loop_8bit"):
-            flags.update(dict.fromkeys(LOOP_OPTIONS, False))
-        flags.pop("loop_8bit", None)
         return flags
 
 

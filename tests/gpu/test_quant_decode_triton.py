@@ -248,16 +248,13 @@ def test_key_loop_options_match_sdpa(device: torch.device, monkeypatch: pytest.M
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
 
 
-def test_word_flags_key_loop_options_only_4bit_values_by_default() -> None:
-    """The key loop's options (`triton_quant.LOOP_OPTIONS`) are on for 4-bit values (fastest
-    on an H200 at every batch) and off for 8-bit ones unless loop_8bit asks; an option turned
-    off stays off for both."""
+def test_word_flags_turn_the_key_loop_options_on_by_default() -> None:
+    """The key loop's options are on for both value widths (fastest on an H200 at every
+    batch for q4 and q8); one turned off stays off."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_quant import LOOP_OPTIONS, WordKernelFlags
+    from dyngen_core.attention.triton_quant import WordKernelFlags
 
-    flags = WordKernelFlags()
-    assert all(flags.keywords(4)[name] for name in LOOP_OPTIONS)
-    assert not any(flags.keywords(8)[name] for name in LOOP_OPTIONS)
-    assert all(WordKernelFlags(loop_8bit=True).keywords(8)[name] for name in LOOP_OPTIONS)
+    names = ("lazy_sum", "paired_values", "swapped_values", "small_tail_rows")
+    for bits in (4, 8):
+        assert all(WordKernelFlags().keywords(bits)[name] for name in names)
     assert not WordKernelFlags(lazy_sum=False).keywords(4)["lazy_sum"]
-    assert "loop_8bit" not in flags.keywords(4) and "loop_8bit" not in flags.keywords(8)
