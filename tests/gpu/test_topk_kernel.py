@@ -48,10 +48,13 @@ def _one_case(device: torch.device) -> tuple[int, int, int, dict[str, int]]:
 
 def _expected(x: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(torch.topk's values as float32, a stable descending sort's ids): the exact oracle
-    of the ids, ties to the lower column and NaN first."""
-    values = torch.topk(x, bound, dim=-1).values.float()
-    ids = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :bound]
-    return values, ids
+    of the ids, ties to the lower column and NaN first. Computed on the CPU: there every NaN
+    is the largest value, as documented; on CUDA (H200, torch 2.11) torch.topk puts a
+    negative NaN last of its k and torch.sort below the finite values."""
+    cpu = x.cpu()
+    values = torch.topk(cpu, bound, dim=-1).values.float()
+    ids = torch.sort(cpu.float(), dim=-1, descending=True, stable=True).indices[:, :bound]
+    return values.to(x.device), ids.to(x.device)
 
 
 def _check(x: torch.Tensor, bound: int, options: dict[str, int]) -> None:
