@@ -119,7 +119,7 @@ class CollectionClock:
 def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettings,
             steps: int, profile: int = 0, freeze_gc: bool = False,
             torch_draw: bool = False, overlap: bool = True,
-            draw_graphs: bool = True) -> dict[str, float]:
+            draw_graphs: bool = True, fused_topk: str | None = None) -> dict[str, float]:
     model = tiny_model(vocab, device)
     cache = Cache(model, max_tokens=jobs * 512, mode="fp16")
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=word_tokenizer(vocab),
@@ -131,6 +131,8 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
         generator._bridge.sampler.fused_draw = False
     if not draw_graphs:
         generator._bridge.sampler.draw_graphs = None
+    if fused_topk is not None:
+        generator._bridge.sampler.fused_topk = fused_topk
     generator.enqueue([Job(input_ids=[100 + i, 200 + i, 300 + i], max_new_tokens=400,
                            stop_conditions=["t1 t2 t3", 5], gen_settings=settings, identifier=i)
                        for i in range(jobs)])
@@ -212,6 +214,8 @@ def main() -> None:
                         help="generator with overlap_steps=False (each step waits for its tokens)")
     parser.add_argument("--torch-draw", action="store_true",
                         help="the sampler's torch draw on CUDA instead of the fused kernel")
+    parser.add_argument("--fused-topk", choices=("torch", "triton", "auto"), default=None,
+                        help="the fused draw's top-k (Sampler's fused_topk; default: its own)")
     parser.add_argument("--no-draw-graphs", action="store_true",
                         help="launch the fused draw eagerly instead of from CUDA graphs")
     args = parser.parse_args()
@@ -224,12 +228,13 @@ def main() -> None:
         for label in args.sampling.split(","):
             figures = step_ms(device, args.jobs, args.vocab, SETTINGS[label], args.steps,
                               args.profile, args.gc_freeze, args.torch_draw,
-                              not args.no_overlap, not args.no_draw_graphs)
+                              not args.no_overlap, not args.no_draw_graphs, args.fused_topk)
             fused = not args.torch_draw and fused_draw_default(device)
             graphs = fused and device.type == "cuda" and not args.no_draw_graphs
             report("host_overhead.step", device=name, device_name=device_name(),
                    jobs=args.jobs, vocab=args.vocab, sampling=label, target_ms=1.0,
                    fused_draw=fused, draw_graphs=graphs, overlap=not args.no_overlap,
+                   fused_topk=args.fused_topk or "default",
                    **figures)
 
 

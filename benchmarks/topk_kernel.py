@@ -38,7 +38,9 @@ from dyngen_core.sampling.topk_kernel import topk_plan, topk_rows
 L2_BYTES = 50 << 20
 # (label, rows, vocab, bound); the first is the main shape (the sweep runs there)
 SHAPES = [("256x128256 b50", 256, 128256, 50), ("32x128256 b50", 32, 128256, 50),
-          ("256x32000 b50", 256, 32000, 50), ("256x128256 b1024", 256, 128256, 1024)]
+          ("256x32000 b50", 256, 32000, 50), ("256x128256 b128", 256, 128256, 128),
+          ("256x128256 b256", 256, 128256, 256), ("256x128256 b512", 256, 128256, 512),
+          ("256x128256 b1024", 256, 128256, 1024), ("32x128256 b1024", 32, 128256, 1024)]
 SMALL_SHAPES = [("4x3000 b50", 4, 3000, 50), ("2x1000 b8", 2, 1000, 8)]
 # Plan options varied one at a time from the defaults, at the main shape.
 SWEEP: list[dict[str, int]] = [

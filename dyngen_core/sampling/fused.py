@@ -17,7 +17,10 @@ which reads each row once), chosen by ``topk`` (`TOPK_CHOICES`; the sampler's ``
 option). Both give the candidates descending with a NaN first (so a NaN row is still
 reported); equal logits come in column order from the Triton one and in an unspecified order
 from torch.topk, so where equal logits straddle the bound the two may keep different ones.
-torch.topk stays for bounds past `TRITON_TOPK_MAX_BOUND`.
+torch.topk stays for bounds past `TRITON_TOPK_MAX_BOUND`. "auto" (the default) takes the
+Triton top-k up to `AUTO_TRITON_MAX_BOUND`, where the H200 measured it faster (256 rows of
+128256 logits, device us, torch.topk / Triton: bound 50 439.5 / 57.0, 128 447.2 / 86.9, 256
+464.5 / 144.7, 512 469.2 / 234.2, 1024 479.1 / 558.0; 32 rows at 1024: 113.9 / 240.3).
 
 triton is imported only when the fused draw runs (CI has none).
 """
@@ -39,11 +42,14 @@ FUSED_STAGES = frozenset({"bias", "penalties", "dry", "temperature", "top_k", "t
 # One program holds a row's candidates in registers.
 MAX_FUSED_BOUND = 1024
 NO_TOP_P = 2.0  # a top_p no mass reaches: the row is not cut
-TopkChoice = Literal["torch", "triton"]
-TOPK_CHOICES: tuple[TopkChoice, ...] = ("torch", "triton")
-# The fused draw's top-k when the sampler is not told; "triton" once the H200 shows it faster.
-DEFAULT_TOPK: TopkChoice = "torch"
+TopkChoice = Literal["torch", "triton", "auto"]
+TOPK_CHOICES: tuple[TopkChoice, ...] = ("torch", "triton", "auto")
+# The fused draw's top-k when the sampler is not told.
+DEFAULT_TOPK: TopkChoice = "auto"
 TRITON_TOPK_MAX_BOUND = 1024  # `topk_kernel.MAX_BOUND`, without importing triton here
+# "auto": the Triton top-k up to this bound (its sort grows with the bound; torch.topk's
+# radix select hardly does: at 512 Triton was 2x faster at 256 rows, at 1024 slower).
+AUTO_TRITON_MAX_BOUND = 256
 
 
 def fused_draw_default(device: torch.device) -> bool:
@@ -171,8 +177,9 @@ def launch_fused_draw(x: torch.Tensor, keys: torch.Tensor, columns: FusedColumns
     """The top-k of ``x`` and the kernel over it, each row's token into ``out`` [rows]
     (``keys`` int64 [rows, 2]); what `draw_graph` captures.
 
-    topk: "torch" (``torch.topk``) or "triton" (`topk_kernel.topk_rows`; torch.topk for
-        bounds past `TRITON_TOPK_MAX_BOUND`): the same candidates either way, up to which
+    topk: "torch" (``torch.topk``), "triton" (`topk_kernel.topk_rows`; torch.topk for
+        bounds past `TRITON_TOPK_MAX_BOUND`) or "auto" (Triton up to
+        `AUTO_TRITON_MAX_BOUND`, else torch): the same candidates either way, up to which
         of equal logits at the bound are kept (module docstring).
     """
     from dyngen_core.sampling.fused_kernel import compact_draw_kernel
@@ -190,7 +197,8 @@ def candidates(x: torch.Tensor, bound: int,
     """The top ``bound`` (values, int64 token ids) of every row of ``x``, descending, by the
     ``topk`` of `launch_fused_draw` (values float32 from "triton", ``x``'s dtype from
     "torch")."""
-    if topk == "triton" and bound <= min(TRITON_TOPK_MAX_BOUND, x.shape[1]):
+    most = AUTO_TRITON_MAX_BOUND if topk == "auto" else TRITON_TOPK_MAX_BOUND
+    if topk != "torch" and bound <= min(most, x.shape[1]):
         from dyngen_core.sampling.topk_kernel import topk_rows
 
         return topk_rows(x, bound)

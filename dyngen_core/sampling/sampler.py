@@ -79,10 +79,12 @@ class Sampler:
         (no logit edits). None (default): on CUDA whenever the fused draw runs; True needs
         CUDA and the fused draw; False launches it eagerly. The tokens a graph returns are a
         view of its output: valid until this sampler's next draw.
-    fused_topk: the top-k that finds the fused draw's candidates: "torch" (``torch.topk``)
-        or "triton" (`topk_kernel`: a two-stage Triton top-k that reads each row once; the
-        same candidates, ties to the lower column); None (default): `fused.DEFAULT_TOPK`.
-        "triton" needs the fused draw.
+    fused_topk: the top-k that finds the fused draw's candidates: "torch" (``torch.topk``),
+        "triton" (`topk_kernel`: a two-stage Triton top-k that reads each row once; the
+        same candidates, ties to the lower column; torch.topk past 1024 candidates) or
+        "auto" (Triton up to `fused.AUTO_TRITON_MAX_BOUND` candidates, where it measured
+        faster, else torch); None (default): `fused.DEFAULT_TOPK` ("auto"). "triton" needs
+        the fused draw.
     """
 
     def __init__(
