@@ -9,7 +9,10 @@ its first statement (`griddepcontrol.wait`) until that kernel has completed and 
 visible, so it reads and writes nothing early, and it at once lets the next kernel start the
 same way (`griddepcontrol.launch_dependents`). A kernel launched without PDL after one of these
 waits for it as usual, so PDL and other kernels mix in any order. Measured on an H200
-(a chain of three small kernels in a graph): 7.97 -> 5.68 us per chain.
+(a chain of three small kernels in a graph): 7.97 -> 5.68 us per chain. End to end they
+measured no faster (a decode step is a few hundred kernels, most of them long enough that the
+gap hardly counts, and early-launched programs wait on multiprocessors the running kernel
+could use), so they are opt-in: ``DYNGEN_PDL=1`` (`triton_support.PDL_ENV`).
 
 This module imports triton at the top: only kernel modules import it.
 """

@@ -15,7 +15,9 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-# "0" turns programmatic dependent launches off (for A/B runs); anything else leaves them on.
+# "1" turns programmatic dependent launches on (sm_90+); unset or anything else leaves them
+# off. Off by default: on the H200 they measured no faster end to end (BENCHMARKS.md: batch-1
+# decode step 4.297 ms off, 4.376 on, same run; 16k q4 step 5.293 off, 5.351 on).
 PDL_ENV = "DYNGEN_PDL"
 
 
@@ -48,8 +50,8 @@ def launch_device(device: torch.device) -> AbstractContextManager[object]:
 def pdl_launch(device: torch.device) -> bool:
     """Whether a Triton launch on ``device`` is a programmatic dependent launch (the kernel
     then starts with `triton_pdl.pdl_start`; pass the result as its ``GDC`` and as
-    ``launch_pdl``): on CUDA devices of compute capability 9.0 or above, unless the
-    ``DYNGEN_PDL`` environment variable is "0"."""
-    if device.type != "cuda" or os.environ.get(PDL_ENV) == "0":
+    ``launch_pdl``): when the ``DYNGEN_PDL`` environment variable is "1", on CUDA devices
+    of compute capability 9.0 or above (`PDL_ENV` says why it is off by default)."""
+    if device.type != "cuda" or os.environ.get(PDL_ENV) != "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

@@ -54,6 +54,8 @@ def test_no_dependent_launches_off_cuda() -> None:
 def test_dependent_launches_follow_the_gpu_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     monkeypatch.delenv(PDL_ENV, raising=False)
+    assert not pdl_launch(device)
+    monkeypatch.setenv(PDL_ENV, "1")
     assert pdl_launch(device) == (torch.cuda.get_device_capability(device)[0] >= 9)
     monkeypatch.setenv(PDL_ENV, "0")
     assert not pdl_launch(device)
