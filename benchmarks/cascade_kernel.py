@@ -58,12 +58,8 @@ from _common import add_common_args, bench_config, cuda_seconds, device_name, re
 
 from dyngen_core.attention.triton_cascade import attend_prefixes, multiprocessors
 from dyngen_core.attention.triton_cascade_path import LOG2_E, CascadePath
-from dyngen_core.attention.triton_paged import (
-    TritonPagedBackend,
-    _HeadShape,
-    page_arguments,
-    page_operands,
-)
+from dyngen_core.attention.triton_page_operands import HeadShape, page_arguments, page_operands
+from dyngen_core.attention.triton_paged import TritonPagedBackend
 from dyngen_core.config import ModelConfig
 from dyngen_core.forward import build_forward_batch
 from dyngen_core.plan import SequenceSlice, StepPlan
@@ -179,7 +175,7 @@ def graph_calls(case: Case, backend: TritonPagedBackend, device: torch.device
     for plan, q in zip(case.plans, case.queries, strict=True):
         batch = dataclasses.replace(build_forward_batch(plan, storage.page_size, device),
                                     page_tables_host=None, cascade=tables)
-        head_shape = _HeadShape.of(q, ops)
+        head_shape = HeadShape.of(q, ops)
         launch = backend.cascade.prefix_launch(ops, batch, tables, head_shape,
                                                multiprocessors(device))
         page_args = page_arguments(ops, q)

@@ -12,7 +12,10 @@ runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
 ``NxW`` is `triton_quant`'s q8/q4 kernel at N keys per step and W warps (``NxWs``: its page
 and tail programs in two launches, as the backend's default; a trailing ``p``: with every
 `WordKernelFlags` code path off, the kernel as it was before them), ``general`` the general
-paged kernel; the first one listed enters the q4/fp16 ratio.
+paged kernel; the first one listed enters the q4/fp16 ratio. Suffixes after ``NxW``: ``-w0``
+writes the step's rows in the storage's own launch (``-w1``, the default: in the decode
+kernel, `WordKernelFlags.write_step`), ``-mN`` merges the splits in the kernel with
+``merge_rows`` N (``-m0``: a second kernel), e.g. ``64x4s-w0-m256``.
 """
 
 from __future__ import annotations
@@ -85,12 +88,21 @@ def quant_backend(kernel: str, max_splits: int, tail_parts: int | None = None
 
     if kernel == "general":
         return TritonPagedBackend(word_block_n=None, max_splits=max_splits)
+    kernel, *suffixes = kernel.split("-")
     plain = kernel.endswith("p")
     kernel = kernel.removesuffix("p")
     block_n, warps = (int(part) for part in kernel.rstrip("s").split("x"))
     flags = (WordKernelFlags(False, False, False, False, False, False) if plain
              else WordKernelFlags())
     flags = dataclasses.replace(flags, tail_parts=tail_parts)
+    for suffix in suffixes:  # -w0/-w1: write_step; -mN: merge in the kernel, N merge_rows
+        if suffix[:1] == "w":
+            flags = dataclasses.replace(flags, write_step=suffix == "w1")
+        elif suffix[:1] == "m":
+            flags = dataclasses.replace(flags, merge_in_kernel=int(suffix[1:]) > 0,
+                                        merge_rows=max(1, int(suffix[1:])))
+        else:
+            raise ValueError(f"unknown kernel suffix -{suffix} (use -w0, -w1 or -mN)")
     return TritonPagedBackend(word_block_n=block_n, word_warps=warps,
                               word_launches=2 if kernel.endswith("s") else 1, word_flags=flags,
                               max_splits=max_splits)

@@ -92,12 +92,8 @@ from attention_kernels import decode_inputs, one_layer_storage
 from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.attention.triton_decode_options import DecodeOptions
 from dyngen_core.attention.triton_exact import exact_operands
-from dyngen_core.attention.triton_paged import (
-    LOG2_E,
-    TritonPagedBackend,
-    page_arguments,
-    page_operands,
-)
+from dyngen_core.attention.triton_page_operands import page_arguments, page_operands
+from dyngen_core.attention.triton_paged import LOG2_E, TritonPagedBackend
 from dyngen_core.attention.triton_quant import attend_word_decode
 
 # name: (attend_word_decode options, block_n, warps)

@@ -60,11 +60,16 @@ SASS_KINDS = ("LDS", "STS", "LDSM", "BAR", "I2F", "I2FP", "F2FP", "HMMA", "HGMMA
 POINTER_TYPES = {"k_ptr": "codes", "v_ptr": "codes", "ks_ptr": "*fp16", "vs_ptr": "*fp16",
                  "rot_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                  "counter_ptr": "*i32", "slot_ptr": "*i64", "pre_out_ptr": "*fp32",
-                 "pre_lse_ptr": "*fp32", "rem_out_ptr": "*fp32", "rem_lse_ptr": "*fp32"}
+                 "pre_lse_ptr": "*fp32", "rem_out_ptr": "*fp32", "rem_lse_ptr": "*fp32",
+                 "w_slots_ptr": "*i64", "w_offsets_ptr": "*fp32", "w_signs_ptr": "*fp32",
+                 "w_key_codes_ptr": "*u8", "w_value_codes_ptr": "*u8",
+                 "w_key_scales_ptr": "*fp16", "w_value_scales_ptr": "*fp16",
+                 "w_positions_ptr": "*i64"}
 INT32_POINTERS = ("page_table_ptr", "context_lens_ptr", "query_start_ptr", "block_seq_ptr",
                   "block_first_ptr", "kv_start_ptr", "ring_pos_ptr", "seq_slots_ptr",
                   "member_seq_ptr", "group_end_ptr", "group_prefix_ptr", "block_group_ptr",
-                  "num_blocks_ptr", "seq_member_ptr")
+                  "num_blocks_ptr", "seq_member_ptr", "w_seq_slots_ptr",
+                  "w_ring_positions_ptr")
 FLOAT_SCALARS = ("scale_log2", "qk_scale")
 def complete_constexprs(fn: Any, given: dict[str, Any], label: str) -> dict[str, Any]:
     """Every constexpr of ``fn``: the given value, else the signature's default."""

@@ -71,7 +71,11 @@ def runtime_ints(shape: Shape, bits: int) -> dict[str, int]:
               "stride_ot": shape.heads * shape.head_dim, "stride_oh": shape.head_dim,
               "stride_skt": qkv, "stride_skh": shape.head_dim, "stride_svt": qkv,
               "stride_svh": shape.head_dim, "num_slots": shape.pages * shape.page_size,
-              "head_programs": shape.kv_heads}
+              "head_programs": shape.kv_heads,
+              # the word kernel's step write (`StepQuantWrite`): k/v views of the fused rows
+              "stride_wkt": qkv, "stride_wkh": shape.head_dim, "stride_wvt": qkv,
+              "stride_wvh": shape.head_dim, "w_num_slots": shape.pages * shape.page_size,
+              "w_num_pages": shape.pages, "w_slots_held": 1, "w_tokens": 1}
     for kind in ("k", "v"):
         values |= {f"stride_{kind}p": shape.page_size * shape.kv_heads * words,
                    f"stride_{kind}s": shape.kv_heads * words, f"stride_{kind}h": words,
@@ -209,24 +213,32 @@ def word_tail_variants(shape: Shape) -> list[Variant]:
     its default options, page window 4, in-kernel merge) with its tail in ``-tT`` parts
     (`attend_word_decode`'s tail_parts; t1 the single serial tail), over 32 and 64 page splits
     (``-sN``), in one launch (``both``) and the tail launch of two (``tail``); ``-nR``: at
-    most R registers a thread (max_registers, the one launch's default with parts)."""
+    most R registers a thread (max_registers, the one launch's default with parts);
+    ``-write``: the storage's step write in the tail (WRITE_STEP, `StepQuantWrite`)."""
     rows = max(16, 1 << (shape.group - 1).bit_length())
     group_pad = 1 << (shape.group - 1).bit_length()
     tag, flags = list(word_flag_sets(4).items())[-1]
+    write = {"WRITE_STEP": True, "W_HEADS": shape.kv_heads, "W_HAS_OFFSETS": True,
+             "W_ROWS": max(1, shape.head_dim // 32), "W_INV_SQRT": 32 ** -0.5}
     out = []
-    for programs, role, splits, parts, cap in (
-            ("both", 0, 32, 1, None), ("both", 0, 32, 2, 168), ("both", 0, 32, 3, None),
-            ("both", 0, 32, 3, 168), ("both", 0, 32, 4, 168), ("both", 0, 64, 1, None),
-            ("both", 0, 64, 3, 168), ("tail", 2, 32, 1, None), ("tail", 2, 32, 3, None)):
+    for programs, role, splits, parts, cap, writes in (
+            ("both", 0, 32, 1, None, False), ("both", 0, 32, 2, 168, False),
+            ("both", 0, 32, 3, None, False), ("both", 0, 32, 3, 168, False),
+            ("both", 0, 32, 4, 168, False), ("both", 0, 64, 1, None, False),
+            ("both", 0, 64, 3, 168, False), ("tail", 2, 32, 1, None, False),
+            ("tail", 2, 32, 3, None, False), ("both", 0, 32, 1, None, True),
+            ("tail", 2, 32, 3, None, True)):
         out.append(Variant(
             f"new-q4-w16-n64x4-{programs}-{tag}-s{splits}-merge-t{parts}"
-            + (f"-n{cap}" if cap else ""), quant_decode_kernel, {
+            + (f"-n{cap}" if cap else "") + ("-write" if writes else ""),
+            quant_decode_kernel, {
                 "G": shape.group, "BLOCK_M": rows, "BLOCK_N": 64, "HEAD_DIM": shape.head_dim,
                 "DIM_PAD": max(shape.head_dim, 128), "PAGE_SIZE": shape.page_size,
                 "K_BITS": 4, "V_BITS": 4, "NUM_SPLITS": splits, "WINDOW": 16,
                 "DOT_PRECISION": "tf32", "PROGRAMS": role, **flags,
                 "PAGE_WINDOW": 0 if role == 2 else 4, "MERGE": True, "G_PAD": group_pad,
-                "SPLIT_BLOCK": min(64, 64 // group_pad), "TAIL_PARTS": parts},
+                "SPLIT_BLOCK": min(64, 64 // group_pad), "TAIL_PARTS": parts,
+                **(write if writes else {})},
             4, 4, ints=runtime_ints(shape, 4), maxnreg=cap))
     return out
 

@@ -37,7 +37,7 @@ from dyngen_core.attention.triton_cascade_kernels import (
 if TYPE_CHECKING:
     from dyngen_core.attention.base import ForwardBatch
     from dyngen_core.attention.triton_cascade_tables import CascadeTables
-    from dyngen_core.attention.triton_paged import PageOperands
+    from dyngen_core.attention.triton_page_operands import PageOperands
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object,
     [M, H, splits, head_pad] and their log2-sum-exp [M, H, splits].
 
     page_args: the page tensors, scales, their strides and the rotation, in the kernels' order
-    (`triton_paged.page_arguments`)."""
+    (`triton_page_operands.page_arguments`)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = ops.keys.shape[2]
     parts = torch.empty(tables.member_rows, num_heads, launch.splits, launch.head_pad,

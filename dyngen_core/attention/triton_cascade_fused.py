@@ -37,7 +37,7 @@ from dyngen_core.attention.triton_page_window import tile_page, window_ids, wind
 if TYPE_CHECKING:
     from dyngen_core.attention.base import ForwardBatch
     from dyngen_core.attention.triton_cascade_tables import CascadeTables
-    from dyngen_core.attention.triton_paged import PageOperands, _HeadShape
+    from dyngen_core.attention.triton_page_operands import HeadShape, PageOperands
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def remainder_merge_kernel(
 
 def attend_remainder_merged(q: torch.Tensor, ops: PageOperands, batch: ForwardBatch,
                             tables: CascadeTables, prefix: tuple[torch.Tensor, torch.Tensor],
-                            scale_log2: float, heads: _HeadShape, *, splits: int,
+                            scale_log2: float, heads: HeadShape, *, splits: int,
                             counters: torch.Tensor | None, block_n: int, warps: int,
                             split_block: int, window: int = 0) -> torch.Tensor:
     """Own keys of every decode sequence merged with its group's prefix partials (parts,

@@ -47,7 +47,7 @@ from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
 
 if TYPE_CHECKING:
-    from dyngen_core.attention.triton_paged import PageOperands, _HeadShape
+    from dyngen_core.attention.triton_page_operands import HeadShape, PageOperands
 
 LOG2_E = 1.4426950408889634
 PREFIX_KERNELS = ("tiles", "window", "general")
@@ -183,7 +183,7 @@ class CascadePath:
         group_pad = 1 << (max(1, group) - 1).bit_length()
         return max(self.options.rows, group_pad) // group_pad
 
-    def tables(self, batch: ForwardBatch, storage: KVStorage, heads: _HeadShape,
+    def tables(self, batch: ForwardBatch, storage: KVStorage, heads: HeadShape,
                device: torch.device) -> CascadeTables | None:
         """The batch's device tables: a graph batch's own, else those of its plan (built once
         per batch); None: no cascade."""
@@ -201,7 +201,7 @@ class CascadePath:
         return tables
 
     def attend(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
-               batch: ForwardBatch, tables: CascadeTables, scale: float, heads: _HeadShape,
+               batch: ForwardBatch, tables: CascadeTables, scale: float, heads: HeadShape,
                launch_remainder: RemainderLaunch) -> torch.Tensor:
         """Own keys of every sequence, shared prefixes of every group, merged per query row."""
         options = self.options
@@ -230,7 +230,7 @@ class CascadePath:
         merge_partials(out, remainder, prefix, tables)
         return out
 
-    def remainder_splits(self, batch: ForwardBatch, tables: CascadeTables, heads: _HeadShape,
+    def remainder_splits(self, batch: ForwardBatch, tables: CascadeTables, heads: HeadShape,
                          sms: int) -> int:
         """Parts of each sequence's own keys: from the batch shape alone in a graph (its
         tables leave the lengths unknown), as the plain decode's split count."""
@@ -243,7 +243,7 @@ class CascadePath:
                            options.decode_programs_per_sm * sms, most, 4 * options.block_n)
 
     def prefix_launch(self, ops: PageOperands, batch: ForwardBatch, tables: CascadeTables,
-                       heads: _HeadShape, sms: int) -> PrefixLaunch:
+                       heads: HeadShape, sms: int) -> PrefixLaunch:
         """The shared-prefix kernel's launch: which kernel, its tile and its split count (from
         the bucket alone in a graph)."""
         options = self.options

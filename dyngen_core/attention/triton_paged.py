@@ -37,52 +37,29 @@ from dyngen_core.attention.triton_kernels import (
     launch_combine,
     paged_attention_kernel,
 )
+from dyngen_core.attention.triton_page_operands import (
+    HeadShape,
+    PageOperands,
+    page_arguments,
+    page_operands,
+    triton_next_pow2,
+)
 from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
 from dyngen_core.attention.triton_quant import (
     WORD_BITS,
     WordKernelFlags,
     attend_word_decode,
+    deferred_word_write,
     word_counters,
     word_decode_fits,
 )
 from dyngen_core.attention.triton_step_write import StepWrite, step_write_for
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage
+from dyngen_core.storage.quant_write import StepQuantWrite
 from dyngen_core.triton_support import pdl_launch
 
 LOG2_E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class PageOperands:
-    """What the kernel reads for one layer: page tensors (codes as int32 words, or bytes for
-    6-bit codes), their float16 scales (None for float pages) and the code widths (0: float)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_scales: torch.Tensor | None
-    value_scales: torch.Tensor | None
-    key_bits: int
-    value_bits: int
-
-
-def page_operands(storage: KVStorage, layer: int) -> PageOperands:
-    """The page tensors of ``layer`` for the storage modes dyngen ships (fp16 and q8/q6/q4)."""
-    if storage.mode == "fp16":
-        return PageOperands(storage.keys[layer], storage.values[layer],  # type: ignore[attr-defined]
-                            None, None, 0, 0)
-    pages = storage.layers[layer]  # type: ignore[attr-defined]
-    key_bits = storage.key_format.bits  # type: ignore[attr-defined]
-    value_bits = storage.value_format.bits  # type: ignore[attr-defined]
-    return PageOperands(_code_view(pages.key_codes, key_bits),
-                        _code_view(pages.value_codes, value_bits),
-                        pages.key_scales, pages.value_scales, key_bits, value_bits)
-
-
-def _code_view(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """4- and 8-bit codes as int32 words (the kernel loads whole words), 6-bit ones as bytes."""
-    as_bytes = codes.view(torch.uint8)
-    return as_bytes if bits == 6 else as_bytes.view(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -132,7 +109,9 @@ class TritonPagedBackend:
         ``merge_rows // group`` at a time).
     write_in_kernel: `attend` of a decode-only batch over unquantized pages on the plain
         path lets the attention kernel store the step's keys and values (`triton_step_write`)
-        instead of a storage write launch before it; other batches write through the storage.
+        instead of a storage write launch before it, and over q8/q4 pages with a recent
+        window the word kernel (`triton_quant.deferred_word_write`, unless
+        ``WordKernelFlags.write_step`` is off); other batches write through the storage.
     in_kernel_max_seqs: merge and write in the kernel only for decode batches of at most this
         many sequences: on an H200 both save ~1.2 us a layer at batch 1 and cost up to 60 us
         at batch 256 x 16k (benchmarks/decode_attention.py).
@@ -172,6 +151,7 @@ class TritonPagedBackend:
         # Per code width, built once: the decode path reads them every layer of every step.
         self.word_keywords = {bits: flags.keywords(bits) for bits in WORD_BITS}
         self.word_merge = flags.merge_in_kernel and merge_in_kernel
+        self.word_write = flags.write_step
         self.split_counters = SplitCounters()
         self.word_block_n = word_block_n
         self.word_warps = word_warps
@@ -194,10 +174,12 @@ class TritonPagedBackend:
         """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""
         deferred = (self.write_in_kernel and storage.mode == "fp16" and batch.is_decode_only
                     and batch.num_seqs <= self.in_kernel_max_seqs)
-        if not deferred:
+        quant_write = (deferred_word_write(storage, layer, k, v, batch, self.word_block_n)
+                       if self.write_in_kernel and self.word_write else None)
+        if not deferred and quant_write is None:
             storage.write(layer, k, v, batch.slot_mapping, decode_window=batch.decode_window)
         out = self.attend_cached(layer, q, storage, batch, scale, step_rows=(k, v),
-                                 write_step=deferred)
+                                 write_step=deferred, quant_write=quant_write)
         if batch.token_seq_slots is not None:
             storage.write_recent(layer, k, v, batch.positions, batch.token_seq_slots)
         return out
@@ -205,14 +187,17 @@ class TritonPagedBackend:
     def attend_cached(self, layer: int, q: torch.Tensor, storage: KVStorage,
                       batch: ForwardBatch, scale: float,
                       step_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      write_step: bool = False) -> torch.Tensor:
+                      write_step: bool = False,
+                      quant_write: StepQuantWrite | None = None) -> torch.Tensor:
         """Attention of q [T, H, D] over the pages already in storage (keys written).
         ``step_rows``: this step's keys and values, which quantized storage with a recent window
         reads exactly (`triton_exact`); without them only page heads are exact.
         ``write_step``: ``step_rows`` are not written yet: the attention kernel stores them
-        where it can (`triton_step_write`), else the storage writes them first."""
+        where it can (`triton_step_write`), else the storage writes them first.
+        ``quant_write``: the quantized storage's write of ``step_rows`` left to the word
+        kernel (`triton_quant.deferred_word_write`)."""
         ops = page_operands(storage, layer)
-        heads = _HeadShape.of(q, ops)
+        heads = HeadShape.of(q, ops)
         tables = self.cascade.tables(batch, storage, heads, q.device)
         step_write = step_write_for(storage, layer, batch, step_rows, ops.keys,
                                     tables is None) if write_step else None
@@ -239,7 +224,10 @@ class TritonPagedBackend:
                 splits=self._decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
                 counters=word_counters(self.split_counters, batch, heads.num_kv_heads, q.device,
                                        self.word_merge, self.in_kernel_max_seqs),
-                **self.word_keywords[ops.value_bits])
+                write=quant_write, **self.word_keywords[ops.value_bits])
+        if quant_write is not None:
+            raise RuntimeError("a quantized write was left to the word kernel, which this "
+                               "batch does not take (deferred_word_write's rule is out of date)")
         num_tokens, num_heads, _ = q.shape
         out = torch.empty_like(q)
         if batch.is_decode_only:
@@ -276,7 +264,7 @@ class TritonPagedBackend:
         return self.cascade.plan_step(plan, storage)
 
     def _launch_paged(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
-                      batch: ForwardBatch, heads: _HeadShape, out: torch.Tensor,
+                      batch: ForwardBatch, heads: HeadShape, out: torch.Tensor,
                       partials: tuple[torch.Tensor, torch.Tensor], scale: float, *, rows: int,
                       block_q: int, blocks: _QueryBlocks | None, splits: int,
                       kv_start: torch.Tensor | None = None,
@@ -351,44 +339,6 @@ class TritonPagedBackend:
 
             self._rotations[device] = hadamard_matrix(ROTATION_GROUP).to(device).contiguous()
         return self._rotations[device]
-
-
-@dataclass(frozen=True)
-class _HeadShape:
-    """Head layout of one attention call: query heads per KV head (and its power-of-two pad),
-    head_dim and the padded width the kernels use."""
-
-    num_kv_heads: int
-    group: int
-    group_pad: int
-    head_dim: int
-    head_pad: int
-
-    @staticmethod
-    def of(q: torch.Tensor, ops: PageOperands) -> _HeadShape:
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = ops.keys.shape[2]
-        group = num_heads // num_kv_heads
-        head_pad = max(triton_next_pow2(head_dim), ROTATION_GROUP if ops.key_bits else 16)
-        return _HeadShape(num_kv_heads, group, triton_next_pow2(group), head_dim, head_pad)
-
-
-def page_arguments(ops: PageOperands, rotation: torch.Tensor) -> tuple[object, ...]:
-    """The page tensors, scales, their strides and the rotation, in the order every paged
-    kernel takes them (scales default to the page tensors, unread, for float pages)."""
-    ks, vs = ops.key_scales, ops.value_scales
-    return (ops.keys, ops.values, *ops.keys.stride()[:3], *ops.values.stride()[:3],
-            ks if ks is not None else ops.keys, vs if vs is not None else ops.values,
-            *_strides3(ks), *_strides3(vs), rotation)
-
-
-def triton_next_pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << (max(1, n) - 1).bit_length()
-
-
-def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
-    return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -35,6 +35,7 @@ from dyngen_core.attention.triton_decode_merge import count_in_and_merge
 from dyngen_core.attention.triton_kernels import _rotate_rows, log2_sum_exp
 from dyngen_core.attention.triton_quant_programs import page_program, tail_program
 from dyngen_core.attention.triton_quant_unpack import split_columns
+from dyngen_core.storage.quant_write_kernel import write_token_heads
 from dyngen_core.triton_pdl import pdl_start
 
 
@@ -50,6 +51,11 @@ def quant_decode_kernel(
     fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh,
     part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, counter_ptr,
     scale_log2,
+    w_key_ptr, w_value_ptr, w_slots_ptr, w_offsets_ptr, w_signs_ptr,
+    stride_wkt, stride_wkh, stride_wvt, stride_wvh,
+    w_key_codes_ptr, w_key_scales_ptr, w_value_codes_ptr, w_value_scales_ptr, w_head_rows_ptr,
+    w_exact_ptr, w_num_slots, w_num_pages, w_positions_ptr, w_seq_slots_ptr, w_ring_rows_ptr,
+    w_ring_positions_ptr, w_slots_held, w_tokens,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
     V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
@@ -59,6 +65,9 @@ def quant_decode_kernel(
     PAGE_WINDOW: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = False,
     MERGE: tl.constexpr = False, G_PAD: tl.constexpr = 1, SPLIT_BLOCK: tl.constexpr = 1,
     TAIL_PARTS: tl.constexpr = 1, LOOP_FLAGS: tl.constexpr = 0, GDC: tl.constexpr = False,
+    WRITE_STEP: tl.constexpr = False, W_HEADS: tl.constexpr = 1,
+    W_HAS_OFFSETS: tl.constexpr = False, W_ROWS: tl.constexpr = 1,
+    W_INV_SQRT: tl.constexpr = 1.0,
 ):
     """Grid (sequences, KV heads, NUM_SPLITS + TAIL_PARTS) over a decode-only batch (sequence
     i is query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys
@@ -91,7 +100,15 @@ def quant_decode_kernel(
     round over ``G_PAD`` (G's power of two) rows, into ``out`` [T, H, HEAD_DIM] (strides
     ``stride_ot``, ``stride_oh``, 1). Two launches: the page programs only count in; the tail
     parts (launched after them on the stream) count in with acquire-release, and the last of
-    them merges. GDC: launched as a programmatic dependent launch (`triton_pdl`)."""
+    them merges. GDC: launched as a programmatic dependent launch (`triton_pdl`).
+    WRITE_STEP (WINDOW > 0): the last tail part of each (sequence, KV head) first does the
+    storage's write of that head's rows of this step (the ``w_*`` / ``stride_w*`` operands and W_*
+    constexprs: `storage.quant_write.StepQuantWrite`, token ``w_tokens`` of the rows),
+    codes, scales, head row, window row and the fresh exact rows it then reads
+    (`quant_write_kernel.write_token_heads`). No other program of the launch reads what it
+    stores: the page programs and the other tail parts stop before the window, whose
+    replaced row held a position no query of the step reads
+    (`quant_write_kernel._store_decode_window`)."""
     SCALE_LOAD: tl.constexpr = 2 if SCALE_ROWS else (WIDE_SCALES and HEAD_DIM % 64 == 0) * 1
     pdl_start(GDC)
     seq = tl.program_id(0)
@@ -101,6 +118,17 @@ def quant_decode_kernel(
     else:
         split = tl.program_id(2)
     token = tl.load(query_start_ptr + seq)
+    if WRITE_STEP:
+        if split == NUM_SPLITS + TAIL_PARTS - 1:
+            write_token_heads(
+                token.to(tl.int64), w_tokens, kv_head, w_key_ptr, w_value_ptr, w_slots_ptr,
+                w_offsets_ptr, w_signs_ptr, stride_wkt, stride_wkh, stride_wvt, stride_wvh,
+                w_key_codes_ptr, w_key_scales_ptr, w_value_codes_ptr, w_value_scales_ptr,
+                w_head_rows_ptr, w_exact_ptr, w_num_slots, w_num_pages, w_positions_ptr,
+                w_seq_slots_ptr, w_ring_rows_ptr, w_ring_positions_ptr, w_slots_held, W_HEADS,
+                HEAD_DIM, PAGE_SIZE, K_BITS, V_BITS, W_HAS_OFFSETS, W_ROWS, W_INV_SQRT, WINDOW,
+                1)
+            tl.debug_barrier()  # the fresh rows stored before this program's loads of them
     ctx = tl.load(context_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < G

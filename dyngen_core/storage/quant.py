@@ -53,11 +53,14 @@ from dyngen_core.storage.qformat import (
     check_head_dim,
     dequantize,
 )
+from dyngen_core.storage.quant_copy import copy_quant_pages
 from dyngen_core.storage.quant_layer import QuantLayer
 from dyngen_core.storage.quant_write import (
+    StepQuantWrite,
     decode_window_write,
     resolve_fold_window,
     resolve_triton_write,
+    step_quant_write,
     write_step_triton,
     write_window_triton,
 )
@@ -244,6 +247,31 @@ class QuantStorage:
                 self.write_recent(layer, key, value, *decode_window)
             self._memo.keep_window(layer, (key, value, *decode_window))
 
+    def deferred_write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                       slot_mapping: torch.Tensor,
+                       decode_window: tuple[torch.Tensor, torch.Tensor] | None
+                       ) -> StepQuantWrite | None:
+        """`write`'s work for a decode attention kernel to do instead (the operands of
+        `quant_write.StepQuantWrite`, one KV head a program), where it applies: a decode-only
+        step (``decode_window`` given) on a layer taking the Triton write, with a reserved
+        window it folds. Nothing runs here: the storage counts the rows as written
+        (`exact_rows` of these tensors names the rows the kernel will store, `write_recent`
+        of them does nothing), so the caller must launch that kernel before anything reads
+        the layer. None, with nothing done, where it does not apply: call `write`."""
+        device, pages = self.devices[layer], self.layers[layer]
+        fold = (decode_window_write(self.recent, layer, device, decode_window)
+                if self.fold_decode_window else None)
+        if not self._triton[layer] or fold is None or decode_window is None:
+            return None
+        offsets = self.key_offsets[layer] if self.key_offsets is not None else None
+        write = step_quant_write(key, value, slot_mapping.to(device), offsets,
+                                 self._signs[device], pages.tensors(),
+                                 (self.key_format.bits, self.value_format.bits),
+                                 pages.head_rows, self.dtype, fold)
+        self._memo.keep_rows(layer, key, value, ExactStepRows(exact=write.exact))
+        self._memo.keep_window(layer, (key, value, *decode_window))
+        return write
+
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
         """Put the step's rows [T, num_kv_heads, head_dim] into their sequences' recent windows
@@ -341,40 +369,9 @@ class QuantStorage:
 
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` (codes and
-        scales, keys and values), in every layer, in the order given."""
-        copies = [c for c in copies if c.src != c.dst and c.num_slots > 0]
-        for c in copies:
-            self._check_copy(c)
-        if not copies:
-            return
-        by_kernels: dict[torch.device, list[torch.Tensor]] = {}
-        for layer, pages in enumerate(self.layers):
-            if self._kernels(layer) is not None:
-                by_kernels.setdefault(self.devices[layer], []).extend(pages.tensors())
-                continue
-            for c in copies:
-                for tensor in pages.tensors():
-                    tensor[c.dst, : c.num_slots].copy_(tensor[c.src, : c.num_slots])
-        for tensors in by_kernels.values():
-            assert self._native is not None
-            self._native.copy_pages(tensors, copies)
-        self._copy_heads(copies)
-
-    def _copy_heads(self, copies: Sequence[PageCopy]) -> None:
-        """Every copy starts at slot 0, so the destination takes the source's head rows (key
-        and value at once); in order, as a later copy may read what an earlier one wrote."""
-        for pages in self.layers:
-            for c in copies:
-                pages.head_rows[:, c.dst].copy_(pages.head_rows[:, c.src])
-
-    def _check_copy(self, copy: PageCopy) -> None:
-        for page in (copy.src, copy.dst):
-            if not 0 <= page < self.num_pages:
-                raise IndexError(f"page copy {copy} names page {page}; the storage holds pages "
-                                 f"0..{self.num_pages - 1}")
-        if copy.num_slots > self.page_size:
-            raise ValueError(f"page copy {copy} copies {copy.num_slots} slots; a page holds "
-                             f"{self.page_size}")
+        scales, keys and values, head rows), in every layer, in the order given."""
+        copy_quant_pages(self.layers, copies, self.num_pages, self.page_size,
+                         [self._kernels(layer) for layer in range(len(self.layers))])
 
     def nbytes(self) -> int:
         """Bytes held: the pages (codes, scales, head rows) and the recent windows."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -124,6 +125,60 @@ def resolve_triton_write(option: bool | None, device: torch.device) -> bool:
     return option
 
 
+@dataclass(frozen=True)
+class StepQuantWrite:
+    """Everything `quant_write_kernel.write_token_heads` takes for one layer's step write:
+    the tensors and sizes (`arguments`, in its order after ``token, num_tokens, block``) and
+    its constexprs (`constants`). `write_step_triton` launches `quant_write_kernel` with it;
+    a decode attention kernel given it writes its own heads' rows instead
+    (`attention.triton_quant`'s ``write``). ``exact``: where the step's exact rows go
+    [2, T, kv_heads, head_dim], in the compute dtype."""
+
+    tensors: tuple[object, ...]
+    exact: torch.Tensor
+    constants: dict[str, Any]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.exact.shape[1])
+
+    def arguments(self) -> tuple[object, ...]:
+        return self.tensors
+
+
+def step_quant_write(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                     offsets: torch.Tensor | None, signs: torch.Tensor,
+                     pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     bits: tuple[int, int], head_rows: torch.Tensor, dtype: torch.dtype,
+                     window: DecodeWindowWrite | None = None,
+                     head_block: int = 1) -> StepQuantWrite:
+    """The operands of `write_step_triton` (its arguments, documented there), with the exact
+    rows' tensor allocated and nothing launched."""
+    tokens, heads, head_dim = key.shape
+    exact = torch.empty((2, tokens, heads, head_dim), dtype=dtype, device=key.device)
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    key_codes, key_scales, value_codes, value_scales = pages
+    num_pages, page_size = key_codes.shape[:2]
+    if window is not None and window.target.rows.dtype != dtype:
+        raise ValueError(f"the window rows are {window.target.rows.dtype}; the exact rows "
+                         f"{dtype}: build both with the storage's compute dtype")
+    window_args = window.arguments() if window is not None else (
+        slot_mapping, slot_mapping, exact, slot_mapping, 0)
+    if head_block < 1 or heads % head_block:
+        raise ValueError(f"head_block={head_block} does not divide the {heads} KV heads")
+    tensors = (key, value, slot_mapping, key if offsets is None else offsets.contiguous(),
+               signs, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+               key_codes, key_scales, value_codes, value_scales, head_rows, exact,
+               num_pages * page_size, num_pages, *window_args)
+    constants: dict[str, Any] = {"HEADS": heads, "HEAD_DIM": head_dim, "PAGE_SIZE": page_size,
+                 "KEY_BITS": bits[0], "VALUE_BITS": bits[1], "HAS_OFFSETS": offsets is not None,
+                 "ROWS": _next_pow2(head_block * head_dim // GROUP_SIZE),
+                 "INV_SQRT": inv_sqrt(GROUP_SIZE),
+                 "WINDOW": window.window if window is not None else 0,
+                 "HEAD_BLOCK": head_block}
+    return StepQuantWrite(tensors, exact, constants)
+
+
 def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
                       offsets: torch.Tensor | None, signs: torch.Tensor,
                       pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -145,36 +200,20 @@ def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torc
     heads in between; benchmarks/quant_write.py --head-blocks)."""
     from dyngen_core.storage.quant_write_kernel import quant_write_kernel
 
-    tokens, heads, head_dim = key.shape
-    exact = torch.empty((2, tokens, heads, head_dim), dtype=dtype, device=key.device)
+    write = step_quant_write(key, value, slot_mapping, offsets, signs, pages, bits, head_rows,
+                             dtype, window, head_block)
+    tokens, heads = key.shape[:2]
     if tokens == 0:
-        return exact
-    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
-    key_codes, key_scales, value_codes, value_scales = pages
-    num_pages, page_size = key_codes.shape[:2]
-    if window is not None and window.target.rows.dtype != dtype:
-        raise ValueError(f"the window rows are {window.target.rows.dtype}; the exact rows "
-                         f"{dtype}: build both with the storage's compute dtype")
-    window_args = window.arguments() if window is not None else (
-        slot_mapping, slot_mapping, exact, slot_mapping, 0)
-    if head_block < 1 or heads % head_block:
-        raise ValueError(f"head_block={head_block} does not divide the {heads} KV heads")
-    rows = _next_pow2(head_block * head_dim // GROUP_SIZE)
+        return write.exact
+    rows = write.constants["ROWS"]
     pdl = pdl_launch(key.device)
     with launch_device(key.device):
         quant_write_kernel[(tokens, heads // head_block)](
-            key, value, slot_mapping, key if offsets is None else offsets.contiguous(), signs,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            key_codes, key_scales, value_codes, value_scales, head_rows, exact,
-            num_pages * page_size, num_pages, *window_args,
-            HEADS=heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, KEY_BITS=bits[0],
-            VALUE_BITS=bits[1], HAS_OFFSETS=offsets is not None,
-            ROWS=rows, INV_SQRT=inv_sqrt(GROUP_SIZE),
-            WINDOW=window.window if window is not None else 0, HEAD_BLOCK=head_block,
+            *write.arguments(), **write.constants,
             num_warps=min(4, max(1, rows // 4)), enable_fp_fusion=False, GDC=pdl,
             launch_pdl=pdl,
         )
-    return exact
+    return write.exact
 
 
 def write_window_triton(exact: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,

@@ -15,7 +15,8 @@ token's sequence's recent window, in place of `window_write_kernel`'s second lau
 window (`recent.RecentWindow`), the row index computed in the kernel (the rule of
 `RecentWindow.index`).
 
-This module imports triton at the top: only `quant_write` imports it, lazily.
+This module imports triton at the top: `quant_write` imports it lazily, and the q8/q4 decode
+kernel (`attention.triton_quant_kernels`, itself Triton's) for `write_token_heads`.
 """
 
 from __future__ import annotations
@@ -134,15 +135,38 @@ def quant_write_kernel(
     (`_store_decode_window`); WINDOW 0 reads none of them. GDC: launched as a programmatic
     dependent launch (`triton_pdl`)."""
     pdl_start(GDC)
-    token = tl.program_id(0).to(tl.int64)
-    num_tokens = tl.num_programs(0).to(tl.int64)
+    write_token_heads(
+        tl.program_id(0).to(tl.int64), tl.num_programs(0).to(tl.int64), tl.program_id(1),
+        key, value, slots, offsets, signs,
+        key_token_stride, key_head_stride, value_token_stride, value_head_stride,
+        key_codes, key_scales, value_codes, value_scales, head_rows, exact,
+        num_slots, num_pages, positions, seq_slots, ring_rows, ring_positions, slots_held,
+        HEADS, HEAD_DIM, PAGE_SIZE, KEY_BITS, VALUE_BITS, HAS_OFFSETS, ROWS, INV_SQRT, WINDOW,
+        HEAD_BLOCK)
+
+
+@triton.jit
+def write_token_heads(
+    token, num_tokens, block, key, value, slots, offsets, signs,
+    key_token_stride, key_head_stride, value_token_stride, value_head_stride,
+    key_codes, key_scales, value_codes, value_scales, head_rows, exact,
+    num_slots, num_pages, positions, seq_slots, ring_rows, ring_positions, slots_held,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    ROWS: tl.constexpr, INV_SQRT: tl.constexpr, WINDOW: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
+):
+    """`quant_write_kernel`'s work for token ``token`` (int64) of ``num_tokens`` and its
+    ``block``-th block of HEAD_BLOCK heads, in the calling program: the kernel's program
+    (t, b), or a decode attention program that writes its own head's rows
+    (`attention.triton_quant`'s ``write``). Arguments as the kernel's."""
     slot = tl.load(slots + token).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)  # keep even the masked addresses inside the pages
     GROUPS: tl.constexpr = HEADS * HEAD_DIM // 32
     PER_HEAD: tl.constexpr = HEAD_DIM // 32
     BLOCK_GROUPS: tl.constexpr = HEAD_BLOCK * PER_HEAD
-    first = tl.program_id(1) * BLOCK_GROUPS
+    first = block * BLOCK_GROUPS
     rows = tl.arange(0, ROWS)[:, None]
     lanes = tl.arange(0, 32)[None, :]
     mask = (rows < BLOCK_GROUPS) & (lanes < 32)
@@ -174,7 +198,8 @@ def quant_write_kernel(
     tl.store(head_at + (num_pages + 1) * row_size, value_exact, mask=head_mask)
     if WINDOW > 0:
         _store_decode_window(key_exact, value_exact, token, element, mask, positions, seq_slots,
-                             ring_rows, ring_positions, slots_held, row_size, WINDOW)
+                             ring_rows, ring_positions, slots_held, block == 0, row_size,
+                             WINDOW)
     _quantize_store(key_rot, key_codes, key_scales, slot, valid, rows, lanes, first,
                     GROUPS, BLOCK_GROUPS, ROWS, KEY_BITS)
     _quantize_store(value_rot, value_codes, value_scales, slot, valid, rows, lanes, first,
@@ -183,8 +208,8 @@ def quant_write_kernel(
 
 @triton.jit
 def _store_decode_window(key_exact, value_exact, token, element, mask, positions, seq_slots,
-                         ring_rows, ring_positions, slots_held, ROW_SIZE: tl.constexpr,
-                         WINDOW: tl.constexpr):
+                         ring_rows, ring_positions, slots_held, first_block,
+                         ROW_SIZE: tl.constexpr, WINDOW: tl.constexpr):
     """Token ``token``'s exact rows into its sequence's window, when the step is decode-only:
     row ``s * WINDOW + p % WINDOW`` for position ``p`` of sequence slot ``s`` in
     [0, slots_held), else the spare last row holding position -1. With one token per sequence
@@ -200,7 +225,7 @@ def _store_decode_window(key_exact, value_exact, token, element, mask, positions
     ring_at = ring_rows + row * ROW_SIZE + element
     tl.store(ring_at, key_exact, mask=mask)
     tl.store(ring_at + (spare + 1) * ROW_SIZE, value_exact, mask=mask)
-    if tl.program_id(1) == 0:
+    if first_block:  # one program of the token records the position
         tl.store(ring_positions + row, tl.where(kept, position, -1).to(tl.int32))
 
 

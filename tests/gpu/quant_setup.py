@@ -18,18 +18,19 @@ from dyngen_core.storage.quant import QuantStorage
 
 def decode_step(mode: str, window: int, decodes: list[tuple[int, bool]], *, heads: int,
                 kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
-                device: torch.device, seed: int
+                device: torch.device, seed: int, triton_write: bool | None = None
                 ) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
     """A ``mode`` storage of ``page``-slot pages with a ``window``-position recent window
     holding, for each (context, has a window slot) of ``decodes``, that sequence's first
     context - 1 keys and values, and the batch decoding its last token; returns the step's
-    keys and values too ([sequences, kv_heads, head_dim] each)."""
+    keys and values too ([sequences, kv_heads, head_dim] each). ``triton_write``: the
+    storage's option of that name."""
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=heads * head_dim, intermediate_size=64, num_layers=1,
                          num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
     num_pages = sum(math.ceil(ctx / page) for ctx, _ in decodes) + 1
     storage = QuantStorage(config, num_pages, page, dtype, [device], mode,
-                           recent_window=window)
+                           recent_window=window, triton_write=triton_write)
     storage.reserve_sequences(len(decodes))
     gen = torch.Generator().manual_seed(seed)
     storage.set_key_offsets([torch.randn(kv_heads, head_dim, generator=gen)])

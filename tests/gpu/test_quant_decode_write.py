@@ -1,0 +1,128 @@
+"""The quantized storage's decode-step write done by the q8/q4 decode kernel
+(`QuantStorage.deferred_write`, `attend_word_decode(write=...)`; the backend's
+``write_in_kernel`` with ``WordKernelFlags.write_step``) against the storage's own write
+launch before the kernel: the same output bit for bit, and every storage tensor (codes,
+scales, head rows, window rows and positions) identical afterwards, with no write launch
+left. Steps whose token opens a page (its head row) and sequences without a window slot;
+the tail in one program or three, page and tail programs in one launch or two, the split
+merge in the kernel or not. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dyngen_core.storage.quant import QuantStorage
+from tests.gpu.quant_setup import decode_step
+
+pytestmark = pytest.mark.gpu
+
+PAGE, WINDOW, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 8, 2, 32
+# (context after this step's token, has a window slot): 65 and 17 put the step's token at
+# slot 0 of a new page (its head row is written), 33 has no window slot.
+DECODES = {1: [(65, True)], 3: [(17, True), (33, False), (70, True)]}
+
+
+def _backend(write_step: bool, merged: bool, tail_parts: int | None) -> Any:
+    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+    from dyngen_core.attention.triton_quant import WordKernelFlags
+
+    flags = WordKernelFlags(merge_in_kernel=merged, write_step=write_step,
+                            tail_parts=tail_parts)
+    return TritonPagedBackend(block_n=16, word_block_n=16, max_splits=4, programs_per_sm=64,
+                              merge_in_kernel=merged, word_flags=flags)
+
+
+def _tensors(storage: QuantStorage) -> list[torch.Tensor]:
+    assert storage.recent is not None
+    ring = storage.recent.layers[0]
+    return [*storage.layers[0].tensors(), storage.layers[0].head_rows, ring.positions,
+            ring.rows[:, :-1]]  # the spare row takes unkept rows in launch order
+
+
+def _run(mode: str, batch_size: int, write_step: bool, merged: bool, tail_parts: int | None,
+         dtype: torch.dtype, device: torch.device, monkeypatch: pytest.MonkeyPatch
+         ) -> tuple[torch.Tensor, QuantStorage, list[int]]:
+    """The step's output, the storage after it and the storage write launches it made."""
+    storage, batch, k, v = decode_step(mode, WINDOW, DECODES[batch_size], heads=HEADS,
+                                       kv_heads=KV_HEADS, head_dim=HEAD_DIM, page=PAGE,
+                                       dtype=dtype, device=device, seed=3, triton_write=True)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(batch_size, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+    with monkeypatch.context() as patch:
+        launches = _count_writes(patch)
+        out = _backend(write_step, merged, tail_parts).attend(0, q, k, v, storage, batch,
+                                                            HEAD_DIM ** -0.5)
+    return out, storage, launches
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from dyngen_core.storage import quant
+
+    launches: list[int] = []
+    for name in ("write_step_triton", "write_window_triton"):
+        original = getattr(quant, name)
+
+        def counted(*args: Any, _original: Any = original, **keywords: Any) -> Any:
+            launches.append(1)
+            return _original(*args, **keywords)
+
+        monkeypatch.setattr(quant, name, counted)
+    return launches
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize(("merged", "tail_parts"), [(False, None), (True, 1), (True, 3)])
+def test_kernel_write_matches_storage_write(device: torch.device,
+                                            monkeypatch: pytest.MonkeyPatch, mode: str,
+                                            batch_size: int, merged: bool,
+                                            tail_parts: int | None) -> None:
+    """Batch 1 runs one launch, batch 3 two (the backend's rule)."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    expected, plain, launches = _run(mode, batch_size, False, merged, tail_parts, dtype,
+                                     device, monkeypatch)
+    assert launches == [1]
+    out, fused, launches = _run(mode, batch_size, True, merged, tail_parts, dtype, device,
+                                monkeypatch)
+    assert not launches, "the storage wrote although the kernel was to"
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, expected)
+    for index, (a, b) in enumerate(zip(_tensors(fused), _tensors(plain), strict=True)):
+        assert torch.equal(a, b), index
+
+
+def test_no_window_keeps_the_storage_write(device: torch.device,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a recent window the page programs read this step's codes, so the storage
+    writes them before the kernel (one write launch)."""
+    storage, batch, k, v = decode_step("q8", 0, DECODES[3], heads=HEADS, kv_heads=KV_HEADS,
+                                       head_dim=HEAD_DIM, page=PAGE, dtype=torch.float32,
+                                       device=device, seed=3, triton_write=True)
+    q = torch.randn(3, HEADS, HEAD_DIM).to(device)
+    with monkeypatch.context() as patch:
+        launches = _count_writes(patch)
+        _backend(True, False, None).attend(0, q, k, v, storage, batch, HEAD_DIM ** -0.5)
+    assert launches == [1]
+
+
+def test_write_needs_the_window_and_its_rows(device: torch.device) -> None:
+    """A write whose fresh rows are not the exact operands' is refused before any launch."""
+    pytest.importorskip("triton")
+    from dyngen_core.attention.triton_exact import exact_operands
+    from dyngen_core.attention.triton_quant import attend_word_decode
+
+    storage, batch, k, v = decode_step("q4", WINDOW, DECODES[1], heads=HEADS,
+                                       kv_heads=KV_HEADS, head_dim=HEAD_DIM, page=PAGE,
+                                       dtype=torch.float32, device=device, seed=3,
+                                       triton_write=True)
+    exact = exact_operands(storage, 0, batch, (k, v))  # the storage's own rows, not the write's
+    write = storage.deferred_write(0, k.clone(), v.clone(), batch.slot_mapping,
+                                   batch.decode_window)
+    assert write is not None and exact is not None
+    q = torch.zeros(1, HEADS, HEAD_DIM, device=device)
+    with pytest.raises(ValueError, match="deferred_write"):
+        attend_word_decode(q, (), batch, exact, 1.0, key_bits=4, value_bits=4,
+                           num_kv_heads=KV_HEADS, block_n=16, splits=1, warps=4, write=write)
