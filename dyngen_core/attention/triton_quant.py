@@ -110,9 +110,15 @@ def word_decode_fits(batch: ForwardBatch, key_bits: int, value_bits: int,
                      exact: ExactOperands | None, block_n: int) -> bool:
     """Whether `attend_word_decode` serves this attention call: a decode-only batch over q8/q4
     pages (with their exact rows), whose pages hold whole blocks of ``block_n`` keys."""
-    return (batch.is_decode_only and exact is not None and key_bits in WORD_BITS
-            and value_bits in WORD_BITS and block_n >= MIN_TILE
-            and batch.page_size % block_n == 0)
+    return (batch.is_decode_only and exact is not None
+            and word_pages_fit(key_bits, value_bits, block_n, batch.page_size))
+
+
+def word_pages_fit(key_bits: int, value_bits: int, block_n: int, page_size: int) -> bool:
+    """Whether the kernel reads these pages: q8/q4 codes, whole blocks of ``block_n`` (at
+    least `MIN_TILE`) keys a page."""
+    return (key_bits in WORD_BITS and value_bits in WORD_BITS and block_n >= MIN_TILE
+            and page_size % block_n == 0)
 
 
 def deferred_word_write(storage: KVStorage, layer: int, key: torch.Tensor,
@@ -126,10 +132,9 @@ def deferred_word_write(storage: KVStorage, layer: int, key: torch.Tensor,
     if (block_n is None or not isinstance(storage, QuantStorage) or not batch.is_decode_only
             or batch.seq_slots is None or storage.recent is None):
         return None
-    bits = (storage.key_format.bits, storage.value_format.bits)
-    if (bits[0] not in WORD_BITS or bits[1] not in WORD_BITS or block_n < MIN_TILE
-            or batch.page_size % block_n):
-        return None  # `word_decode_fits` would send the batch elsewhere
+    if not word_pages_fit(storage.key_format.bits, storage.value_format.bits, block_n,
+                          batch.page_size):
+        return None  # `word_decode_fits` sends the batch elsewhere
     return storage.deferred_write(layer, key, value, batch.slot_mapping, batch.decode_window)
 
 

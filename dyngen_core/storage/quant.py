@@ -56,12 +56,13 @@ from dyngen_core.storage.qformat import (
 from dyngen_core.storage.quant_copy import copy_quant_pages
 from dyngen_core.storage.quant_layer import QuantLayer
 from dyngen_core.storage.quant_write import (
+    DecodeWindowWrite,
     StepQuantWrite,
     decode_window_write,
+    launch_quant_write,
     resolve_fold_window,
     resolve_triton_write,
     step_quant_write,
-    write_step_triton,
     write_window_triton,
 )
 from dyngen_core.storage.quant_write_native import write_heads, write_pages
@@ -109,7 +110,7 @@ class QuantStorage:
             else on. An attribute: settable between steps (graphs keep what they captured).
 
     Attribute ``write_head_block``: KV heads per program of the Triton write (default 1;
-    `quant_write.write_step_triton`), settable like the fold.
+    `quant_write.step_quant_write`), settable like the fold.
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
@@ -222,16 +223,12 @@ class QuantStorage:
         `write_recent` of these tensors after it does nothing (a decode query reads no window
         row its step replaces); else ignored."""
         device, pages = self.devices[layer], self.layers[layer]
-        fold = (decode_window_write(self.recent, layer, device, decode_window)
-                if self.fold_decode_window else None)
+        fold = self._decode_fold(layer, decode_window)
         if self._triton[layer]:
-            offsets = self.key_offsets[layer] if self.key_offsets is not None else None
-            exact = write_step_triton(key, value, slot_mapping.to(device), offsets,
-                                      self._signs[device], pages.tensors(),
-                                      (self.key_format.bits, self.value_format.bits),
-                                      pages.head_rows, self.dtype, fold,
-                                      self.write_head_block)
-            self._memo.keep_rows(layer, key, value, ExactStepRows(exact=exact))
+            write = self._step_write(layer, key, value, slot_mapping, fold,
+                                     self.write_head_block)
+            launch_quant_write(write)
+            self._memo.keep_rows(layer, key, value, ExactStepRows(exact=write.exact))
         else:
             rows = self._prepare_rows(layer, key, value)
             self._memo.keep_rows(layer, key, value, rows)
@@ -251,26 +248,34 @@ class QuantStorage:
                        slot_mapping: torch.Tensor,
                        decode_window: tuple[torch.Tensor, torch.Tensor] | None
                        ) -> StepQuantWrite | None:
-        """`write`'s work for a decode attention kernel to do instead (the operands of
-        `quant_write.StepQuantWrite`, one KV head a program), where it applies: a decode-only
-        step (``decode_window`` given) on a layer taking the Triton write, with a reserved
-        window it folds. Nothing runs here: the storage counts the rows as written
-        (`exact_rows` of these tensors names the rows the kernel will store, `write_recent`
-        of them does nothing), so the caller must launch that kernel before anything reads
-        the layer. None, with nothing done, where it does not apply: call `write`."""
-        device, pages = self.devices[layer], self.layers[layer]
-        fold = (decode_window_write(self.recent, layer, device, decode_window)
-                if self.fold_decode_window else None)
+        """`write`'s operands (a KV head a program) for a decode kernel to write with, in a
+        decode-only step (``decode_window``) on a layer whose Triton write folds a window.
+        Nothing runs: the rows count as written (`exact_rows`, `write_recent`), so that kernel
+        must run before anything reads the layer. None (nothing done) elsewhere: `write`."""
+        fold = self._decode_fold(layer, decode_window)
         if not self._triton[layer] or fold is None or decode_window is None:
             return None
-        offsets = self.key_offsets[layer] if self.key_offsets is not None else None
-        write = step_quant_write(key, value, slot_mapping.to(device), offsets,
-                                 self._signs[device], pages.tensors(),
-                                 (self.key_format.bits, self.value_format.bits),
-                                 pages.head_rows, self.dtype, fold)
+        write = self._step_write(layer, key, value, slot_mapping, fold, 1)
         self._memo.keep_rows(layer, key, value, ExactStepRows(exact=write.exact))
         self._memo.keep_window(layer, (key, value, *decode_window))
         return write
+
+    def _decode_fold(self, layer: int, decode_window: tuple[torch.Tensor, torch.Tensor] | None
+                     ) -> DecodeWindowWrite | None:
+        """The window write `write` folds into its launch (``fold_decode_window``), if any."""
+        return (decode_window_write(self.recent, layer, self.devices[layer], decode_window)
+                if self.fold_decode_window else None)
+
+    def _step_write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                    slot_mapping: torch.Tensor, fold: DecodeWindowWrite | None,
+                    head_block: int) -> StepQuantWrite:
+        """The Triton write's operands for these rows of ``layer``, nothing launched."""
+        device, pages = self.devices[layer], self.layers[layer]
+        offsets = self.key_offsets[layer] if self.key_offsets is not None else None
+        return step_quant_write(key, value, slot_mapping.to(device), offsets,
+                                self._signs[device], pages.tensors(),
+                                (self.key_format.bits, self.value_format.bits),
+                                pages.head_rows, self.dtype, fold, head_block)
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:

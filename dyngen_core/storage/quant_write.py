@@ -7,7 +7,7 @@ cuBLAS matrix product (plus its split-K reduction), the cast to the compute dtyp
 quantize-on-write (csrc/), the head rows' ``index_copy_``, and after attention the window's two
 ``index_copy_``; plus, once per step, the dozen kernels that build the head and window row
 indices. In a batch-1 CUDA-graph step of a Llama-3-8B-shape model on an H200 they cost about
-15-20 us per layer, against 0 for the fp16 storage's one-launch write. `write_step_triton` does
+15-20 us per layer, against 0 for the fp16 storage's one-launch write. `launch_quant_write` does
 all of the write in one launch (`quant_write_kernel.quant_write_kernel`), and
 `write_window_triton` the window in another, each computing its row indices itself. In a
 decode-only step (one token per sequence) the first launch can store the window rows as well
@@ -64,7 +64,7 @@ FOLD_ENV = "DYNGEN_QUANT_FOLD_WINDOW"
 
 @dataclass(frozen=True)
 class DecodeWindowWrite:
-    """The recent-window write of a decode-only step, done by `write_step_triton`'s launch.
+    """The recent-window write of a decode-only step, done by `launch_quant_write`'s launch.
 
     positions, seq_slots: [T] each token's position and its sequence's slot (-1: none), on
         the layer's device; one token per sequence (the rule is then `recent.RecentWindow`'s).
@@ -129,7 +129,7 @@ def resolve_triton_write(option: bool | None, device: torch.device) -> bool:
 class StepQuantWrite:
     """Everything `quant_write_kernel.write_token_heads` takes for one layer's step write:
     the tensors and sizes (`arguments`, in its order after ``token, num_tokens, block``) and
-    its constexprs (`constants`). `write_step_triton` launches `quant_write_kernel` with it;
+    its constexprs (`constants`). `launch_quant_write` launches `quant_write_kernel` with it;
     a decode attention kernel given it writes its own heads' rows instead
     (`attention.triton_quant`'s ``write``). ``exact``: where the step's exact rows go
     [2, T, kv_heads, head_dim], in the compute dtype."""
@@ -152,8 +152,21 @@ def step_quant_write(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch
                      bits: tuple[int, int], head_rows: torch.Tensor, dtype: torch.dtype,
                      window: DecodeWindowWrite | None = None,
                      head_block: int = 1) -> StepQuantWrite:
-    """The operands of `write_step_triton` (its arguments, documented there), with the exact
-    rows' tensor allocated and nothing launched."""
+    """The write (`launch_quant_write` launches it) that quantizes key/value rows [T,
+    kv_heads, head_dim] (last dimension contiguous, or they are copied) into ``pages`` (key
+    codes, key scales, value codes, value scales: a layer's [num_pages, page_size, kv_heads,
+    ...] tensors) at flat slots ``slot_mapping`` [T] (int32 or int64), keys minus
+    ``offsets`` (float32 [kv_heads, head_dim], or None); ``bits``: (key bits, value bits);
+    ``signs``: `hadamard.rotation_signs` (32) on the device. Rows at slot 0 of a page also
+    go to ``head_rows`` [2, num_pages + 1, kv_heads, head_dim]. Its ``exact`` (allocated
+    here, written by the launch) will hold the step's exact rows [2, T, kv_heads, head_dim]
+    in ``dtype`` (rotated, minus the offsets: `step_rows.ExactStepRows.exact`). ``window``:
+    also store those rows in the recent window of a decode-only step (its rows must be in
+    ``dtype``). ``head_block``: KV heads per program (a divisor of kv_heads). One: a batch-1
+    write is one program's chain of dependent steps, and split by head it is eight times
+    narrower (H200, 8 KV heads x 128, q4 with the window folded, us a layer: 3.57 -> 2.44 at
+    batch 1, 3.83 -> 2.85 at batch 32; 2 and 4 heads in between; benchmarks/quant_write.py
+    --head-blocks)."""
     tokens, heads, head_dim = key.shape
     exact = torch.empty((2, tokens, heads, head_dim), dtype=dtype, device=key.device)
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
@@ -179,41 +192,23 @@ def step_quant_write(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch
     return StepQuantWrite(tensors, exact, constants)
 
 
-def write_step_triton(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                      offsets: torch.Tensor | None, signs: torch.Tensor,
-                      pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                      bits: tuple[int, int], head_rows: torch.Tensor,
-                      dtype: torch.dtype, window: DecodeWindowWrite | None = None,
-                      head_block: int = 1) -> torch.Tensor:
-    """Quantize key/value rows [T, kv_heads, head_dim] (last dimension contiguous, or they are
-    copied) into ``pages`` (key codes, key scales, value codes, value scales: a layer's
-    [num_pages, page_size, kv_heads, ...] tensors) at flat slots ``slot_mapping`` [T] (int32 or
-    int64), keys minus ``offsets`` (float32 [kv_heads, head_dim], or None); ``bits``: (key
-    bits, value bits); ``signs``: `hadamard.rotation_signs` (32) on the device. Rows at slot 0
-    of a page also go to ``head_rows`` [2, num_pages + 1, kv_heads, head_dim]. Returns the
-    step's exact rows [2, T, kv_heads, head_dim] in ``dtype`` (rotated, minus the offsets:
-    `step_rows.ExactStepRows.exact`). ``window``: also store those rows in the recent window
-    of a decode-only step (its rows must be in ``dtype``). ``head_block``: KV heads per
-    program (a divisor of kv_heads). One: a batch-1 write is one program's chain of dependent
-    steps, and split by head it is eight times narrower (H200, 8 KV heads x 128, q4 with the
-    window folded, us a layer: 3.57 -> 2.44 at batch 1, 3.83 -> 2.85 at batch 32; 2 and 4
-    heads in between; benchmarks/quant_write.py --head-blocks)."""
+def launch_quant_write(write: StepQuantWrite) -> None:
+    """Launch `quant_write_kernel` over ``write`` (`step_quant_write`): one program a token
+    and block of HEAD_BLOCK KV heads."""
     from dyngen_core.storage.quant_write_kernel import quant_write_kernel
 
-    write = step_quant_write(key, value, slot_mapping, offsets, signs, pages, bits, head_rows,
-                             dtype, window, head_block)
-    tokens, heads = key.shape[:2]
+    tokens = write.num_tokens
     if tokens == 0:
-        return write.exact
-    rows = write.constants["ROWS"]
-    pdl = pdl_launch(key.device)
-    with launch_device(key.device):
-        quant_write_kernel[(tokens, heads // head_block)](
-            *write.arguments(), **write.constants,
-            num_warps=min(4, max(1, rows // 4)), enable_fp_fusion=False, GDC=pdl,
+        return
+    shape = write.constants
+    device = write.exact.device
+    pdl = pdl_launch(device)
+    with launch_device(device):
+        quant_write_kernel[(tokens, shape["HEADS"] // shape["HEAD_BLOCK"])](
+            *write.arguments(), **shape,
+            num_warps=min(4, max(1, shape["ROWS"] // 4)), enable_fp_fusion=False, GDC=pdl,
             launch_pdl=pdl,
         )
-    return write.exact
 
 
 def write_window_triton(exact: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,

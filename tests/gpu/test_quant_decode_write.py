@@ -62,7 +62,7 @@ def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from dyngen_core.storage import quant
 
     launches: list[int] = []
-    for name in ("write_step_triton", "write_window_triton"):
+    for name in ("launch_quant_write", "write_window_triton"):
         original = getattr(quant, name)
 
         def counted(*args: Any, _original: Any = original, **keywords: Any) -> Any:
