@@ -36,19 +36,10 @@ from dyngen_core.attention.triton_decode_tiles import (
 )
 from dyngen_core.attention.triton_decode_tiles import attend_keys
 from dyngen_core.attention.triton_exact_kernels import attend_exact_rows
+from dyngen_core.attention.triton_rotation import rotated_back, rotated_queries
 from dyngen_core.attention.triton_step_write import store_step_row
 from dyngen_core.triton_pdl import pdl_start
 from dyngen_core.triton_support import pdl_launch
-
-ROTATION_GROUP = 32
-
-
-@triton.jit
-def _rotate_rows(x, rot, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """x [BLOCK_M, HEAD_PAD] float32 times ``rot`` [32, 32] in each group of 32 columns."""
-    groups = tl.reshape(x, (BLOCK_M * (HEAD_PAD // 32), 32))
-    out = tl.dot(groups, rot, input_precision="ieee")
-    return tl.reshape(out, (BLOCK_M, HEAD_PAD))
 
 
 @triton.jit
@@ -60,12 +51,11 @@ def load_scaled_queries(q_ptr, q_offsets, row_valid, dims, rot_ptr, scale_log2,
     in the queries' dtype (what the dots take). Invalid rows and padded columns read as 0."""
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :],
                 mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    q = q.to(tl.float32)
     if K_BITS > 0:
-        r32 = tl.arange(0, 32)
-        rot_t = tl.load(rot_ptr + r32[None, :] * 32 + r32[:, None])  # R^T
-        q = _rotate_rows(q, rot_t, BLOCK_M, HEAD_PAD)
-    return (q * scale_log2).to(q_ptr.dtype.element_ty)
+        q = rotated_queries(q, rot_ptr, scale_log2, BLOCK_M, HEAD_PAD)
+    else:
+        q = q.to(tl.float32) * scale_log2
+    return q.to(q_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -81,9 +71,7 @@ def normalized_rows(acc, l_i, rot_ptr, V_BITS: tl.constexpr, BLOCK_M: tl.constex
     """``acc / l`` (rows that saw no key stay 0), rotated back when values are quantized."""
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if V_BITS > 0:
-        r32 = tl.arange(0, 32)
-        rot = tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :])
-        acc = _rotate_rows(acc, rot, BLOCK_M, HEAD_PAD)
+        acc = rotated_back(acc, rot_ptr, BLOCK_M, HEAD_PAD)
     return acc
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.attention.triton_kernels import ROTATION_GROUP
+from dyngen_core.attention.triton_rotation import ROTATION_GROUP
 from dyngen_core.storage.base import KVStorage
 
 

@@ -32,11 +32,7 @@ from dyngen_core.attention.triton_cascade_tables import StaticCascadeLayout
 from dyngen_core.attention.triton_decode_merge import SplitCounters
 from dyngen_core.attention.triton_decode_options import DecodeOptions, split_buffers
 from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
-from dyngen_core.attention.triton_kernels import (
-    ROTATION_GROUP,
-    launch_combine,
-    paged_attention_kernel,
-)
+from dyngen_core.attention.triton_kernels import launch_combine, paged_attention_kernel
 from dyngen_core.attention.triton_page_operands import (
     HeadShape,
     PageOperands,
@@ -53,6 +49,7 @@ from dyngen_core.attention.triton_quant import (
     word_counters,
     word_decode_fits,
 )
+from dyngen_core.attention.triton_rotation import ROTATION_GROUP
 from dyngen_core.attention.triton_step_write import StepWrite, step_write_for
 from dyngen_core.plan import StepPlan
 from dyngen_core.storage.base import KVStorage

@@ -269,6 +269,10 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     if not 1 <= tail_parts <= MAX_TAIL_PARTS:
         raise ValueError(f"tail_parts must be 1 to {MAX_TAIL_PARTS} (or None: 3 with a "
                          f"recent window in two launches, else 1), not {tail_parts}")
+    if q.shape[0] != batch.num_seqs:
+        raise ValueError(f"a decode batch has one query row per sequence: {q.shape[0]} rows "
+                         f"for {batch.num_seqs} sequences (word_decode_fits tells which "
+                         f"batches this kernel serves)")
     cap = _register_cap(max_registers, tail_parts, warps)
     write_args, write_shape = _write_operands(write, exact, q)
     tokens, num_heads, head_dim = q.shape
@@ -283,7 +287,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     out = torch.empty_like(q)
     arguments = (q, q.stride(0), q.stride(1), *page_args,
                  batch.page_table, batch.page_table.stride(0), batch.context_lens,
-                 batch.query_start, *exact.arguments(), parts, lse, out, out.stride(0),
+                 *exact.arguments(), parts, lse, out, out.stride(0),
                  out.stride(1), counters if counters is not None else batch.context_lens,
                  scale_log2, *write_args)
     group_pad = 1 << (group - 1).bit_length()

@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from dyngen_core.attention.triton_decode_merge import count_in_and_merge
-from dyngen_core.attention.triton_kernels import _rotate_rows, log2_sum_exp
+from dyngen_core.attention.triton_kernels import log2_sum_exp
 from dyngen_core.attention.triton_quant_programs import page_program, tail_program
 from dyngen_core.attention.triton_quant_unpack import split_columns
+from dyngen_core.attention.triton_rotation import rotated_back, rotated_queries
 from dyngen_core.storage.quant_write_kernel import write_token_heads
 from dyngen_core.triton_pdl import pdl_start
 
@@ -46,7 +47,7 @@ def quant_decode_kernel(
     k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
     rot_ptr,
-    page_table_ptr, stride_pt, context_lens_ptr, query_start_ptr,
+    page_table_ptr, stride_pt, context_lens_ptr,
     head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, seq_slots_ptr,
     fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh,
     part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, counter_ptr,
@@ -69,8 +70,8 @@ def quant_decode_kernel(
     W_HAS_OFFSETS: tl.constexpr = False, W_ROWS: tl.constexpr = 1,
     W_INV_SQRT: tl.constexpr = 1.0,
 ):
-    """Grid (sequences, KV heads, NUM_SPLITS + TAIL_PARTS) over a decode-only batch (sequence
-    i is query token ``query_start[i]``). Programs with split < NUM_SPLITS share the keys
+    """Grid (sequences, KV heads, NUM_SPLITS + TAIL_PARTS) over a decode-only batch (one query
+    token per sequence: sequence i's is token i). Programs with split < NUM_SPLITS share the keys
     before the window's first block; programs NUM_SPLITS + t are the tail's parts t (module
     docstring; TAIL_PARTS 1: one program attends all of the tail). Each writes its partial
     [T, H, NUM_SPLITS + TAIL_PARTS, DIM_PAD] and log2-sum-exp [T, H, NUM_SPLITS + TAIL_PARTS]
@@ -117,7 +118,9 @@ def quant_decode_kernel(
         split = tl.program_id(2) + NUM_SPLITS
     else:
         split = tl.program_id(2)
-    token = tl.load(query_start_ptr + seq)
+    # A decode-only batch has one query token per sequence, in order: no load of its index
+    # (one global-load latency before the query's, at the head of every program's chain).
+    token = seq
     if WRITE_STEP:
         if split == NUM_SPLITS + TAIL_PARTS - 1:
             write_token_heads(
@@ -136,9 +139,7 @@ def quant_decode_kernel(
     dims = tl.arange(0, DIM_PAD)
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + (head * stride_qh)[:, None]
                 + dims[None, :], mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    r32 = tl.arange(0, 32)
-    rot_t = tl.load(rot_ptr + r32[None, :] * 32 + r32[:, None])  # R^T
-    q_rotated = (_rotate_rows(q.to(tl.float32), rot_t, BLOCK_M, DIM_PAD) * scale_log2)
+    q_rotated = rotated_queries(q, rot_ptr, scale_log2, BLOCK_M, DIM_PAD)
     q = q_rotated.to(q_ptr.dtype.element_ty)
     if HALF_DOT and q_ptr.dtype.element_ty != tl.float32:
         q_dot = q_rotated.to(tl.float16)
@@ -195,8 +196,7 @@ def quant_decode_kernel(
                 DOT_PRECISION, K_JOIN, V_JOIN, FAST_UNPACK, SCALE_LOAD, TAIL_PARTS,
                 LOOP_FLAGS)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    acc = _rotate_rows(acc, tl.load(rot_ptr + r32[:, None] * 32 + r32[None, :]),
-                       BLOCK_M, DIM_PAD)
+    acc = rotated_back(acc, rot_ptr, BLOCK_M, DIM_PAD)
     PARTIALS: tl.constexpr = NUM_SPLITS + TAIL_PARTS
     part_row = (token.to(tl.int64) * tl.num_programs(1) * G + head) * PARTIALS + split
     tl.store(part_out_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc,

@@ -209,6 +209,21 @@ def test_page_window_must_be_a_power_of_two(device: torch.device) -> None:
                            warps=4, page_window=3)
 
 
+def test_query_rows_must_be_one_per_sequence(device: torch.device) -> None:
+    """The kernel takes sequence i's query as token i: a batch whose query rows are not one per
+    sequence is refused before any launch."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from dyngen_core.attention.triton_quant import attend_word_decode
+
+    q = torch.zeros(3, HEADS, 32, device=device)
+    with pytest.raises(ValueError, match="one query row per sequence: 3 rows for 2"):
+        attend_word_decode(q, (), SimpleNamespace(num_seqs=2),  # type: ignore[arg-type]
+                           None, 1.0, key_bits=4, value_bits=4,  # type: ignore[arg-type]
+                           num_kv_heads=KV_HEADS, block_n=16, splits=1, warps=4, tail_parts=1)
+
+
 def test_word_flags_join_only_4bit_values_by_default() -> None:
     """The backend's defaults join 4-bit values (faster on an H200) but not 8-bit ones (slower
     there), unless asked to; every other flag passes through unchanged."""

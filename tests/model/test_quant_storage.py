@@ -17,6 +17,7 @@ from dyngen_core.plan import PageCopy
 from dyngen_core.storage import make_storage
 from dyngen_core.storage.hadamard import (
     hadamard_matrix,
+    inv_sqrt,
     rotate,
     rotation_signs,
     unrotate,
@@ -76,6 +77,14 @@ def test_rotation_is_orthogonal_and_inverted_by_unrotate(n: int) -> None:
     torch.testing.assert_close(unrotate(rotated, matrix), x, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rotated.norm(), x.norm(), rtol=1e-5, atol=0)
 
+
+
+def test_rotation_entries_are_signs_over_root_n() -> None:
+    """Every entry of R is exactly +-inv_sqrt(n): the Triton kernels rotate 16-bit queries as a
+    tensor-core dot with sign(R) and scale by inv_sqrt(32) after (`triton_rotation`)."""
+    matrix = hadamard_matrix(32)
+    assert torch.equal(matrix.abs(), torch.full_like(matrix, inv_sqrt(32)))
+    assert torch.equal(torch.sign(matrix) * inv_sqrt(32), matrix)
 
 def test_rotation_signs_are_fixed_and_mixed() -> None:
     signs = rotation_signs(32)
