@@ -9,8 +9,8 @@ kernel rotates the query once (``q . k = (q R^T) . k'``) and its output once
 whose operands are exact and whose sums are float32, scaled by ``1/sqrt(32)`` after. The
 float32 FMA product it replaced (Triton's ``ieee`` dot of [rows x groups, 32] x [32, 32],
 through its blocked layouts) took ~4 us of a q4 decode program's ~21 (H200, one layer at
-batch 1 and 16k context: 25.1 -> 20.7 us). Float32 queries
-keep the exact product (a 16-bit dot would round them).
+batch 1 and 16k context: 25.1 -> 20.7 us). Float32 queries keep the exact product (a 16-bit
+dot would round them).
 
 Outputs are float32 accumulators and keep the float32 product: splitting one into two bfloat16
 terms (value and remainder) for two sign dots measured slower in the same kernel (22.1 against
@@ -28,19 +28,15 @@ _INV_SQRT_GROUP: tl.constexpr = tl.constexpr(ROTATION_GROUP ** -0.5)
 
 @triton.jit
 def rotate_rows(x, rot, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """x [BLOCK_M, HEAD_PAD] float32 times ``rot`` [32, 32] float32 in each group of 32
-    columns, as an exact float32 product."""
+    """x [BLOCK_M, HEAD_PAD] times ``rot`` [32, 32] (x's dtype) in each group of 32 columns, in
+    float32: the exact float32 product for float32 x, a tensor-core dot for 16-bit x (exact
+    for the +-1 sign matrix: exact products summed in float32)."""
     groups = tl.reshape(x, (BLOCK_M * (HEAD_PAD // 32), 32))
-    out = tl.dot(groups, rot, input_precision="ieee")
+    if x.dtype == tl.float32:
+        out = tl.dot(groups, rot, input_precision="ieee")
+    else:
+        out = tl.dot(groups, rot)
     return tl.reshape(out, (BLOCK_M, HEAD_PAD))
-
-
-@triton.jit
-def _sign_rows(x, signs, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """x [BLOCK_M, HEAD_PAD] (16-bit) times the +-1 matrix ``signs`` (x's dtype) in each
-    group of 32 columns: float32, exact products summed in float32."""
-    groups = tl.reshape(x, (BLOCK_M * (HEAD_PAD // 32), 32))
-    return tl.reshape(tl.dot(groups, signs), (BLOCK_M, HEAD_PAD))
 
 
 @triton.jit
@@ -54,7 +50,7 @@ def rotated_queries(q, rot_ptr, scale, BLOCK_M: tl.constexpr, HEAD_PAD: tl.const
         out = rotate_rows(q, rot_t, BLOCK_M, HEAD_PAD) * scale
     else:
         signs = tl.where(rot_t > 0, 1.0, -1.0).to(q.dtype)
-        out = _sign_rows(q, signs, BLOCK_M, HEAD_PAD) * (scale * _INV_SQRT_GROUP)
+        out = rotate_rows(q, signs, BLOCK_M, HEAD_PAD) * (scale * _INV_SQRT_GROUP)
     return out
 
 
