@@ -244,7 +244,9 @@ class SamplingBridge:
                   bitmask: np.ndarray | None) -> list[SampleRequest]:
         """Each job's `SampleRequest`, updated for this step."""
         if bitmask is not None:
-            return [self._request(a, bitmask[i]) for i, a in enumerate(active)]
+            # Only a constrained job's row is its mask: the others are left zero by the fill.
+            return [self._request(a, None if a.matcher is None else bitmask[i])
+                    for i, a in enumerate(active)]
         requests: list[SampleRequest] = []
         append = requests.append
         for a in active:
