@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.active_job import ActiveJob
-from dyngen_core.constraints.engine import mask_words
+from dyngen_core.runtime.active_job import ActiveJob
 from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.text.constraints.compiler import mask_words
 from tests.engine.step_helpers import mixed_prompts
 
 TOP_P = SamplerSettings(temperature=0.9, top_p=0.8, top_k=40)
@@ -151,7 +151,11 @@ def test_a_launch_after_a_masked_sample_of_the_same_jobs_has_no_mask(
     only[:, 0] = 1 << 7  # every row may only take token 7
     masks: Future[np.ndarray] = Future()
     masks.set_result(only)
+    for a in active:
+        a.matcher = object()  # as if constrained: only a constrained job's row is its mask
     assert bridge.sample(logits, active, masks).tokens == [7] * len(active)
+    for a in active:
+        a.matcher = None
     draws = _Draws(monkeypatch)
     launched = bridge.launch(logits, active)
     assert launched is not None and draws.masked_launches == 0
