@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer  # noqa: E402
-from dyngen_core.attention import get_backend  # noqa: E402
 from dyngen_core.config import ModelConfig  # noqa: E402
-from dyngen_core.graphs import DecodeGraphs  # noqa: E402
-from dyngen_core.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.kv.attention import get_backend  # noqa: E402
+from dyngen_core.runtime.graphs import DecodeGraphs  # noqa: E402
 
 # config.json of Llama-3-8B (the shape the issue names), bf16.
 LLAMA3_8B: dict[str, Any] = {

@@ -26,14 +26,13 @@ from typing import Any
 import torch
 from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.shared_prefix import plan_shared_prefixes
-from dyngen_core.attention.triton_paged import TritonPagedBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.engine.cascade import plan_shared_prefixes
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.quant.storage import QuantStorage
 
 VARIANTS = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (block_n, num_warps)
 # Quantized decode: (kernel, block_n, num_warps, launches); "general" is

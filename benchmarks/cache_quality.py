@@ -11,10 +11,10 @@ of each mode on the text. It also reports how many tokens one GiB of each cache 
     python benchmarks/cache_quality.py --model-dir DIR --seq-len 512 --sequences 2
 
 Quantized modes keep the first slot of every page unquantized, q6 and q4 also each sequence's
-last 16 positions (see `dyngen_core.storage.recent`); ``--windows 0,8`` adds q4 with other windows.
+last 16 positions (see `dyngen_core.kv.quant.window`); ``--windows 0,8`` adds q4 with other windows.
 ``--split-q6`` adds the alternative q6 layout (keys at 8 bits, values at 4: the same bytes as
 6/6) to show why q6 packs 6-bit codes; ``--no-offsets`` adds q4 without the calibrated key
-offsets every `Cache` sets (see `dyngen_core.calibration`).
+offsets every `Cache` sets (see `dyngen_core.kv.quant.calibration`).
 """
 
 from __future__ import annotations
@@ -33,17 +33,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.attention import get_backend
-from dyngen_core.attention.base import AttentionBackend
-from dyngen_core.calibration import measure_key_means
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.models import Model
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage import make_storage
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.quant import DEFAULT_RECENT_WINDOW, QuantStorage
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention import get_backend
+from dyngen_core.kv.attention.base import AttentionBackend, build_forward_batch
+from dyngen_core.kv.cache import make_storage
+from dyngen_core.kv.quant.calibration import measure_key_means
+from dyngen_core.kv.quant.storage import DEFAULT_RECENT_WINDOW, QuantStorage
+from dyngen_core.kv.storage import KVStorage
+from dyngen_core.model import Model
+from dyngen_core.text.tokenizer import Tokenizer
 
 GIB = 1 << 30
 DOC_MODULES = ("argparse", "difflib", "heapq", "contextlib", "functools", "itertools",
@@ -188,7 +187,7 @@ def report(totals: dict[str, Totals], variants: Sequence[Variant], config: Model
 def load_model_dir(explicit: str | None) -> Path:
     if explicit:
         return Path(explicit)
-    from dyngen_core.convert.demo import fetch_demo_model
+    from dyngen_core.cli.convert.demo import fetch_demo_model
 
     return fetch_demo_model(progress=True)
 

@@ -56,14 +56,14 @@ from typing import Any
 import torch
 from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 
-from dyngen_core.attention.triton_cascade import attend_prefixes, multiprocessors
-from dyngen_core.attention.triton_cascade_path import LOG2_E, CascadePath
-from dyngen_core.attention.triton_page_operands import HeadShape, page_arguments, page_operands
-from dyngen_core.attention.triton_paged import TritonPagedBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.attention.triton.cascade import attend_prefixes, multiprocessors
+from dyngen_core.kv.attention.triton.cascade_path import LOG2_E, CascadePath
+from dyngen_core.kv.attention.triton.page_operands import HeadShape, page_arguments, page_operands
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+from dyngen_core.kv.fp16.storage import FP16Storage
 
 PAGE = 256
 QUESTION = 40

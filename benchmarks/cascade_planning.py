@@ -37,10 +37,10 @@ from typing import cast
 import numpy as np
 from _common import report
 
-from dyngen_core.attention.shared_prefix import CascadePolicy
-from dyngen_core.attention.triton_cascade_path import CascadeOptions, CascadePath
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.base import KVStorage
+from dyngen_core.engine.cascade import CascadePolicy
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.triton.cascade_path import CascadeOptions, CascadePath
+from dyngen_core.kv.storage import KVStorage
 
 PAGE = 256
 WORKLOADS = ("document", "documents8", "system64", "none")

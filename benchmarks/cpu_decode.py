@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs for each")
     args = parser.parse_args()
     if args.model is None:
-        from dyngen_core.convert.demo import fetch_demo_model
+        from dyngen_core.cli.convert.demo import fetch_demo_model
 
         args.model = fetch_demo_model()
     from transformers import AutoModelForCausalLM

@@ -45,13 +45,12 @@ from typing import Any
 import torch
 from _common import cuda_seconds, device_name, report
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.triton_decode_options import DecodeOptions
-from dyngen_core.attention.triton_paged import TritonPagedBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.attention.triton.decode_options import DecodeOptions
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+from dyngen_core.kv.fp16.storage import FP16Storage
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 256
 CALLS = 32  # layer calls per captured graph

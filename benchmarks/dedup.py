@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args()
     if args.model is None:
-        from dyngen_core.convert.demo import fetch_demo_model
+        from dyngen_core.cli.convert.demo import fetch_demo_model
 
         args.model = fetch_demo_model()
     model = Model.load(args.model, device=args.device)

@@ -25,7 +25,7 @@ import torch
 from _common import cuda_seconds, device_name, report
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.kv.fp16.storage import FP16Storage
 
 HEADS, KV_HEADS, DIM, LAYERS, PAGE = 32, 8, 128, 32, 256
 

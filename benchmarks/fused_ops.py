@@ -51,11 +51,11 @@ from benchmarks._common import (  # noqa: E402
     report,
 )
 from benchmarks.skinny_matmul import per_launch_seconds  # noqa: E402
-from dyngen_core.attention import get_backend  # noqa: E402
-from dyngen_core.cache import Cache  # noqa: E402
-from dyngen_core.forward import build_forward_batch  # noqa: E402
-from dyngen_core.models import fused_ops as fo  # noqa: E402
-from dyngen_core.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.kv.attention import get_backend  # noqa: E402
+from dyngen_core.kv.attention.base import build_forward_batch  # noqa: E402
+from dyngen_core.kv.cache import Cache  # noqa: E402
+from dyngen_core.ops import fused_ops as fo  # noqa: E402
 
 BANDWIDTH = 4.25e12
 LAYERS = 32

@@ -43,8 +43,8 @@ from _common import GREEDY, device_name, report, word_tokenizer
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings
 from dyngen_core.config import ModelConfig
-from dyngen_core.overlap import PendingStep
-from dyngen_core.plan import StepPlan
+from dyngen_core.engine.plan import StepPlan
+from dyngen_core.runtime.overlap import PendingStep
 from dyngen_core.sampling.fused import fused_draw_default
 
 SETTINGS = {"greedy": GREEDY,

@@ -42,7 +42,7 @@ from _common import GREEDY, word_tokenizer
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings
 from dyngen_core.config import ModelConfig
-from dyngen_core.plan import StepPlan
+from dyngen_core.engine.plan import StepPlan
 
 SETTINGS = {"greedy": GREEDY, "top_p": SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)}
 

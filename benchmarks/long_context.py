@@ -41,9 +41,9 @@ from _common import (
 )
 
 from dyngen_core import Cache
-from dyngen_core.attention.base import AttentionBackend
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.runner import ModelRunner
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import AttentionBackend
+from dyngen_core.runtime.runner import ModelRunner
 
 MODES = ("fp16", "q8", "q4")
 
@@ -83,8 +83,8 @@ def quant_backend(kernel: str, max_splits: int, tail_parts: int | None = None
     """The Triton backend decoding q8/q4 pages with ``kernel`` ("NxW" or "general"), its
     contexts split into at most ``max_splits`` parts, the word kernel's exact rows in
     ``tail_parts`` programs (None: its default)."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
-    from dyngen_core.attention.triton_quant import WordKernelFlags
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
 
     if kernel == "general":
         return TritonPagedBackend(word_block_n=None, max_splits=max_splits)

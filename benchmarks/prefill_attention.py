@@ -39,13 +39,12 @@ import torch
 import torch.nn.functional as F
 from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.triton_paged import TritonPagedBackend
-from dyngen_core.attention.triton_prefill import TiledPrefillOptions
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+from dyngen_core.kv.attention.triton.prefill import TiledPrefillOptions
+from dyngen_core.kv.fp16.storage import FP16Storage
 
 PAGE = 256
 SHAPES = ("1x8030", "4x2048", "256x512", "64x30@8030", "64x4@8030")

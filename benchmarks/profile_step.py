@@ -26,10 +26,10 @@ from _common import (
     weight_bytes,
 )
 
-from dyngen_core.attention import get_backend
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage import make_storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention import get_backend
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.cache import make_storage
 
 PAGE = 256
 
@@ -64,7 +64,7 @@ def main() -> None:
         return model.forward(batch, storage, backend)
 
     if args.graph:
-        from dyngen_core.graphs import DecodeGraphs
+        from dyngen_core.runtime.graphs import DecodeGraphs
 
         graphs = DecodeGraphs(model, storage, backend, page_size=PAGE,
                               max_context=pages_per_seq * PAGE, max_batch_size=args.batch,

@@ -34,8 +34,8 @@ from _common import add_common_args, bench_config, device_name, report
 from attention_kernels import decode_inputs, one_layer_storage
 from quant_decode import copies
 
-import dyngen_core.attention.triton_quant as triton_quant
-from dyngen_core.attention.triton_paged import TritonPagedBackend
+import dyngen_core.kv.attention.triton.quant as triton_quant
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
 KERNEL_SOURCE = Path(triton_quant.__file__).with_name("triton_quant_kernels.py")
 HELPERS = '''

@@ -89,12 +89,12 @@ import torch
 from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 from attention_kernels import decode_inputs, one_layer_storage
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.triton_decode_options import DecodeOptions
-from dyngen_core.attention.triton_exact import exact_operands
-from dyngen_core.attention.triton_page_operands import page_arguments, page_operands
-from dyngen_core.attention.triton_paged import LOG2_E, TritonPagedBackend
-from dyngen_core.attention.triton_quant import attend_word_decode
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.decode_options import DecodeOptions
+from dyngen_core.kv.attention.triton.exact import exact_operands
+from dyngen_core.kv.attention.triton.page_operands import page_arguments, page_operands
+from dyngen_core.kv.attention.triton.paged import LOG2_E, TritonPagedBackend
+from dyngen_core.kv.attention.triton.quant import attend_word_decode
 
 # name: (attend_word_decode options, block_n, warps)
 VARIANTS: dict[str, tuple[dict[str, bool], int, int]] = {

@@ -51,7 +51,7 @@ import torch
 from _common import cuda_seconds, device_name, report
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.quant.storage import QuantStorage
 
 HEADS, KV_HEADS, DIM, LAYERS, PAGE = 32, 8, 128, 32, 256
 PAGES_PER_SEQ = 2

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
+from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling import compact, fused
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.upload import Staging
-from dyngen_core.settings import SamplerSettings
 
 SETTINGS = SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)
 

@@ -42,12 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import cuda_seconds, device_name, free_memory, report  # noqa: E402
-from dyngen_core.models.skinny_matmul import (  # noqa: E402
-    SkinnyConfig,
-    default_config,
-    launch,
-    shape_class,
-)
+from dyngen_core.ops.skinny_matmul import SkinnyConfig, default_config, launch, shape_class
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}

@@ -32,7 +32,7 @@ from _common import (
     word_tokenizer,
 )
 
-from dyngen_core.plan import StepPlan
+from dyngen_core.engine.plan import StepPlan
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "throughput": {"prompts": 256, "length": 512, "new": 128, "chunk": 16384},

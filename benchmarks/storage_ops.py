@@ -39,15 +39,17 @@ from torch.autograd.profiler_util import FunctionEvent
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dyngen_core.attention.base import ForwardBatch  # noqa: E402
-from dyngen_core.attention.triton_exact import exact_operands  # noqa: E402
 from dyngen_core.config import ModelConfig  # noqa: E402
-from dyngen_core.forward import build_forward_batch  # noqa: E402
-from dyngen_core.plan import SequenceSlice, StepPlan  # noqa: E402
-from dyngen_core.storage import native  # noqa: E402
-from dyngen_core.storage.hadamard import hadamard_matrix  # noqa: E402
-from dyngen_core.storage.qformat import GROUP_SIZE, QuantFormat, quantize  # noqa: E402
-from dyngen_core.storage.quant import QuantStorage  # noqa: E402
+from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.kv.attention.base import (
+    ForwardBatch,  # noqa: E402
+    build_forward_batch,  # noqa: E402
+)
+from dyngen_core.kv.attention.triton.exact import exact_operands  # noqa: E402
+from dyngen_core.kv.quant import native  # noqa: E402
+from dyngen_core.kv.quant.format import GROUP_SIZE, QuantFormat, quantize  # noqa: E402
+from dyngen_core.kv.quant.hadamard import hadamard_matrix  # noqa: E402
+from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 256
 CALLS = ("write", "exact_operands", "write_recent")

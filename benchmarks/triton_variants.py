@@ -11,15 +11,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dyngen_core.attention.triton_cascade_fused import remainder_merge_kernel  # noqa: E402
-from dyngen_core.attention.triton_cascade_kernels import prefix_tiles_kernel  # noqa: E402
-from dyngen_core.attention.triton_kernels import paged_attention_kernel  # noqa: E402
-from dyngen_core.attention.triton_prefill import TiledPrefillOptions  # noqa: E402
-from dyngen_core.attention.triton_prefill_kernels import tiled_prefill_kernel  # noqa: E402
-from dyngen_core.attention.triton_quant import WordKernelFlags  # noqa: E402
-from dyngen_core.attention.triton_quant_kernels import quant_decode_kernel  # noqa: E402
-from dyngen_core.models import skinny_matmul_kernel  # noqa: E402
-from dyngen_core.models.skinny_matmul import DEFAULT_CONFIGS  # noqa: E402
+from dyngen_core.kv.attention.triton.cascade_fused import remainder_merge_kernel  # noqa: E402
+from dyngen_core.kv.attention.triton.cascade_kernels import prefix_tiles_kernel  # noqa: E402
+from dyngen_core.kv.attention.triton.kernels import paged_attention_kernel  # noqa: E402
+from dyngen_core.kv.attention.triton.prefill import TiledPrefillOptions  # noqa: E402
+from dyngen_core.kv.attention.triton.prefill_kernels import tiled_prefill_kernel  # noqa: E402
+from dyngen_core.kv.attention.triton.quant import WordKernelFlags  # noqa: E402
+from dyngen_core.kv.attention.triton.quant_kernels import quant_decode_kernel  # noqa: E402
+from dyngen_core.ops import skinny_matmul_kernel  # noqa: E402
+from dyngen_core.ops.skinny_matmul import DEFAULT_CONFIGS  # noqa: E402
 
 # The `WordKernelFlags` fields as `quant_decode_kernel` constexprs, with their label letters.
 WORD_FLAGS = {"join_keys": ("K_JOIN", "k"), "join_values": ("V_JOIN", "v"),

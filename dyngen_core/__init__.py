@@ -12,19 +12,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "Model": "dyngen_core.models",
-    "Cache": "dyngen_core.cache",
-    "Tokenizer": "dyngen_core.tokenizer",
-    "DynamicGenerator": "dyngen_core.generator",
-    "Job": "dyngen_core.job",
-    "Result": "dyngen_core.results",
-    "GeneratorStats": "dyngen_core.results",
-    "EosReason": "dyngen_core.results",
-    "SamplerSettings": "dyngen_core.settings",
-    "BackgroundGenerator": "dyngen_core.background",
-    "JobHandle": "dyngen_core.background",
-    "shared_generator": "dyngen_core.background",
-    "EngineOptions": "dyngen_core.options",
+    "Model": "dyngen_core.model",
+    "Cache": "dyngen_core.kv.cache",
+    "Tokenizer": "dyngen_core.text.tokenizer",
+    "DynamicGenerator": "dyngen_core.runtime.generator",
+    "Job": "dyngen_core.engine.job",
+    "Result": "dyngen_core.engine.results",
+    "GeneratorStats": "dyngen_core.engine.results",
+    "EosReason": "dyngen_core.engine.results",
+    "SamplerSettings": "dyngen_core.engine.settings",
+    "BackgroundGenerator": "dyngen_core.runtime.background",
+    "JobHandle": "dyngen_core.runtime.background",
+    "shared_generator": "dyngen_core.runtime.background",
+    "EngineOptions": "dyngen_core.config",
     "errors": "dyngen_core.errors",
 }
 

@@ -14,6 +14,6 @@ def model_dir() -> Path:
         return Path(sys.argv[1])
     if os.environ.get("DYNGEN_MODEL"):
         return Path(os.environ["DYNGEN_MODEL"])
-    from dyngen_core.convert.demo import fetch_demo_model
+    from dyngen_core.cli.convert.demo import fetch_demo_model
 
     return fetch_demo_model()

@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--cache-tokens", type=int, default=65536)
     args = parser.parse_args()
     if args.model_dir is None:
-        from dyngen_core.convert.demo import fetch_demo_model
+        from dyngen_core.cli.convert.demo import fetch_demo_model
 
         args.model_dir = fetch_demo_model()
 

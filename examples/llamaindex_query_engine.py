@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = args.model_dir
     if model_dir is None:
-        from dyngen_core.convert.demo import fetch_demo_model
+        from dyngen_core.cli.convert.demo import fetch_demo_model
 
         model_dir = str(fetch_demo_model(progress=True))
 

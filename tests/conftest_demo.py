@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The converted demo model folder (config.json, model.safetensors, tokenizer files)."""
-    from dyngen_core.convert.demo import fetch_demo_model
+    from dyngen_core.cli.convert.demo import fetch_demo_model
 
     return fetch_demo_model()
 
@@ -22,6 +22,6 @@ def demo_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def demo_gguf_file(demo_model_dir: Path) -> Path:
     """The demo model's original GGUF file, kept in the cache next to the converted folder."""
-    from dyngen_core.convert.demo import fetch_demo_gguf
+    from dyngen_core.cli.convert.demo import fetch_demo_gguf
 
     return fetch_demo_gguf()

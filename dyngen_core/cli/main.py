@@ -40,7 +40,7 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from dyngen_core.convert.gguf import convert_gguf
+    from dyngen_core.cli.convert.gguf import convert_gguf
 
     folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, progress=True)
     print(folder)
@@ -56,7 +56,7 @@ def _add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_fetch(args: argparse.Namespace) -> int:
-    from dyngen_core.convert.demo import default_demo_dir, fetch_demo_model, is_complete
+    from dyngen_core.cli.convert.demo import default_demo_dir, fetch_demo_model, is_complete
 
     target = Path(args.dir).expanduser() if args.dir else default_demo_dir()
     if not is_complete(target):
@@ -86,7 +86,7 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     if commands is None:
-        from dyngen_core.cli_run import RUN_COMMANDS
+        from dyngen_core.cli.run import RUN_COMMANDS
 
         commands = {**COMMANDS, **RUN_COMMANDS}
     for name, command in commands.items():

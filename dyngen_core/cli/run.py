@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from dyngen_core.cli import Command
+from dyngen_core.cli.main import Command
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +33,8 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _generator(args: argparse.Namespace) -> Any:
-    from dyngen_core.convert.demo import fetch_demo_model
-    from dyngen_core.generator import DynamicGenerator
+    from dyngen_core.cli.convert.demo import fetch_demo_model
+    from dyngen_core.runtime.generator import DynamicGenerator
 
     model_dir = args.model or fetch_demo_model()
     return DynamicGenerator.from_model_dir(
@@ -44,7 +44,7 @@ def _generator(args: argparse.Namespace) -> Any:
 
 
 def _settings(args: argparse.Namespace, generator: Any) -> Any:
-    from dyngen_core.settings import SamplerSettings
+    from dyngen_core.engine.settings import SamplerSettings
 
     given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                ("top_k", args.top_k)) if v is not None}
@@ -55,7 +55,7 @@ def _settings(args: argparse.Namespace, generator: Any) -> Any:
 
 def _stream(generator: Any, input_ids: list[int], args: argparse.Namespace) -> Any:
     """Run one job, printing text as it streams; returns the final result."""
-    from dyngen_core.job import Job
+    from dyngen_core.engine.job import Job
 
     generator.enqueue(Job(input_ids=input_ids, max_new_tokens=args.max_new_tokens,
                           gen_settings=_settings(args, generator), seed=args.seed))
@@ -129,8 +129,8 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from dyngen_core.job import Job
-    from dyngen_core.settings import SamplerSettings
+    from dyngen_core.engine.job import Job
+    from dyngen_core.engine.settings import SamplerSettings
 
     generator = _generator(args)
     vocab = generator.model.config.vocab_size

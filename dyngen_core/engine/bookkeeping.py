@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Sequence as SeqOf
 
+from dyngen_core.engine.pages import ROOT_HASH, PagePool
+from dyngen_core.engine.plan import SequenceSlice, StepOutcome, StepPlan
+from dyngen_core.engine.sequence import Sequence, SequenceStatus
 from dyngen_core.errors import JobTooLargeError
-from dyngen_core.pages.pool import ROOT_HASH, PagePool
-from dyngen_core.plan import SequenceSlice, StepOutcome, StepPlan
-from dyngen_core.scheduling.sequence import Sequence, SequenceStatus
 
 
 def check_fits(job_id: int, num_tokens: int, pool: PagePool, breakdown: str) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from dyngen_core.pages.pool import common_prefix_len
+from dyngen_core.engine.pages import common_prefix_len
 
 # Levels of sharing walked below a first page (system prompt, document, examples...: real
 # prompts have a few); past it a level's members form one group. Bounds planning to about

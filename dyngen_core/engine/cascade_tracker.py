@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dyngen_core.attention.shared_prefix import (
+from dyngen_core.engine.cascade import (
     CascadePlan,
     CascadePolicy,
     PrefixGroup,
     plan_shared_prefixes,
 )
-from dyngen_core.plan import SequenceSlice
+from dyngen_core.engine.plan import SequenceSlice
 
 
 class SharedPrefixTracker:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from dyngen_core.plan import PageCopy
+from dyngen_core.engine.plan import PageCopy
 
 DEFAULT_MIN_FRACTION = 0.25
 MOVES_FRACTION_OF_CACHE = 1 / 16

@@ -76,7 +76,7 @@ class Job:
         banned_strings: strings that must never appear in the output (case-insensitive); on a
             match the job rewinds and samples again.
         constraint: a JSON schema (dict or pydantic model class), a regex, a grammar or a list
-            of choices; see `dyngen_core.constraints`.
+            of choices; see `dyngen_core.text.constraints`.
     """
 
     def __init__(

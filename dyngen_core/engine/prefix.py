@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dyngen_core.pages.pool import MIN_PARTIAL_MATCH, ROOT_HASH, PagePool, common_prefix_len
-from dyngen_core.plan import PageCopy
-from dyngen_core.scheduling.sequence import Sequence
+from dyngen_core.engine.pages import MIN_PARTIAL_MATCH, ROOT_HASH, PagePool, common_prefix_len
+from dyngen_core.engine.plan import PageCopy
+from dyngen_core.engine.sequence import Sequence
 
 
 @dataclass

@@ -12,7 +12,7 @@ Python; the scheduler owns every job's `Sequence` and the `PagePool`, and knows 
   a step that preempted.
 - Admission is FIFO up to ``max_batch_size`` running jobs. A job is admitted when the pages its
   whole prefill still needs fit (keeping a small watermark while others run); prefix pages come
-  from the cache or running jobs (see `dyngen_core.scheduling.prefix`, which also explains how
+  from the cache or running jobs (see `dyngen_core.engine.prefix`, which also explains how
   jobs sharing a prefix with a job still prefilling wait for it instead of recomputing it). A
   waiting job passed over ``max_skips`` times blocks later jobs until it fits.
 - When pages fill they are registered (hashed); an identical page already held is used instead
@@ -33,12 +33,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
-from dyngen_core.errors import JobError
-from dyngen_core.pages.defrag import plan_defrag
-from dyngen_core.pages.pool import PagePool
-from dyngen_core.plan import PENDING_TOKEN, PageCopy, SequenceSlice, StepOutcome, StepPlan
-from dyngen_core.results import GeneratorStats
-from dyngen_core.scheduling.bookkeeping import (
+from dyngen_core.engine.bookkeeping import (
     apply_decode_tokens,
     check_fits,
     check_sequences,
@@ -49,17 +44,13 @@ from dyngen_core.scheduling.bookkeeping import (
     resolve_pending,
     sampled_tokens,
 )
-from dyngen_core.scheduling.prefix import (
-    InflightIndex,
-    PrefixMatch,
-    match_prefix,
-    take_prefix_pages,
-)
-from dyngen_core.scheduling.sequence import (
-    Sequence,
-    SequenceStatus,
-    SequenceView,
-)
+from dyngen_core.engine.defrag import plan_defrag
+from dyngen_core.engine.pages import PagePool
+from dyngen_core.engine.plan import PENDING_TOKEN, PageCopy, SequenceSlice, StepOutcome, StepPlan
+from dyngen_core.engine.prefix import InflightIndex, PrefixMatch, match_prefix, take_prefix_pages
+from dyngen_core.engine.results import GeneratorStats
+from dyngen_core.engine.sequence import Sequence, SequenceStatus, SequenceView
+from dyngen_core.errors import JobError
 
 DEFRAG_INTERVAL = 64
 ADMISSION_LOOKAHEAD = 64
@@ -238,7 +229,7 @@ class Scheduler:
 
     def defragment(self, *, max_moves: int | None = None) -> int:
         """Compact and order the used pages if fragmentation is worth it (see
-        `dyngen_core.pages.defrag`; ``max_moves`` caps the pages moved, None for its default).
+        `dyngen_core.engine.defrag`; ``max_moves`` caps the pages moved, None for its default).
         Page tables and the pool are relabelled now; the page copies lead the next plan's
         ``copies`` (do not run them separately). Call between `apply` and `schedule`. Returns
         the number of page copies queued."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from dyngen_core.pages.pool import ROOT_HASH, chain_hash
+from dyngen_core.engine.pages import ROOT_HASH, chain_hash
 
 
 class SequenceStatus(enum.Enum):

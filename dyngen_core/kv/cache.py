@@ -2,16 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
-from dyngen_core.calibration import measure_key_means
-from dyngen_core.config import PAGE_SIZE, CacheConfig
-from dyngen_core.storage import make_storage
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.quant import QuantStorage
+import torch
+
+from dyngen_core.config import PAGE_SIZE, CacheConfig, ModelConfig
+from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.quant.calibration import measure_key_means
+from dyngen_core.kv.quant.storage import MODE_BITS, QuantStorage
+from dyngen_core.kv.storage import KVStorage
 
 if TYPE_CHECKING:
-    from dyngen_core.models import Model
+    from dyngen_core.model import Model
+
+StorageFactory = Callable[
+    [ModelConfig, int, int, torch.dtype, Sequence[torch.device]], KVStorage
+]
+
+# Mode name -> constructor taking (config, num_pages, page_size, dtype, layer_devices).
+STORAGE_MODES: dict[str, StorageFactory] = {
+    "fp16": FP16Storage,
+    **{mode: partial(QuantStorage, mode=mode) for mode in MODE_BITS},
+}
+
+
+def make_storage(mode: str, config: ModelConfig, num_pages: int, page_size: int,
+                 dtype: torch.dtype, layer_devices: Sequence[torch.device]) -> KVStorage:
+    """Build the storage for a cache mode.
+
+    mode: "fp16" (the model's dtype, unquantized), or a quantized mode when available.
+    config: the model's shape. num_pages, page_size: the cache geometry.
+    dtype: the model's compute dtype (what gathers return).
+    layer_devices: one device per layer, as the model places its layers.
+    """
+    factory = STORAGE_MODES.get(mode)
+    if factory is None:
+        raise ValueError(
+            f"cache mode {mode!r} is not available; available: {', '.join(STORAGE_MODES)}"
+        )
+    return factory(config, num_pages, page_size, dtype, layer_devices)
 
 
 class Cache:

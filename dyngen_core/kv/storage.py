@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from dyngen_core.plan import PageCopy
+from dyngen_core.engine.plan import PageCopy
 
 
 class KVStorage(Protocol):

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dyngen_core.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.config import ModelConfig
-from dyngen_core.models.fused_ops import add_rms_norm, rms_norm, silu_mul
-from dyngen_core.models.rope import apply_rotary
-from dyngen_core.models.skinny_matmul import linear
-from dyngen_core.storage.base import KVStorage
+from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.kv.storage import KVStorage
+from dyngen_core.model.rope import apply_rotary
+from dyngen_core.ops.fused_ops import add_rms_norm, rms_norm, silu_mul
+from dyngen_core.ops.skinny_matmul import linear
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.models.layers import has_o_bias, has_qkv_bias
+from dyngen_core.model.layers import has_o_bias, has_qkv_bias
 
 # Tensors some exporters leave in checkpoints that carry no weights (recomputed from config).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

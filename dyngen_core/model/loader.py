@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.errors import ModelFolderError, WeightsError
-from dyngen_core.models.layout import TensorSlot, is_ignored
+from dyngen_core.model.layout import TensorSlot, is_ignored
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -15,27 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyngen_core.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.config import ModelConfig
-from dyngen_core.models.fused_ops import DEFAULT_FUSED_OPS, fused_ops_for
-from dyngen_core.models.layers import (
-    DecoderLayer,
-    GatedMLP,
-    Placement,
-    RMSNorm,
-    empty_parameter,
-)
-from dyngen_core.models.layout import checkpoint_layout
-from dyngen_core.models.loader import (
+from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.kv.storage import KVStorage
+from dyngen_core.model.layers import DecoderLayer, GatedMLP, Placement, RMSNorm, empty_parameter
+from dyngen_core.model.layout import checkpoint_layout
+from dyngen_core.model.loader import (
     check_inventory,
     find_weight_files,
     load_weights,
     read_inventory,
 )
-from dyngen_core.models.placement import resolve_device, resolve_dtype
-from dyngen_core.models.rope import RotaryEmbedding
-from dyngen_core.models.skinny_matmul import DEFAULT_SKINNY_ROWS, linear, skinny_rows_for
-from dyngen_core.storage.base import KVStorage
+from dyngen_core.model.placement import resolve_device, resolve_dtype
+from dyngen_core.model.rope import RotaryEmbedding
+from dyngen_core.ops.fused_ops import DEFAULT_FUSED_OPS, fused_ops_for
+from dyngen_core.ops.skinny_matmul import DEFAULT_SKINNY_ROWS, linear, skinny_rows_for
 
 
 class Model(nn.Module):

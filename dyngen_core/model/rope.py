@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.models.rope_scaling import inverse_frequencies
+from dyngen_core.model.rope_scaling import inverse_frequencies
 
 
 class RotaryEmbedding:

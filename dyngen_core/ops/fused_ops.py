@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.triton_support import (
+from dyngen_core.ops.triton_support import (
     launch_device,
     pdl_launch,
     require_triton,
@@ -116,7 +116,7 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block_m: rows per program (a power of two); 0 fills `NORM_PROGRAM_ELEMENTS` with rows.
     num_warps: warps per program; 0 gives one per `NORM_WARP_ELEMENTS` elements (1 to 16).
     """
-    from dyngen_core.models.fused_ops_kernel import rms_norm_kernel
+    from dyngen_core.ops.fused_ops_kernel import rms_norm_kernel
 
     n = x.shape[-1]
     rows = x.numel() // n
@@ -146,7 +146,7 @@ def launch_silu_mul(gate_up: torch.Tensor, *, block: int = 0,
     block: columns per program (a power of two); 0: `SILU_BLOCK`.
     num_warps: warps per program; 0: `SILU_WARPS`.
     """
-    from dyngen_core.models.fused_ops_kernel import silu_mul_kernel
+    from dyngen_core.ops.fused_ops_kernel import silu_mul_kernel
 
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     block = block or SILU_BLOCK

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.triton_support import launch_device, pdl_launch, triton_by_default
+from dyngen_core.ops.triton_support import launch_device, pdl_launch, triton_by_default
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("reduce", "dot")
@@ -171,7 +171,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            out: torch.Tensor, config: SkinnyConfig) -> None:
     """Write x @ weight^T (+ bias) into ``out`` [M, N] (last dimension contiguous) with one
     kernel launch of ``config`` (operands as `skinny_linear` takes them, unchecked)."""
-    from dyngen_core.models import skinny_matmul_kernel as kernels
+    from dyngen_core.ops import skinny_matmul_kernel as kernels
 
     rows, n = x.shape[0], weight.shape[0]
     block_m = config.rows_per_program(rows)

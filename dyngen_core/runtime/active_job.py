@@ -12,12 +12,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dyngen_core.engine.job import Job
+from dyngen_core.engine.plan import SampledTokens
+from dyngen_core.engine.results import EosReason, Result
+from dyngen_core.engine.settings import SamplerSettings, SamplerState
 from dyngen_core.errors import JobError
-from dyngen_core.job import Job
-from dyngen_core.plan import SampledTokens
-from dyngen_core.results import EosReason, Result
-from dyngen_core.settings import SamplerSettings, SamplerState
-from dyngen_core.streaming import JobStream
+from dyngen_core.text.stream import JobStream
 
 if TYPE_CHECKING:
     from dyngen_core.sampling.request import SampleRequest

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dyngen_core.cache import Cache
-from dyngen_core.generator import DynamicGenerator
-from dyngen_core.handle import JobHandle
-from dyngen_core.job import Job
-from dyngen_core.models import Model
-from dyngen_core.options import EngineOptions
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.config import EngineOptions
+from dyngen_core.engine.job import Job
+from dyngen_core.kv.cache import Cache
+from dyngen_core.model import Model
+from dyngen_core.runtime.generator import DynamicGenerator
+from dyngen_core.runtime.handle import JobHandle
+from dyngen_core.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from dyngen_core.engine.job import Job
+from dyngen_core.engine.results import Result
 from dyngen_core.errors import JobError
-from dyngen_core.job import Job
-from dyngen_core.results import Result
 
 if TYPE_CHECKING:
-    from dyngen_core.generator import DynamicGenerator
+    from dyngen_core.runtime.generator import DynamicGenerator
 
 
 def run_generate(

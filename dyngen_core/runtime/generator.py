@@ -15,24 +15,24 @@ from typing import Any
 
 import torch
 
-from dyngen_core.active_job import ActiveJob
-from dyngen_core.attention import AttentionBackend, get_backend
-from dyngen_core.cache import Cache
 from dyngen_core.config import SchedulerConfig
+from dyngen_core.engine.job import Job
+from dyngen_core.engine.plan import PENDING_TOKEN, SampledTokens, StepPlan
+from dyngen_core.engine.results import EosReason, GeneratorStats, Result, streaming_result
+from dyngen_core.engine.scheduler import Scheduler
+from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.errors import JobError, JobTooLargeError
-from dyngen_core.generate import run_generate
-from dyngen_core.job import Job
-from dyngen_core.models import Model
-from dyngen_core.overlap import PendingStep, TokenFeed, TokenLauncher, token_feed
-from dyngen_core.plan import PENDING_TOKEN, SampledTokens, StepPlan
-from dyngen_core.results import EosReason, GeneratorStats, Result, streaming_result
-from dyngen_core.runner import ModelRunner
+from dyngen_core.kv.attention import AttentionBackend, get_backend
+from dyngen_core.kv.cache import Cache
+from dyngen_core.model import Model
+from dyngen_core.runtime.active_job import ActiveJob
+from dyngen_core.runtime.generate import run_generate
+from dyngen_core.runtime.overlap import PendingStep, TokenFeed, TokenLauncher, token_feed
+from dyngen_core.runtime.runner import ModelRunner
+from dyngen_core.sampling.bridge import SamplingBridge, StepTokens
 from dyngen_core.sampling.request import SamplingError
-from dyngen_core.sampling_bridge import SamplingBridge, StepTokens
-from dyngen_core.scheduler import Scheduler
-from dyngen_core.settings import SamplerSettings
-from dyngen_core.streaming import StreamUpdate
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.text.stream import StreamUpdate
+from dyngen_core.text.tokenizer import Tokenizer
 
 
 class DynamicGenerator:
@@ -395,5 +395,5 @@ class DynamicGenerator:
 
     def generate(self, prompt: str | Sequence[str], max_new_tokens: int, **kwargs: Any) -> Any:
         """Generate completions for one prompt (returns a str) or a list (returns a list in
-        order). See `dyngen_core.generate.run_generate` for every keyword argument."""
+        order). See `dyngen_core.runtime.generate.run_generate` for every keyword argument."""
         return run_generate(self, prompt, max_new_tokens, **kwargs)

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.attention.base import AttentionBackend, ForwardBatch, SharedPrefixGraphs
-from dyngen_core.attention.shared_prefix import CascadePlan
-from dyngen_core.attention.triton_cascade_tables import CascadeTables, StaticCascadeLayout
-from dyngen_core.models import Model
-from dyngen_core.overlap import TokenFeed
-from dyngen_core.plan import StepPlan
-from dyngen_core.storage.base import KVStorage
+from dyngen_core.engine.cascade import CascadePlan
+from dyngen_core.engine.plan import StepPlan
+from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch, SharedPrefixGraphs
+from dyngen_core.kv.attention.triton.cascade_tables import CascadeTables, StaticCascadeLayout
+from dyngen_core.kv.storage import KVStorage
+from dyngen_core.model import Model
+from dyngen_core.runtime.overlap import TokenFeed
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
 
-from dyngen_core.job import Job
-from dyngen_core.results import EosReason, Result
+from dyngen_core.engine.job import Job
+from dyngen_core.engine.results import EosReason, Result
 
 if TYPE_CHECKING:
-    from dyngen_core.background import BackgroundGenerator
+    from dyngen_core.runtime.background import BackgroundGenerator
 
 
 class JobHandle:

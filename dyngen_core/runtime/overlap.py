@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.active_job import ActiveJob
-from dyngen_core.plan import PENDING_TOKEN, SequenceSlice, StepPlan
+from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
+from dyngen_core.runtime.active_job import ActiveJob
 
 _PENDING_ONLY = [PENDING_TOKEN]
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from dyngen_core.attention.base import AttentionBackend
-from dyngen_core.cache import Cache
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.graphs import decode_graphs_for
-from dyngen_core.models import Model
-from dyngen_core.overlap import TokenFeed
-from dyngen_core.plan import StepPlan
-from dyngen_core.seq_slots import SequenceSlots
+from dyngen_core.engine.plan import StepPlan
+from dyngen_core.kv.attention.base import AttentionBackend, build_forward_batch
+from dyngen_core.kv.cache import Cache
+from dyngen_core.model import Model
+from dyngen_core.runtime.graphs import decode_graphs_for
+from dyngen_core.runtime.overlap import TokenFeed
+from dyngen_core.runtime.seq_slots import SequenceSlots
 
 
 class ModelRunner:

@@ -20,19 +20,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from dyngen_core.active_job import ActiveJob
-from dyngen_core.constraints.engine import ConstraintCompiler, mask_words
-from dyngen_core.detokenize import TokenPieces
+from dyngen_core.engine.job import Job
+from dyngen_core.engine.plan import SampledTokens
+from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.errors import JobError
-from dyngen_core.job import Job
-from dyngen_core.models import Model
-from dyngen_core.plan import SampledTokens
+from dyngen_core.model import Model
+from dyngen_core.runtime.active_job import ActiveJob
 from dyngen_core.sampling.request import SampleRequest, SamplingError
 from dyngen_core.sampling.sampler import Sampler
-from dyngen_core.settings import SamplerSettings
-from dyngen_core.stop import StopIndexes
-from dyngen_core.streaming import JobStream
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.text.constraints.compiler import ConstraintCompiler, mask_words
+from dyngen_core.text.detokenize import TokenPieces
+from dyngen_core.text.stop import StopIndexes
+from dyngen_core.text.stream import JobStream
+from dyngen_core.text.tokenizer import Tokenizer
 
 
 @dataclass

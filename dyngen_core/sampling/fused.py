@@ -33,9 +33,9 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from dyngen_core.ops.triton_support import require_triton, triton_by_default
 from dyngen_core.sampling.rows import Row, RowList
 from dyngen_core.sampling.upload import Staging
-from dyngen_core.triton_support import require_triton, triton_by_default
 
 # Stages the fused draw handles: the edits run before the top-k, on the full rows.
 FUSED_STAGES = frozenset({"bias", "penalties", "dry", "temperature", "top_k", "top_p"})

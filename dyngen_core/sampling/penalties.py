@@ -33,8 +33,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling.rows import column
-from dyngen_core.settings import SamplerSettings
 
 # DRY extension steps compared at once (a [rows, width, block] comparison); between blocks one
 # check, which synchronizes with the device, stops when no match is still growing.

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from dyngen_core.engine.settings import SamplerSettings, SamplerState
 from dyngen_core.errors import DynGenError
 from dyngen_core.sampling import rng
-from dyngen_core.settings import SamplerSettings, SamplerState
 
 if TYPE_CHECKING:
     import torch

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rng import row_keys
-from dyngen_core.settings import SamplerSettings
 
 
 @dataclass(slots=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dyngen_core.detokenize import IncrementalDetokenizer, TokenPieces
-from dyngen_core.job import Job
-from dyngen_core.results import EosReason
-from dyngen_core.stop import BannedStringMatcher, StopIndexes, StopMatcher
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.engine.job import Job
+from dyngen_core.engine.results import EosReason
+from dyngen_core.text.detokenize import IncrementalDetokenizer, TokenPieces
+from dyngen_core.text.stop import BannedStringMatcher, StopIndexes, StopMatcher
+from dyngen_core.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

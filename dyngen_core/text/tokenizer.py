@@ -14,9 +14,9 @@ from typing import Any
 
 import tokenizers
 
-from dyngen_core.chat_template import ChatTemplate
-from dyngen_core.detokenize import TokenPieces
 from dyngen_core.errors import TokenizerError
+from dyngen_core.text.chat_template import ChatTemplate
+from dyngen_core.text.detokenize import TokenPieces
 
 # The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (

@@ -1,4 +1,4 @@
-"""Reading tool calls out of model output, whole or as it streams (see `dyngen_core.tools` for
+"""Reading tool calls out of model output, whole or as it streams (see `dyngen_core.text.tools` for
 the output format). Pure Python."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tool calling for every front end: tool specs, tool_choice, the prompt, the output format and
 the constraint that forces calls. The parser that reads calls out of model output (whole or
-streamed) lives in `dyngen_core.tool_parser` and is re-exported here.
+streamed) lives in `dyngen_core.text.tool_parser` and is re-exported here.
 
 Framework-neutral and pure Python (no torch, no LangChain, no LlamaIndex): the adapters convert
 their own tool and message types to the plain dicts used here.
@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dyngen_core.constraints.spec import Constraint
-from dyngen_core.tool_parser import (
+from dyngen_core.text.constraints.spec import Constraint
+from dyngen_core.text.tool_parser import (
     InvalidToolCall,
     ToolCall,
     ToolCallParser,

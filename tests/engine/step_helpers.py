@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dyngen_core import DynamicGenerator
-from dyngen_core.plan import StepPlan
+from dyngen_core.engine.plan import StepPlan
 
 LENGTHS = [3, 40, 300, 7, 90, 260, 12, 5]
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.overlap import TokenFeed, TokenLauncher
+from dyngen_core.runtime.overlap import TokenFeed, TokenLauncher
 from tests.engine.step_helpers import kill_row, mixed_prompts
 
 GREEDY = SamplerSettings.greedy()

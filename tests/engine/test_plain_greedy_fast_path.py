@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
+from dyngen_core.sampling.bridge import SamplingBridge
 from dyngen_core.sampling.request import SampleRequest, SamplingError
 from dyngen_core.sampling.sampler import Sampler
-from dyngen_core.sampling_bridge import SamplingBridge
 from tests.engine.step_helpers import kill_row, mixed_prompts
 
 GREEDY = SamplerSettings.greedy()

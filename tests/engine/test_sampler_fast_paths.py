@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from dyngen_core import SamplerSettings
+from dyngen_core.engine.settings import STAGE_ORDER
 from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rng import row_key, row_keys, seed_key
 from dyngen_core.sampling.rows import RowList, expand_rows, rows_using
 from dyngen_core.sampling.sampler import Sampler
-from dyngen_core.settings import STAGE_ORDER
 
 VOCAB = 96
 

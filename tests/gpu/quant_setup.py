@@ -9,11 +9,10 @@ import random
 
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.quant.storage import QuantStorage
 
 
 def decode_step(mode: str, window: int, decodes: list[tuple[int, bool]], *, heads: int,

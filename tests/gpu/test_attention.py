@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
-from dyngen_core.attention.sdpa import SdpaBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage import make_storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.cache import make_storage
 from tests.gpu.conftest import interpreter_mode
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ def _make_storage(mode: str, config: ModelConfig, num_pages: int, page_size: int
                   dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
     if mode == "fp16":
         return make_storage("fp16", config, num_pages, page_size, dtype, [device] * 2)
-    from dyngen_core.storage.quant import QuantStorage
+    from dyngen_core.kv.quant.storage import QuantStorage
 
     return QuantStorage(config, num_pages, page_size, dtype, [device] * 2, mode=mode)
 
@@ -95,7 +95,7 @@ def _tolerance(dtype: torch.dtype) -> float:
 def _triton_backend():  # type: ignore[no-untyped-def]
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     return TritonPagedBackend()
 
@@ -131,7 +131,7 @@ def test_triton_head_layouts(device: torch.device, heads: tuple[int, int, int]) 
 
 def test_triton_splits_many_ways_agree(device: torch.device) -> None:
     """The split-K merge: one split and many splits give the same decode output."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     shapes = _shapes(device)
     lens = [(1, 3 * shapes["page_size"] + 5), (1, 2)]  # type: ignore[operator]
@@ -149,7 +149,7 @@ def test_triton_splits_many_ways_agree(device: torch.device) -> None:
 def test_flash_matches_sdpa(cuda_device: torch.device, mode: str) -> None:
     if importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash_attn is not installed")
-    from dyngen_core.attention.flash import FlashBackend
+    from dyngen_core.kv.attention.flash import FlashBackend
 
     lens = [(1, 300), (1, 1100), (64, 64), (200, 700)]
     out, ref = _run_case(FlashBackend(), cuda_device, mode, lens, num_heads=32, num_kv_heads=8,
@@ -162,8 +162,8 @@ def test_triton_page_window_matches_sdpa(device: torch.device, mode: str) -> Non
     """Decodes whose key loop loads page ids ahead of its tiles (`DecodeOptions`), every
     storage mode through the general kernel (``word_block_n=None``), several splits."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_decode_options import DecodeOptions
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.decode_options import DecodeOptions
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     shapes = _shapes(device)
     page = int(shapes["page_size"])  # type: ignore[call-overload]

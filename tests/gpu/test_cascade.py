@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from dyngen_core.attention.sdpa import SdpaBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.fp16.storage import FP16Storage
 from tests.gpu.conftest import interpreter_mode
 
 if TYPE_CHECKING:
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
 pytestmark = pytest.mark.gpu
 PAGE = 16  # small pages keep the interpreter fast; CUDA runs the same logic
@@ -48,8 +48,8 @@ def _backend(cascade: bool, *, prefix: Mapping[str, Any] | None = None,
     replace (the shared-prefix kernel's own settings)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from dyngen_core.attention.triton_cascade_path import CascadePath
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.cascade_path import CascadePath
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     if not cascade:
         return TritonPagedBackend(cascade_min_saved_keys=None, **options)
@@ -172,7 +172,7 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     with members ending exactly at the prefix (their own keys: none, so their rows rest on
     the prefix partials alone) next to a long sequence in no group; the fused merge (the
     own-keys pass merging, by its last split program when split) and the three launches."""
-    from dyngen_core.attention import triton_cascade_path
+    from dyngen_core.kv.attention.triton import cascade_path as triton_cascade_path
 
     splits: list[tuple[int, int]] = []
     merge = triton_cascade_path.merge_partials
@@ -211,7 +211,7 @@ def test_fused_merge_splits_and_counters(device: torch.device, monkeypatch: pyte
     and the prefix's, ``block`` partials a round) or never split, at the backend's tile or
     its own (``keys``), with a page id per key or per tile (``window``), against the
     three-launch cascade and sdpa; the split counters are back to zero after the launch."""
-    from dyngen_core.attention import triton_cascade_path
+    from dyngen_core.kv.attention.triton import cascade_path as triton_cascade_path
 
     launches: list[tuple[int, torch.Tensor | None]] = []
     fused_pass = triton_cascade_path.attend_remainder_merged
@@ -266,7 +266,7 @@ def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
     prefixes of several tiles a page split many ways (chunks of whole tiles, some splits
     empty), 128 rows a program (a block of 32 members at GQA 4 holds two groups' worth of
     rows, most of them past the group's end)."""
-    from dyngen_core.attention import triton_cascade_path
+    from dyngen_core.kv.attention.triton import cascade_path as triton_cascade_path
 
     launches: list[tuple[bool, int, int]] = []
     attend = triton_cascade_path.attend_prefixes
@@ -303,7 +303,7 @@ def test_no_sharing_plans_no_cascade(device: torch.device) -> None:
     assert backend.cascade.plan(batch, storage)
     batch.page_tables_host = None
     assert not backend.cascade.plan(batch, storage)  # graphs pass no host tables
-    from dyngen_core.storage.quant import QuantStorage
+    from dyngen_core.kv.quant.storage import QuantStorage
 
     quant = QuantStorage(config, num_pages, PAGE, torch.float32, [device], mode="q8")
     assert not backend.plan_cascade(StepPlan(slices=shared), quant)

@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.graphs import DecodeGraphs
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.runner import ModelRunner
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.runtime.graphs import DecodeGraphs
+from dyngen_core.runtime.runner import ModelRunner
 from tests.tiny_models import write_tiny_model
 
 if TYPE_CHECKING:
-    from dyngen_core.attention.shared_prefix import CascadePlan
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.engine.cascade import CascadePlan
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
 pytestmark = pytest.mark.gpu
 PAGE = 16
@@ -45,8 +45,8 @@ def _triton(cascade: bool, **options: object) -> TritonPagedBackend:
     """The Triton backend, cascading every shared prefix or never; ``options``: `CascadeOptions`
     fields to replace (kernel choices)."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_cascade_path import CascadePath
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.cascade_path import CascadePath
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     backend = TritonPagedBackend(cascade_min_saved_keys=0 if cascade else None)
     if options:

@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.attention.base import ForwardBatch
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.fp16.storage import FP16Storage
 from tests.gpu.conftest import interpreter_mode
 
 pytestmark = pytest.mark.gpu
@@ -88,7 +87,7 @@ def _reference(q: torch.Tensor, storage: FP16Storage, contexts: list[int],
 
 def _backend(splits: int, block_n: int, merge: bool = True,  # type: ignore[no-untyped-def]
              write: bool = True):
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
 
     return TritonPagedBackend(block_n=block_n, max_splits=splits, programs_per_sm=4096,
                               merge_in_kernel=merge, write_in_kernel=write,
@@ -163,7 +162,7 @@ def test_half_precision(device: torch.device) -> None:
 def test_quantized_pages_with_window(device: torch.device, mode: str) -> None:
     """The general kernel over quantized pages with a recent window (its exact rows are read
     by the last split, which the merge always reads) agrees with the sdpa backend."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
     from tests.gpu.test_quant_decode_triton import WINDOW, _outputs
 
     backend = TritonPagedBackend(block_n=16, word_block_n=None, max_splits=4,
@@ -176,7 +175,7 @@ def test_quantized_pages_with_window(device: torch.device, mode: str) -> None:
 
 def test_counters_grow_and_keep_older_buffers(device: torch.device) -> None:
     """A larger batch gets a larger buffer; earlier ones stay alive (graphs hold them)."""
-    from dyngen_core.attention.triton_decode_merge import SplitCounters
+    from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
 
     counters = SplitCounters()
     small = counters.for_launch(device, 3)
@@ -222,7 +221,7 @@ def test_graph_replays_with_new_context_lengths(cuda_device: torch.device) -> No
 def test_larger_batches_keep_two_launches(device: torch.device) -> None:
     """Above ``in_kernel_max_seqs`` sequences a decode merges in a second launch (no counters
     are taken) and gives the same attention."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     storage, batch, q, contexts, tables = _case(device)
     block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]

@@ -56,8 +56,8 @@ def test_kernel_write_matches_storage_write(device: torch.device, splits: int,
 
 def test_prefill_batches_still_write_through_storage(device: torch.device) -> None:
     """A batch that is not decode-only keeps the storage's write (before attention)."""
-    from dyngen_core.forward import build_forward_batch
-    from dyngen_core.plan import SequenceSlice, StepPlan
+    from dyngen_core.engine.plan import SequenceSlice, StepPlan
+    from dyngen_core.kv.attention.base import build_forward_batch
 
     storage, _, _, contexts, tables = _case(device)
     expected, _, _, _, _ = _case(device)

@@ -22,8 +22,8 @@ from tests.gpu.test_decode_merge import (
 
 pytest.importorskip("triton")
 
-from dyngen_core.attention.triton_decode_options import DecodeOptions  # noqa: E402
-from dyngen_core.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from dyngen_core.kv.attention.triton.decode_options import DecodeOptions  # noqa: E402
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

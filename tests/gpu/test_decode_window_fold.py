@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("triton")
 
 from dyngen_core.config import ModelConfig  # noqa: E402
-from dyngen_core.storage import quant  # noqa: E402
-from dyngen_core.storage.quant import QuantStorage  # noqa: E402
+from dyngen_core.kv.quant import storage as quant  # noqa: E402
+from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -167,7 +167,7 @@ def test_write_recent_of_other_tensors_still_writes(device: torch.device) -> Non
 
 @pytest.mark.parametrize("backend_name", ["triton", "sdpa"])
 def test_attend_same_with_and_without_fold(device: torch.device, backend_name: str) -> None:
-    from dyngen_core.attention.sdpa import SdpaBackend
+    from dyngen_core.kv.attention.sdpa import SdpaBackend
     from tests.gpu.test_recent_window_triton import DIM as ATT_DIM
     from tests.gpu.test_recent_window_triton import HEADS as ATT_HEADS
     from tests.gpu.test_recent_window_triton import _setup
@@ -178,7 +178,7 @@ def test_attend_same_with_and_without_fold(device: torch.device, backend_name: s
         storage.fold_decode_window = fold
         assert batch.decode_window is not None
         if backend_name == "triton":
-            from dyngen_core.attention.triton_paged import TritonPagedBackend
+            from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
             backend: object = TritonPagedBackend(max_splits=3, block_n=16)
         else:

@@ -16,15 +16,15 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from dyngen_core.attention import SdpaBackend  # noqa: E402
-from dyngen_core.cache import Cache  # noqa: E402
 from dyngen_core.config import ModelConfig  # noqa: E402
-from dyngen_core.forward import build_forward_batch  # noqa: E402
-from dyngen_core.models import Model  # noqa: E402
-from dyngen_core.models import fused_ops as fo  # noqa: E402
-from dyngen_core.models.layers import GatedMLP, RMSNorm  # noqa: E402
-from dyngen_core.plan import SequenceSlice, StepPlan  # noqa: E402
-from dyngen_core.runner import ModelRunner  # noqa: E402
+from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.kv.attention import SdpaBackend  # noqa: E402
+from dyngen_core.kv.attention.base import build_forward_batch  # noqa: E402
+from dyngen_core.kv.cache import Cache  # noqa: E402
+from dyngen_core.model import Model  # noqa: E402
+from dyngen_core.model.layers import GatedMLP, RMSNorm  # noqa: E402
+from dyngen_core.ops import fused_ops as fo  # noqa: E402
+from dyngen_core.runtime.runner import ModelRunner  # noqa: E402
 from tests.gpu.conftest import interpreter_mode  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
-from dyngen_core.graphs import DecodeGraphs
+from dyngen_core.runtime.graphs import DecodeGraphs
 from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu

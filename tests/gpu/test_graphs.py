@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from dyngen_core import Cache, Model
-from dyngen_core.attention import get_backend
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.graphs import DecodeGraphs, default_buckets
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.runner import ModelRunner
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention import get_backend
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.runtime.graphs import DecodeGraphs, default_buckets
+from dyngen_core.runtime.runner import ModelRunner
 from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu

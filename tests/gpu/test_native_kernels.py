@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.plan import PageCopy
-from dyngen_core.storage import native
-from dyngen_core.storage.hadamard import hadamard_matrix, rotation_signs
-from dyngen_core.storage.qformat import QuantFormat, dequantize, quantize
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.engine.plan import PageCopy
+from dyngen_core.kv.quant import native
+from dyngen_core.kv.quant.format import QuantFormat, dequantize, quantize
+from dyngen_core.kv.quant.hadamard import hadamard_matrix, rotation_signs
+from dyngen_core.kv.quant.storage import QuantStorage
 
 pytestmark = [
     pytest.mark.gpu,

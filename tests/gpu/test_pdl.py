@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dyngen_core import Cache, Model
-from dyngen_core.attention import get_backend
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.runner import ModelRunner
-from dyngen_core.triton_support import PDL_ENV, pdl_launch
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention import get_backend
+from dyngen_core.ops.triton_support import PDL_ENV, pdl_launch
+from dyngen_core.runtime.runner import ModelRunner
 from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -14,12 +14,11 @@ import random
 import pytest
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.fp16.storage import FP16Storage
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -59,7 +58,7 @@ def _setup(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int
 
 
 def _tiled(**options: int) -> object:
-    from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
+    from dyngen_core.kv.attention.triton.prefill import TiledPrefill, TiledPrefillOptions
 
     return TiledPrefill(TiledPrefillOptions(**options))
 
@@ -152,8 +151,8 @@ def test_short_chunks_over_a_long_prefix(device: torch.device, longest: str) -> 
 def test_backend_takes_the_tiled_path_and_agrees(device: torch.device) -> None:
     """Through `TritonPagedBackend.attend`: "tiled" and "paged" agree with each other and the
     reference, the tiled path runs (its block table is built), and a bad option is refused."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
-    from dyngen_core.attention.triton_prefill import TiledPrefillOptions
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.prefill import TiledPrefillOptions
 
     dtype = torch.float32 if _small(device) else torch.bfloat16
     page_size = 16 if _small(device) else 256
@@ -175,7 +174,7 @@ def test_backend_takes_the_tiled_path_and_agrees(device: torch.device) -> None:
 def test_launches_split_short_chunks_and_order_blocks() -> None:
     """A batch with long and short chunks takes two launches, the short one a smaller tile;
     each lists its query blocks by keys read, most first, every query token once."""
-    from dyngen_core.attention.triton_prefill import TiledPrefill
+    from dyngen_core.kv.attention.triton.prefill import TiledPrefill
 
     _, batch, *_ = _setup([(40, 40), (3, 200), (1, 5), (3, 50), (70, 90)], 4, 1, 16, 16,
                           torch.float32, torch.device("cpu"))

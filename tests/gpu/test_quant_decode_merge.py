@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.quant.storage import QuantStorage
 from tests.gpu.quant_setup import decode_step
 
 pytestmark = pytest.mark.gpu
@@ -49,7 +49,8 @@ def _word_route(monkeypatch: pytest.MonkeyPatch, merged: bool, launches: int,
     ``merge_rows``; its output is poisoned (NaN) before the kernels write it, and with
     ``merged`` the second-kernel merge must not run. Returns, per call, whether counters were
     passed."""
-    from dyngen_core.attention import triton_paged, triton_quant
+    from dyngen_core.kv.attention.triton import paged as triton_paged
+    from dyngen_core.kv.attention.triton import quant as triton_quant
 
     seen: list[bool] = []
     attend_word_decode = triton_quant.attend_word_decode
@@ -77,8 +78,8 @@ def _word_route(monkeypatch: pytest.MonkeyPatch, merged: bool, launches: int,
 def _backend(splits: int, merged: bool) -> Any:
     """The Triton backend at this file's tiles with ``splits`` parts (triton imported only
     when called)."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
-    from dyngen_core.attention.triton_quant import WordKernelFlags
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
+    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
 
     return TritonPagedBackend(block_n=16, word_block_n=16, max_splits=splits,
                               programs_per_sm=64, merge_in_kernel=merged,
@@ -151,8 +152,8 @@ def test_word_counters_follow_the_backend_rule() -> None:
     """Counters for batches up to ``max_seqs`` sequences with the merge on (enough for every
     sequence and KV head, zeroed), else None; whatever the split count."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_decode_merge import SplitCounters
-    from dyngen_core.attention.triton_quant import word_counters
+    from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
+    from dyngen_core.kv.attention.triton.quant import word_counters
 
     counters = SplitCounters()
     cpu = torch.device("cpu")
@@ -166,7 +167,7 @@ def test_word_counters_follow_the_backend_rule() -> None:
 def test_too_few_counters_are_refused(device: torch.device) -> None:
     """Counters fewer than the (sequence, KV head) pairs are refused before any launch."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_quant import attend_word_decode
+    from dyngen_core.kv.attention.triton.quant import attend_word_decode
 
     q = torch.zeros(3, HEADS, HEAD_DIM, device=device)
     batch = SimpleNamespace(num_seqs=3)

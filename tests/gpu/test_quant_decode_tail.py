@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.quant.storage import QuantStorage
 from tests.gpu.quant_setup import decode_step
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +58,8 @@ def _routed(monkeypatch: pytest.MonkeyPatch, merged: bool,
     its keywords; the partial buffers and the output are poisoned (NaN) before the kernels
     write them, and with ``merged`` the second-kernel merge must not run. Returns every
     kernel launch's grid and constexprs."""
-    from dyngen_core.attention import triton_paged, triton_quant
+    from dyngen_core.kv.attention.triton import paged as triton_paged
+    from dyngen_core.kv.attention.triton import quant as triton_quant
 
     launches: list[dict[str, Any]] = []
     attend_word_decode, kernel = triton_quant.attend_word_decode, triton_quant.quant_decode_kernel
@@ -95,8 +96,8 @@ def _backend(splits: int, merged: bool, **options: Any) -> Any:
     only when called)."""
     from dataclasses import replace
 
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
-    from dyngen_core.attention.triton_quant import WordKernelFlags
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
+    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
 
     flags = replace(options.pop("word_flags", None) or WordKernelFlags(), merge_in_kernel=merged)
     return TritonPagedBackend(block_n=16, word_block_n=16, max_splits=splits,
@@ -146,7 +147,7 @@ def test_tail_parts_merged_either_way(device: torch.device, monkeypatch: pytest.
     """Batch 1 whose tail blocks span two (each its own program with 4 parts), 8 page
     splits: merged in the kernel (2 partials a round) and by the second kernel, both equal
     the single tail's output; the one-launch kernel is held to 3 programs' registers."""
-    from dyngen_core.attention.triton_quant import PARTS_MAX_REGISTERS
+    from dyngen_core.kv.attention.triton.quant import PARTS_MAX_REGISTERS
 
     one, _ = _word_output(monkeypatch, device, "q4", 4, ONE_DECODE, 8, False, launches=1,
                           tail_parts=1)
@@ -181,8 +182,9 @@ def test_tail_parts_follow_the_window_and_the_flags(device: torch.device,
     without a window; a one-launch kernel with its tail in parts is held to 3 programs a
     multiprocessor's registers; `WordKernelFlags.tail_parts` and ``max_registers`` reach the
     kernel through the backend."""
-    from dyngen_core.attention import triton_paged, triton_quant
-    from dyngen_core.attention.triton_quant import PARTS_MAX_REGISTERS, WordKernelFlags
+    from dyngen_core.kv.attention.triton import paged as triton_paged
+    from dyngen_core.kv.attention.triton import quant as triton_quant
+    from dyngen_core.kv.attention.triton.quant import PARTS_MAX_REGISTERS, WordKernelFlags
 
     def parts_used(window: int, flags: WordKernelFlags | None,
                    decodes: list[tuple[int, bool]] = ONE_DECODE) -> list[tuple[int, Any]]:
@@ -224,7 +226,7 @@ def test_bad_tail_options_are_refused(device: torch.device, options: dict[str, A
                                       message: str) -> None:
     """Tail parts outside 1..4 and negative register caps are refused before any launch."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_quant import attend_word_decode
+    from dyngen_core.kv.attention.triton.quant import attend_word_decode
 
     q = torch.zeros(1, HEADS, HEAD_DIM, device=device)
     with pytest.raises(ValueError, match=message):

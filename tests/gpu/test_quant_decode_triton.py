@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.quant.storage import QuantStorage
 from tests.gpu.conftest import interpreter_mode
 from tests.gpu.quant_setup import decode_step
 
@@ -49,7 +49,7 @@ def _outputs(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: 
 
 def _backend(**options: Any) -> Any:
     """The Triton backend at this file's tile sizes (triton imported only when called)."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
 
     return TritonPagedBackend(block_n=16, word_block_n=16, **options)
 
@@ -60,7 +60,7 @@ def _backend(**options: Any) -> Any:
 def test_word_decode_matches_sdpa(device: torch.device, mode: str, window: int,
                                   head_dim: int) -> None:
     """float32 (exact dots): the kernel and the reference agree to rounding."""
-    from dyngen_core.attention.triton_quant import word_decode_fits
+    from dyngen_core.kv.attention.triton.quant import word_decode_fits
 
     storage, batch, _, _ = _setup(mode, window, head_dim, torch.float32, device, 0)
     assert word_decode_fits(batch, storage.key_format.bits, storage.value_format.bits,
@@ -97,8 +97,8 @@ def _with_word_options(monkeypatch: pytest.MonkeyPatch, **options: bool | int) -
     """Route the backend's q8/q4 decodes through `attend_word_decode` with kernel options
     that replace the backend's own (its `WordKernelFlags` keywords: a plain partial would be
     overridden by them)."""
-    from dyngen_core.attention import triton_paged
-    from dyngen_core.attention.triton_quant import attend_word_decode
+    from dyngen_core.kv.attention.triton import paged as triton_paged
+    from dyngen_core.kv.attention.triton.quant import attend_word_decode
 
     def with_options(*args: object, **keywords: object) -> torch.Tensor:
         return attend_word_decode(*args, **(keywords | options))  # type: ignore[arg-type]
@@ -189,7 +189,7 @@ def test_scale_rows_refuse_unaligned_rows() -> None:
     """scale_rows tells Triton every row of scales starts at a multiple of the group count;
     scales whose strides break that are refused instead of read misaligned."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_quant import check_scale_rows
+    from dyngen_core.kv.attention.triton.quant import check_scale_rows
 
     scales = torch.zeros(2, 16, 2, 4, dtype=torch.float16)
     check_scale_rows((None,) * 8 + (scales, scales) + scales.stride()[:3] * 2, 4)
@@ -200,7 +200,7 @@ def test_scale_rows_refuse_unaligned_rows() -> None:
 def test_page_window_must_be_a_power_of_two(device: torch.device) -> None:
     """A window that is not 0 or a power of two is refused before any launch."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_quant import attend_word_decode
+    from dyngen_core.kv.attention.triton.quant import attend_word_decode
 
     q = torch.zeros(1, HEADS, 32, device=device)
     with pytest.raises(ValueError, match="power of two"):
@@ -215,7 +215,7 @@ def test_query_rows_must_be_one_per_sequence(device: torch.device) -> None:
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from dyngen_core.attention.triton_quant import attend_word_decode
+    from dyngen_core.kv.attention.triton.quant import attend_word_decode
 
     q = torch.zeros(3, HEADS, 32, device=device)
     with pytest.raises(ValueError, match="one query row per sequence: 3 rows for 2"):
@@ -228,7 +228,7 @@ def test_word_flags_join_only_4bit_values_by_default() -> None:
     """The backend's defaults join 4-bit values (faster on an H200) but not 8-bit ones (slower
     there), unless asked to; every other flag passes through unchanged."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_quant import WordKernelFlags
+    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
 
     flags = WordKernelFlags()
     assert flags.keywords(4)["join_values"] and not flags.keywords(8)["join_values"]
@@ -251,7 +251,7 @@ def test_key_loop_options_match_sdpa(device: torch.device, monkeypatch: pytest.M
     value tile's middle column quarters swapped, and back after the loop): float32 exact with
     the recent window, head_dim 64, page ids ahead, 3 splits, both launch kinds (the single
     tail in one)."""
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     _with_word_options(monkeypatch, join_values=True, page_window=2,
                        lazy_sum=bool(loop_flags & 1), paired_values=bool(loop_flags & 2),
@@ -267,7 +267,7 @@ def test_word_flags_turn_the_key_loop_options_on_by_default() -> None:
     """The key loop's options are on for both value widths (fastest on an H200 at every
     batch for q4 and q8); one turned off stays off."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_quant import WordKernelFlags
+    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
 
     names = ("lazy_sum", "paired_values", "swapped_values", "small_tail_rows")
     for bits in (4, 8):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.quant.storage import QuantStorage
 from tests.gpu.quant_setup import decode_step
 
 pytestmark = pytest.mark.gpu
@@ -26,8 +26,8 @@ DECODES = {1: [(65, True)], 3: [(17, True), (33, False), (70, True)]}
 
 
 def _backend(write_step: bool, merged: bool, tail_parts: int | None) -> Any:
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
-    from dyngen_core.attention.triton_quant import WordKernelFlags
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
+    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
 
     flags = WordKernelFlags(merge_in_kernel=merged, write_step=write_step,
                             tail_parts=tail_parts)
@@ -59,7 +59,7 @@ def _run(mode: str, batch_size: int, write_step: bool, merged: bool, tail_parts:
 
 
 def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from dyngen_core.storage import quant
+    from dyngen_core.kv.quant import storage as quant
 
     launches: list[int] = []
     for name in ("launch_quant_write", "write_window_triton"):
@@ -111,8 +111,8 @@ def test_no_window_keeps_the_storage_write(device: torch.device,
 def test_write_needs_the_window_and_its_rows(device: torch.device) -> None:
     """A write whose fresh rows are not the exact operands' is refused before any launch."""
     pytest.importorskip("triton")
-    from dyngen_core.attention.triton_exact import exact_operands
-    from dyngen_core.attention.triton_quant import attend_word_decode
+    from dyngen_core.kv.attention.triton.exact import exact_operands
+    from dyngen_core.kv.attention.triton.quant import attend_word_decode
 
     storage, batch, k, v = decode_step("q4", WINDOW, DECODES[1], heads=HEADS,
                                        kv_heads=KV_HEADS, head_dim=HEAD_DIM, page=PAGE,

@@ -21,10 +21,10 @@ import torch
 pytest.importorskip("triton")
 
 from dyngen_core.config import ModelConfig  # noqa: E402
-from dyngen_core.storage.hadamard import inv_sqrt, rotation_signs, walsh_hadamard  # noqa: E402
-from dyngen_core.storage.qformat import quantize_rotated  # noqa: E402
-from dyngen_core.storage.quant import QuantStorage  # noqa: E402
-from dyngen_core.storage.recent import RecentWindow  # noqa: E402
+from dyngen_core.kv.quant.format import quantize_rotated  # noqa: E402
+from dyngen_core.kv.quant.hadamard import inv_sqrt, rotation_signs, walsh_hadamard  # noqa: E402
+from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
+from dyngen_core.kv.quant.window import RecentWindow  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

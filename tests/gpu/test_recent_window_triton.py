@@ -11,12 +11,11 @@ import random
 import pytest
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.quant.storage import QuantStorage
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +66,7 @@ def _setup(case: str, mode: str, device: torch.device, triton_write: bool
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_triton_reads_exact_rows_like_sdpa(device: torch.device, case: str, mode: str,
                                            triton_write: bool) -> None:
-    from dyngen_core.attention.triton_paged import TritonPagedBackend  # needs triton
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
 
     gen = torch.Generator().manual_seed(3)
     outputs = []

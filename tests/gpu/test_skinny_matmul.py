@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dyngen_core.models.skinny_matmul import SkinnyConfig, launch, linear, skinny_linear
+from dyngen_core.ops.skinny_matmul import SkinnyConfig, launch, linear, skinny_linear
 from tests.gpu.conftest import interpreter_mode
 
 pytestmark = pytest.mark.gpu

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyngen_core.attention.shared_prefix import CascadePlan, PrefixGroup
-from dyngen_core.attention.triton_cascade_tables import (
+from dyngen_core.engine.cascade import CascadePlan, PrefixGroup
+from dyngen_core.kv.attention.triton.cascade_tables import (
     CascadeTables,
     StaticCascadeLayout,
     cascade_tables,

@@ -14,7 +14,9 @@ import tokenizers
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from dyngen_core.constraints import (
+from dyngen_core.errors import JobError
+from dyngen_core.sampling import Sampler, SampleRequest, SamplerSettings
+from dyngen_core.text.constraints import (
     Constraint,
     ConstraintCompiler,
     ConstraintMatcher,
@@ -22,9 +24,7 @@ from dyngen_core.constraints import (
     bitmask_to_bool,
     build_matcher,
 )
-from dyngen_core.errors import JobError
-from dyngen_core.sampling import Sampler, SampleRequest, SamplerSettings
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.text.tokenizer import Tokenizer
 from tests.tiny_models import EOS_ID, trained_tokenizer_json
 
 VOCAB = 512

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from dyngen_core import DynamicGenerator, SamplerSettings
-from dyngen_core.constraints import Constraint
+from dyngen_core.text.constraints import Constraint
 
 pytestmark = pytest.mark.demo
 

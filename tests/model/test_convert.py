@@ -16,11 +16,11 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from dyngen_core.cli import main
-from dyngen_core.convert import demo
-from dyngen_core.convert.gguf import convert_gguf
+from dyngen_core.cli.convert import demo
+from dyngen_core.cli.convert.gguf import convert_gguf
+from dyngen_core.cli.main import main
 from dyngen_core.errors import ConversionError
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.text.tokenizer import Tokenizer
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 96, 2
 TinyGguf = tuple[Path, dict[str, np.ndarray]]  # the file, and the weights it must give back

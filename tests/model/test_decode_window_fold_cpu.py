@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dyngen_core.attention.sdpa import SdpaBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.storage.quant import QuantStorage
-from dyngen_core.storage.quant_write import FOLD_ENV, resolve_fold_window
-from dyngen_core.storage.recent import RecentWindow
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.quant.storage import QuantStorage
+from dyngen_core.kv.quant.window import RecentWindow
+from dyngen_core.kv.quant.write import FOLD_ENV, resolve_fold_window
 from tests.model.test_recent_window import CASES, DIM, HEADS, _setup
 
 LAYERS, WINDOW, SEQS, KV, D = 2, 4, 3, 2, 32

@@ -17,13 +17,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dyngen_core.attention import SdpaBackend, get_backend
-from dyngen_core.cache import Cache
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.models import Model
-from dyngen_core.models.rope import RotaryEmbedding
-from dyngen_core.plan import PageCopy, SequenceSlice, StepPlan
+from dyngen_core.engine.plan import PageCopy, SequenceSlice, StepPlan
+from dyngen_core.kv.attention import SdpaBackend, get_backend
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.cache import Cache
+from dyngen_core.model import Model
+from dyngen_core.model.rope import RotaryEmbedding
 
 PROMPT_LENGTHS = (5, 37, 300)
 TOLERANCE = 1e-4

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.storage.fp16 import FP16Storage
-from dyngen_core.storage.fp16_write import triton_write_default
+from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16.write import triton_write_default
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=48,
                      intermediate_size=64, num_layers=2, num_heads=3, num_kv_heads=3,

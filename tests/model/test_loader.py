@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dyngen_core.attention import SdpaBackend
-from dyngen_core.cache import Cache
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.errors import ModelFolderError, UnsupportedArchitectureError, WeightsError
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.models import Model
-from dyngen_core.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention import SdpaBackend
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.cache import Cache
+from dyngen_core.model import Model
 
 WEIGHTS = "model.safetensors"
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.plan import PageCopy
-from dyngen_core.storage import make_storage
-from dyngen_core.storage.hadamard import (
+from dyngen_core.engine.plan import PageCopy
+from dyngen_core.kv.cache import make_storage
+from dyngen_core.kv.quant.format import QuantFormat, dequantize, pack, quantize, unpack
+from dyngen_core.kv.quant.hadamard import (
     hadamard_matrix,
     inv_sqrt,
     rotate,
@@ -23,9 +24,8 @@ from dyngen_core.storage.hadamard import (
     unrotate,
     walsh_hadamard,
 )
-from dyngen_core.storage.native import independent_runs, load_native
-from dyngen_core.storage.qformat import QuantFormat, dequantize, pack, quantize, unpack
-from dyngen_core.storage.quant import MODE_BITS, QuantStorage
+from dyngen_core.kv.quant.native import independent_runs, load_native
+from dyngen_core.kv.quant.storage import MODE_BITS, QuantStorage
 
 MODES = tuple(MODE_BITS)
 MAX_RELATIVE_ERROR = {8: 0.007, 6: 0.027, 4: 0.11}

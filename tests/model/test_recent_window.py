@@ -15,15 +15,14 @@ import pytest
 import torch
 
 from dyngen_core import Model
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage import make_storage
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.quant import QuantStorage
-from dyngen_core.storage.recent import RecentWindow
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.cache import make_storage
+from dyngen_core.kv.quant.storage import QuantStorage
+from dyngen_core.kv.quant.window import RecentWindow
+from dyngen_core.kv.storage import KVStorage
 from tests.tiny_models import write_tiny_model
 
 PAGE, WINDOW = 16, 4
@@ -127,7 +126,7 @@ def test_window_rows_carry_their_positions() -> None:
 
 
 def test_page_copies_carry_the_head_row() -> None:
-    from dyngen_core.plan import PageCopy
+    from dyngen_core.engine.plan import PageCopy
 
     storage = QuantStorage(_config(), 4, PAGE, torch.float32, ["cpu"], "q4")
     keys, values = _exact_rows(PAGE, seed=5)
@@ -221,7 +220,7 @@ def test_cache_chooses_the_window(tiny: Model) -> None:
 
 def test_the_runner_assigns_slots_only_where_storage_keeps_windows(tiny: Model) -> None:
     from dyngen_core import Cache
-    from dyngen_core.runner import ModelRunner
+    from dyngen_core.runtime.runner import ModelRunner
 
     def runner(mode: str) -> ModelRunner:
         cache = Cache(tiny, max_tokens=64, mode=mode, page_size=PAGE)

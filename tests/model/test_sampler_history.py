@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from dyngen_core.engine.settings import DEFAULT_DRY_SEQUENCE_BREAKERS
 from dyngen_core.sampling import Sampler, SampleRequest, SamplerSettings, SamplerState, penalties
-from dyngen_core.settings import DEFAULT_DRY_SEQUENCE_BREAKERS
 
 
 def edited_logits(settings: SamplerSettings, logits: torch.Tensor, history: list[int],

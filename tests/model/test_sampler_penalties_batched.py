@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling import penalties
-from dyngen_core.settings import SamplerSettings
 
 VOCAB = 24
 

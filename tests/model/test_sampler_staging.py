@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling.request import SampleRequest, SamplingError
 from dyngen_core.sampling.rng import gumbel_noise, open_uniform, perturb, row_keys
 from dyngen_core.sampling.sampler import Sampler
 from dyngen_core.sampling.upload import Staging
-from dyngen_core.settings import SamplerSettings
 
 
 def test_staging_returns_each_column_with_its_values_dtype_and_shape() -> None:

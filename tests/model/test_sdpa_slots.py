@@ -15,14 +15,13 @@ import random
 import pytest
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage import make_storage
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
+from dyngen_core.kv.cache import make_storage
+from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.storage import KVStorage
 
 PAGE_SIZE = 16
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
@@ -131,7 +130,7 @@ def test_one_backend_over_batches_of_changing_size() -> None:
 
 def test_quantized_storage_is_read_by_pages() -> None:
     """Quantized storage has no plain slot tensors: the backend must gather its pages."""
-    from dyngen_core.storage.quant import QuantStorage
+    from dyngen_core.kv.quant.storage import QuantStorage
 
     storage = QuantStorage(_config(), 24, PAGE_SIZE, torch.float32,
                            [torch.device("cpu")] * 2, mode="q8")

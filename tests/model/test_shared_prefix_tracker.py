@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy, plan_shared_prefixes
-from dyngen_core.attention.shared_prefix_tracker import SharedPrefixTracker
-from dyngen_core.plan import SequenceSlice
+from dyngen_core.engine.cascade import CascadePlan, CascadePolicy, plan_shared_prefixes
+from dyngen_core.engine.cascade_tracker import SharedPrefixTracker
+from dyngen_core.engine.plan import SequenceSlice
 
 PS = 4
 ANY = CascadePolicy(min_saved_keys=0)

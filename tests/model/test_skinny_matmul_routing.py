@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dyngen_core.attention import SdpaBackend
-from dyngen_core.cache import Cache
 from dyngen_core.config import ModelConfig
-from dyngen_core.models import Model
-from dyngen_core.models import skinny_matmul as sm
-from dyngen_core.models.layers import DecoderLayer
-from dyngen_core.runner import ModelRunner
+from dyngen_core.kv.attention import SdpaBackend
+from dyngen_core.kv.cache import Cache
+from dyngen_core.model import Model
+from dyngen_core.model.layers import DecoderLayer
+from dyngen_core.ops import skinny_matmul as sm
+from dyngen_core.runtime.runner import ModelRunner
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32,
                      intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)

@@ -11,13 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from dyngen_core.attention.triton_exact import exact_operands
 from dyngen_core.config import ModelConfig
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage import quant, recent, step_rows
-from dyngen_core.storage.hadamard import hadamard_matrix, rotate
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.attention.triton.exact import exact_operands
+from dyngen_core.kv.quant import step_rows
+from dyngen_core.kv.quant import storage as quant
+from dyngen_core.kv.quant import window as recent
+from dyngen_core.kv.quant.hadamard import hadamard_matrix, rotate
+from dyngen_core.kv.quant.storage import QuantStorage
 
 PAGE, KV_HEADS, DIM, LAYERS, WINDOW = 8, 2, 64, 3, 4
 ROTATION = hadamard_matrix(32)

@@ -21,7 +21,7 @@ import tokenizers
 from tokenizers import Regex, pre_tokenizers
 
 from dyngen_core.errors import TokenizerError
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.demo
 

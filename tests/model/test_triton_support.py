@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from dyngen_core.triton_support import (
+from dyngen_core.ops.triton_support import (
     PDL_ENV,
     launch_device,
     pdl_launch,

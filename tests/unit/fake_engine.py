@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dyngen_core.plan import SampledTokens, StepOutcome, StepPlan
-from dyngen_core.scheduler import Scheduler
-from dyngen_core.scheduling.sequence import SequenceStatus
+from dyngen_core.engine.plan import SampledTokens, StepOutcome, StepPlan
+from dyngen_core.engine.scheduler import Scheduler
+from dyngen_core.engine.sequence import SequenceStatus
 
 VOCAB = 50
 ROOT_VALUE = 17

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dyngen_core.detokenize import IncrementalDetokenizer, TokenPieces
+from dyngen_core.text.detokenize import IncrementalDetokenizer, TokenPieces
 from tests.unit.test_host_fast_paths import ACCEPTED, _chunks, _texts
 
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from dyngen_core.detokenize import MAX_PENDING_TOKENS, Decoder, IncrementalDetokenizer
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.text.detokenize import MAX_PENDING_TOKENS, Decoder, IncrementalDetokenizer
+from dyngen_core.text.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello world, hello there. The quick brown fox jumps over the lazy dog.",

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from dyngen_core.detokenize import IncrementalDetokenizer, TokenPieces
-from dyngen_core.stop import StopMatcher
-from dyngen_core.tokenizer import Tokenizer
+from dyngen_core.text.detokenize import IncrementalDetokenizer, TokenPieces
+from dyngen_core.text.stop import StopMatcher
+from dyngen_core.text.tokenizer import Tokenizer
 from tests.unit.test_detokenize import CORPUS, SPECIAL, byte_level, sentencepiece
 
 

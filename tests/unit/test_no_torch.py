@@ -12,22 +12,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 CONTROL_PLANE = [
     "dyngen_core.config",
-    "dyngen_core.plan",
+    "dyngen_core.engine.plan",
     "dyngen_core.errors",
-    "dyngen_core.pages",
-    "dyngen_core.pages.pool",
-    "dyngen_core.pages.defrag",
-    "dyngen_core.scheduler",
-    "dyngen_core.scheduling",
-    "dyngen_core.scheduling.sequence",
-    "dyngen_core.scheduling.prefix",
-    "dyngen_core.scheduling.bookkeeping",
-    "dyngen_core.settings",
-    "dyngen_core.job",
-    "dyngen_core.results",
-    "dyngen_core.stop",
-    "dyngen_core.detokenize",
-    "dyngen_core.tokenizer",
+    "dyngen_core.engine.pages",
+    "dyngen_core.engine.pages",
+    "dyngen_core.engine.defrag",
+    "dyngen_core.engine.scheduler",
+    "dyngen_core.engine",
+    "dyngen_core.engine.sequence",
+    "dyngen_core.engine.prefix",
+    "dyngen_core.engine.bookkeeping",
+    "dyngen_core.engine.settings",
+    "dyngen_core.engine.job",
+    "dyngen_core.engine.results",
+    "dyngen_core.text.stop",
+    "dyngen_core.text.detokenize",
+    "dyngen_core.text.tokenizer",
     "dyngen_core.spec.ngram",
 ]
 
@@ -78,7 +78,7 @@ def test_blocker_really_blocks_torch() -> None:
 
 def test_control_plane_imports_without_torch() -> None:
     modules = existing_modules()
-    assert "dyngen_core.scheduler" in modules and "dyngen_core.pages" in modules
+    assert "dyngen_core.engine.scheduler" in modules and "dyngen_core.engine.pages" in modules
     lines = import_blocking_torch(modules)
     failures = [line for line in lines if not line.startswith("ok ")]
     assert not failures, "control-plane modules that need torch:\n" + "\n".join(failures)

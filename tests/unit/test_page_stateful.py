@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
+from dyngen_core.engine.scheduler import Scheduler
+from dyngen_core.engine.sequence import SequenceStatus
 from dyngen_core.errors import JobTooLargeError
-from dyngen_core.scheduler import Scheduler
-from dyngen_core.scheduling.sequence import SequenceStatus
 from tests.unit.fake_engine import VOCAB, FakeEngine, true_continuation
 
 PS = 32

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from dyngen_core.pages import (
+from dyngen_core.engine import pages as pool_module
+from dyngen_core.engine.defrag import plan_defrag
+from dyngen_core.engine.pages import (
     MIN_PARTIAL_MATCH,
     ROOT_HASH,
     PagePool,
     PagePoolExhaustedError,
     chain_hash,
-    plan_defrag,
 )
-from dyngen_core.pages import pool as pool_module
 
 PS = 32
 

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
+from dyngen_core.engine.plan import StepOutcome
+from dyngen_core.engine.scheduler import Scheduler
+from dyngen_core.engine.sequence import SequenceStatus
 from dyngen_core.errors import JobError, JobTooLargeError
-from dyngen_core.plan import StepOutcome
-from dyngen_core.scheduler import Scheduler
-from dyngen_core.scheduling.sequence import SequenceStatus
 from tests.unit.fake_engine import FakeEngine, true_continuation
 
 PS = 32

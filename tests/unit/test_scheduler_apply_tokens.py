@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
-from dyngen_core.plan import PENDING_TOKEN, StepPlan
-from dyngen_core.scheduler import Scheduler
+from dyngen_core.engine.plan import PENDING_TOKEN, StepPlan
+from dyngen_core.engine.scheduler import Scheduler
 from tests.unit.fake_engine import FakeEngine, true_continuation
 
 PS = 32

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
-from dyngen_core.plan import PENDING_TOKEN, StepPlan
-from dyngen_core.scheduler import Scheduler
+from dyngen_core.engine.plan import PENDING_TOKEN, StepPlan
+from dyngen_core.engine.scheduler import Scheduler
 from tests.unit.fake_engine import FakeEngine
 from tests.unit.test_scheduler_apply_tokens import PendingEngine
 

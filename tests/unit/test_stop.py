@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dyngen_core.errors import JobError
-from dyngen_core.stop import BannedStringMatcher, StopMatcher, StopResult
+from dyngen_core.text.stop import BannedStringMatcher, StopMatcher, StopResult
 
 
 def feed_all(matcher: StopMatcher, chunks: list[str]) -> tuple[list[str], str | None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyngen_core.stop import StopMatcher
+from dyngen_core.text.stop import StopMatcher
 
 ALPHABET = "ab \nUs:r"
 

@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyngen_core.stop import StopIndexes, StopMatcher
+from dyngen_core.text.stop import StopIndexes, StopMatcher
 
 ALPHABET = "ab \nUs:r"
 stops = st.lists(st.text(ALPHABET, min_size=1, max_size=4), min_size=1, max_size=3)

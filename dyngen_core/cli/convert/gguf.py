@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from dyngen_core.convert.gguf_tokenizer import GgufVocab, write_tokenizer
-from dyngen_core.convert.weights import (
+from dyngen_core.cli.convert.gguf_tokenizer import GgufVocab, write_tokenizer
+from dyngen_core.cli.convert.weights import (
     OUTPUT_DTYPES,
     TensorSource,
     hf_tensor_name,

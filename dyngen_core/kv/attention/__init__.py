@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.attention.base import AttentionBackend, ForwardBatch
-from dyngen_core.attention.sdpa import SdpaBackend
+from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
+from dyngen_core.kv.attention.sdpa import SdpaBackend
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,13 @@ def _cuda_with(package: str) -> Callable[[torch.device], bool]:
 
 
 def _triton_backend() -> AttentionBackend:
-    from dyngen_core.attention.triton_paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
     return TritonPagedBackend()
 
 
 def _flash_backend() -> AttentionBackend:
-    from dyngen_core.attention.flash import FlashBackend
+    from dyngen_core.kv.attention.flash import FlashBackend
 
     return FlashBackend()
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.storage.base import KVStorage
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.storage import KVStorage
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -40,7 +40,7 @@ class FlashBackend:
     def __init__(self, **fallback_options: Any) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-        from dyngen_core.attention.triton_paged import TritonPagedBackend
+        from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
         self._with_kvcache = flash_attn_with_kvcache
         self._varlen = flash_attn_varlen_func

@@ -21,11 +21,11 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.sdpa_recent import GroupLayout, extend_with_recent
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.fp16 import FP16Storage
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.sdpa_recent import GroupLayout, extend_with_recent
+from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.quant.storage import QuantStorage
+from dyngen_core.kv.storage import KVStorage
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.quant.storage import QuantStorage
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.plan import PageCopy
-from dyngen_core.storage.fp16_write import (
+from dyngen_core.engine.plan import PageCopy
+from dyngen_core.kv.fp16.write import (
     check_triton_write,
     triton_write_default,
     write_rows_torch,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dyngen_core.triton_support import (
+from dyngen_core.ops.triton_support import (
     launch_device,
     pdl_launch,
     require_triton,
@@ -54,7 +54,7 @@ def write_rows_triton(keys: torch.Tensor, values: torch.Tensor, key: torch.Tenso
     contiguous (others are copied first); ``slots`` is int32 or int64. Rows in another dtype
     are converted by torch first, as `write_rows_torch` does (bit for bit the same rounding;
     the model's rows come in the cache dtype, so no conversion runs)."""
-    from dyngen_core.storage.fp16_write_kernel import kv_write_kernel
+    from dyngen_core.kv.fp16.write_kernel import kv_write_kernel
 
     tokens, heads, head_dim = key.shape
     if tokens == 0:

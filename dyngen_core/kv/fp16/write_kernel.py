@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.triton_pdl import pdl_start
+from dyngen_core.ops.pdl import pdl_start
 
 
 @triton.jit

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.attention import get_backend
-from dyngen_core.forward import build_forward_batch
-from dyngen_core.plan import SequenceSlice, StepPlan
-from dyngen_core.storage.fp16 import FP16Storage
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention import get_backend
+from dyngen_core.kv.attention.base import build_forward_batch
+from dyngen_core.kv.fp16.storage import FP16Storage
 
 if TYPE_CHECKING:
-    from dyngen_core.models import Model
+    from dyngen_core.model import Model
 
 CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dyngen_core.plan import PageCopy
-from dyngen_core.storage.native import NativeKernels
-from dyngen_core.storage.quant_layer import QuantLayer
+from dyngen_core.engine.plan import PageCopy
+from dyngen_core.kv.quant.layer import QuantLayer
+from dyngen_core.kv.quant.native import NativeKernels
 
 
 def copy_quant_pages(layers: Sequence[QuantLayer], copies: Sequence[PageCopy], num_pages: int,

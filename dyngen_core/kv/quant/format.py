@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.storage.hadamard import rotate, unrotate
+from dyngen_core.kv.quant.hadamard import rotate, unrotate
 
 GROUP_SIZE = 32
 FP16_MAX = 65504.0

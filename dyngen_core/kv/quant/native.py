@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dyngen_core.plan import PageCopy
+from dyngen_core.engine.plan import PageCopy
 
 log = logging.getLogger(__name__)
 

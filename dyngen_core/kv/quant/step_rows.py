@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from dyngen_core.storage.hadamard import rotate
+from dyngen_core.kv.quant.hadamard import rotate
 
 Result = TypeVar("Result")
 

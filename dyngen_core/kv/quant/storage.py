@@ -44,18 +44,21 @@ from collections.abc import Sequence
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.plan import PageCopy
-from dyngen_core.storage import native
-from dyngen_core.storage.hadamard import hadamard_matrix, rotation_signs, unrotate
-from dyngen_core.storage.qformat import (
-    GROUP_SIZE,
-    QuantFormat,
-    check_head_dim,
-    dequantize,
+from dyngen_core.engine.plan import PageCopy
+from dyngen_core.kv.quant import native
+from dyngen_core.kv.quant.copy import copy_quant_pages
+from dyngen_core.kv.quant.format import GROUP_SIZE, QuantFormat, check_head_dim, dequantize
+from dyngen_core.kv.quant.hadamard import hadamard_matrix, rotation_signs, unrotate
+from dyngen_core.kv.quant.layer import QuantLayer
+from dyngen_core.kv.quant.step_rows import (
+    ExactStepRows,
+    StepMemo,
+    head_index,
+    offset_keys,
+    prepare_rows,
 )
-from dyngen_core.storage.quant_copy import copy_quant_pages
-from dyngen_core.storage.quant_layer import QuantLayer
-from dyngen_core.storage.quant_write import (
+from dyngen_core.kv.quant.window import RecentWindow, WindowIndex
+from dyngen_core.kv.quant.write import (
     DecodeWindowWrite,
     StepQuantWrite,
     decode_window_write,
@@ -65,15 +68,7 @@ from dyngen_core.storage.quant_write import (
     step_quant_write,
     write_window_triton,
 )
-from dyngen_core.storage.quant_write_native import write_heads, write_pages
-from dyngen_core.storage.recent import RecentWindow, WindowIndex
-from dyngen_core.storage.step_rows import (
-    ExactStepRows,
-    StepMemo,
-    head_index,
-    offset_keys,
-    prepare_rows,
-)
+from dyngen_core.kv.quant.write_native import write_heads, write_pages
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy

@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from dyngen_core.storage.hadamard import inv_sqrt
-from dyngen_core.storage.qformat import GROUP_SIZE
-from dyngen_core.storage.recent import RecentLayer, RecentWindow
-from dyngen_core.triton_support import (
+from dyngen_core.kv.quant.format import GROUP_SIZE
+from dyngen_core.kv.quant.hadamard import inv_sqrt
+from dyngen_core.kv.quant.window import RecentLayer, RecentWindow
+from dyngen_core.ops.triton_support import (
     launch_device,
     pdl_launch,
     require_triton,
@@ -195,7 +195,7 @@ def step_quant_write(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch
 def launch_quant_write(write: StepQuantWrite) -> None:
     """Launch `quant_write_kernel` over ``write`` (`step_quant_write`): one program a token
     and block of HEAD_BLOCK KV heads."""
-    from dyngen_core.storage.quant_write_kernel import quant_write_kernel
+    from dyngen_core.kv.quant.write_kernel import quant_write_kernel
 
     tokens = write.num_tokens
     if tokens == 0:
@@ -219,7 +219,7 @@ def write_window_triton(exact: torch.Tensor, positions: torch.Tensor, seq_slots:
     [slots * window + 1], `recent.RecentLayer`) for tokens at ``positions`` [T] of the
     sequences in ``seq_slots`` [T] (-1 or out of range: not kept), as
     `recent.RecentWindow.write_rows` with `RecentWindow.index` does."""
-    from dyngen_core.storage.quant_write_kernel import window_write_kernel
+    from dyngen_core.kv.quant.write_kernel import window_write_kernel
 
     tokens = exact.shape[1]
     if tokens == 0:

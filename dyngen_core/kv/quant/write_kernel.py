@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.triton_pdl import pdl_start
+from dyngen_core.ops.pdl import pdl_start
 
 # Adding then subtracting 1.5 * 2**23 rounds a float32 of magnitude below 2**22 to the nearest
 # integer, ties to even (the spacing of floats in [2**23, 2**24) is 1): rintf, which the

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dyngen_core.storage import native
-from dyngen_core.storage.qformat import QuantFormat, quantize_rotated
+from dyngen_core.kv.quant import native
+from dyngen_core.kv.quant.format import QuantFormat, quantize_rotated
 
 
 def write_pages(pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],

@@ -2,14 +2,14 @@
 `ConstraintCompiler` / `ConstraintMatcher` (token masks). No torch here; llguidance is imported
 only when a constraint is compiled."""
 
-from dyngen_core.constraints.engine import (
+from dyngen_core.text.constraints.compiler import (
     ConstraintCompiler,
     ConstraintMatcher,
     bitmask_to_bool,
     build_matcher,
     mask_words,
 )
-from dyngen_core.constraints.spec import Constraint, as_constraint
+from dyngen_core.text.constraints.spec import Constraint, as_constraint
 
 __all__ = [
     "Constraint",

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dyngen_core.constraints.spec import Constraint, as_constraint
 from dyngen_core.errors import JobError
+from dyngen_core.text.constraints.spec import Constraint, as_constraint
 
 
 class TokenizerLike(Protocol):

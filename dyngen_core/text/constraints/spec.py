@@ -2,7 +2,7 @@
 
 A constraint is a JSON schema, a regular expression, a grammar (Lark, or GBNF which is
 converted) or a list of choices. `as_constraint` turns what users pass to ``Job(constraint=...)``
-into one. The data-plane side (`dyngen_core.constraints.engine`) compiles it into token masks.
+into one; `dyngen_core.text.constraints.compiler` compiles it into token masks.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dyngen_core import Job, SamplerSettings
-from dyngen_core.settings import FRAMEWORK_SAMPLING_FIELDS
+from dyngen_core.engine.settings import FRAMEWORK_SAMPLING_FIELDS
 
 if TYPE_CHECKING:
     from dyngen_core import BackgroundGenerator

@@ -19,7 +19,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from dyngen_core import EngineOptions, Tokenizer
-from dyngen_core.tools import ToolSpec, normalize_tool_choice, tool_choice_constraint
+from dyngen_core.text.tools import ToolSpec, normalize_tool_choice, tool_choice_constraint
 from langchain_dyngen._batch import gated_batch, run_coroutine_blocking, submit
 from langchain_dyngen._chat_output import ChatChunker
 from langchain_dyngen._engine import (
@@ -96,7 +96,7 @@ class ChatDynGen(BaseChatModel):
     Tools: `bind_tools` with tool_choice "auto", "none", "any"/"required" or a tool name, each
     enforced by constrained decoding; parallel calls; calls parsed into ``tool_calls`` with ids.
     A chat template without tools support gets the documented fallback prompt of
-    `dyngen_core.tools` (the demo model's ChatML template is one). Structured output: see
+    `dyngen_core.text.tools` (the demo model's ChatML template is one). Structured output: see
     `with_structured_output`. Usage metadata counts prompt tokens served from the prefix cache
     as ``input_token_details["cache_read"]``.
     """

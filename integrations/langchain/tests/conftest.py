@@ -23,7 +23,7 @@ DEMO_ENGINE: dict[str, Any] = {"cache_tokens": 8192, "max_batch_size": 32}
 
 def demo_model_path() -> Path:
     """The demo model (SmolLM2-135M-Instruct), fetched and converted on first use."""
-    from dyngen_core.convert.demo import fetch_demo_model
+    from dyngen_core.cli.convert.demo import fetch_demo_model
 
     return Path(fetch_demo_model())
 

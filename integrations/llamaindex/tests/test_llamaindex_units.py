@@ -229,7 +229,7 @@ HISTORY = [
 
 def _tokenizer(template: str | None = None) -> object:
     from dyngen_core import Tokenizer
-    from dyngen_core.convert.demo import default_demo_dir, is_complete
+    from dyngen_core.cli.convert.demo import default_demo_dir, is_complete
 
     folder = default_demo_dir()
     if not is_complete(folder):

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.attention.triton_cascade_kernels import (
+from dyngen_core.kv.attention.triton.cascade_kernels import (
     merge_cascade_kernel,
     prefix_tiles_kernel,
     shared_prefix_kernel,
 )
 
 if TYPE_CHECKING:
-    from dyngen_core.attention.base import ForwardBatch
-    from dyngen_core.attention.triton_cascade_tables import CascadeTables
-    from dyngen_core.attention.triton_page_operands import PageOperands
+    from dyngen_core.kv.attention.base import ForwardBatch
+    from dyngen_core.kv.attention.triton.cascade_tables import CascadeTables
+    from dyngen_core.kv.attention.triton.page_operands import PageOperands
 
 
 @dataclass(frozen=True)

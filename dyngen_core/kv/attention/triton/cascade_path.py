@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy, plan_shared_prefixes
-from dyngen_core.attention.shared_prefix_tracker import SharedPrefixTracker
-from dyngen_core.attention.triton_cascade import (
+from dyngen_core.engine.cascade import CascadePlan, CascadePolicy, plan_shared_prefixes
+from dyngen_core.engine.cascade_tracker import SharedPrefixTracker
+from dyngen_core.engine.plan import StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.cascade import (
     PrefixLaunch,
     attend_prefixes,
     merge_partials,
@@ -36,18 +37,17 @@ from dyngen_core.attention.triton_cascade import (
     tile_keys,
     tiles_fit,
 )
-from dyngen_core.attention.triton_cascade_fused import attend_remainder_merged
-from dyngen_core.attention.triton_cascade_tables import (
+from dyngen_core.kv.attention.triton.cascade_fused import attend_remainder_merged
+from dyngen_core.kv.attention.triton.cascade_tables import (
     CascadeTables,
     StaticCascadeLayout,
     cascade_tables,
 )
-from dyngen_core.attention.triton_decode_merge import SplitCounters
-from dyngen_core.plan import StepPlan
-from dyngen_core.storage.base import KVStorage
+from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
+from dyngen_core.kv.storage import KVStorage
 
 if TYPE_CHECKING:
-    from dyngen_core.attention.triton_page_operands import HeadShape, PageOperands
+    from dyngen_core.kv.attention.triton.page_operands import HeadShape, PageOperands
 
 LOG2_E = 1.4426950408889634
 PREFIX_KERNELS = ("tiles", "window", "general")

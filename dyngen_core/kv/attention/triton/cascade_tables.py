@@ -25,7 +25,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from dyngen_core.attention.shared_prefix import CascadePlan
+from dyngen_core.engine.cascade import CascadePlan
 
 _members, _prefix_pages = attrgetter("members"), attrgetter("prefix_pages")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.attention.triton_exact_kernels import exact_row_of_page, window_holds
-from dyngen_core.attention.triton_page_window import tile_page, window_ids, window_keys
+from dyngen_core.kv.attention.triton.exact_kernels import exact_row_of_page, window_holds
+from dyngen_core.kv.attention.triton.page_window import tile_page, window_ids, window_keys
 
 
 @triton.jit

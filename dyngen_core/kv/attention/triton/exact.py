@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.quant import QuantStorage
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.quant.storage import QuantStorage
+from dyngen_core.kv.storage import KVStorage
 
 
 @dataclass(frozen=True)

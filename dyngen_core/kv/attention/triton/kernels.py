@@ -30,16 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dyngen_core.attention.triton_decode_merge import count_in_and_merge
-from dyngen_core.attention.triton_decode_tiles import (
-    attend_key_range as attend_key_range,  # re-exported: the cascade kernels import it here
-)
-from dyngen_core.attention.triton_decode_tiles import attend_keys
-from dyngen_core.attention.triton_exact_kernels import attend_exact_rows
-from dyngen_core.attention.triton_rotation import rotated_back, rotated_queries
-from dyngen_core.attention.triton_step_write import store_step_row
-from dyngen_core.triton_pdl import pdl_start
-from dyngen_core.triton_support import pdl_launch
+from dyngen_core.kv.attention.triton.decode_merge import count_in_and_merge
+from dyngen_core.kv.attention.triton.decode_tiles import attend_key_range as attend_key_range
+from dyngen_core.kv.attention.triton.decode_tiles import attend_keys
+from dyngen_core.kv.attention.triton.exact_kernels import attend_exact_rows
+from dyngen_core.kv.attention.triton.rotation import rotated_back, rotated_queries
+from dyngen_core.kv.attention.triton.step_write import store_step_row
+from dyngen_core.ops.pdl import pdl_start
+from dyngen_core.ops.triton_support import pdl_launch
 
 
 @triton.jit

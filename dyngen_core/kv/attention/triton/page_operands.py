@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.attention.triton_rotation import ROTATION_GROUP
-from dyngen_core.storage.base import KVStorage
+from dyngen_core.kv.attention.triton.rotation import ROTATION_GROUP
+from dyngen_core.kv.storage import KVStorage
 
 
 @dataclass(frozen=True)

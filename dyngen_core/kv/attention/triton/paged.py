@@ -24,24 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.shared_prefix import CascadePlan, CascadePolicy
-from dyngen_core.attention.triton_cascade import multiprocessors
-from dyngen_core.attention.triton_cascade_path import CascadeOptions, CascadePath
-from dyngen_core.attention.triton_cascade_tables import StaticCascadeLayout
-from dyngen_core.attention.triton_decode_merge import SplitCounters
-from dyngen_core.attention.triton_decode_options import DecodeOptions, split_buffers
-from dyngen_core.attention.triton_exact import ExactOperands, exact_operands
-from dyngen_core.attention.triton_kernels import launch_combine, paged_attention_kernel
-from dyngen_core.attention.triton_page_operands import (
+from dyngen_core.engine.cascade import CascadePlan, CascadePolicy
+from dyngen_core.engine.plan import StepPlan
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.cascade import multiprocessors
+from dyngen_core.kv.attention.triton.cascade_path import CascadeOptions, CascadePath
+from dyngen_core.kv.attention.triton.cascade_tables import StaticCascadeLayout
+from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
+from dyngen_core.kv.attention.triton.decode_options import DecodeOptions, split_buffers
+from dyngen_core.kv.attention.triton.exact import ExactOperands, exact_operands
+from dyngen_core.kv.attention.triton.kernels import launch_combine, paged_attention_kernel
+from dyngen_core.kv.attention.triton.page_operands import (
     HeadShape,
     PageOperands,
     page_arguments,
     page_operands,
     triton_next_pow2,
 )
-from dyngen_core.attention.triton_prefill import TiledPrefill, TiledPrefillOptions
-from dyngen_core.attention.triton_quant import (
+from dyngen_core.kv.attention.triton.prefill import TiledPrefill, TiledPrefillOptions
+from dyngen_core.kv.attention.triton.quant import (
     WORD_BITS,
     WordKernelFlags,
     attend_word_decode,
@@ -49,12 +50,11 @@ from dyngen_core.attention.triton_quant import (
     word_counters,
     word_decode_fits,
 )
-from dyngen_core.attention.triton_rotation import ROTATION_GROUP
-from dyngen_core.attention.triton_step_write import StepWrite, step_write_for
-from dyngen_core.plan import StepPlan
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.quant_write import StepQuantWrite
-from dyngen_core.triton_support import pdl_launch
+from dyngen_core.kv.attention.triton.rotation import ROTATION_GROUP
+from dyngen_core.kv.attention.triton.step_write import StepWrite, step_write_for
+from dyngen_core.kv.quant.write import StepQuantWrite
+from dyngen_core.kv.storage import KVStorage
+from dyngen_core.ops.triton_support import pdl_launch
 
 LOG2_E = 1.4426950408889634
 
@@ -332,7 +332,7 @@ class TritonPagedBackend:
     def _rotation(self, device: torch.device) -> torch.Tensor:
         """The storage's 32x32 rotation R (row-major float32) on ``device``."""
         if device not in self._rotations:
-            from dyngen_core.storage.hadamard import hadamard_matrix
+            from dyngen_core.kv.quant.hadamard import hadamard_matrix
 
             self._rotations[device] = hadamard_matrix(ROTATION_GROUP).to(device).contiguous()
         return self._rotations[device]

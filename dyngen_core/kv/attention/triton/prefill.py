@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.triton_prefill_kernels import tiled_prefill_kernel
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.prefill_kernels import tiled_prefill_kernel
 
 LOG2_E = 1.4426950408889634
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from dyngen_core.attention.base import ForwardBatch
-from dyngen_core.attention.triton_decode_merge import SplitCounters
-from dyngen_core.attention.triton_exact import ExactOperands
-from dyngen_core.attention.triton_kernels import launch_combine
-from dyngen_core.attention.triton_quant_kernels import quant_decode_kernel
-from dyngen_core.storage.base import KVStorage
-from dyngen_core.storage.quant import QuantStorage
-from dyngen_core.storage.quant_write import StepQuantWrite
-from dyngen_core.triton_support import pdl_launch
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
+from dyngen_core.kv.attention.triton.exact import ExactOperands
+from dyngen_core.kv.attention.triton.kernels import launch_combine
+from dyngen_core.kv.attention.triton.quant_kernels import quant_decode_kernel
+from dyngen_core.kv.quant.storage import QuantStorage
+from dyngen_core.kv.quant.write import StepQuantWrite
+from dyngen_core.kv.storage import KVStorage
+from dyngen_core.ops.triton_support import pdl_launch
 
 WORD_BITS = (4, 8)
 # Tail parts the kernel splits its exact-row work into (`triton_quant_programs.tail_program`):

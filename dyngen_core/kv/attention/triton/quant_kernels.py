@@ -31,13 +31,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.attention.triton_decode_merge import count_in_and_merge
-from dyngen_core.attention.triton_kernels import log2_sum_exp
-from dyngen_core.attention.triton_quant_programs import page_program, tail_program
-from dyngen_core.attention.triton_quant_unpack import split_columns
-from dyngen_core.attention.triton_rotation import rotated_back, rotated_queries
-from dyngen_core.storage.quant_write_kernel import write_token_heads
-from dyngen_core.triton_pdl import pdl_start
+from dyngen_core.kv.attention.triton.decode_merge import count_in_and_merge
+from dyngen_core.kv.attention.triton.kernels import log2_sum_exp
+from dyngen_core.kv.attention.triton.quant_programs import page_program, tail_program
+from dyngen_core.kv.attention.triton.quant_unpack import split_columns
+from dyngen_core.kv.attention.triton.rotation import rotated_back, rotated_queries
+from dyngen_core.kv.quant.write_kernel import write_token_heads
+from dyngen_core.ops.pdl import pdl_start
 
 
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.

@@ -26,13 +26,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.attention.triton_exact_kernels import (
+from dyngen_core.kv.attention.triton.exact_kernels import (
     attend_exact_rows,
     attend_page_heads,
     window_holds,
 )
-from dyngen_core.attention.triton_page_window import tile_page, window_ids, window_keys
-from dyngen_core.attention.triton_quant_unpack import (
+from dyngen_core.kv.attention.triton.page_window import tile_page, window_ids, window_keys
+from dyngen_core.kv.attention.triton.quant_unpack import (
     dequantized_fields,
     dequantized_rows,
     join_columns,

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from dyngen_core.attention.base import ForwardBatch
-    from dyngen_core.storage.base import KVStorage
+    from dyngen_core.kv.attention.base import ForwardBatch
+    from dyngen_core.kv.storage import KVStorage
 
 
 @dataclass(frozen=True)

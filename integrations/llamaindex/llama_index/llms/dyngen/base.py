@@ -82,7 +82,7 @@ class DynGenLLM(FunctionCallingLLM):
 
     Every generation field can be overridden per call as a keyword argument, as can
     ``constraint`` (a JSON schema dict, pydantic class, regex or choices; see
-    `dyngen_core.constraints`), ``banned_strings`` and ``min_tokens``.
+    `dyngen_core.text.constraints`), ``banned_strings`` and ``min_tokens``.
     """
 
     model_dir: str = Field(description="Folder of the model (config.json, weights, tokenizer).")

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dyngen_core import Job, SamplerSettings
-from dyngen_core.settings import FRAMEWORK_SAMPLING_FIELDS
+from dyngen_core.engine.settings import FRAMEWORK_SAMPLING_FIELDS
 
 GENERATION_FIELDS: tuple[str, ...] = ("max_tokens", *FRAMEWORK_SAMPLING_FIELDS, "seed", "stop")
 # Job options a caller may pass per call, besides the generation fields.

@@ -1,0 +1,1 @@
+"""Unquantized pages (the "fp16" cache mode: the model's own dtype)."""
