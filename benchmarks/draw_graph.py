@@ -22,7 +22,7 @@ import torch
 from _common import device_name, report
 
 from dyngen_core import SamplerSettings
-from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling.sampler import Sampler
 
 SETTINGS = SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)

@@ -44,8 +44,8 @@ from _common import GREEDY, device_name, report, word_tokenizer
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import StepPlan
-from dyngen_core.runtime.overlap import PendingStep
 from dyngen_core.sampling.fused import fused_draw_default
+from dyngen_core.sampling.step import SampledStep
 
 SETTINGS = {"greedy": GREEDY,
             "top_p": SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)}
@@ -128,11 +128,11 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     # The stand-in replaces the runner: the host work around it is what is measured.
     generator._runner = FixedLogitsRunner(vocab, jobs, device)
     if torch_draw:
-        generator._bridge.sampler.fused_draw = False
+        generator._sampler.sampler.fused_draw = False
     if not draw_graphs:
-        generator._bridge.sampler.draw_graphs = None
+        generator._sampler.sampler.draw_graphs = None
     if fused_topk is not None:
-        generator._bridge.sampler.fused_topk = fused_topk
+        generator._sampler.sampler.fused_topk = fused_topk
     generator.enqueue([Job(input_ids=[100 + i, 200 + i, 300 + i], max_new_tokens=400,
                            stop_conditions=["t1 t2 t3", 5], gen_settings=settings, identifier=i)
                        for i in range(jobs)])
@@ -143,7 +143,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
         gc.freeze()  # what a server would do after loading: older objects leave the collector
     # The generator samples through sample_tokens, or greedy_ids for a batch of plain greedy
     # jobs (sample is the public per-request form): each entry point's time is the sampler's.
-    sampler_object = generator._bridge.sampler
+    sampler_object = generator._sampler.sampler
     # greedy_on_device: the argmax of an overlapped plain greedy step (on the CPU the whole
     # argmax, on the GPU its launch).
     names = ("sample", "sample_tokens", "greedy_ids", "launch_tokens", "greedy_on_device")
@@ -153,8 +153,8 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
         setattr(sampler_object, name, clock)
     # With overlapped steps, the wait for the previous step's tokens (device work the stand-in
     # model cannot hide: the sampler's own kernels) is timed apart from the host's work.
-    waits = SamplerClock(PendingStep.tokens)
-    PendingStep.tokens = lambda self: waits(self)  # type: ignore[method-assign]
+    waits = SamplerClock(SampledStep.tokens)
+    SampledStep.tokens = lambda self: waits(self)  # type: ignore[method-assign]
     wall: list[float] = []
     cpu: list[float] = []
     sampler: list[float] = []
@@ -180,7 +180,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     gc.callbacks.remove(collections)
     running = generator.stats().jobs_active
     generator.clear_queue()
-    PendingStep.tokens = waits._sample  # type: ignore[method-assign]
+    SampledStep.tokens = waits._sample  # type: ignore[method-assign]
     if freeze_gc:
         gc.unfreeze()
     if profiler is not None:

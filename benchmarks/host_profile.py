@@ -11,8 +11,8 @@ Each case is ``settings:tokens``; the token stream and the settings are chosen a
 tell the two effects apart:
 
 - settings ``greedy`` or ``top_p`` (temperature 0.8, top-p 0.9, top-k 50): greedy jobs go
-  through the plain greedy path (`SamplingBridge.launch_plain`), top-p ones through
-  `SamplingBridge.launch` (the stub draws nothing either way).
+  through the plain greedy path of `StepSampler.start`, top-p ones through its device draw
+  (the stub draws nothing either way).
 - tokens ``fixed``, ``topk`` or ``vocab``: each job repeats its row's argmax (what greedy emits
   on the fixed logits), draws from its row's top-50 at temperature 0.8 / top-p 0.9 (what the
   top-p sampler emits), or draws uniformly from the whole vocabulary.
@@ -23,7 +23,7 @@ tell the two effects apart:
 The cases take turns (``--rounds`` blocks of ``--steps`` steps each) so that other load on a
 shared machine falls on all of them alike. Prints one line per case: the median host time per
 step (ms) and per job (us); ``--phases`` adds the median time of each part of the step
-(schedule, launch, pending copy, apply, resolve, emit); ``--profile N`` prints the N costliest
+(schedule, sample, apply, resolve, emit); ``--profile N`` prints the N costliest
 functions (cProfile, total time) of each case.
 """
 
@@ -117,8 +117,7 @@ class PhaseClock:
             self.ns += time.perf_counter_ns() - start
 
 
-PHASES = {"schedule": ("_scheduler", "schedule"), "launch": ("_bridge", "launch"),
-          "launch_plain": ("_bridge", "launch_plain"), "pending": ("_launcher", "launch"),
+PHASES = {"schedule": ("_scheduler", "schedule"), "sample": ("_sampler", "start"),
           "apply": ("_scheduler", "apply_tokens"), "resolve": ("_scheduler", "resolve_tokens"),
           "emit": (None, "_emit_rows")}
 
@@ -134,7 +133,7 @@ def build(jobs: int, vocab: int, settings: SamplerSettings, tokens: torch.Tensor
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer,
                                  max_batch_size=jobs, attention_backend="sdpa")
     generator._runner = TinyLogitsRunner(jobs)  # type: ignore[assignment,unused-ignore]
-    generator._bridge.sampler = StubSampler(tokens)  # type: ignore[assignment,unused-ignore]
+    generator._sampler.sampler = StubSampler(tokens)  # type: ignore[assignment,unused-ignore]
     generator.enqueue([Job(input_ids=[100 + i, 200 + i, 300 + i], max_new_tokens=1000,
                            stop_conditions=["t1 t2 t3", 5], gen_settings=settings,
                            identifier=i) for i in range(jobs)])

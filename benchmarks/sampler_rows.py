@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling import compact, fused
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.upload import Staging
 

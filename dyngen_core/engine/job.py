@@ -7,6 +7,7 @@ scheduler or the cache: those keep their own state keyed by ``job.job_id``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +28,33 @@ def as_token_list(input_ids: Any) -> list[int]:
             "input_ids must be a list of token ids or a tensor; encode text first with "
             "tokenizer.encode(text)"
         )
-    ids = [int(t) for t in input_ids]
+    try:
+        ids = [_token_id(t) for t in input_ids]
+    except TypeError as exc:
+        raise JobError(f"input_ids must hold integer token ids: {exc}") from None
     if not ids:
         raise JobError("input_ids is empty; a job needs at least one prompt token")
     return ids
+
+
+def _token_id(value: Any) -> int:
+    """``value`` as a token id: an integer (a Python or numpy int), never a float or a bool."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool, not a token id")
+    return operator.index(value)
+
+
+def _integer(name: str, value: Any, minimum: int | None = None) -> int:
+    """An integer option (a Python or numpy int, not a bool or a float), at least ``minimum``
+    when given, or a `JobError` naming it."""
+    try:
+        number = _token_id(value)
+    except TypeError:
+        number = None
+    if number is None or minimum is not None and number < minimum:
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise JobError(f"{name} must be an int{bound}; got {value!r} ({type(value).__name__})")
+    return number
 
 
 def split_stop_conditions(stop_conditions: Any) -> tuple[frozenset[int], tuple[str, ...]]:
@@ -50,7 +74,7 @@ def split_stop_conditions(stop_conditions: Any) -> tuple[frozenset[int], tuple[s
                 raise JobError("an empty string cannot be a stop condition")
             strings.append(cond)
         elif isinstance(cond, int) and not isinstance(cond, bool):
-            ids.add(cond)
+            ids.add(int(cond))
         else:
             raise TypeError(f"stop condition {cond!r} is neither a token id (int) nor a string")
     return frozenset(ids), tuple(strings)
@@ -97,17 +121,20 @@ class Job:
         constraint: Any = None,
     ) -> None:
         self.input_ids = as_token_list(input_ids)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise JobError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
-        if not 0 <= min_new_tokens <= max_new_tokens:
+        max_new_tokens = _integer("max_new_tokens", max_new_tokens, 1)
+        min_new_tokens = _integer("min_new_tokens", min_new_tokens, 0)
+        if min_new_tokens > max_new_tokens:
             raise JobError(
                 f"min_new_tokens must be between 0 and max_new_tokens ({max_new_tokens}); "
                 f"got {min_new_tokens!r}"
             )
-        if return_top_tokens < 0:
-            raise JobError(f"return_top_tokens must be >= 0; got {return_top_tokens}")
+        return_top_tokens = _integer("return_top_tokens", return_top_tokens, 0)
+        if seed is not None:
+            seed = _integer("seed", seed)
         if isinstance(banned_strings, str):
             raise TypeError("banned_strings must be a list of strings, not a bare string")
+        if any(not isinstance(b, str) or not b for b in banned_strings or ()):
+            raise JobError(f"banned_strings must hold non-empty strings; got {banned_strings!r}")
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
         self.stop_token_ids, self.stop_strings = split_stop_conditions(stop_conditions)
@@ -124,10 +151,6 @@ class Job:
         self.job_id: int | None = None  # assigned by the generator at enqueue
         self.new_token_ids: list[int] = []
         self.finished = False
-
-    @property
-    def prompt_length(self) -> int:
-        return len(self.input_ids)
 
     def __repr__(self) -> str:
         return (

@@ -233,6 +233,15 @@ class PagePool:
                 best, best_len = page, n
         return best, best_len
 
+    def forget(self, page: int) -> None:
+        """Drop what the pool knows of a page's contents (they were lost, e.g. a page copy that
+        never ran): the page is no longer offered to lookups, and a cached page becomes free.
+        A referenced page keeps its references."""
+        self._drop_record(page)
+        if self._refs[page] == 0 and page in self._cached:
+            del self._cached[page]
+            self._free.append(page)
+
     # ---- queries ------------------------------------------------------------------------------
 
     def ref_count(self, page: int) -> int:

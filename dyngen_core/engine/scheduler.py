@@ -227,6 +227,21 @@ class Scheduler:
             self._prefill_computed += min(fed_end, seq.prefill_end) - start
             self._after_prefill_slice(seq)
 
+    def abort(self, plan: StepPlan) -> None:
+        """Call when a step of ``plan`` failed before it was applied (its jobs are finished by
+        the caller or keep waiting for a retry). The plan's page copies (defragmentation,
+        partial-page reuse) may not have run: every copy target loses its record, so no later
+        prompt reads it as a cache hit, and a running job that holds one is preempted to
+        recompute it."""
+        targets = {copy.dst for copy in plan.copies}
+        if not targets:
+            return
+        for seq in list(self._running.values()):
+            if not targets.isdisjoint(seq.page_table):
+                self._preempt(seq, record=False)
+        for page in targets:
+            self.pool.forget(page)
+
     def defragment(self, *, max_moves: int | None = None) -> int:
         """Compact and order the used pages if fragmentation is worth it (see
         `dyngen_core.engine.defrag`; ``max_moves`` caps the pages moved, None for its default).
@@ -310,16 +325,18 @@ class Scheduler:
             seq.page_table.append(self.pool.allocate())
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self._leave_running(seq)
+    def _preempt(self, seq: Sequence, *, record: bool = True) -> None:
+        """Send a running job back to the front of the queue, releasing its pages (``record``:
+        note its partly computed last page for reuse, when the prompt cache is on)."""
+        self._leave_running(seq, record=record)
         seq.status = WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1
         self._preemptions += 1
         self._waiting.appendleft(seq)
 
-    def _leave_running(self, seq: Sequence) -> None:
-        release_pages(seq, self.pool, record=self.config.prompt_cache)
+    def _leave_running(self, seq: Sequence, *, record: bool = True) -> None:
+        release_pages(seq, self.pool, record=record and self.config.prompt_cache)
         del self._running[seq.job_id]
         self._inflight.remove(seq)
 

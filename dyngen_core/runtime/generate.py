@@ -50,6 +50,7 @@ def run_generate(
         seed: job i gets seed + i, so each completion is reproducible.
         return_last_results: also return each prompt's final `Result` (a tuple comes back).
         abort_event: a threading.Event; when set, the queue is cleared and None is returned.
+            However the call ends (an exception, Ctrl-C), it leaves no job of its own queued.
         banned_strings: strings that must never appear (case-insensitive).
         constraint: a constraint for every prompt (JSON schema, regex, grammar or choices).
         progress: show a tqdm bar over finished prompts.
@@ -59,6 +60,12 @@ def run_generate(
     """
     single = isinstance(prompt, str)
     prompts: list[str] = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not all(isinstance(p, str) for p in prompts):
+        raise JobError("prompt must be a string or a list of strings; encode token ids into "
+                       "a Job and use enqueue() for those")
+    if abort_event is not None and not callable(getattr(abort_event, "is_set", None)):
+        raise JobError(f"abort_event must be a threading.Event (anything with is_set()); got "
+                       f"{type(abort_event).__name__}")
     settings = _per_prompt_settings(gen_settings, len(prompts))
     if generator.num_remaining_jobs():
         raise JobError(
@@ -83,7 +90,11 @@ def run_generate(
         for i, p in enumerate(prompts)
     ]
     generator.enqueue(jobs)
-    finals = _drive(generator, len(jobs), abort_event, progress)
+    try:
+        finals = _drive(generator, len(jobs), abort_event, progress)
+    except BaseException:
+        generator.clear_queue()  # every queued job is this call's: leave the generator idle
+        raise
     if finals is None:
         return None
     texts = [

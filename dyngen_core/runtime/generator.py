@@ -1,23 +1,26 @@
-"""`DynamicGenerator`: the one module that wires scheduler, runner, sampler and streams.
+"""`DynamicGenerator`: the one module that wires scheduler, runner, sampler and text streams.
 
-A step is ``schedule -> run -> sample -> apply -> emit``, each one call. The generator keeps a
-record per active job (its text stream, sampler state, timings) keyed by job id; page and
-sequence state belong to the scheduler, tensors to the cache and runner.
+A step is ``schedule -> run -> sample -> apply -> emit`` (`iterate`). The generator keeps one
+`JobRecord` per job, keyed by job id; page and sequence state belong to the scheduler, tensors
+to the cache and runner, the draw to the `StepSampler`. A fault inside a step fails the jobs of
+that step and nothing else (`_step_faults`); a fault of one job's text pipeline ends that job
+alone.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from dyngen_core.config import SchedulerConfig
 from dyngen_core.engine.job import Job
 from dyngen_core.engine.plan import PENDING_TOKEN, SampledTokens, StepPlan
+from dyngen_core.engine.record import JobRecord
 from dyngen_core.engine.results import EosReason, GeneratorStats, Result, streaming_result
 from dyngen_core.engine.scheduler import Scheduler
 from dyngen_core.engine.settings import SamplerSettings
@@ -25,14 +28,21 @@ from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.kv.attention import AttentionBackend, get_backend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
-from dyngen_core.runtime.active_job import ActiveJob
 from dyngen_core.runtime.generate import run_generate
-from dyngen_core.runtime.overlap import PendingStep, TokenFeed, TokenLauncher, token_feed
+from dyngen_core.runtime.overlap import InFlight, TokenFeed, token_feed
 from dyngen_core.runtime.runner import ModelRunner
-from dyngen_core.sampling.bridge import SamplingBridge, StepTokens
-from dyngen_core.sampling.request import SamplingError
-from dyngen_core.text.stream import StreamUpdate
+from dyngen_core.sampling.step import SampledStep, StepSampler
+from dyngen_core.text.detokenize import TokenPieces
+from dyngen_core.text.stop import StopIndexes
+from dyngen_core.text.stream import JobStream, StreamUpdate
 from dyngen_core.text.tokenizer import Tokenizer
+
+
+@dataclass
+class _Step:
+    """What a failing step had planned (set as soon as it is known)."""
+
+    plan: StepPlan | None = None
 
 
 class DynamicGenerator:
@@ -57,9 +67,9 @@ class DynamicGenerator:
             every product is F.linear; None: leave the model's own setting, one row by default);
             see `Model.set_skinny_matmul`.
         overlap_steps: let a step finish on the host during the next step's forward when none
-            of its sampling jobs has a constraint, banned string, stop-token ban, extra output
-            or mirostat: its tokens are chosen on the device, the next step reads them there,
-            and they are emitted by the next `iterate` (one step later). Other steps run as
+            of its sampling jobs has a constraint, banned string, stop-token ban or extra
+            output: its tokens are chosen on the device, the next step reads them there, and
+            they are emitted by the next `iterate` (one step later). Other steps run as
             before. Outputs are the same either way.
     """
 
@@ -82,26 +92,26 @@ class DynamicGenerator:
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
-        sched_config = SchedulerConfig(
-            max_batch_size=max_batch_size,
-            max_chunk_size=max_chunk_size,
-            dedup=dedup,
-            prompt_cache=prompt_cache,
-        )
-        self._scheduler = Scheduler(cache.config, sched_config)
+        self._scheduler = Scheduler(cache.config, SchedulerConfig(
+            max_batch_size=max_batch_size, max_chunk_size=max_chunk_size, dedup=dedup,
+            prompt_cache=prompt_cache))
         self._runner = ModelRunner(
             model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
             max_batch_size=max_batch_size, compile_decode=compile_decode,
             skinny_matmul_rows=skinny_matmul_rows,
         )
-        self._bridge = SamplingBridge(model, tokenizer)
+        self._eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(
+            model.config.eos_token_ids)
+        self._sampler = StepSampler(model.config.vocab_size, model.device, tokenizer,
+                                    sorted(self._eos_token_ids))
         self._default_settings = SamplerSettings.from_generation_config(
-            model.config.generation_defaults
-        )
+            model.config.generation_defaults)
+        # Shared by every job's text stream: each token's text, and the stop-string tables.
+        self._pieces = TokenPieces.for_tokenizer(tokenizer)
+        self._stop_indexes = StopIndexes()
         self._overlap = overlap_steps
-        self._launcher = TokenLauncher(model.device)
-        self._pending: PendingStep | None = None
-        self._active: dict[int, ActiveJob] = {}
+        self._in_flight: InFlight | None = None
+        self._records: dict[int, JobRecord] = {}
         self._finished_results: list[Result] = []
         self._next_job_id = 0
 
@@ -119,8 +129,9 @@ class DynamicGenerator:
     # ---- queue -------------------------------------------------------------------------------
 
     def enqueue(self, job: Job | Sequence[Job]) -> None:
-        """Queue one job or a list of jobs. Raises JobTooLargeError for a job that can never
-        fit in the cache (nothing of a rejected list is queued)."""
+        """Queue one job or a list of jobs. Raises `JobTooLargeError` for a job that can never
+        fit in the cache or the model's context, `JobError` for a token id outside the
+        vocabulary or another invalid option; nothing of a rejected list is queued."""
         jobs = [job] if isinstance(job, Job) else list(job)
         for j in jobs:
             if not isinstance(j, Job):
@@ -128,6 +139,7 @@ class DynamicGenerator:
             if j.job_id is not None:
                 raise JobError(f"{j!r} was already enqueued; build a new Job to run it again")
             self.check_fits(j)
+            self._check_token_ids(j)
         added: list[int] = []
         try:
             for j in jobs:
@@ -135,23 +147,29 @@ class DynamicGenerator:
                 self._next_job_id += 1
                 self._scheduler.add(j.job_id, j.input_ids, j.max_new_tokens)
                 added.append(j.job_id)
-                self._active[j.job_id] = self._bridge.activate(
-                    j, self._default_settings, random.getrandbits(63)
-                )
-        except Exception:
+                self._records[j.job_id] = self._record(j)
+        except BaseException:
             for job_id in added:
                 self._scheduler.cancel(job_id)
-                self._active.pop(job_id, None)
+                self._records.pop(job_id, None)
             for j in jobs:
                 j.job_id = None
             raise
 
     def check_fits(self, job: Job) -> None:
-        """Raise JobTooLargeError if ``job`` could never fit in the cache, even alone.
+        """Raise `JobTooLargeError` if ``job`` could never run: its prompt plus
+        ``max_new_tokens`` exceed the whole cache or the model's context length.
 
-        Reads only the cache's fixed size, so any thread may call it."""
+        Reads only fixed sizes, so any thread may call it."""
+        total = len(job.input_ids) + job.max_new_tokens
+        context = self.model.config.max_position_embeddings
+        if total > context:
+            raise JobTooLargeError(
+                f"{job!r} needs {total} positions ({len(job.input_ids)} prompt + "
+                f"{job.max_new_tokens} new tokens) but the model's context is {context} "
+                "(max_position_embeddings); shorten the prompt or lower max_new_tokens")
         page_size = self.cache.page_size
-        needed = -(-(len(job.input_ids) + job.max_new_tokens) // page_size)
+        needed = -(-total // page_size)
         if needed > self.cache.num_pages:
             raise JobTooLargeError(
                 f"{job!r} needs {needed} pages ({len(job.input_ids)} prompt + "
@@ -160,25 +178,55 @@ class DynamicGenerator:
                 "build a larger Cache (max_tokens) or shorten the prompt / max_new_tokens"
             )
 
+    def _check_token_ids(self, job: Job) -> None:
+        """Raise `JobError` for a prompt or stop token id outside the vocabulary."""
+        vocab = self.model.config.vocab_size
+        for name, ids in (("input_ids", job.input_ids), ("stop_conditions", job.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise JobError(f"{job!r}: {name} holds token ids outside the vocabulary "
+                               f"[0, {vocab}): {bad[:5]}; encode text with this model's "
+                               "tokenizer")
+
+    def _record(self, job: Job) -> JobRecord:
+        """The job's engine record: settings resolved and checked, text stream, constraint."""
+        settings = job.gen_settings if job.gen_settings is not None else self._default_settings
+        if not isinstance(settings, SamplerSettings):
+            raise JobError(
+                f"gen_settings must be a SamplerSettings; got {type(settings).__name__}")
+        settings.check_token_ids(self.model.config.vocab_size)
+        stops = self._eos_token_ids if job.uses_default_stops else job.stop_token_ids
+        stream = JobStream(job, self.tokenizer, frozenset(stops), self._pieces,
+                           self._stop_indexes)
+        return JobRecord(
+            job=job, stream=stream, settings=settings,
+            seed=job.seed if job.seed is not None else random.getrandbits(63),
+            matcher=None if job.constraint is None else self._sampler.matcher(job.constraint),
+        )
+
     def num_remaining_jobs(self) -> int:
         """Jobs queued or running, plus final results not yet returned by `iterate`."""
-        return len(self._active) + len(self._finished_results)
+        return len(self._records) + len(self._finished_results)
 
     def cancel(self, job: Job) -> None:
         """Stop a queued or running job now; its pages are freed at once and the next
         `iterate` returns its final result with eos_reason "cancelled"."""
-        if job.job_id is None or job.job_id not in self._active:
+        record = self._records.get(job.job_id) if job.job_id is not None else None
+        if record is None:
             return
-        text = self._active[job.job_id].stream.cancel_text()
-        self._end_job(job.job_id, EosReason.CANCELLED, chunk={"text": text})
+        try:
+            text = record.stream.cancel_text()
+        except Exception:  # noqa: BLE001 - a broken stream must not keep the job alive
+            text = ""
+        self._end_job(record.job_id, EosReason.CANCELLED, chunk={"text": text})
 
     def clear_queue(self) -> None:
         """Cancel every job, queued or running (no results are returned for them)."""
-        self._pending = None  # its jobs are cancelled below; their tokens are not wanted
-        for job_id in list(self._active):
+        self._in_flight = None  # its jobs are cancelled below; their tokens are not wanted
+        for job_id in list(self._records):
             self._scheduler.cancel(job_id)
-            active = self._active.pop(job_id)
-            active.ended = active.job.finished = True
+            record = self._records.pop(job_id)
+            record.ended = record.job.finished = True
         self._finished_results.clear()
 
     def stats(self) -> GeneratorStats:
@@ -197,195 +245,178 @@ class DynamicGenerator:
         With ``overlap_steps``, a step whose tokens can be chosen on the device returns before
         they reach the host: they are emitted by the next call, after it has launched the
         following step (so the device computes while the host emits)."""
-        results, self._finished_results = self._finished_results, []
-        pending, self._pending = self._pending, None
-        if not self._active:
-            return results
-        plan = self._scheduler.schedule()
-        if plan.is_empty:
-            self._resolve(pending, results)
-            return results + self._take_finished()
+        out = self._take_finished()
+        if self._records:
+            with self._step_faults(out) as step:
+                plan = step.plan = self._scheduler.schedule()
+                feed = token_feed(plan, self._in_flight)
+                records = self._sampling_records(plan, feed)
+                logits = self._runner.run(plan, feed)
+                self._land(out)  # the previous step's tokens: wait, apply, emit
+                sampled = self._sampler.start(logits, records, overlap=self._overlap)
+                self._apply(plan, sampled, out)
+        return out + self._take_finished()
+
+    @contextmanager
+    def _step_faults(self, out: list[Result]) -> Iterator[_Step]:
+        """A step that raises fails its own jobs; the step in flight before it is still landed
+        (or fails its jobs too when its tokens cannot be had); the scheduler forgets page
+        copies that may not have run. The engine goes on with every other job."""
+        step = _Step()
         try:
-            feed = token_feed(plan, pending)
-            active = self._sampling_jobs(plan, pending, feed)
-            plain = self._bridge.all_plain(active)
-            masks = None if plain else self._bridge.start_masks(active)  # during the forward
-            logits = self._runner.run(plan, feed)
-            if active and logits is None:
-                raise RuntimeError(f"the runner returned no logits for {len(active)} sampling "
-                                   "slices")
+            yield step
         except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the engine
-            self._resolve(pending, results)
-            self._fail(plan, exc)
-            return results + self._take_finished()
-        self._resolve(pending, results)
-        if active and self._overlap:
-            assert logits is not None
-            self._pending = self._launch(logits, plan, active, plain)
-            if self._pending is not None:
-                self._scheduler.apply_tokens(plan, [PENDING_TOKEN] * len(active))
-                return results + self._take_finished()
+            try:
+                self._land(out)
+            except Exception:  # noqa: BLE001 - `_land` failed those jobs already
+                pass
+            if step.plan is not None:
+                self._fail(step.plan, exc)
+
+    def _sampling_records(self, plan: StepPlan, feed: TokenFeed | None) -> Sequence[JobRecord]:
+        """The records of ``plan``'s sampling slices, in order (taken before the step in flight
+        lands: a job that ends there still has its row, which is then skipped): the step in
+        flight's own list when the plan decodes its jobs again in order (the sampler then
+        knows it at once)."""
+        in_flight = self._in_flight
+        if feed is not None and feed.in_order and in_flight is not None \
+                and len(feed.rows) == len(plan.slices) == len(in_flight.sampled.records):
+            return in_flight.sampled.records
+        records = self._records
+        return [records[s.job_id] for s in plan.slices if s.sample]
+
+    def _apply(self, plan: StepPlan, sampled: SampledStep, out: list[Result]) -> None:
+        """Apply a sampled step: with its tokens still on the device, as placeholders (the step
+        is then in flight until the next `iterate` lands it); else at once, with its results."""
+        if sampled.ids is not None and sampled.records:
+            self._scheduler.apply_tokens(plan, [PENDING_TOKEN] * len(sampled.records))
+            self._in_flight = InFlight(plan, sampled)
+            return
+        self._finish(plan, sampled, out, pending=False)
+
+    def _land(self, out: list[Result]) -> None:
+        """Wait for the step in flight's tokens, put them in the scheduler and emit them; if
+        that fails, its jobs fail (and the error goes on to the step)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
         try:
-            sampled = self._sample(logits, active, plain, masks)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(plan, exc)
-            return results + self._take_finished()
+            self._finish(in_flight.plan, in_flight.sampled, out, pending=True)
+        except Exception as exc:
+            self._fail(in_flight.plan, exc)
+            raise
+
+    def _finish(self, plan: StepPlan, sampled: SampledStep, out: list[Result], *,
+                pending: bool) -> None:
+        """Apply a step's tokens (``pending``: in place of its placeholders) and emit them."""
+        tokens = sampled.tokens()
         for job_id, error in sampled.failed.items():
-            self._end_job(job_id, EosReason.ERROR, error=error)
-        # One token per sampling slice and no drafts: the scheduler needs no SampledTokens.
-        self._scheduler.apply_tokens(plan, sampled.tokens)
-        self._emit_step(plan, sampled, results)
-        return results + self._take_finished()
-
-    def _sampling_jobs(self, plan: StepPlan, pending: PendingStep | None,
-                       feed: TokenFeed | None) -> list[ActiveJob]:
-        """The records of ``plan``'s sampling slices, in order: the pending step's own list
-        when the plan decodes its jobs again in order (an in-order feed, one row per slice:
-        slice i is one token, pending row i's), which the bridge then knows at once."""
-        if feed is not None and feed.in_order and pending is not None \
-                and len(feed.rows) == len(plan.slices) == len(pending.active):
-            return pending.active
-        active_jobs = self._active
-        return [active_jobs[s.job_id] for s in plan.slices if s.sample]
-
-    def _launch(self, logits: torch.Tensor, plan: StepPlan, active: list[ActiveJob],
-                plain: bool) -> PendingStep | None:
-        """The step's tokens chosen on the device and on their way to the host, or None when
-        a job needs the host to sample (`SamplingBridge.launch`)."""
-        if plain:
-            fed, ids = self._bridge.launch_plain(logits, active)
-            return self._launcher.launch(ids, plan, active, fed)
-        try:
-            sampled = self._bridge.launch(logits, active)
-        except SamplingError:
-            return None  # `sample` reports the jobs it cannot sample
-        return None if sampled is None else self._launcher.launch(sampled, plan, active)
-
-    def _sample(self, logits: torch.Tensor | None, active: list[ActiveJob], plain: bool,
-                masks: Any) -> StepTokens:
-        """A token for each sampling slice (in plan order), on the host."""
-        if not active:
-            return StepTokens([])
-        assert logits is not None
-        if plain:
-            tokens = self._bridge.sample_plain(logits, active)
-            if tokens is not None:
-                return StepTokens(tokens)
-        return self._bridge.sample(logits, active, masks)
-
-    def _resolve(self, pending: PendingStep | None, out: list[Result]) -> None:
-        """Wait for an overlapped step's tokens, put them in the scheduler and emit them."""
-        if pending is None:
-            return
-        tokens = pending.tokens()
-        active_jobs = self._active
-        if -1 in tokens:
-            for row, a in enumerate(pending.active):
-                if tokens[row] < 0 and a.job_id in active_jobs:
-                    error = SamplingError(f"job {a.job_id}: its logits row left no token to "
-                                          "choose (NaN or inf from the model, or token_bias "
-                                          "removed every token); the job fails", [row])
-                    self._end_job(a.job_id, EosReason.ERROR, error=error)
-        self._scheduler.resolve_tokens(pending.plan, tokens)
-        if len(pending.plan.slices) == len(pending.active):  # every slice sampled: no prefill
-            # The jobs' draws are counted while they are emitted (one pass over them).
-            self._emit_rows(pending.active, tokens, {}, out, time.perf_counter(), drawn=True)
-            return
-        for a in pending.active:
-            a.request.counter += 1
-        self._emit_step(pending.plan, StepTokens(tokens), out)
+            if job_id in self._records:
+                self._end_job(job_id, EosReason.ERROR, error=error)
+        if pending:
+            self._scheduler.resolve_tokens(plan, tokens)
+        else:
+            self._scheduler.apply_tokens(plan, tokens)
+        self._emit_step(plan, sampled, tokens, out)
 
     def _fail(self, plan: StepPlan, error: Exception) -> None:
         for s in plan.slices:
-            if s.job_id in self._active:
+            if s.job_id in self._records:
                 self._end_job(s.job_id, EosReason.ERROR, error=error)
+        self._scheduler.abort(plan)
 
-    def _emit_step(self, plan: StepPlan, sampled: StepTokens, out: list[Result]) -> None:
+    # ---- results -----------------------------------------------------------------------------
+
+    def _emit_step(self, plan: StepPlan, sampled: SampledStep, tokens: list[int],
+                   out: list[Result]) -> None:
         """Append every job's results of this step to ``out``."""
-        active_jobs, extras, now = self._active, sampled.extras, time.perf_counter()
-        if len(sampled.tokens) == len(plan.slices):  # every slice sampled: no prefill
-            self._emit_rows([active_jobs.get(s.job_id) for s in plan.slices], sampled.tokens,
-                            extras, out, now)
+        records, extras, now = self._records, sampled.extras, time.perf_counter()
+        if len(tokens) == len(plan.slices):  # every slice sampled: no prefill
+            self._emit_rows(sampled.records, tokens, extras, out, now)
             return
-        next_token = iter(sampled.tokens).__next__
+        next_token = iter(tokens).__next__
         for s in plan.slices:
+            record = records.get(s.job_id)
             if s.sample:
-                self._emit_rows([active_jobs.get(s.job_id)], [next_token()], extras, out, now)
-            elif s.job_id in active_jobs:
-                self._emit_start(active_jobs[s.job_id], out, now, prefill=True)
+                self._emit_rows([record], [next_token()], extras, out, now)
+            elif record is not None:
+                self._emit_start(record, out, now, prefill=True)
 
-    def _emit_rows(self, rows: Sequence[ActiveJob | None], tokens: Sequence[int],
-                   extras: dict[int, SampledTokens], out: list[Result], now: float, *,
-                   drawn: bool = False) -> None:
+    def _emit_rows(self, rows: Sequence[JobRecord | None], tokens: Sequence[int],
+                   extras: dict[int, SampledTokens], out: list[Result], now: float) -> None:
         """Append the results of one sampled token per job (``tokens[i]`` is ``rows[i]``'s; a
         None row, or a job that ended since, is skipped) to ``out``; a job's first token comes
-        after its "started" result. ``drawn``: also count the draw of each job still running
-        (an overlapped step's, which `SamplingBridge.sample` did not count)."""
+        after its "started" result. Each job's draw is counted here: the one place its RNG
+        counter advances. A fault of one job's text pipeline ends that job alone."""
         append, new_result = out.append, streaming_result
-        for active, token in zip(rows, tokens, strict=True):
-            if active is None or active.ended:
+        for record, token in zip(rows, tokens, strict=True):
+            if record is None or record.ended:
                 continue  # ended (failed sampling, cancelled)
-            if drawn:
-                active.request.counter += 1
-            if active.time_first_token is None:
-                self._emit_start(active, out, now, prefill=False)
-                active.time_first_token = now
-            update = active.stream.advance(token)
-            if update.__class__ is not str or not active.plain_stream:
-                result = self._stream_update(active, token, extras.get(active.job_id), update)
-                if result is not None:
-                    append(result)
-                continue
-            # The common case, no end, rewind, constraint or extras: `_stream_update` inlined.
-            if active.needs_history:
-                active.history.append(token)
-            append(new_result(active.job, update, token))
+            record.counter += 1
+            try:
+                if record.time_first_token is None:
+                    self._emit_start(record, out, now, prefill=False)
+                    record.time_first_token = now
+                update = record.stream.advance(token)
+                if update.__class__ is not str or not record.plain_stream:
+                    result = self._stream_update(record, token, extras.get(record.job_id),
+                                                 update)
+                    if result is not None:
+                        append(result)
+                    continue
+                # The common case, no end, rewind, constraint or extras: `_stream_update`
+                # inlined.
+                if record.needs_history:
+                    record.history.append(token)
+                append(new_result(record.job, update, token))
+            except Exception as exc:  # noqa: BLE001 - one job's fault ends that job alone
+                if not record.ended:
+                    self._end_job(record.job_id, EosReason.ERROR, error=exc)
 
-    def _emit_start(self, active: ActiveJob, out: list[Result], now: float, *,
+    def _emit_start(self, record: JobRecord, out: list[Result], now: float, *,
                     prefill: bool) -> None:
         """A job's "started" result the first time it is seen, then with ``prefill`` its
         "prefill" progress (a step that computed part of its prompt and sampled nothing)."""
-        if active.time_started is None:
-            active.time_started = now
-            out.append(active.result("started"))
+        if record.time_started is None:
+            record.time_started = now
+            out.append(record.result("started"))
         if prefill:
-            seq = self._scheduler.sequence(active.job_id)
+            seq = self._scheduler.sequence(record.job_id)
             assert seq is not None
-            out.append(active.result("prefill", prefill_progress=seq.num_computed,
+            out.append(record.result("prefill", prefill_progress=seq.num_computed,
                                      prefill_total=seq.num_tokens))
 
-    def _stream_update(self, active: ActiveJob, token_id: int, tokens: SampledTokens | None,
+    def _stream_update(self, record: JobRecord, token_id: int, tokens: SampledTokens | None,
                        update: str | StreamUpdate) -> Result | None:
         if isinstance(update, str):
             update = StreamUpdate(update, token_ids=[token_id])
         if update.rewind:
-            self._scheduler.rewind(active.job_id, update.rewind)
-            active.on_rewind(update.rewind, update.banned_token_id)
+            self._scheduler.rewind(record.job_id, update.rewind)
+            record.on_rewind(update.rewind, update.banned_token_id)
             return None
-        error = active.on_token(token_id)
-        eos = EosReason.ERROR if error else active.end_reason(update.eos_reason)
+        error = record.on_token(token_id)
+        eos = EosReason.ERROR if error else record.end_reason(update.eos_reason)
         if eos is None:
-            return active.streaming_result(update.text, token_id, tokens)
+            return record.streaming_result(update.text, token_id, tokens)
         chunk = dict(text=update.text, token_ids=update.token_ids)
-        if active.wants_extras:
+        if record.wants_extras:
             assert tokens is not None
-            chunk.update(active.extras(tokens))
-        self._end_job(active.job_id, eos, chunk=chunk, error=error)
+            chunk.update(record.extras(tokens))
+        self._end_job(record.job_id, eos, chunk=chunk, error=error)
         return None
 
     def _end_job(self, job_id: int, reason: EosReason, *, chunk: dict[str, Any] | None = None,
                  error: BaseException | None = None) -> None:
         """Free the job's pages now and queue its final result (carrying the last chunk)."""
-        active = self._active.pop(job_id)
-        active.ended = True
+        record = self._records.pop(job_id)
+        record.ended = True
         seq = self._scheduler.sequence(job_id)
         cached_tokens = seq.num_cached_tokens if seq is not None else 0
         self._scheduler.finish(job_id)
-        active.job.finished = True
+        record.job.finished = True
         self._finished_results.append(
-            active.final_result(reason, chunk=chunk or {"text": ""}, error=error,
-                                cached_tokens=cached_tokens, page_size=self.cache.page_size)
-        )
+            record.final_result(reason, chunk=chunk or {"text": ""}, error=error,
+                                cached_tokens=cached_tokens, page_size=self.cache.page_size))
 
     def _take_finished(self) -> list[Result]:
         finished, self._finished_results = self._finished_results, []

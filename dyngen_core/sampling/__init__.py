@@ -1,8 +1,9 @@
 """On-device, batched sampling (data plane). See `dyngen_core.sampling.sampler` for the stage
 order, and `dyngen_core.engine.settings` for the settings and the per-job `SamplerState`."""
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings, SamplerState
-from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
+from dyngen_core.sampling.request import SampleResult, SamplingError
 from dyngen_core.sampling.sampler import Sampler
 
 __all__ = [

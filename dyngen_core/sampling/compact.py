@@ -20,8 +20,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling import filters
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rng import perturb
 from dyngen_core.sampling.rows import RowList, on_rows, positions_of, rows_using, without
 from dyngen_core.sampling.shaping import (

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling import penalties
 from dyngen_core.sampling.masks import allowed_rows_to_bool
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rows import Row, RowList, on_rows, rows_using
 from dyngen_core.sampling.vocab import VocabTables
 

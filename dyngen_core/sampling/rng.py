@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -38,8 +39,10 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@lru_cache(maxsize=4096)
 def seed_key(seed: int) -> int:
-    """The part of `row_key` that depends on the seed alone (a job computes it once)."""
+    """The part of `row_key` that depends on the seed alone (remembered: a job keeps its
+    seed, so its key is computed once)."""
     return splitmix64(seed & _MASK64)
 
 

@@ -29,7 +29,7 @@ from itertools import compress, count, repeat
 from operator import is_, is_not
 from typing import Any
 
-from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling.row_carry import BoundCounts, bound_counts, bound_key, carry_rows
 from dyngen_core.sampling.rows import RowList, expand_rows
 

@@ -15,9 +15,9 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling.compact import carry_columns
 from dyngen_core.sampling.fused import carry_host_columns
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rows import RowList, expand_rows, without
 
 # Requests by `bound_key`: what a list's top_k bound is derived from, kept up to date as

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings
-from dyngen_core.sampling.request import SampleRequest
-from dyngen_core.sampling.rng import row_keys
+from dyngen_core.sampling.rng import row_keys, seed_key
 
 
 @dataclass(slots=True)
@@ -106,15 +106,15 @@ def expand_rows(requests: Sequence[SampleRequest], seeds: random.Random) -> RowL
             early_dynamic = early_dynamic or dynamic and "temperature" in stages
             if top_k > max_top_k:
                 max_top_k = top_k
-            seed_key = req.seed_key(seed)
+            key = seed_key(seed)
             if num_rows == 1:
                 sampled.append(index)
-                seed_keys.append(seed_key)
+                seed_keys.append(key)
                 counters.append(counter)
             else:
                 for j in range(num_rows):
                     sampled.append(index + j)
-                    seed_keys.append(seed_key)
+                    seed_keys.append(key)
                     counters.append(counter + j)
         if req.return_probs or mirostat:
             prob_rows.extend(range(index, index + num_rows))

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling.compact import compact_bound, draw_compact, fetch_compact, full_rows
 from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
 from dyngen_core.sampling.draw_graph import DrawGraphs, graphable
@@ -50,7 +51,7 @@ from dyngen_core.sampling.fused import (
     fusable,
     fused_draw_default,
 )
-from dyngen_core.sampling.request import SampleRequest, SampleResult, SamplingError
+from dyngen_core.sampling.request import SampleResult, SamplingError
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.rows import Row, RowList
 from dyngen_core.sampling.shaping import shape_distribution

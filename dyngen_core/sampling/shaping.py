@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 import torch
 
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling import filters
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rng import host_uniform
 from dyngen_core.sampling.rows import Row, RowList, column, on_rows, rows_using, rows_using_any
 from dyngen_core.sampling.vocab import VocabTables

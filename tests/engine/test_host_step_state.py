@@ -3,8 +3,8 @@
 - RNG counters: a seeded job's tokens depend only on its seed and its counter, so every draw of
   a job must carry the next counter (0, 1, 2, ...), whatever else is in the batch: jobs
   starting and ending, cancelled, sampled on the host (banned strings, extra outputs) or on the
-  device, with overlapped steps or without. `SamplingBridge.launch` reuses the last launch's
-  requests for the same jobs; a `sample` in between (which may set constraint masks) must not
+  device, with overlapped steps or without. `StepSampler.start` reuses the last launch's
+  requests for the same jobs; a host step in between (which may set constraint masks) must not
   leak into it.
 - History: only jobs whose stages read it (penalties, DRY) keep one; theirs is always the
   prompt plus the accepted tokens, banned-string rewinds included.
@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -21,8 +20,9 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.runtime.active_job import ActiveJob
+from dyngen_core.engine.record import JobRecord
 from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.sampling.step import StepSampler
 from dyngen_core.text.constraints.compiler import mask_words
 from tests.engine.step_helpers import mixed_prompts
 
@@ -134,49 +134,49 @@ def test_overlapped_and_synchronous_steps_draw_alike(
 def _decoding(make_generator: Callable[..., DynamicGenerator]) -> DynamicGenerator:
     generator = make_generator()
     generator.enqueue([_job(p, seed=i, budget=20) for i, p in enumerate(mixed_prompts(3, 5))])
-    while any(len(j.job.new_token_ids) == 0 for j in generator._active.values()):
+    while any(len(j.job.new_token_ids) == 0 for j in generator._records.values()):
         generator.iterate()
     return generator
 
 
-def test_a_launch_after_a_masked_sample_of_the_same_jobs_has_no_mask(
+def test_a_launch_after_a_masked_host_step_of_the_same_jobs_has_no_mask(
         make_generator: Callable[..., DynamicGenerator],
         monkeypatch: pytest.MonkeyPatch) -> None:
     generator = _decoding(make_generator)
-    bridge, active = generator._bridge, list(generator._active.values())
-    vocab = bridge.vocab_size
-    logits = torch.randn(len(active), vocab, generator=torch.Generator().manual_seed(1)) * 3
-    assert bridge.launch(logits, active) is not None  # remembered for the same jobs
-    only = np.zeros((len(active), mask_words(vocab)), dtype=np.int32)
+    sampler, records = generator._sampler, list(generator._records.values())
+    vocab = sampler.vocab_size
+    logits = torch.randn(len(records), vocab, generator=torch.Generator().manual_seed(1)) * 3
+    assert sampler.start(logits, records, overlap=True).ids is not None  # launched, remembered
+    only = np.zeros((len(records), mask_words(vocab)), dtype=np.int32)
     only[:, 0] = 1 << 7  # every row may only take token 7
-    masks: Future[np.ndarray] = Future()
-    masks.set_result(only)
-    for a in active:
-        a.matcher = object()  # as if constrained: only a constrained job's row is its mask
-    assert bridge.sample(logits, active, masks).tokens == [7] * len(active)
-    for a in active:
-        a.matcher = None
+    with monkeypatch.context() as patch:
+        patch.setattr(StepSampler, "_masks", lambda self, records: only)
+        for r in records:
+            r.matcher = object()  # as if constrained: only a constrained job's row is its mask
+        assert sampler.start(logits, records).tokens() == [7] * len(records)
+        for r in records:
+            r.matcher = None
     draws = _Draws(monkeypatch)
-    launched = bridge.launch(logits, active)
-    assert launched is not None and draws.masked_launches == 0
-    counters = [a.request.counter for a in active]
-    assert launched.tolist() == bridge.sample(logits, active).tokens
-    assert [a.request.counter for a in active] == [c + 1 for c in counters]
+    counters = [r.counter for r in records]
+    launched = sampler.start(logits, records, overlap=True)
+    assert launched.ids is not None and draws.masked_launches == 0
+    assert launched.tokens() == sampler.start(logits, records).tokens()
+    assert [r.counter for r in records] == counters  # the generator counts draws, not start
 
 
 def test_launches_of_changing_jobs_take_each_jobs_own_counter(
         make_generator: Callable[..., DynamicGenerator]) -> None:
     generator = _decoding(make_generator)
-    bridge, active = generator._bridge, list(generator._active.values())
-    logits = torch.randn(len(active), bridge.vocab_size,
+    sampler, records = generator._sampler, list(generator._records.values())
+    logits = torch.randn(len(records), sampler.vocab_size,
                          generator=torch.Generator().manual_seed(2)) * 3
-    full = bridge.launch(logits, active)
-    active[1].request.counter += 5  # as if it had drawn more
-    part = bridge.launch(logits[[0, 2]], [active[0], active[2]])
-    assert full is not None and part is not None
-    assert part.tolist() == [full[0].item(), full[2].item()]
-    moved = bridge.launch(logits, active)
-    assert moved is not None and moved.tolist() == bridge.sample(logits, active).tokens
+    full = sampler.start(logits, records, overlap=True)
+    records[1].counter += 5  # as if it had drawn more
+    part = sampler.start(logits[[0, 2]], [records[0], records[2]], overlap=True)
+    assert full.ids is not None and part.ids is not None
+    assert part.tokens() == [full.tokens()[0], full.tokens()[2]]
+    moved = sampler.start(logits, records, overlap=True)
+    assert moved.ids is not None and moved.tokens() == sampler.start(logits, records).tokens()
 
 
 def _penalized_jobs(prompt: list[int], banned: list[str]) -> list[Job]:
@@ -187,7 +187,7 @@ def _penalized_jobs(prompt: list[int], banned: list[str]) -> list[Job]:
 def _run_checking_history(generator: DynamicGenerator, jobs: list[Job]) -> dict[int, str]:
     """Run ``jobs``, checking every job's history after every step; their texts by seed."""
     generator.enqueue(jobs)
-    records = dict(generator._active)
+    records = dict(generator._records)
     texts = {j.seed: "" for j in jobs}
     while generator.num_remaining_jobs():
         for r in generator.iterate():
@@ -195,9 +195,8 @@ def _run_checking_history(generator: DynamicGenerator, jobs: list[Job]) -> dict[
         for a in records.values():
             if a.needs_history:
                 assert a.history == list(a.job.input_ids) + a.job.new_token_ids
-                assert a.request.history is a.history
             else:
-                assert a.history == [] and a.request.history == ()
+                assert a.history == []
     return texts
 
 
@@ -212,13 +211,13 @@ def test_history_is_kept_exactly_for_the_jobs_that_read_it(
     piece = next(t[i:i + 2] for t in list(free.values())[:4] for i in range(len(t) - 1)
                  if t[i:i + 2].strip() and "\ufffd" not in t[i:i + 2])
     rewinds = [0]
-    on_rewind = ActiveJob.on_rewind
+    on_rewind = JobRecord.on_rewind
 
-    def counted(a: ActiveJob, *args: Any) -> None:
+    def counted(a: JobRecord, *args: Any) -> None:
         rewinds[0] += 1
         on_rewind(a, *args)
 
-    monkeypatch.setattr(ActiveJob, "on_rewind", counted)
+    monkeypatch.setattr(JobRecord, "on_rewind", counted)
     texts = _run_checking_history(make_generator(overlap_steps=overlap),
                                   _penalized_jobs(prompt, [piece]))
     assert rewinds[0] > 0

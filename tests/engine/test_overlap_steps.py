@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.runtime.overlap import TokenFeed, TokenLauncher
+from dyngen_core.runtime.overlap import TokenFeed
+from dyngen_core.sampling.step import SampledStep, StepSampler
 from tests.engine.step_helpers import kill_row, mixed_prompts
 
 GREEDY = SamplerSettings.greedy()
@@ -52,14 +53,15 @@ def _both(make: Callable[..., DynamicGenerator], monkeypatch: pytest.MonkeyPatch
           **options: Any) -> tuple[list[Any], list[Any], int]:
     """(overlapped results, synchronous results, overlapped steps launched)."""
     launches = [0]
-    launch = TokenLauncher.launch
+    start = StepSampler.start
 
-    def counted(self: TokenLauncher, *args: Any) -> Any:
-        launches[0] += 1
-        return launch(self, *args)
+    def counted(self: StepSampler, *args: Any, **kw: Any) -> SampledStep:
+        sampled = start(self, *args, **kw)
+        launches[0] += sampled.ids is not None and bool(sampled.records)
+        return sampled
 
     with monkeypatch.context() as patch:
-        patch.setattr(TokenLauncher, "launch", counted)
+        patch.setattr(StepSampler, "start", counted)
         overlapped = _results(make(overlap_steps=True, **options), jobs(), cancel)
     synchronous = _results(make(overlap_steps=False, **options), jobs(), cancel)
     return overlapped, synchronous, launches[0]
@@ -100,7 +102,7 @@ def test_plain_and_other_jobs_in_one_batch_match(make_generator, monkeypatch):
 
     def jobs() -> list[Job]:
         out = _greedy_jobs(prompts, 10)
-        # Sampled (seeded: overlapped too, through SamplingBridge.launch), a stop-token ban
+        # Sampled (seeded: overlapped too, drawn on the device), a stop-token ban
         # (min_new_tokens) and extra outputs (these steps sample synchronously, after the
         # pending step before them is resolved).
         out.append(Job(input_ids=prompts[0], max_new_tokens=6, stop_conditions=[],

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
-from dyngen_core.sampling.bridge import SamplingBridge
-from dyngen_core.sampling.request import SampleRequest, SamplingError
+from dyngen_core.engine.record import SampleRequest
+from dyngen_core.sampling.request import SamplingError
 from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.sampling.step import StepSampler
 from tests.engine.step_helpers import kill_row, mixed_prompts
 
 GREEDY = SamplerSettings.greedy()
@@ -75,7 +76,7 @@ def _both(make_generator: Callable[..., DynamicGenerator], monkeypatch: pytest.M
         calls = _Calls(patch)
         fast = _results(make_generator(**options), jobs(), cancel=cancel)
     with monkeypatch.context() as patch:
-        patch.setattr(SamplingBridge, "all_plain", staticmethod(lambda active: False))
+        patch.setattr(StepSampler, "_all_plain", lambda self, records: False)
         general = _results(make_generator(**options), jobs(), cancel=cancel)
     return fast, general, calls
 

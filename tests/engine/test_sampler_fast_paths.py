@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from dyngen_core import SamplerSettings
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import STAGE_ORDER
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.rng import row_key, row_keys, seed_key
 from dyngen_core.sampling.rows import RowList, expand_rows, rows_using
 from dyngen_core.sampling.sampler import Sampler
@@ -240,9 +240,10 @@ def test_launch_tokens_declines_requests_that_need_more_than_a_token(extra: str)
     assert Sampler(VOCAB).launch_tokens(torch.randn(4, VOCAB), requests) is None
 
 
-def test_bridge_launch_gives_the_tokens_sample_gives(make_generator: Any) -> None:
-    """`SamplingBridge.launch` draws what `SamplingBridge.sample` draws for the same jobs and
-    counters, and declines a batch holding a job with banned strings."""
+def test_a_launched_step_gives_the_tokens_a_host_step_gives(make_generator: Any) -> None:
+    """`StepSampler.start` with ``overlap`` draws on the device what it draws on the host for
+    the same jobs and counters, and samples on the host a batch holding a job with banned
+    strings."""
     from dyngen_core import Job
 
     generator = make_generator()
@@ -251,16 +252,16 @@ def test_bridge_launch_gives_the_tokens_sample_gives(make_generator: Any) -> Non
     generator.enqueue([Job(input_ids=[5 + i, 6, 7], max_new_tokens=8, seed=i,
                            gen_settings=settings[i % 2]) for i in range(6)])
     generator.iterate()
-    bridge, active = generator._bridge, list(generator._active.values())
-    vocab = bridge.vocab_size
-    logits = torch.randn(len(active), vocab, generator=torch.Generator().manual_seed(0)) * 3
-    launched = bridge.launch(logits, active)
-    assert launched is not None
-    assert launched.tolist() == bridge.sample(logits, active).tokens
+    sampler, records = generator._sampler, list(generator._records.values())
+    vocab = sampler.vocab_size
+    logits = torch.randn(len(records), vocab, generator=torch.Generator().manual_seed(0)) * 3
+    launched = sampler.start(logits, records, overlap=True)
+    assert launched.ids is not None
+    assert launched.tokens() == sampler.start(logits, records).tokens()
     generator.enqueue(Job(input_ids=[9, 9, 9], max_new_tokens=8, banned_strings=["xyz"]))
     generator.iterate()
-    active = list(generator._active.values())
-    assert bridge.launch(torch.zeros(len(active), vocab), active) is None
+    records = list(generator._records.values())
+    assert sampler.start(torch.zeros(len(records), vocab), records, overlap=True).ids is None
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dyngen_core import SamplerSettings
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling.draw_graph import ROW_BUCKET
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.sampler import Sampler
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]

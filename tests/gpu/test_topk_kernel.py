@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dyngen_core import SamplerSettings
-from dyngen_core.sampling.request import SampleRequest
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling.sampler import Sampler
 
 pytestmark = pytest.mark.gpu

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dyngen_core import SamplerSettings
+from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling import fused
 from dyngen_core.sampling.compact import _columns, _keys_and_columns
-from dyngen_core.sampling.request import SampleRequest
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.rows import RowList, expand_rows
 from dyngen_core.sampling.sampler import Sampler

@@ -1,78 +1,167 @@
-"""`ActiveJob`: the generator's record of one queued or running job.
+"""The engine's one record of a job (`JobRecord`), from `enqueue` to its final result.
 
-It holds what the generator needs beyond the scheduler's sequence state: the job's text stream,
-resolved sampling settings, seed and sampler state, the constraint matcher, tokens banned at a
-position after a banned-string rewind, and timings. It also formats the job's results.
+A record is what the sampler reads of a job (it is a `SampleRequest`: settings, seed, RNG
+counter, history, sampler state, this step's allowed tokens, extra outputs) plus what the
+generator keeps beside the scheduler's page state: the job's text stream, its constraint
+matcher, tokens banned at a position after a banned-string rewind, its timings, and the
+formatting of its results. Pure Python: the stream and the matcher are objects of the text
+layer, used through the small protocols below.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 from dyngen_core.engine.job import Job
 from dyngen_core.engine.plan import SampledTokens
 from dyngen_core.engine.results import EosReason, Result
 from dyngen_core.engine.settings import SamplerSettings, SamplerState
 from dyngen_core.errors import JobError
-from dyngen_core.text.stream import JobStream
-
-if TYPE_CHECKING:
-    from dyngen_core.sampling.request import SampleRequest
 
 _NONE: frozenset[int] = frozenset()
 
 
-@dataclass
-class ActiveJob:
-    """Per-job generator state (see module docstring)."""
+class RequestTraits(NamedTuple):
+    """A settings object's facts the sampler reads per row (see `SampleRequest.traits`)."""
+
+    settings: SamplerSettings
+    stages: frozenset[str]
+    is_greedy: bool
+    top_k: int
+    mirostat: bool
+    dynamic_temperature: bool
+
+
+@dataclass(eq=False)
+class SampleRequest:
+    """What the sampler reads of one job in a sampling call (compared by identity).
+
+    A request owns one or more consecutive logits rows: row 0 predicts the job's next token;
+    with drafts, row ``j`` predicts the token after ``draft_ids[:j]`` (its history is the job's
+    history plus those drafts, and its RNG counter is ``counter + j``).
+
+    settings: the job's `SamplerSettings`.
+    seed: the job's seed; None draws a fresh random key per call (not reproducible).
+    counter: how many tokens the job has drawn so far. With ``seed``, ``(seed, counter)`` alone
+        decides the random draw, whatever else is in the batch. After a rewind, pass a value
+        not used before (e.g. the number of sample calls) or the same token is drawn again.
+    history: the job's token ids so far (prompt + generated), oldest first. Only penalties and
+        DRY read it, and only the window they need is copied to the device.
+    state: the job's `SamplerState` (mirostat ``mu``); updated in place after sampling.
+    allowed_tokens: the constraint's mask, or None. Either a packed bitmask (int32 numpy array
+        or tensor, bit ``i % 32`` of word ``i // 32`` set = token ``i`` allowed; shape
+        ``[words]`` or ``[num_rows, words]``) or a bool array/tensor ``[vocab]`` /
+        ``[num_rows, vocab]``. Tokens beyond the mask's width are not allowed.
+    draft_ids: speculative tokens; the request then owns ``1 + len(draft_ids)`` rows.
+    return_probs: also return each chosen token's probability.
+    return_top_tokens: also return this many most likely tokens and their probabilities.
+    return_logits: also return the raw logits rows (as given to the sampler).
+    """
+
+    settings: SamplerSettings
+    seed: int | None = None
+    counter: int = 0
+    history: Sequence[int] = ()
+    state: SamplerState = field(default_factory=SamplerState)
+    allowed_tokens: Any = None
+    draft_ids: Sequence[int] = ()
+    return_probs: bool = False
+    return_top_tokens: int = 0
+    return_logits: bool = False
+
+    _traits: RequestTraits | None = field(default=None, init=False, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return 1 + len(self.draft_ids)
+
+    def traits(self) -> RequestTraits:
+        """What the sampler reads of ``settings`` for every row, computed once per settings
+        object (a job's request is reused step after step; settings attributes are slow)."""
+        traits = self._traits
+        if traits is None or traits.settings is not self.settings:
+            settings = self.settings
+            traits = self._traits = RequestTraits(settings, settings.active_stages(),
+                                                  settings.is_greedy, settings.top_k,
+                                                  settings.mirostat,
+                                                  settings.uses_dynamic_temperature)
+        return traits
+
+    def active_stages(self) -> frozenset[str]:
+        """``settings.active_stages()`` (see `traits`)."""
+        return self.traits().stages
+
+    def row_history(self, row: int) -> Sequence[int]:
+        """History seen by row ``row`` (the job's history plus the drafts before it)."""
+        if row == 0:
+            return self.history
+        return list(self.history) + list(self.draft_ids[:row])
+
+
+class TextStream(Protocol):
+    """What a record uses of its job's text pipeline (`dyngen_core.text.stream.JobStream`)."""
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def completion(self) -> str: ...
+
+    def advance(self, token_id: int) -> Any: ...
+
+    def cancel_text(self) -> str: ...
+
+
+@dataclass(eq=False, kw_only=True)
+class JobRecord(SampleRequest):
+    """Everything the engine keeps of one job besides the scheduler's page state.
+
+    job: the user's `Job` (its ``job_id`` is set).
+    stream: the job's text pipeline (detokenizer, stop and banned strings).
+    matcher: the job's constraint matcher (`dyngen_core.text.constraints`), or None.
+    The sampling fields are `SampleRequest`'s; ``history`` starts as the prompt when a stage
+    reads it, and the extra outputs follow the job's ``return_*`` options.
+    """
 
     job: Job
-    stream: JobStream
-    settings: SamplerSettings
-    seed: int
+    stream: TextStream
     matcher: Any = None
-    state: SamplerState = field(default_factory=SamplerState)
     banned_at: dict[int, set[int]] = field(default_factory=dict)
     time_enqueued: float = field(default_factory=time.perf_counter)
     time_started: float | None = None
     time_first_token: float | None = None
-    # The sampler's request for this job, set by `SamplingBridge.activate` and updated in
-    # place each step: its ``counter`` counts the job's draws (the RNG counter: a seeded job's
-    # tokens depend only on its seed and this count), its history and state are this record's.
-    request: SampleRequest = field(init=False, repr=False, compare=False)
-    # Set when the generator ends the job (it is then out of its active jobs).
+    # Set when the generator ends the job (it is then out of its records).
     ended: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if self.job.job_id is None:
-            raise JobError(f"{self.job!r} has no job id yet; the generator assigns one at enqueue")
-        self.job_id: int = self.job.job_id
         job = self.job
+        if job.job_id is None:
+            raise JobError(f"{job!r} has no job id yet; the generator assigns one at enqueue")
+        self.job_id: int = job.job_id
+        self.return_probs = job.return_probs
+        self.return_top_tokens = job.return_top_tokens
+        self.return_logits = job.return_logits
+        stages = self.settings.active_stages()
         # Settings are frozen: decide once whether the sampler must see the token history
         # (only penalties and DRY read it). Then ``history`` holds the prompt and the accepted
         # tokens; else it stays empty (nothing reads it), saving an append per token.
-        self.needs_history = bool(self.settings.active_stages() & {"penalties", "dry"})
+        self.needs_history = bool(stages & {"penalties", "dry"})
         self.history: list[int] = list(job.input_ids) if self.needs_history else []
         self.wants_extras = bool(job.return_probs or job.return_top_tokens or job.return_logits)
-        # A plain greedy job's token is always the argmax of its logits row: no stage, mask
-        # (no constraint; no banned strings, so no banned positions; no min_new_tokens, so stop
-        # tokens are never banned) and no extra output. A batch of them skips the general sampler.
-        # Only banned strings (their rewinds) and min_new_tokens ever ban a token at a position,
-        # and min_new_tokens only bans stop tokens: with none (lengths forced, as benchmarks
-        # do), it bans nothing.
+        # Only banned strings (their rewinds) and min_new_tokens (stop tokens before it) ever
+        # ban a token at a position.
         self.may_ban = bool(job.banned_strings
                             or (job.min_new_tokens and self.stream.stop_token_ids))
         # A plain stream's accepted token needs no constraint check and its result no extras.
         self.plain_stream = self.matcher is None and not self.wants_extras
-        # Its token may be chosen on the device and read later (`SamplingBridge.launch`).
+        # Its token may be chosen on the device and read a step later.
         self.launchable = self.plain_stream and not self.may_ban
-        self.plain_greedy = bool(
-            self.settings.is_greedy and not self.settings.active_stages() and not self.wants_extras
-            and self.matcher is None and not self.may_ban
-        )
+        # Its token is always the argmax of its logits row: no stage, mask or extra output.
+        self.plain_greedy = bool(self.settings.is_greedy and not stages and self.launchable)
 
     def banned_now(self) -> AbstractSet[int]:
         """Token ids forbidden at the next position (banned-string rewinds, min_new_tokens)."""
@@ -120,8 +209,8 @@ class ActiveJob:
         return Result(job=self.job, identifier=self.job.identifier, stage=stage, eos=False, **data)
 
     def streaming_result(self, text: str, token_id: int, tokens: SampledTokens | None) -> Result:
-        """A "streaming" result of one step carrying one token (what `result` builds, without
-        keyword copies). ``tokens`` holds the extra outputs; None only when none was asked for."""
+        """A "streaming" result of one step carrying one token. ``tokens`` holds the extra
+        outputs; None only when none was asked for."""
         job = self.job
         data = {"job": job, "identifier": job.identifier, "stage": "streaming", "eos": False,
                 "text": text, "token_ids": [token_id]}

@@ -1,0 +1,319 @@
+"""`StepSampler`: the one entry point of sampling for an engine step.
+
+``start(logits, records)`` samples one token for each job record (logits row ``i`` is
+``records[i]``'s) and returns a `SampledStep`, a future of the tokens: ``tokens()`` waits for
+them (synchronous sampling is ``start(...).tokens()``). A step is sampled one of three ways:
+
+- every record plain greedy (`JobRecord.plain_greedy`): each row's argmax;
+- every record launchable (no constraint, no banned position, no extra outputs): the batched
+  sampler draws on the device (`Sampler.launch_tokens`);
+- otherwise on the host: each constrained record's mask (llguidance, with the GIL released),
+  the tokens banned at its position, then `Sampler.sample_tokens`.
+
+With ``overlap``, the first two leave the tokens on the device (``SampledStep.ids``, which the
+next step's forward may read before they reach the host) while they are copied to a pinned host
+buffer. A row that cannot be sampled (no allowed token, or a NaN/inf row) fails its job alone
+(``SampledStep.failed``). Records are sampler requests (`JobRecord` is a `SampleRequest`); the
+caller advances their RNG counters when it takes the tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import is_
+from typing import Any
+
+import numpy as np
+import torch
+
+from dyngen_core.engine.plan import SampledTokens
+from dyngen_core.engine.record import JobRecord
+from dyngen_core.sampling.request import SamplingError
+from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.text.constraints.compiler import (
+    ConstraintCompiler,
+    ConstraintMatcher,
+    mask_words,
+)
+from dyngen_core.text.tokenizer import Tokenizer
+
+
+class SampledStep:
+    """The tokens of one step's sampling rows, as a future.
+
+    records: the sampled jobs; row ``i`` is ``records[i]``'s.
+    ids: the tokens left on the device (int64 ``[rows]``; -1 for a row without a token, which a
+        feed reads as token 0) when the step may overlap the next forward; None when the step
+        was sampled on the host.
+    extras: job id -> `SampledTokens` with the probabilities, top tokens or logits of the jobs
+        that asked for them.
+    failed: job id -> why its row could not be sampled (complete once `tokens` returned).
+    """
+
+    __slots__ = ("records", "ids", "extras", "failed", "_tokens", "_host", "_ready")
+
+    def __init__(self, records: Sequence[JobRecord], *, tokens: list[int] | None = None,
+                 ids: torch.Tensor | None = None, host: torch.Tensor | None = None,
+                 ready: torch.cuda.Event | None = None,
+                 extras: dict[int, SampledTokens] | None = None,
+                 failed: dict[int, Exception] | None = None) -> None:
+        self.records = records
+        self.ids = ids
+        self.extras = extras if extras is not None else {}
+        self.failed = failed if failed is not None else {}
+        self._tokens = tokens
+        self._host = host
+        self._ready = ready
+
+    def tokens(self) -> list[int]:
+        """Each row's token (waits for the copy from the device); -1 for a row in ``failed``."""
+        if self._tokens is None:
+            assert self._host is not None
+            if self._ready is not None:
+                self._ready.synchronize()
+            tokens = self._tokens = self._host[: len(self.records)].tolist()
+            if -1 in tokens:
+                for row, token in enumerate(tokens):
+                    if token < 0:
+                        self.failed[self.records[row].job_id] = SamplingError(
+                            f"job {self.records[row].job_id}: its logits row left no token to "
+                            "choose (NaN or inf from the model, or token_bias removed every "
+                            "token); the job fails", [row])
+        return self._tokens
+
+
+class StepSampler:
+    """Samples the jobs of engine steps (see the module docstring).
+
+    vocab_size: real tokens; logits columns past it are never sampled.
+    device: where the logits live.
+    tokenizer: the model's tokenizer (token texts for DRY and XTC; constraints compile
+        against its vocabulary).
+    eos_token_ids: the ids that end generation (XTC keeps them; constraints allow them at the
+        end).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, tokenizer: Tokenizer,
+                 eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.tokenizer = tokenizer
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.sampler = Sampler(vocab_size, device, token_pieces=_token_pieces(tokenizer,
+                                                                               vocab_size),
+                               eos_token_ids=self.eos_token_ids)
+        self._compiler: ConstraintCompiler | None = None
+        self._copies = _HostCopies(device)
+        # The last record lists found all plain greedy, without a constraint, and launched:
+        # steady decoding passes the same list again, which is then known at once (a list
+        # passed here must not be changed afterwards).
+        self._plain_list: Sequence[JobRecord] | None = None
+        self._unconstrained_list: Sequence[JobRecord] | None = None
+        self._launched: Sequence[JobRecord] | None = None
+
+    def matcher(self, constraint: Any) -> ConstraintMatcher:
+        """A fresh constraint matcher for one job (raises `JobError` for a bad constraint)."""
+        if self._compiler is None:  # indexes the whole vocabulary once, on first use
+            self._compiler = ConstraintCompiler(self.tokenizer.backend.to_str(),
+                                                self.eos_token_ids, self.vocab_size)
+        return self._compiler.matcher(constraint)
+
+    def start(self, logits: torch.Tensor | None, records: Sequence[JobRecord], *,
+              overlap: bool = False) -> SampledStep:
+        """Sample one token per record (logits row ``i`` is ``records[i]``'s). ``overlap``:
+        leave the tokens on the device when the step allows it (``SampledStep.ids``)."""
+        if not records:
+            return SampledStep(records, tokens=[])
+        if logits is None or logits.shape[0] != len(records):
+            rows = None if logits is None else logits.shape[0]
+            raise RuntimeError(f"{rows} logits rows for {len(records)} sampling jobs")
+        if self._all_plain(records):
+            if overlap:
+                fed, ids = self.sampler.greedy_on_device(logits)
+                return self._copies.launch(records, ids, fed)
+            try:
+                return SampledStep(records, tokens=self.sampler.greedy_ids(logits))
+            except SamplingError:
+                return self._sample(logits, records)  # names the failed rows
+        if overlap:
+            try:
+                drawn = self._launch(logits, records)
+            except SamplingError:
+                drawn = None  # `_sample` reports the jobs it cannot sample
+            if drawn is not None:
+                return self._copies.launch(records, drawn)
+        return self._sample(logits, records)
+
+    def _all_plain(self, records: Sequence[JobRecord]) -> bool:
+        if records is self._plain_list:
+            return True
+        for r in records:
+            if not r.plain_greedy:
+                return False
+        self._plain_list = records
+        return True
+
+    def _launch(self, logits: torch.Tensor, records: Sequence[JobRecord]) -> torch.Tensor | None:
+        """The records' tokens drawn on the device and not waited for, or None with nothing
+        drawn when a record cannot take part (see `Sampler.launch_tokens`)."""
+        launched = self._launched
+        if launched is not records and (launched is None or len(launched) != len(records)
+                                        or not all(map(is_, records, launched))):
+            for r in records:
+                if not r.launchable:
+                    self._launched = None
+                    return None
+                r.allowed_tokens = None  # a host step with masks may have set one
+            self._launched = records
+        # Else the same records as the last launch and no host step since: their requests are
+        # as that launch left them. Records keep their settings, seed and outputs: rows are
+        # reused (``kept``).
+        return self.sampler.launch_tokens(logits, records, kept=True)
+
+    def _sample(self, logits: torch.Tensor, records: Sequence[JobRecord]) -> SampledStep:
+        """Sample on the host: masks first. A row that cannot be sampled, or whose mask or draw
+        raises, fails its job alone."""
+        self._launched = None  # allowed tokens change here
+        failed: dict[int, Exception] = {}
+        extras: dict[int, SampledTokens] = {}
+        rows = self._set_allowed(records, failed)
+        tokens = self._sample_rows(logits, records, rows, extras, failed)
+        return SampledStep(records, tokens=tokens, extras=extras, failed=failed)
+
+    def _sample_rows(self, logits: torch.Tensor, records: Sequence[JobRecord], rows: list[int],
+                     extras: dict[int, SampledTokens], failed: dict[int, Exception]
+                     ) -> list[int]:
+        """Each record's token, sampling ``rows`` (-1 for the other rows and failed ones):
+        rows without an allowed token fail alone (`SamplingError` names them); any other error
+        is narrowed down by sampling each row alone, so only the rows that raise fail."""
+        while rows:
+            whole = len(rows) == len(records)
+            try:
+                ids, full = self.sampler.sample_tokens(
+                    logits if whole else logits[rows],
+                    records if whole else [records[i] for i in rows], kept=True)
+            except SamplingError as exc:
+                bad = {rows[i] for i in exc.request_indices}
+                failed.update({records[i].job_id: exc for i in bad})
+                rows = [i for i in rows if i not in bad]
+                continue
+            except Exception as exc:  # noqa: BLE001 - one job's fault fails that job alone
+                if len(rows) == 1:
+                    failed[records[rows[0]].job_id] = exc
+                    break
+                tokens = [-1] * len(records)
+                for i in rows:
+                    tokens[i] = self._sample_rows(logits, records, [i], extras, failed)[i]
+                return tokens
+            extras.update(self._extras(records, rows, full))
+            if whole:
+                return ids
+            tokens = [-1] * len(records)
+            for i, token in zip(rows, ids):
+                tokens[i] = token
+            return tokens
+        return [-1] * len(records)
+
+    @staticmethod
+    def _extras(records: Sequence[JobRecord], rows: list[int],
+                full: dict[int, Any]) -> dict[int, SampledTokens]:
+        """The extra outputs of the sampled rows (``full``: by index into ``rows``)."""
+        extras = {}
+        for k, r in full.items():
+            job_id = records[rows[k]].job_id
+            extras[job_id] = SampledTokens(
+                job_id=job_id, token_ids=r.token_ids, probs=r.token_probs,
+                top_k_tokens=r.top_k_tokens, top_k_probs=r.top_k_probs, logits=r.logits)
+        return extras
+
+    def _set_allowed(self, records: Sequence[JobRecord],
+                     failed: dict[int, Exception]) -> list[int]:
+        """Set each record's allowed tokens for this step: its constraint's mask, minus the
+        tokens banned at its position (banned-string rewinds, stop tokens before
+        min_new_tokens). Returns the rows whose mask could be built; the others fail."""
+        bitmask = self._masks(records)
+        rows = []
+        for i, r in enumerate(records):
+            if r.matcher is None and not r.may_ban:
+                r.allowed_tokens = None
+                rows.append(i)
+                continue
+            try:
+                mask = None if r.matcher is None else (
+                    bitmask[i] if bitmask is not None else r.matcher.bitmask())
+                r.allowed_tokens = self._allowed(r, mask)
+            except Exception as exc:  # noqa: BLE001 - one job's fault fails that job alone
+                failed[r.job_id] = exc
+                continue
+            rows.append(i)
+        return rows
+
+    def _masks(self, records: Sequence[JobRecord]) -> np.ndarray | None:
+        """The constrained records' packed masks (row ``i`` is record ``i``'s; rows of records
+        without a constraint are left zero and never read); None when the batch fill failed
+        (each record's mask is then built alone)."""
+        if records is self._unconstrained_list:
+            return _NO_MASKS
+        matchers = [r.matcher for r in records]
+        if matchers.count(None) == len(matchers):
+            self._unconstrained_list = records
+            return _NO_MASKS
+        assert self._compiler is not None  # a record has a matcher: it was compiled here
+        bitmask = self._compiler.new_bitmask(len(records))
+        try:
+            self._compiler.fill_bitmasks(matchers, bitmask)
+        except Exception:  # noqa: BLE001 - `_set_allowed` narrows it down to the jobs
+            return None
+        return bitmask
+
+    def _allowed(self, r: JobRecord, constraint_mask: np.ndarray | None) -> np.ndarray | None:
+        banned = r.banned_now()
+        if constraint_mask is None and not banned:
+            return None
+        if constraint_mask is None:
+            # Bits past vocab_size may stay set: the sampler never samples those columns.
+            mask = np.full(mask_words(self.vocab_size), -1, dtype=np.int32)
+        else:
+            mask = constraint_mask.copy()
+        words = mask.view(np.uint32)
+        for t in banned:
+            words[t >> 5] &= ~np.uint32(1 << (t & 31))
+        return mask
+
+
+_NO_MASKS = np.zeros((0, 0), dtype=np.int32)
+
+
+class _HostCopies:
+    """Starts the copy of a step's device tokens to the host without waiting. On CUDA the copy
+    goes to one of two pinned buffers in turn (the previous step's may still be read), grown as
+    needed; elsewhere the device tensor is the host tensor."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []
+        self._turn = 0
+
+    def launch(self, records: Sequence[JobRecord], ids: torch.Tensor,
+               fed: torch.Tensor | None = None) -> SampledStep:
+        """A `SampledStep` of ``ids`` (-1 for a row without a token); ``fed``: what the next
+        step reads instead, default ``ids``."""
+        if fed is None:
+            fed = ids
+        if self.device.type != "cuda":
+            return SampledStep(records, ids=fed, host=ids)
+        if len(self._buffers) < 2 or self._buffers[0].shape[0] < ids.shape[0]:
+            size = max(ids.shape[0], 256)
+            self._buffers = [torch.empty(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn ^= 1
+        host, ready = self._buffers[self._turn], self._events[self._turn]
+        host[: ids.shape[0]].copy_(ids, non_blocking=True)
+        ready.record()
+        return SampledStep(records, ids=fed, host=host, ready=ready)
+
+
+def _token_pieces(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
+    """Each token's text, for DRY's string sequence breakers and XTC's protected tokens."""
+    return [tokenizer.decode([i], decode_special_tokens=True) for i in range(vocab_size)]
