@@ -24,8 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.engine.cascade import CascadePlan, CascadePolicy, plan_shared_prefixes
-from dyngen_core.engine.cascade_tracker import SharedPrefixTracker
+from dyngen_core.engine.cascade import (
+    CascadePlan,
+    CascadePolicy,
+    SharedPrefixTracker,
+    plan_shared_prefixes,
+)
 from dyngen_core.engine.plan import StepPlan
 from dyngen_core.kv.attention.base import ForwardBatch
 from dyngen_core.kv.attention.triton.cascade import (
