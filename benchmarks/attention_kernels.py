@@ -89,17 +89,16 @@ def shared_document(config: dict[str, Any], members: int, document: int,
     per_token = storage.nbytes() / (storage.num_pages * 256)
     plain = TritonPagedBackend(cascade_min_saved_keys=None)
     cascade = TritonPagedBackend(cascade_min_saved_keys=0)  # the kernels, whatever the policy
-    cascade_plan = cascade.plan_cascade(plan, storage)
-    if cascade_plan is None:
-        raise RuntimeError("the shared-document batch did not plan a cascade")
     # As a replayed CUDA graph runs it: tables in a fixed region, launches from the batch size.
-    layout = cascade.cascade_layout(storage, heads, config["num_key_value_heads"],
-                                    capacity=members)
-    assert layout is not None
-    region = torch.zeros(layout.size, dtype=torch.int32)
-    layout.fill(cascade_plan, members, region.numpy())
+    graph_tables = cascade.graph_tables(storage, heads, config["num_key_value_heads"],
+                                        capacity=members)
+    writer = graph_tables.stage(plan) if graph_tables is not None else None
+    if graph_tables is None or writer is None:
+        raise RuntimeError("the shared-document batch did not plan a cascade")
+    region = torch.zeros(graph_tables.size, dtype=torch.int32)
+    writer(region.numpy())
     graph_batch = dataclasses.replace(batch, page_tables_host=None,
-                                      cascade=layout.tables(region.to(device), members))
+                                      graph_tables=graph_tables.views(region.to(device), members))
     outputs = {}
     for name, backend, case in (("plain", plain, batch), ("cascade", cascade, batch),
                                 ("cascade_graph_tables", cascade, graph_batch)):
@@ -119,7 +118,7 @@ def shared_document(config: dict[str, Any], members: int, document: int,
                                                          batch.query_lens_host, 256))
     report("attention_kernels.shared_document_check", relative_error=float(error),
            host_plan_us=planning * 1e6,
-           default_policy_cascades=TritonPagedBackend().plan_cascade(plan, storage) is not None)
+           default_policy_cascades=TritonPagedBackend().cascade.plan(batch, storage) is not None)
 
 
 def main() -> None:

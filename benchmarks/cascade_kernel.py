@@ -1,5 +1,5 @@
 """Shared-prefix ("cascade") decode attention, one layer, inside CUDA graphs: plain paged decode
-against the cascade's first kernel and its launch variants, to choose the cascade's defaults.
+against the cascade and variants of its launch settings (`cascade_path`'s module constants).
 
 Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16 pages of 256 tokens). A case
 is ``members`` decodes whose page tables share a document's full pages (the prefix), each with
@@ -8,38 +8,25 @@ and a ~40-token question). Timed, per call, as median graph replays:
 
 - ``plain``: the plain paged decode over every member's whole context;
 - ``no_document``: the plain decode of the same members over their 40 own tokens alone (what
-  the issue's no-document run pays per layer);
-- ``cascade:<variant>``: the whole cascade (three launches: remainder pass, shared-prefix
-  kernel, merge; or two with the fused merge), with tables in a fixed region and launches
-  sized by the batch, as a replayed decode graph runs it;
-- ``prefix:<variant>``: the shared-prefix kernel alone, same launch (once per distinct prefix
-  pass: variants differing only in the merge share the first one's row).
+  the no-document run pays per layer);
+- ``cascade:<variant>``: the whole cascade (the prefix pass, then the own-keys pass that merges
+  it), with tables in a fixed region and launches sized by the batch, as a replayed decode
+  graph runs it;
+- ``prefix:<variant>``: the prefix pass alone, same launch (once per distinct prefix pass:
+  variants differing only in the own-keys pass share the first one's row).
 
-Success for the fused merge: ``cascade:fused`` below ``cascade:3launch`` in every column (the
-merge launch and the own-keys partials gone), its error ~1e-3 (bf16); ``fused_1split`` /
-``fused_win4`` below ``fused``: set ``remainder_max_splits=1`` / ``remainder_window=4``; for
-the prefix pass's page-id prefetch: ``prefix:win*`` below ``prefix:3launch`` (the tile kernel,
-which every variant without "win" shares): set ``prefix_kernel="window"`` and that row's
-shape. The goal is ``cascade`` near ``no_document``.
+A variant patches the module constants it names (``VARIANTS``); ``default`` patches none. A
+variant that beats ``default`` in every column, at the same error (~1e-3 in bf16), is a new
+default. The goal is ``cascade`` near ``no_document``.
 
 Each graph runs the call over ``copies`` disjoint copies of the pages and queries (more bytes
 than the 50 MB L2 in all) and the time is divided by the copies. The last lines are a table.
-
-Floors (H200: 4.25 TB/s copy, 780 TFLOP/s bf16; 4,096 bytes of KV per token and layer; FLOPs
-members x 32 heads x keys x 128 x 4):
-
-| case            | prefix bytes | own bytes | bytes floor | prefix FLOPs  | FLOP floor |
-| 64 x 8,030 doc  | 32.5 MB      | 35.1 MB   | 15.9 us     | 8.3 GFLOP     | 10.7 us    |
-| 16 x 8,030 doc  | 32.5 MB      | 8.8 MB    | 9.7 us      | 2.1 GFLOP     | 2.7 us     |
-| 64 x 2,048 doc  | 8.4 MB       | 10.5 MB   | 4.4 us      | 2.1 GFLOP     | 2.8 us     |
-| 16 x 2,048 doc  | 8.4 MB       | 2.6 MB    | 2.6 us      | 0.5 GFLOP     | 0.7 us     |
-
-The shared-prefix kernel alone: prefix bytes / 4.25 TB/s (7.6 us at 8,030, 2.0 us at 2,048)
-against its FLOPs / 780 TFLOP/s. Plain decode reads members x context x 4,096 bytes (64 x
-8,030: 2.1 GB, ~500 us).
+Floors: the prefix pass reads members' shared pages once (4,096 bytes of KV per token and
+layer) and computes members x 32 heads x keys x 128 x 4 FLOPs; plain decode reads members x
+context x 4,096 bytes (see BENCHMARKS.md, "3. Shared document", for the figures).
 
     python benchmarks/cascade_kernel.py [--cases 64x8030,16x8030,64x2048,16x2048]
-        [--variants 3launch,fused,fused_1split,fused_win4,win_n32s4,win_n64s3w8,win128_n32s4]
+        [--variants default,own_1split,own_win4,own_n128]
 
 On the CPU (``TRITON_INTERPRET=1``, ``--small``) it runs each call once, without graphs, to
 check the script and that every variant agrees with the plain decode.
@@ -49,7 +36,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -59,50 +47,30 @@ from _common import add_common_args, bench_config, cuda_seconds, device_name, re
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
-from dyngen_core.kv.attention.triton.cascade import attend_prefixes, multiprocessors
-from dyngen_core.kv.attention.triton.cascade_path import LOG2_E, CascadePath
+from dyngen_core.kv.attention.triton import cascade_path
 from dyngen_core.kv.attention.triton.page_operands import HeadShape, page_arguments, page_operands
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 from dyngen_core.kv.fp16.storage import FP16Storage
 
 PAGE = 256
 QUESTION = 40
-# name: CascadeOptions fields replaced (the backend's own defaults otherwise). "3launch" is the
-# cascade of the fourth session (own keys through the paged kernel, prefix tiles, a merge
-# kernel); "fused" the backend's default, two launches (`triton_cascade_fused`: the own-keys
-# pass merges); "win*" prefetch the prefix pass's page ids (`prefix_tiles_kernel` WINDOW), with
-# the fused merge and its own keys' page ids loaded ahead too ("fused_win4" alone: the own
-# keys' loop otherwise holds one tile buffer and waits for each copy: no prefetch at all, as
-# the plain decode kernel's). Registers a thread and shared memory (ptxas, sm_90, bf16; none
-# spills):
-# tiles 64 rows x 64 keys x 4 warps, 3 stages 161 / 82 KB (two tile buffers, every copy
-# waited for at the top of each step); window 64 x 64 x 4, 3 stages 230 / 115 KB (one
-# program a multiprocessor); 64 x 32 x 4, 4 stages 183 / 82 KB; 64 x 64 x 8, 3 stages 171 /
-# 115 KB; 128 x 32 x 8, 4 stages 205 / 98 KB; the fused own-keys pass 112 / 39 KB (split:
-# 128), with 4 page ids ahead 145 / 72 KB (two tile buffers, one tile in flight).
-WIN = {"prefix_kernel": "window", "remainder_window": 4}
+# name: `cascade_path` constants replaced. "own_*" change the own-keys pass: never split, 4 page
+# ids loaded ahead of its tiles, 128-key tiles; "prefix_*" the prefix pass: 8 warps, 128 rows
+# x 8 warps x 1 program a multiprocessor, 32-key tiles x 4 stages.
 VARIANTS: dict[str, dict[str, Any]] = {
-    "3launch": {"fused_merge": False},
-    "fused": {"fused_merge": True},
-    "fused_1split": {"fused_merge": True, "remainder_max_splits": 1},
-    "fused_win4": {"fused_merge": True, "remainder_window": 4},
-    "win_n32s4": {**WIN, "prefix_block_n": 32, "stages": 4},
-    "win_n64s3w8": {**WIN, "warps": 8, "programs_per_sm": 1},
-    "win128_n32s4": {**WIN, "rows": 128, "warps": 8, "programs_per_sm": 1,
-                     "prefix_block_n": 32, "stages": 4},
-    # Not run by default: earlier sweeps (the general kernel, tile shapes) and other knobs.
-    "old": {"prefix_kernel": "general", "rows": 64, "warps": 8, "programs_per_sm": 1,
-            "fused_merge": False},
-    "tiles64x2w8": {"prefix_kernel": "tiles", "rows": 64, "warps": 8, "programs_per_sm": 2},
-    "tiles128": {"prefix_kernel": "tiles", "rows": 128, "warps": 8, "programs_per_sm": 1},
-    "fused_n128": {"fused_merge": True, "remainder_block_n": 128},
-    "win_n64s3": {**WIN, "programs_per_sm": 1},
+    "default": {},
+    "own_1split": {"OWN_MAX_SPLITS": 1},
+    "own_win4": {"OWN_WINDOW": 4},
+    "own_n128": {"OWN_BLOCK_N": 128},
+    "prefix_w8": {"PREFIX_WARPS": 8},
+    "prefix_m128": {"PREFIX_ROWS": 128, "PREFIX_WARPS": 8, "PREFIX_PROGRAMS_PER_SM": 1},
+    "prefix_n32s4": {"PREFIX_BLOCK_N": 32, "PREFIX_STAGES": 4},
 }
-DEFAULT_VARIANTS = "3launch,fused,fused_1split,fused_win4,win_n32s4,win_n64s3w8,win128_n32s4"
-# Options that leave the prefix pass as it is: variants differing only in these share its
+DEFAULT_VARIANTS = "default,own_1split,own_win4,own_n128"
+# Constants that leave the prefix pass as it is: variants differing only in these share its
 # timing row.
-MERGE_ONLY = ("fused_merge", "remainder_max_splits", "remainder_warps", "remainder_block_n",
-              "remainder_window", "merge_split_block")
+OWN_KEYS_ONLY = ("OWN_WARPS", "OWN_BLOCK_N", "OWN_MAX_SPLITS", "OWN_WINDOW",
+                 "MERGE_SPLIT_BLOCK")
 L2_BYTES = 50 << 20
 
 
@@ -150,43 +118,49 @@ def build_case(config: dict[str, Any], members: int, document: int, device: torc
     return Case(members, document, storage, plans, no_doc, queries)
 
 
-def cascade_backend(variant: dict[str, Any]) -> TritonPagedBackend:
-    """A backend that cascades every shared prefix, with the variant's options."""
-    backend = TritonPagedBackend(cascade_min_saved_keys=0)
-    backend.cascade = CascadePath(dataclasses.replace(backend.cascade.options, **variant))
-    return backend
+@contextmanager
+def patched(constants: dict[str, Any]) -> Iterator[None]:
+    """`cascade_path` with ``constants`` replaced, restored on leaving."""
+    saved = {name: getattr(cascade_path, name) for name in constants}
+    try:
+        for name, value in constants.items():
+            setattr(cascade_path, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cascade_path, name, value)
 
 
 def graph_calls(case: Case, backend: TritonPagedBackend, device: torch.device
                 ) -> tuple[list[Callable[[], torch.Tensor]], list[Callable[[], torch.Tensor]]]:
-    """Per copy: the whole cascade and the shared-prefix kernel alone, with graph tables."""
+    """Per copy: the whole cascade and the prefix pass alone, with graph tables."""
     storage, scale = case.storage, case.queries[0].shape[2] ** -0.5
     heads, kv_heads = case.queries[0].shape[1], storage.keys[0].shape[2]
-    cascade_plan = backend.plan_cascade(case.plans[0], storage)
-    layout = backend.cascade_layout(storage, heads, kv_heads, capacity=case.members)
-    if cascade_plan is None or layout is None:
+    graph_tables = backend.cascade.graph_tables(storage, heads, kv_heads, capacity=case.members)
+    writer = graph_tables.stage(case.plans[0]) if graph_tables is not None else None
+    if graph_tables is None or writer is None:
         raise RuntimeError("the case planned no cascade")
-    region = torch.zeros(layout.size, dtype=torch.int32)
-    layout.fill(cascade_plan, case.members, region.numpy())
-    tables = layout.tables(region.to(device), case.members)
+    region = torch.zeros(graph_tables.size, dtype=torch.int32)
+    writer(region.numpy())
+    tables = graph_tables.views(region.to(device), case.members)
     ops = page_operands(storage, 0)
     whole: list[Callable[[], torch.Tensor]] = []
     prefix: list[Callable[[], torch.Tensor]] = []
     for plan, q in zip(case.plans, case.queries, strict=True):
         batch = dataclasses.replace(build_forward_batch(plan, storage.page_size, device),
-                                    page_tables_host=None, cascade=tables)
+                                    page_tables_host=None, graph_tables=tables)
         head_shape = HeadShape.of(q, ops)
         launch = backend.cascade.prefix_launch(ops, batch, tables, head_shape,
-                                               multiprocessors(device))
+                                               cascade_path.multiprocessors(device))
         page_args = page_arguments(ops, q)
         whole.append(partial(backend.attend_cached, 0, q, storage, batch, scale))
-        prefix.append(partial(_prefix_parts, q, ops, page_args, batch, tables, scale * LOG2_E,
-                              launch))
+        prefix.append(partial(_prefix_parts, q, ops, page_args, batch, tables,
+                              scale * cascade_path.LOG2_E, launch))
     return whole, prefix
 
 
 def _prefix_parts(*args: Any) -> torch.Tensor:
-    return attend_prefixes(*args)[0]
+    return cascade_path.attend_prefixes(*args)[0]
 
 
 def plain_calls(case: Case, plans: list[StepPlan], device: torch.device
@@ -233,15 +207,18 @@ def run_case(case: Case, variants: list[str], device: torch.device, repeats: int
     rows.append(("no_document", no_doc_s * 1e6, float("nan")))
     prefix_timed: dict[tuple[tuple[str, Any], ...], str] = {}
     for name in variants:
-        whole, prefix = graph_calls(case, cascade_backend(VARIANTS[name]), device)
-        seconds, out = time_calls(whole, repeats)
-        rows.append((f"cascade:{name}", seconds * 1e6, relative_error(out, plain_out)))
-        key = tuple(sorted((k, v) for k, v in VARIANTS[name].items() if k not in MERGE_ONLY))
-        if key in prefix_timed:  # the same prefix pass as an earlier variant's
-            continue
-        prefix_timed[key] = name
-        prefix_s, _ = time_calls(prefix, repeats)
-        rows.append((f"prefix:{name}", prefix_s * 1e6, float("nan")))
+        with patched(VARIANTS[name]):
+            backend = TritonPagedBackend(cascade_min_saved_keys=0)  # cascades every prefix
+            whole, prefix = graph_calls(case, backend, device)
+            seconds, out = time_calls(whole, repeats)
+            rows.append((f"cascade:{name}", seconds * 1e6, relative_error(out, plain_out)))
+            key = tuple(sorted((k, v) for k, v in VARIANTS[name].items()
+                               if k not in OWN_KEYS_ONLY))
+            if key in prefix_timed:  # the same prefix pass as an earlier variant's
+                continue
+            prefix_timed[key] = name
+            prefix_s, _ = time_calls(prefix, repeats)
+            rows.append((f"prefix:{name}", prefix_s * 1e6, float("nan")))
     for name, us, error in rows:
         report("cascade_kernel", device=device_name(), members=case.members,
                document=case.document, copies=len(case.plans), call=name, us=us,

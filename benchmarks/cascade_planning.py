@@ -1,9 +1,10 @@
 """Host time of shared-prefix ("cascade") planning and table filling per CUDA-graph decode step.
 
-Every graphed decode step plans its shared prefixes (`CascadePath.plan_step`, what
-`DecodeGraphs.plan_cascade` calls) and, when a plan pays, fills the graph's static table region
-(`StaticCascadeLayout.fill`). This times both over 128 decode steps of 256 running jobs, as the
-scheduler would plan them (each slice a fresh copy of its job's page table), for four workloads:
+Every graphed decode step plans its shared prefixes and, when a plan pays, writes the graph's
+static table region (`GraphCascade.stage`, what `DecodeGraphs.run` calls: `GraphCascade.plan`,
+then `StaticCascadeLayout.write`). This times both over 128 decode steps of 256 running jobs, as
+the scheduler would plan them (each slice a fresh copy of its job's page table), for four
+workloads:
 
 - ``document``: 256 questions on one 31-page (7,936-token) document;
 - ``documents8``: 8 documents of 16-31 pages, 32 questions each;
@@ -39,7 +40,7 @@ from _common import report
 
 from dyngen_core.engine.cascade import CascadePolicy
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
-from dyngen_core.kv.attention.triton.cascade_path import CascadeOptions, CascadePath
+from dyngen_core.kv.attention.triton.cascade_path import CascadePath
 from dyngen_core.kv.storage import KVStorage
 
 PAGE = 256
@@ -116,9 +117,7 @@ class Workload:
 
 def cascade_path() -> CascadePath:
     """The Triton backend's default cascade settings."""
-    return CascadePath(CascadeOptions(policy=CascadePolicy(), rows=64, warps=8,
-                                      programs_per_sm=1, block_n=64, max_splits=32,
-                                      decode_programs_per_sm=4))
+    return CascadePath(CascadePolicy(), block_n=64, max_splits=32, decode_programs_per_sm=4)
 
 
 def workload_plans(kind: str, jobs: int, max_new: int, seed: int, steps: int) -> list[StepPlan]:
@@ -143,19 +142,19 @@ def time_steps(plans: list[StepPlan], step: Callable[[StepPlan], int]
 
 
 def stepper(jobs: int) -> Callable[[StepPlan], int]:
-    """Plan and fill one step as `DecodeGraphs.run` does (a fresh planner and table region);
-    returns the key reads the step's plan saves (0: no cascade)."""
+    """Plan and write one step as `GraphCascade.stage` and its writer do (a fresh planner and
+    table region); returns the key reads the step's plan saves (0: no cascade)."""
     path = cascade_path()
     storage = cast(KVStorage, SimpleNamespace(mode="fp16", page_size=PAGE))
-    layout = path.graph_layout(storage, 32, 8, jobs)  # Llama-3-8B heads: 4 per KV head
-    assert layout is not None
-    region = np.zeros(layout.size, dtype=np.int32)
+    tables = path.graph_tables(storage, 32, 8, jobs)  # Llama-3-8B heads: 4 per KV head
+    assert tables is not None
+    region = np.zeros(tables.size, dtype=np.int32)
 
     def step(plan: StepPlan) -> int:
-        cascade = path.plan_step(plan, storage)
+        cascade = tables.plan(plan)
         if cascade is None:
             return 0
-        layout.fill(cascade, len(plan.slices), region)
+        tables.layout.write(cascade, len(plan.slices), region)
         return cascade.saved_keys
 
     return step

@@ -11,8 +11,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dyngen_core.kv.attention.triton.cascade_fused import remainder_merge_kernel  # noqa: E402
-from dyngen_core.kv.attention.triton.cascade_kernels import prefix_tiles_kernel  # noqa: E402
+from dyngen_core.kv.attention.triton.cascade_kernels import (  # noqa: E402
+    own_keys_kernel,
+    prefix_tiles_kernel,
+)
 from dyngen_core.kv.attention.triton.kernels import paged_attention_kernel  # noqa: E402
 from dyngen_core.kv.attention.triton.prefill import TiledPrefillOptions  # noqa: E402
 from dyngen_core.kv.attention.triton.prefill_kernels import tiled_prefill_kernel  # noqa: E402
@@ -244,9 +246,9 @@ def word_tail_variants(shape: Shape) -> list[Variant]:
 
 
 def other_kernel_variants(shape: Shape) -> list[Variant]:
-    """The cascade's prefix kernel (backend: 64 rows x 64 keys x 4 warps, 3 stages), its
-    page-prefetching form and its fused own-keys pass (one split and several), the
-    tiled prefill (`TiledPrefillOptions` defaults, whole group per tile) and the skinny
+    """The cascade's prefix kernel (backend: 64 rows x 64 keys x 4 warps, 3 stages) and its
+    own-keys pass (one split and several, page ids loaded per key or 4 ahead), the tiled
+    prefill (`TiledPrefillOptions` defaults, whole group per tile) and the skinny
     matmul kernels of `skinny_matmul.DEFAULT_CONFIGS` (at the class's Llama-3-8B shape)."""
     group_pad = 1 << (shape.group - 1).bit_length()
     ints = runtime_ints(shape, 0)
@@ -254,18 +256,11 @@ def other_kernel_variants(shape: Shape) -> list[Variant]:
         "G": shape.group, "G_PAD": group_pad, "BLOCK_M": 64, "BLOCK_N": 64,
         "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim, "PAGE_SIZE": shape.page_size,
         "DOT_PRECISION": "tf32"}, 4, stages=3, ints=ints)]
-    for rows, block_n, warps, stages in ((64, 32, 4, 4), (64, 64, 8, 3), (128, 32, 8, 4)):
-        out.append(Variant(  # page ids loaded ahead (benchmarks/cascade_kernel.py's win*)
-            f"prefix-window-m{rows}-n{block_n}x{warps}-s{stages}", prefix_tiles_kernel, {
-                "G": shape.group, "G_PAD": group_pad, "BLOCK_M": rows, "BLOCK_N": block_n,
-                "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim,
-                "PAGE_SIZE": shape.page_size, "WINDOW": 16, "DOT_PRECISION": "tf32"},
-            warps, stages=stages, ints=ints))
-    # The fused own-keys pass (`CascadeOptions` defaults; -w4: 4 page ids loaded ahead).
+    # The own-keys pass (`cascade_path` defaults; -w4: 4 page ids loaded ahead).
     for split, window in ((False, 0), (True, 0), (False, 4), (True, 4)):
         out.append(Variant(
-            f"cascade-rem-fused-m16-n64x4{'-split' if split else ''}"
-            f"{f'-w{window}' if window else ''}", remainder_merge_kernel, {
+            f"cascade-own-m16-n64x4{'-split' if split else ''}"
+            f"{f'-w{window}' if window else ''}", own_keys_kernel, {
                 "G": shape.group, "G_PAD": group_pad, "BLOCK_M": max(16, group_pad),
                 "BLOCK_N": 64, "HEAD_DIM": shape.head_dim, "HEAD_PAD": shape.head_dim,
                 "PAGE_SIZE": shape.page_size, "SPLIT": split, "SPLIT_BLOCK": 4,

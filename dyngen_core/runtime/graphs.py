@@ -10,10 +10,11 @@ Rows of a bucket beyond the batch repeat the batch's last sequence (same token, 
 and pages), so they write the very same key/value into the same slot and need no spare page;
 their logits are dropped.
 
-Shared prefixes: with a backend that can run shared-prefix ("cascade") attention in a graph
-(`attention.base.SharedPrefixGraphs`), every step is planned on the host; a step with groups
-fills their tables into a region of the same static buffer (same copy) and replays its bucket's
-cascade graph instead. Those graphs are captured lazily, the first time a bucket sees a cascade
+Backend tables: a backend whose graphed decode reads tables of its own (`base.GraphTablesBackend`:
+the Triton backend's shared-prefix ("cascade") groups) gets a region of the same static buffer
+for them (same copy). Every step asks the backend's `GraphTables` to stage the step; a step that
+needs its tables writes them into the region and replays its bucket's second graph, whose batch
+carries views of them. Those graphs are captured lazily, the first time a bucket sees such a
 step, from that step's own staged inputs: the warm-up forwards then write exactly the keys and
 values the step itself writes (its tokens, at its slots) and read only what it reads, so a
 capture in the middle of a generation touches no other cache data.
@@ -29,12 +30,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from dyngen_core.engine.cascade import CascadePlan
 from dyngen_core.engine.plan import StepPlan
-from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch, SharedPrefixGraphs
-from dyngen_core.kv.attention.triton.cascade_tables import CascadeTables, StaticCascadeLayout
+from dyngen_core.kv.attention.base import (
+    AttentionBackend,
+    ForwardBatch,
+    GraphTables,
+    GraphTablesBackend,
+)
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model import Model
 from dyngen_core.runtime.overlap import TokenFeed
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
 
 GRAPH_BACKENDS = ("triton", "flash")
 StepFunction = Callable[[ForwardBatch], torch.Tensor]
+TablesWriter = Callable[[np.ndarray], None]
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -65,7 +71,7 @@ class _StaticInputs:
     """The device buffers every graph reads, and their pinned host staging twins.
 
     longs [3, B]: input_ids, positions, slot_mapping rows. ints: B context lengths, B sequence
-    slots, the shared-prefix tables (``cascade_size`` entries), then the page table [B, width],
+    slots, the backend's tables (``tables_size`` entries), then the page table [B, width],
     flat, so what a bucket reads is one contiguous prefix.
     """
 
@@ -78,21 +84,20 @@ class _StaticInputs:
     copied: torch.cuda.Event
     capacity: int
     width: int
-    cascade_size: int
+    tables_size: int
 
     def page_table(self, ints: torch.Tensor) -> torch.Tensor:
-        return ints[2 * self.capacity + self.cascade_size:].view(self.capacity, self.width)
+        return ints[2 * self.capacity + self.tables_size:].view(self.capacity, self.width)
 
-    def cascade_region(self, ints: torch.Tensor) -> torch.Tensor:
-        return ints[2 * self.capacity:2 * self.capacity + self.cascade_size]
+    def tables_region(self, ints: torch.Tensor) -> torch.Tensor:
+        return ints[2 * self.capacity:2 * self.capacity + self.tables_size]
 
     def seq_slots(self, ints: torch.Tensor) -> torch.Tensor:
         return ints[self.capacity:2 * self.capacity]
 
-    def batch(self, size: int, page_size: int,
-              cascade: CascadeTables | None = None) -> ForwardBatch:
-        """The ForwardBatch of a bucket: views of the first ``size`` rows (and ``cascade``,
-        views of the shared-prefix region, for a cascade graph)."""
+    def batch(self, size: int, page_size: int, tables: object | None = None) -> ForwardBatch:
+        """The ForwardBatch of a bucket: views of the first ``size`` rows (and ``tables``,
+        the backend's views of its region, for a graph that reads them)."""
         return ForwardBatch(
             input_ids=self.longs[0, :size], positions=self.longs[1, :size],
             slot_mapping=self.longs[2, :size], query_start=self.query_start[:size + 1],
@@ -100,7 +105,7 @@ class _StaticInputs:
             logits_indices=self.logits_indices[:size],
             query_lens_host=[1] * size, context_lens_host=[1] * size, page_size=page_size,
             seq_slots=self.seq_slots(self.ints)[:size],
-            token_seq_slots=self.seq_slots(self.ints)[:size], cascade=cascade,
+            token_seq_slots=self.seq_slots(self.ints)[:size], graph_tables=tables,
         )
 
 
@@ -111,7 +116,8 @@ class DecodeGraphs:
     storage: the cache's KVStorage.
     backend: an attention backend whose decode launch depends on the batch size alone
         ("triton", "flash"); the sdpa backend reads host-side lengths and cannot be captured.
-        One that is also `SharedPrefixGraphs` gets cascade graphs for steps it plans groups in.
+        One that is also a `GraphTablesBackend` gets a second graph per bucket for the steps
+        that read its tables.
     page_size: the cache's slots per page.
     max_context: the longest sequence (prompt + generated) a graphed decode may hold; it sets
         the width of the static page table.
@@ -137,20 +143,19 @@ class DecodeGraphs:
         self.device = device
         self.compiled = compile_model
         self._step: StepFunction = self._make_step(compile_model)
-        self._planner = backend if isinstance(backend, SharedPrefixGraphs) else None
-        self._cascade: StaticCascadeLayout | None = None
-        if self._planner is not None:
+        self._tables: GraphTables | None = None
+        if isinstance(backend, GraphTablesBackend):
             config = model.config
-            self._cascade = self._planner.cascade_layout(
-                storage, config.num_heads, config.num_kv_heads, self.buckets[-1])
+            self._tables = backend.graph_tables(storage, config.num_heads, config.num_kv_heads,
+                                                self.buckets[-1])
         self._inputs = self._allocate(self.buckets[-1])
-        # Keyed by (bucket, cascade); cascade graphs are captured on first use.
+        # Keyed by (bucket, reads the backend's tables); those graphs are captured on first use.
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._pool: _POOL_HANDLE | None = None
         with self._capture_mode():
             for size in reversed(self.buckets):  # largest first: smaller ones reuse its memory
-                self._capture(size, cascade=False)
+                self._capture(size, with_tables=False)
 
     def can_run(self, plan: StepPlan) -> bool:
         """True for plans of decodes only (one token, sampled, no drafts) that fit a bucket."""
@@ -170,25 +175,16 @@ class DecodeGraphs:
         """
         size = len(plan.slices)
         bucket = next(b for b in self.buckets if b >= size)
-        cascade = self.plan_cascade(plan)
-        self._stage(plan, bucket, seq_slots, cascade)
+        writer = self._tables.stage(plan) if self._tables is not None else None
+        self._stage(plan, bucket, seq_slots, writer)
         if feed is not None:
             feed.apply(self._inputs.longs[0, :bucket], size)
-        key = (bucket, cascade is not None)
+        key = (bucket, writer is not None)
         if key not in self._graphs:
             with self._capture_mode():  # the static inputs hold this very step (module doc)
-                self._capture(bucket, cascade=True)
+                self._capture(bucket, with_tables=True)
         self._graphs[key].replay()
         return self._outputs[key][:size]
-
-    def plan_cascade(self, plan: StepPlan) -> CascadePlan | None:
-        """The shared-prefix groups a replay of ``plan`` attends once per group; None: the
-        plain graph (no groups worth it, or a backend or storage without the cascade). The
-        backend plans again only when a step changed a shared page (a step that did not gets
-        the previous plan object back, and `StaticCascadeLayout.fill` then writes nothing)."""
-        if self._planner is None or self._cascade is None:
-            return None
-        return self._planner.plan_cascade(plan, self.storage)
 
     def _make_step(self, compile_model: bool) -> StepFunction:
         model, storage, backend = self.model, self.storage, self.backend
@@ -208,15 +204,14 @@ class DecodeGraphs:
             hidden = hidden_fn(model, batch, storage, eager_attention)
             return logits_fn(model, hidden.index_select(0, batch.logits_indices))
 
-        # Dynamic shapes: one compile serves every bucket (the batch size is symbolic). Compiled
-        # per bucket, the ~20 buckets of max_batch_size=256 took 20-30 s each for an 8B model.
+        # Dynamic shapes: one compile serves every bucket (the batch size is symbolic).
         return torch.compile(compiled_step, dynamic=True)
 
     def _allocate(self, size: int) -> _StaticInputs:
         device = self.device
         host_longs = torch.zeros(3, size, dtype=torch.int64).pin_memory()
-        cascade_size = self._cascade.size if self._cascade is not None else 0
-        host_ints = torch.zeros(size * (2 + self.width) + cascade_size,
+        tables_size = self._tables.size if self._tables is not None else 0
+        host_ints = torch.zeros(size * (2 + self.width) + tables_size,
                                 dtype=torch.int32).pin_memory()
         host_ints[:size] = 1  # every warm-up row sees one slot: slot 0 of page 0
         host_ints[size:2 * size] = -1  # and keeps no per-sequence state
@@ -225,7 +220,7 @@ class DecodeGraphs:
             query_start=torch.arange(size + 1, dtype=torch.int32, device=device),
             logits_indices=torch.arange(size, dtype=torch.int64, device=device),
             host_longs=host_longs, host_ints=host_ints, copied=torch.cuda.Event(),
-            capacity=size, width=self.width, cascade_size=cascade_size,
+            capacity=size, width=self.width, tables_size=tables_size,
         )
         inputs.copied.record()
         return inputs
@@ -247,14 +242,14 @@ class DecodeGraphs:
         stack.enter_context(dynamo_config.patch(recompile_limit=limit))
         return stack
 
-    def _capture(self, size: int, *, cascade: bool) -> None:
+    def _capture(self, size: int, *, with_tables: bool) -> None:
         """Warm up and capture the graph of bucket ``size`` over the static inputs as they are
-        (plain, or with the shared-prefix tables of the cascade region)."""
+        (plain, or reading the backend's tables in their region)."""
         inputs = self._inputs
         tables = None
-        if cascade:
-            assert self._cascade is not None
-            tables = self._cascade.tables(inputs.cascade_region(inputs.ints), size)
+        if with_tables:
+            assert self._tables is not None
+            tables = self._tables.views(inputs.tables_region(inputs.ints), size)
         batch = inputs.batch(size, self.page_size, tables)
         for _ in range(3):
             self._step(batch)
@@ -262,14 +257,15 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: a lazy capture must not fail on another thread's unrelated CUDA call.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._outputs[(size, cascade)] = self._step(batch)
+            self._outputs[(size, with_tables)] = self._step(batch)
         self._pool = graph.pool()
-        self._graphs[(size, cascade)] = graph
+        self._graphs[(size, with_tables)] = graph
         torch.cuda.synchronize(self.device)
 
     def _stage(self, plan: StepPlan, bucket: int, seq_slots: Sequence[int] | None,
-               cascade: CascadePlan | None) -> None:
-        """Fill the pinned staging buffers and copy them into the static device inputs."""
+               writer: TablesWriter | None) -> None:
+        """Fill the pinned staging buffers (the backend's tables through ``writer``) and copy
+        them into the static device inputs."""
         inputs = self._inputs
         inputs.copied.synchronize()  # the previous step's copy has read the staging buffers
         longs = inputs.host_longs.numpy()
@@ -292,10 +288,9 @@ class DecodeGraphs:
             ints[size:bucket] = ints[size - 1]
             slots[size:bucket] = slots[size - 1]
             tables[size:bucket] = tables[size - 1]
-        if cascade is not None:
-            assert self._cascade is not None
-            self._cascade.fill(cascade, size, inputs.cascade_region(inputs.host_ints).numpy())
-        used = 2 * inputs.capacity + inputs.cascade_size + bucket * inputs.width
+        if writer is not None:
+            writer(inputs.tables_region(inputs.host_ints).numpy())
+        used = 2 * inputs.capacity + inputs.tables_size + bucket * inputs.width
         inputs.longs.copy_(inputs.host_longs, non_blocking=True)
         inputs.ints[:used].copy_(inputs.host_ints[:used], non_blocking=True)
         inputs.copied.record()

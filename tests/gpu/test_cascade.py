@@ -4,15 +4,14 @@ Each case builds page tables the way prefix dedup does (groups of decodes whose 
 with the same page ids, then pages of their own), fills every page with random keys and values,
 and runs one decode step through `TritonPagedBackend` with the cascade, without it, and through
 `SdpaBackend`. The step's own keys/values are the ones already in the cache at each sequence's
-slot, so the three runs see identical pages even where members end inside a shared page.
+slot, so the three runs see identical pages even where members end inside a shared page. The
+cascade's launch settings are `cascade_path`'s module constants, patched per test.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import random
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,21 +41,25 @@ class Layout:
     loners: list[int]
 
 
-def _backend(cascade: bool, *, prefix: Mapping[str, Any] | None = None,
-             **options: int) -> TritonPagedBackend:
-    """The Triton backend with or without the cascade; ``prefix``: `CascadeOptions` fields to
-    replace (the shared-prefix kernel's own settings)."""
+def _backend(cascade: bool, **options: int) -> TritonPagedBackend:
+    """The Triton backend with or without the cascade (``options``: its own arguments)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from dyngen_core.kv.attention.triton.cascade_path import CascadePath
     from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
-    if not cascade:
-        return TritonPagedBackend(cascade_min_saved_keys=None, **options)
-    backend = TritonPagedBackend(cascade_min_saved_keys=0, **options)
-    if prefix:
-        backend.cascade = CascadePath(dataclasses.replace(backend.cascade.options, **prefix))
-    return backend
+    return TritonPagedBackend(cascade_min_saved_keys=0 if cascade else None, **options)
+
+
+def _settings(monkeypatch: pytest.MonkeyPatch, **constants: Any) -> Any:
+    """`cascade_path` with ``constants`` (its launch settings) patched for the test."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from dyngen_core.kv.attention.triton import cascade_path
+
+    for name, value in constants.items():
+        assert hasattr(cascade_path, name), name
+        monkeypatch.setattr(cascade_path, name, value)
+    return cascade_path
 
 
 def _slices(layout: Layout, seed: int, page: int = PAGE) -> tuple[list[SequenceSlice], int]:
@@ -87,8 +90,7 @@ def _slices(layout: Layout, seed: int, page: int = PAGE) -> tuple[list[SequenceS
 
 
 def _run(layout: Layout, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-         seed: int = 0, prefix: Mapping[str, Any] | None = None, page: int = PAGE,
-         **options: int) -> dict[str, torch.Tensor]:
+         seed: int = 0, page: int = PAGE, **options: int) -> dict[str, torch.Tensor]:
     num_heads, num_kv_heads, head_dim = heads
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=num_heads * head_dim, intermediate_size=64, num_layers=1,
@@ -105,13 +107,13 @@ def _run(layout: Layout, heads: tuple[int, int, int], dtype: torch.dtype, device
     k = storage.keys[0].view(-1, num_kv_heads, head_dim)[batch.slot_mapping].clone()
     v = storage.values[0].view(-1, num_kv_heads, head_dim)[batch.slot_mapping].clone()
     scale = head_dim ** -0.5
-    cascade = _backend(True, prefix=prefix, **options)
+    cascade = _backend(True, **options)
     assert cascade.cascade.plan(batch, storage), "the case must exercise the cascade"
-    assert cascade.plan_cascade(StepPlan(slices=slices), storage)
+    graph_tables = cascade.graph_tables(storage, num_heads, num_kv_heads, len(slices))
+    assert graph_tables is not None and graph_tables.stage(StepPlan(slices=slices)) is not None
     return {
         "cascade": cascade.attend(0, q, k, v, storage, batch, scale).float(),
-        "plain": _backend(False, prefix=None, **options).attend(0, q, k, v, storage, batch,
-                                                                scale).float(),
+        "plain": _backend(False, **options).attend(0, q, k, v, storage, batch, scale).float(),
         "sdpa": SdpaBackend().attend(0, q, k, v, storage, batch, scale).float(),
     }
 
@@ -140,8 +142,10 @@ MIXED = Layout(
 )
 
 
-def test_cascade_matches_plain_and_sdpa_fp32_gqa(device: torch.device) -> None:
-    outs = _run(MIXED, (8, 2, 32), torch.float32, device, cascade_rows=16, block_n=16)
+def test_cascade_matches_plain_and_sdpa_fp32_gqa(device: torch.device,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _settings(monkeypatch, PREFIX_ROWS=16)
+    outs = _run(MIXED, (8, 2, 32), torch.float32, device, block_n=16)
     _check(outs, torch.float32)
 
 
@@ -156,47 +160,39 @@ def test_cascade_half_precision(device: torch.device, dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("heads", [(4, 4, 16), (6, 2, 24)])
-def test_cascade_head_layouts(device: torch.device, heads: tuple[int, int, int]) -> None:
+def test_cascade_head_layouts(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                              heads: tuple[int, int, int]) -> None:
     """MHA (one row per member and head) and a group of 3 heads with a head_dim of 24 (both
     padded to powers of two inside the kernels)."""
+    _settings(monkeypatch, PREFIX_ROWS=16)
     layout = Layout(groups=[(2, [2 * PAGE + 1, 2 * PAGE + 5, 3 * PAGE + 4])], loners=[3])
-    outs = _run(layout, heads, torch.float32, device, seed=2, cascade_rows=16)
+    outs = _run(layout, heads, torch.float32, device, seed=2)
     _check(outs, torch.float32)
 
 
-@pytest.mark.parametrize("fused", [True, False])
 def test_cascade_long_prefix_split_many_ways(device: torch.device,
-                                            monkeypatch: pytest.MonkeyPatch,
-                                            fused: bool) -> None:
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefix and own keys split along the context (several programs per group and sequence),
     with members ending exactly at the prefix (their own keys: none, so their rows rest on
-    the prefix partials alone) next to a long sequence in no group; the fused merge (the
-    own-keys pass merging, by its last split program when split) and the three launches."""
-    from dyngen_core.kv.attention.triton import cascade_path as triton_cascade_path
-
+    the prefix partials alone) next to a long sequence in no group; the own-keys pass merges
+    by its last split program."""
+    cascade_path = _settings(monkeypatch)
     splits: list[tuple[int, int]] = []
-    merge = triton_cascade_path.merge_partials
-    fused_pass = triton_cascade_path.attend_remainder_merged
+    own_keys = cascade_path.attend_own_keys
 
-    def spy(out, remainder, prefix, tables):  # type: ignore[no-untyped-def]
-        splits.append((remainder[1].shape[2], prefix[1].shape[2]))
-        merge(out, remainder, prefix, tables)
-
-    def fused_spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
         splits.append((kwargs["splits"], args[4][1].shape[2]))
-        return fused_pass(*args, **kwargs)
+        return own_keys(*args, **kwargs)
 
-    monkeypatch.setattr(triton_cascade_path, "merge_partials", spy)
-    monkeypatch.setattr(triton_cascade_path, "attend_remainder_merged", fused_spy)
+    monkeypatch.setattr(cascade_path, "attend_own_keys", spy)
     layout = Layout(groups=[(9, [9 * PAGE, 9 * PAGE, 9 * PAGE + 40])], loners=[5 * PAGE + 3])
-    options = {"fused_merge": fused}
+    monkeypatch.setattr(cascade_path, "PREFIX_PROGRAMS_PER_SM", 64)
     many = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16,
-                programs_per_sm=64, cascade_programs_per_sm=64, prefix=options)
+                programs_per_sm=64)
     _check(many, torch.float32)
-    one = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16, max_splits=1,
-               prefix=options)
+    one = _run(layout, (4, 2, 16), torch.float32, device, seed=3, block_n=16, max_splits=1)
     _check(one, torch.float32)
-    assert splits == [(2, 3), (1, 1)]  # remainder, prefix splits of each cascade run
+    assert splits == [(2, 3), (1, 1)]  # own keys, prefix splits of each cascade run
     assert _relative_error(many["cascade"], one["cascade"]) < 1e-4
 
 
@@ -204,86 +200,76 @@ def test_cascade_long_prefix_split_many_ways(device: torch.device,
     (None, 1, 3, None, 0), (None, 2, 3, 32, 0), (1, 4, 1, None, 0), (1, 4, 1, 32, 0),
     # Page ids loaded ahead: 2 a window over three splits, 4 over the loner's 13 pages.
     (None, 2, 3, None, 2), (1, 4, 1, None, 4)])
-def test_fused_merge_splits_and_counters(device: torch.device, monkeypatch: pytest.MonkeyPatch,
-                                         most: int | None, block: int, splits: int,
-                                         keys: int | None, window: int) -> None:
-    """The fused own-keys pass split three ways (its last program merging three own partials
-    and the prefix's, ``block`` partials a round) or never split, at the backend's tile or
-    its own (``keys``), with a page id per key or per tile (``window``), against the
-    three-launch cascade and sdpa; the split counters are back to zero after the launch."""
-    from dyngen_core.kv.attention.triton import cascade_path as triton_cascade_path
-
-    launches: list[tuple[int, torch.Tensor | None]] = []
-    fused_pass = triton_cascade_path.attend_remainder_merged
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        out = fused_pass(*args, **kwargs)
-        launches.append((kwargs["splits"], kwargs["counters"]))
-        return out
-
-    monkeypatch.setattr(triton_cascade_path, "attend_remainder_merged", spy)
+def test_own_keys_splits_and_counters(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                      most: int | None, block: int, splits: int,
+                                      keys: int | None, window: int) -> None:
+    """The own-keys pass split three ways (its last program merging three own partials and
+    the prefix's, ``block`` partials a round) or never split, at the backend's tile or its own
+    (``keys``), with a page id per key or per tile (``window``), against sdpa and the default
+    settings; the split counters are back to zero after the launch."""
+    cascade_path = _settings(monkeypatch)
     # The loner's 201 own keys make three splits of at least 4 tiles of 16 keys.
     layout = Layout(groups=[(4, [4 * PAGE + 45, 4 * PAGE, 5 * PAGE + 2]),
                             (1, [PAGE + 40, 2 * PAGE + 3])],
                     loners=[12 * PAGE + 9])
-    fused = {"fused_merge": True, "remainder_max_splits": most, "merge_split_block": block,
-             "remainder_block_n": keys, "remainder_window": window}
-    options = {"block_n": 16, "programs_per_sm": 64, "max_splits": 3,
-               "cascade_programs_per_sm": 64}
-    outs = _run(layout, (8, 2, 32), torch.float32, device, seed=8, prefix=fused, **options)
+    options = {"block_n": 16, "programs_per_sm": 64, "max_splits": 3}
+    monkeypatch.setattr(cascade_path, "PREFIX_PROGRAMS_PER_SM", 64)
+    default = _run(layout, (8, 2, 32), torch.float32, device, seed=8, **options)
+    launches: list[tuple[int, torch.Tensor | None]] = []
+    own_keys = cascade_path.attend_own_keys
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = own_keys(*args, **kwargs)
+        launches.append((kwargs["splits"], kwargs["counters"]))
+        return out
+
+    monkeypatch.setattr(cascade_path, "attend_own_keys", spy)
+    _settings(monkeypatch, OWN_MAX_SPLITS=most, MERGE_SPLIT_BLOCK=block, OWN_BLOCK_N=keys,
+              OWN_WINDOW=window)
+    outs = _run(layout, (8, 2, 32), torch.float32, device, seed=8, **options)
     _check(outs, torch.float32)
     assert [count for count, _ in launches] == [splits]
     counters = launches[0][1]
     assert (counters is None) == (splits == 1)
     assert counters is None or int(counters.abs().sum()) == 0
-    old = _run(layout, (8, 2, 32), torch.float32, device, seed=8,
-               prefix={"fused_merge": False}, **options)
-    assert _relative_error(outs["cascade"], old["cascade"]) < 1e-4
+    assert _relative_error(outs["cascade"], default["cascade"]) < 1e-4
 
 
-@pytest.mark.parametrize(("prefix", "heads", "tiles", "block_n", "window"), [
+@pytest.mark.parametrize(("constants", "heads", "tiles", "block_n"), [
     # Tiles of 16 keys in pages of 32: two tiles a page, the second at slot 16.
-    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (8, 2, 32), True, 16, 0),
+    ({"PREFIX_BLOCK_N": 16}, (8, 2, 32), True, 16),
     # A 64-key tile wanted: halved to the page (32), one tile a page.
-    ({"prefix_kernel": "tiles"}, (8, 2, 32), True, 32, 0),
+    ({}, (8, 2, 32), True, 32),
     # A padded head (24 of 32 columns) and a group of 3 heads padded to 4 rows.
-    ({"prefix_kernel": "tiles", "prefix_block_n": 16}, (6, 2, 24), True, 16, 0),
-    # Page ids loaded ahead two pages at a time (a 3-page prefix: a second, partial window;
-    # splits starting inside a window), and one page at a time with a padded head.
-    ({"prefix_kernel": "window", "prefix_block_n": 16, "prefix_window": 2}, (8, 2, 32), True,
-     16, 2),
-    ({"prefix_kernel": "window", "prefix_window": 1}, (6, 2, 24), True, 32, 1),
+    ({"PREFIX_BLOCK_N": 16}, (6, 2, 24), True, 16),
     # No tile of at least 16 keys divides a page of 32 at 8 wanted: the general kernel, at
     # the backend's own tile (8 keys is below the 16 a GPU dot needs).
-    ({"prefix_kernel": "tiles", "prefix_block_n": 8}, (8, 2, 32), False, 64, 0),
-    ({"prefix_kernel": "window", "prefix_block_n": 8}, (8, 2, 32), False, 64, 0),
-    ({"prefix_kernel": "general"}, (8, 2, 32), False, 64, 0),
+    ({"PREFIX_BLOCK_N": 8}, (8, 2, 32), False, 64),
 ])
 def test_prefix_kernels(device: torch.device, monkeypatch: pytest.MonkeyPatch,
-                        prefix: dict[str, Any], heads: tuple[int, int, int], tiles: bool,
-                        block_n: int, window: int) -> None:
-    """Both shared-prefix kernels (and the choice between them) against plain and sdpa, over
+                        constants: dict[str, Any], heads: tuple[int, int, int], tiles: bool,
+                        block_n: int) -> None:
+    """Both prefix kernels (and the rule choosing between them) against plain and sdpa, over
     prefixes of several tiles a page split many ways (chunks of whole tiles, some splits
     empty), 128 rows a program (a block of 32 members at GQA 4 holds two groups' worth of
     rows, most of them past the group's end)."""
-    from dyngen_core.kv.attention.triton import cascade_path as triton_cascade_path
-
-    launches: list[tuple[bool, int, int]] = []
-    attend = triton_cascade_path.attend_prefixes
+    cascade_path = _settings(monkeypatch, PREFIX_ROWS=128, PREFIX_PROGRAMS_PER_SM=64,
+                             **constants)
+    launches: list[tuple[bool, int]] = []
+    attend = cascade_path.attend_prefixes
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         launch = args[-1]
-        launches.append((launch.tiles, launch.block_n, launch.window))
+        launches.append((launch.tiles, launch.block_n))
         return attend(*args, **kwargs)
 
-    monkeypatch.setattr(triton_cascade_path, "attend_prefixes", spy)
+    monkeypatch.setattr(cascade_path, "attend_prefixes", spy)
     page = 32
     layout = Layout(groups=[(3, [3 * page, 3 * page + 1, 4 * page + 5, 3 * page + 17]),
                             (1, [page + 2, 2 * page])], loners=[page + 7])
-    outs = _run(layout, heads, torch.float32, device, seed=7, prefix=prefix, page=page,
-                cascade_rows=128, programs_per_sm=64, cascade_programs_per_sm=64)
+    outs = _run(layout, heads, torch.float32, device, seed=7, page=page, programs_per_sm=64)
     _check(outs, torch.float32)
-    assert launches == [(tiles, block_n, window)]
+    assert launches == [(tiles, block_n)]
 
 
 def test_no_sharing_plans_no_cascade(device: torch.device) -> None:
@@ -306,23 +292,26 @@ def test_no_sharing_plans_no_cascade(device: torch.device) -> None:
     from dyngen_core.kv.quant.storage import QuantStorage
 
     quant = QuantStorage(config, num_pages, PAGE, torch.float32, [device], mode="q8")
-    assert not backend.plan_cascade(StepPlan(slices=shared), quant)
-    assert backend.cascade_layout(quant, 2, 1, 8) is None
-    assert backend.cascade_layout(storage, 2, 1, 8) is not None
-    assert _backend(False).cascade_layout(storage, 2, 1, 8) is None
+    assert backend.graph_tables(quant, 2, 1, 8) is None
+    assert _backend(False).graph_tables(storage, 2, 1, 8) is None
+    graph_tables = backend.graph_tables(storage, 2, 1, 8)
+    assert graph_tables is not None
+    assert graph_tables.stage(StepPlan(slices=shared)) is not None
     prefill = [*shared, SequenceSlice(job_id=9, token_ids=[1, 2], start_pos=0, page_table=[0],
                                       sample=True)]
-    assert not backend.plan_cascade(StepPlan(slices=prefill), storage)
+    assert graph_tables.stage(StepPlan(slices=prefill)) is None
 
 
-def test_graph_tables_fixed_grid_with_padding_rows(device: torch.device) -> None:
+def test_graph_tables_fixed_grid_with_padding_rows(device: torch.device,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch a CUDA graph captures: tables staged into a fixed region larger than the
-    batch (`StaticCascadeLayout`), a bucket with padding rows (copies of the last sequence, in
-    no group), fewer prefix programs than row blocks (each loops over blocks), and split
-    counts from the bucket alone. Rows of the batch must equal sdpa's."""
+    batch (`GraphCascade`), a bucket with padding rows (copies of the last sequence, in no
+    group), fewer prefix programs than row blocks (each loops over blocks), and split counts
+    from the bucket alone. Rows of the batch must equal sdpa's."""
     import numpy as np
 
-    backend = _backend(True, cascade_rows=16, block_n=16)
+    _settings(monkeypatch, PREFIX_ROWS=16)
+    backend = _backend(True, block_n=16)
     # Three groups of two (one row block each at 4 members a block) and a loner: 7 sequences
     # in a bucket of 8, whose 2 prefix programs take the 3 blocks in turn.
     layout = Layout(groups=[(2, [2 * PAGE + 1, 3 * PAGE]), (1, [PAGE + 3, 2 * PAGE + 9]),
@@ -337,17 +326,20 @@ def test_graph_tables_fixed_grid_with_padding_rows(device: torch.device) -> None
     for pages in (storage.keys[0], storage.values[0]):
         pages.copy_(torch.randn(pages.shape, generator=gen))
     bucket, real = 8, len(slices)
-    plan = backend.plan_cascade(StepPlan(slices=slices), storage)
+    static = backend.cascade.graph_tables(storage, heads[0], heads[1], capacity=12)
+    assert static is not None and static.layout.members_per_block == 4
+    plan = static.plan(StepPlan(slices=slices))
     assert plan is not None and len(plan.groups) == 3
-    static = backend.cascade_layout(storage, heads[0], heads[1], capacity=12)
-    assert static is not None and static.members_per_block == 4
     region = np.full(static.size, 12345, dtype=np.int32)  # stale entries must not be read
-    static.fill(plan, real, region)
+    writer = static.stage(StepPlan(slices=slices))
+    assert writer is not None
+    writer(region)
     padded = StepPlan(slices=[*slices, slices[-1]])
     batch = build_forward_batch(padded, PAGE, device)
     batch.page_tables_host = None  # as in a graph: the tables are all it has
-    batch.cascade = static.tables(torch.from_numpy(region).to(device), bucket)
-    assert batch.cascade.grid_blocks == 2
+    tables = static.views(torch.from_numpy(region).to(device), bucket)
+    batch.graph_tables = tables
+    assert tables.grid_blocks == 2
     q = torch.randn(bucket, heads[0], heads[2], generator=gen).to(device)
     q[real] = q[real - 1]  # the padding row repeats the last sequence
     k = storage.keys[0].view(-1, heads[1], heads[2])[batch.slot_mapping].clone()

@@ -6,12 +6,12 @@ by step through `ModelRunner` (CUDA graphs, cascade graphs captured on first use
 step's logits must equal an eager forward without the cascade over the same plan. Cases:
 groups of different prefix lengths, members next to sequences in no group, a bucket larger than
 the batch, a step where a group disappears, a step with no group (plain graph); and the
-generator end to end (default policy) against sdpa, with the page invariant.
+generator end to end (default policy) against sdpa, with the page invariant. The eager runner's
+cascade also runs on the CPU under the Triton interpreter.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from typing import TYPE_CHECKING
 
@@ -33,25 +33,47 @@ pytestmark = pytest.mark.gpu
 PAGE = 16
 
 
+def _parts(folder_factory: pytest.TempPathFactory,
+           device: torch.device) -> tuple[Model, Tokenizer]:
+    folder = write_tiny_model(folder_factory.mktemp("cascade_graphs"), "llama", seed=5,
+                              hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    return Model.load(folder, device=device, dtype="float32"), Tokenizer.from_model_dir(folder)
+
+
 @pytest.fixture(scope="module")
 def gpu_parts(tmp_path_factory: pytest.TempPathFactory,
               cuda_device: torch.device) -> tuple[Model, Tokenizer]:
-    folder = write_tiny_model(tmp_path_factory.mktemp("cascade_graphs"), "llama", seed=5,
-                              hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-    return Model.load(folder, device=cuda_device, dtype="float32"), Tokenizer.from_model_dir(folder)
+    return _parts(tmp_path_factory, cuda_device)
 
 
-def _triton(cascade: bool, **options: object) -> TritonPagedBackend:
-    """The Triton backend, cascading every shared prefix or never; ``options``: `CascadeOptions`
-    fields to replace (kernel choices)."""
+@pytest.fixture(scope="module")
+def kernel_parts(tmp_path_factory: pytest.TempPathFactory,
+                 device: torch.device) -> tuple[Model, Tokenizer]:
+    """On CUDA, or on the CPU under the Triton interpreter (no CUDA graphs there)."""
+    return _parts(tmp_path_factory, device)
+
+
+def _triton(cascade: bool) -> TritonPagedBackend:
+    """The Triton backend, cascading every shared prefix or never."""
     pytest.importorskip("triton")
-    from dyngen_core.kv.attention.triton.cascade_path import CascadePath
     from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
-    backend = TritonPagedBackend(cascade_min_saved_keys=0 if cascade else None)
-    if options:
-        backend.cascade = CascadePath(dataclasses.replace(backend.cascade.options, **options))
-    return backend
+    return TritonPagedBackend(cascade_min_saved_keys=0 if cascade else None)
+
+
+def _spy_graph_plans(monkeypatch: pytest.MonkeyPatch) -> list[CascadePlan | None]:
+    """Every shared-prefix plan the decode graphs stage, in order."""
+    from dyngen_core.kv.attention.triton.cascade_tables import GraphCascade
+
+    plans: list[CascadePlan | None] = []
+    original = GraphCascade.plan
+
+    def spy(self: GraphCascade, plan: StepPlan) -> CascadePlan | None:
+        plans.append(original(self, plan))
+        return plans[-1]
+
+    monkeypatch.setattr(GraphCascade, "plan", spy)
+    return plans
 
 
 class _Sequences:
@@ -98,27 +120,23 @@ def _eager_plain(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
     return runner.model.forward(batch, runner.cache.storage, _triton(cascade=False))
 
 
-# The backend's default (own-keys pass merging, split many ways at these small buckets, with
-# its split counters), the three-launch cascade, and the prefix pass with page ids loaded ahead.
-@pytest.mark.parametrize("options", [{}, {"fused_merge": False},
-                                     {"prefix_kernel": "window", "prefix_window": 1}],
-                         ids=["default", "three_launches", "window"])
+# The own-keys pass merges, split many ways at these small buckets, with its split counters.
 def test_cascade_graphs_equal_eager_plain_forward(gpu_parts: tuple[Model, Tokenizer],
-                                                  monkeypatch: pytest.MonkeyPatch,
-                                                  options: dict[str, object]) -> None:
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     model = gpu_parts[0]
     captures: list[tuple[int, bool]] = []
     original = DecodeGraphs._capture
 
-    def spy(self: DecodeGraphs, size: int, *, cascade: bool) -> None:
-        captures.append((size, cascade))
-        original(self, size, cascade=cascade)
+    def spy(self: DecodeGraphs, size: int, *, with_tables: bool) -> None:
+        captures.append((size, with_tables))
+        original(self, size, with_tables=with_tables)
 
     monkeypatch.setattr(DecodeGraphs, "_capture", spy)
+    staged = _spy_graph_plans(monkeypatch)
     # Group A: 3 shared pages, 3 members; group B: 1 shared page, 2 members; 2 loners.
     seqs = _Sequences([(3, [2, 9, 17]), (1, [5, 20])], loners=[7, 40], seed=1)
     cache = Cache(model, max_tokens=seqs.pages * PAGE, page_size=PAGE)
-    runner = ModelRunner(model, cache, _triton(cascade=True, **options), max_batch_size=12)
+    runner = ModelRunner(model, cache, _triton(cascade=True), max_batch_size=12)
     graphs = runner.graphs
     assert isinstance(graphs, DecodeGraphs) and graphs.buckets == [1, 2, 4, 8, 12]
     assert all(not cascade for _, cascade in captures)  # construction: plain graphs only
@@ -133,9 +151,10 @@ def test_cascade_graphs_equal_eager_plain_forward(gpu_parts: tuple[Model, Tokeni
     expect_groups = [2, 2, 2, 1, 1, 0, 2]
     for step, (which, groups) in enumerate(zip(steps, expect_groups, strict=True)):
         plan = seqs.decode(which)
-        cascade_plan = graphs.plan_cascade(plan)
-        assert len(cascade_plan.groups if cascade_plan else ()) == groups, step
         graphed = runner.run(plan)
+        cascade_plan = staged[-1]
+        assert len(staged) == step + 1
+        assert len(cascade_plan.groups if cascade_plan else ()) == groups, step
         assert graphed is not None
         graphed = graphed.clone()
         eager = _eager_plain(runner, plan)
@@ -146,9 +165,9 @@ def test_cascade_graphs_equal_eager_plain_forward(gpu_parts: tuple[Model, Tokeni
     assert [c for c in captures if c[1]] == [(8, True)]  # captured once, on first use
 
 
-def test_runner_without_graphs_cascades_eagerly(gpu_parts: tuple[Model, Tokenizer]) -> None:
+def test_runner_without_graphs_cascades_eagerly(kernel_parts: tuple[Model, Tokenizer]) -> None:
     """The eager path keeps the cascade (host page tables): same logits as the plain one."""
-    model = gpu_parts[0]
+    model = kernel_parts[0]
     seqs = _Sequences([(2, [3, 11, 6])], loners=[9], seed=2)
     cache = Cache(model, max_tokens=seqs.pages * PAGE, page_size=PAGE)
     runner = ModelRunner(model, cache, _triton(cascade=True), cuda_graphs=False)
@@ -170,15 +189,7 @@ def test_generator_shared_document_default_policy(gpu_parts: tuple[Model, Tokeni
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """34 questions on a 4-page document (33 x 1,024 = 33,792 keys saved: the default policy
     cascades) through the generator's graphs: greedy tokens equal sdpa's; pages stay sound."""
-    cascaded_steps = []
-    original = DecodeGraphs.plan_cascade
-
-    def spy(self: DecodeGraphs, plan: StepPlan) -> CascadePlan | None:
-        result = original(self, plan)
-        cascaded_steps.append(result is not None)
-        return result
-
-    monkeypatch.setattr(DecodeGraphs, "plan_cascade", spy)
+    staged = _spy_graph_plans(monkeypatch)
     model, tokenizer = gpu_parts
     rng = random.Random(3)
     document = [rng.randrange(10, 500) for _ in range(4 * 256)]
@@ -201,8 +212,9 @@ def test_generator_shared_document_default_policy(gpu_parts: tuple[Model, Tokeni
         return [tokens[i] for i in range(len(prompts))], generator
 
     reference, _ = run("sdpa")
-    cascaded_steps.clear()
+    staged.clear()
     together, generator = run("triton")
+    cascaded_steps = [plan is not None for plan in staged]
     assert sum(cascaded_steps) >= 8, "the decode steps must replay cascade graphs"
     assert together == reference
     generator.check_invariant()

@@ -3,7 +3,8 @@
 `StaticCascadeLayout` must give every plan over at most ``capacity`` sequences the same tables
 an eager forward builds for it, with padding rows (a bucket larger than the batch) in no group,
 with nothing left over from the previous step's plan where the kernels read, and with launch
-sizes that depend on the bucket alone. Checked on the CPU (no Triton, no CUDA).
+sizes that depend on the bucket alone. `GraphCascade`, what the decode graphs see of it, stages
+a step's tables only when the step has groups. Checked on the CPU (no Triton, no CUDA).
 """
 
 from __future__ import annotations
@@ -14,9 +15,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyngen_core.engine.cascade import CascadePlan, PrefixGroup
+from dyngen_core.engine.cascade import (
+    CascadePlan,
+    CascadePolicy,
+    PrefixGroup,
+    SharedPrefixTracker,
+    plan_shared_prefixes,
+)
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention.base import GraphTables
 from dyngen_core.kv.attention.triton.cascade_tables import (
     CascadeTables,
+    GraphCascade,
     StaticCascadeLayout,
     cascade_tables,
 )
@@ -43,7 +53,7 @@ def _read_by_kernels(tables: CascadeTables) -> dict[str, list[int]]:
 
 def _staged(layout: StaticCascadeLayout, region: np.ndarray, plan: CascadePlan, num_seqs: int,
             bucket: int) -> CascadeTables:
-    layout.fill(plan, num_seqs, region)
+    layout.write(plan, num_seqs, region)
     return layout.tables(torch.from_numpy(region), bucket)
 
 
@@ -107,7 +117,7 @@ def test_layout_rejects_batches_beyond_capacity() -> None:
     layout = StaticCascadeLayout(capacity=4, members_per_block=2)
     plan = CascadePlan((PrefixGroup((0, 1), 1),), page_size=PAGE)
     with pytest.raises(ValueError, match="capacity"):
-        layout.fill(plan, 5, np.zeros(layout.size, dtype=np.int32))
+        layout.write(plan, 5, np.zeros(layout.size, dtype=np.int32))
     with pytest.raises(ValueError, match="bucket"):
         layout.tables(torch.zeros(layout.size, dtype=torch.int32), 5)
     with pytest.raises(ValueError, match=">= 1"):
@@ -152,19 +162,55 @@ def test_refilling_the_written_plan_is_free_but_never_stale() -> None:
     one = CascadePlan((PrefixGroup((0, 1, 2), 2),), page_size=PAGE)
     two = CascadePlan((PrefixGroup((0, 1), 1), PrefixGroup((3, 4), 3)), page_size=PAGE)
     region = np.zeros(layout.size, dtype=np.int32)
-    layout.fill(one, 5, region)
+    layout.write(one, 5, region)
     held = region.copy()
-    region[:] = 555  # only the layout writes the region: a repeat of its last fill is skipped
-    layout.fill(one, 5, region)
+    region[:] = 555  # only the layout writes the region: a repeat of its last write is skipped
+    layout.write(one, 5, region)
     assert (region == 555).all()
     region[:] = held
     for plan, seqs in ((two, 5), (one, 5), (one, 4)):
-        layout.fill(plan, seqs, region)
+        layout.write(plan, seqs, region)
         assert _read_by_kernels(layout.tables(torch.from_numpy(region), 6)) == _read_by_kernels(
             _with_padding(cascade_tables(plan, [6 * PAGE] * seqs, 2, torch.device("cpu")), 6))
     other = np.zeros(layout.size, dtype=np.int32)
-    layout.fill(one, 4, other)
+    layout.write(one, 4, other)
     assert _read_by_kernels(layout.tables(torch.from_numpy(other), 6)) == _read_by_kernels(
         layout.tables(torch.from_numpy(region), 6))
     with pytest.raises(ValueError, match="int32 of"):
-        layout.fill(one, 4, np.zeros(layout.size, dtype=np.int64))
+        layout.write(one, 4, np.zeros(layout.size, dtype=np.int64))
+
+
+def _decodes(tables: list[list[int]], contexts: list[int]) -> StepPlan:
+    return StepPlan([SequenceSlice(job, [1], ctx - 1, table, True)
+                     for job, (table, ctx) in enumerate(zip(tables, contexts, strict=True))])
+
+
+def test_graph_cascade_stages_only_steps_with_groups() -> None:
+    """Through the graphs' protocol: a step without sharing stages nothing, a step with groups
+    writes what the eager tables of `plan_shared_prefixes`' plan hold, and the next step that
+    changed no shared page reuses the plan (its writer writes nothing)."""
+    policy = CascadePolicy(min_saved_keys=0)
+    cascade = GraphCascade(StaticCascadeLayout(capacity=6, members_per_block=2),
+                           SharedPrefixTracker(PAGE, policy))
+    staged: GraphTables = cascade
+    region = np.full(cascade.size, 777, dtype=np.int32)
+    lonely = _decodes([[1, 2], [3, 4], [5]], [20, 30, 9])
+    assert staged.stage(lonely) is None
+    assert staged.stage(StepPlan([])) is None
+    tables = [[1, 2, 9], [1, 2, 10], [1, 2, 11, 12], [3, 4], [5]]
+    contexts = [40, 37, 50, 30, 9]
+    writer = staged.stage(_decodes(tables, contexts))
+    assert writer is not None
+    writer(region)
+    plan = plan_shared_prefixes(tables, contexts, [1] * 5, PAGE, policy)
+    assert plan is not None and plan.groups == (PrefixGroup((0, 1, 2), 2),)
+    expected = _with_padding(cascade_tables(plan, contexts, 2, torch.device("cpu")), 6)
+    views = staged.views(torch.from_numpy(region), 6)
+    assert isinstance(views, CascadeTables)
+    assert _read_by_kernels(views) == _read_by_kernels(expected)
+    replans = cascade.tracker.replans
+    region[:] = 555  # the next step changed no shared page: its writer finds the plan written
+    again = staged.stage(_decodes(tables, [41, 38, 51, 31, 10]))
+    assert again is not None and cascade.tracker.replans == replans
+    again(region)
+    assert (region == 555).all()

@@ -11,8 +11,12 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyngen_core.engine.cascade import CascadePlan, CascadePolicy, plan_shared_prefixes
-from dyngen_core.engine.cascade_tracker import SharedPrefixTracker
+from dyngen_core.engine.cascade import (
+    CascadePlan,
+    CascadePolicy,
+    SharedPrefixTracker,
+    plan_shared_prefixes,
+)
 from dyngen_core.engine.plan import SequenceSlice
 
 PS = 4

@@ -9,7 +9,7 @@ share a process).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -19,8 +19,7 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.storage import KVStorage
 
 if TYPE_CHECKING:
-    from dyngen_core.engine.cascade import CascadePlan
-    from dyngen_core.kv.attention.triton.cascade_tables import CascadeTables, StaticCascadeLayout
+    import numpy as np
 
 
 @dataclass
@@ -38,8 +37,8 @@ class ForwardBatch:
     seq_slots: [B] (int32) each sequence's slot for per-sequence storage state (the recent
         window of quantized caches), -1 for none; token_seq_slots: [T] the same per token.
         None when the runner assigned no slots.
-    cascade: shared-prefix tables a CUDA graph's batch carries (views of its static buffers,
-        `SharedPrefixGraphs`); None elsewhere (an eager forward plans from page_tables_host).
+    graph_tables: what a CUDA graph's batch carries for its backend (`GraphTables.views`: views
+        of the graph's static buffers); None elsewhere.
     """
 
     input_ids: torch.Tensor
@@ -55,7 +54,7 @@ class ForwardBatch:
     page_tables_host: list[list[int]] | None = None
     seq_slots: torch.Tensor | None = None
     token_seq_slots: torch.Tensor | None = None
-    cascade: CascadeTables | None = None
+    graph_tables: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -101,24 +100,41 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-@runtime_checkable
-class SharedPrefixGraphs(Protocol):
-    """A backend that runs shared-prefix ("cascade") decode attention inside CUDA graphs.
+class GraphTables(Protocol):
+    """A backend's own int32 tables that a graphed decode step reads from a fixed region of the
+    graph's static inputs (the Triton backend's shared-prefix groups), for batches of up to the
+    capacity they were made for.
 
-    `graphs.DecodeGraphs` plans every decode step (`plan_cascade`); a step with a plan fills
-    the tables into a region of its static buffers laid out by `cascade_layout` and replays a
-    graph whose batch carries them (``ForwardBatch.cascade``).
+    `graphs.DecodeGraphs` holds ``size`` entries for them in its static int32 buffer. Each step
+    it asks `stage` for the step's writer before its staging buffers are free, runs the writer on
+    the host copy of the region (copied to the device with the step's metadata) and replays a
+    graph whose batch carries `views` of the device copy (``ForwardBatch.graph_tables``); a step
+    `stage` gives None replays the plain graph.
     """
 
-    def cascade_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
-                       capacity: int) -> StaticCascadeLayout | None:
-        """The static tables' layout for batches of up to ``capacity`` sequences of this head
-        layout; None when this backend never cascades over ``storage``."""
+    size: int
+
+    def stage(self, plan: StepPlan) -> Callable[[np.ndarray], None] | None:
+        """What writes the tables of the decode step ``plan`` into the host region (int32,
+        ``size`` entries); None when the step needs none."""
         ...
 
-    def plan_cascade(self, plan: StepPlan, storage: KVStorage) -> CascadePlan | None:
-        """The shared-prefix groups of the decode-only ``plan``; None when no cascade pays."""
+    def views(self, region: torch.Tensor, bucket: int) -> object:
+        """What the batch of a graph of ``bucket`` sequences carries: views of the device
+        ``region``."""
         ...
+
+
+@runtime_checkable
+class GraphTablesBackend(Protocol):
+    """A backend whose graphed decode reads tables of its own (`GraphTables`)."""
+
+    def graph_tables(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
+                     capacity: int) -> GraphTables | None:
+        """The tables of one set of decode graphs over batches of up to ``capacity`` sequences
+        of this head layout; None when this backend needs none over ``storage``."""
+        ...
+
 
 @dataclass
 class _HostBatch:

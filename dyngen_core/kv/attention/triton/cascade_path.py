@@ -1,45 +1,43 @@
 """When and how `TritonPagedBackend` runs a decode step as shared-prefix ("cascade") attention.
 
-`CascadePath` owns the cascade side of the backend: the policy (`shared_prefix.CascadePolicy`),
-the step's plan and device tables, and the launch of one layer's cascade: by default the
-shared-prefix kernel, then the own-keys pass that merges its partials (`triton_cascade_fused`);
-with ``fused_merge=False`` the first version's three launches (the remainder pass through the
-backend's paged kernel, the shared-prefix kernel, the merge). The backend keeps the plain paged
-launch and hands it in as a callable, so this module never imports it.
+`CascadePath` owns the cascade side of the backend: the policy (`engine.cascade.CascadePolicy`),
+each batch's plan and device tables, and one layer's two launches: the prefix pass
+(`cascade_kernels.prefix_tiles_kernel` where its tile divides the page size over float pages,
+else the general `shared_prefix_kernel`), then the own-keys pass that folds the prefix partials
+into each row and writes the output (`own_keys_kernel`).
 
 Tables come from one of two places. An eager forward (host page tables at hand) plans its batch
 and builds tables sized to the plan, with split counts chosen from the lengths. A CUDA graph's
-batch carries them (``ForwardBatch.cascade``, views of the graph's static buffers, filled each
-step through `graph_layout`'s `StaticCascadeLayout`): then every grid and split count follows
-from the batch size alone, so one capture serves every plan of its bucket. Graph steps are
-planned by `plan_step` through a `SharedPrefixTracker`, which plans again only when a step
-changed a page some decodes share.
+batch carries them (``ForwardBatch.graph_tables``, views of the graph's static buffers, staged
+each step by the `GraphCascade` that `graph_tables` gives the graphs): then every grid and split
+count follows from the batch size alone, so one capture serves every plan of its bucket.
+
+The launch settings are the module constants below: production reads them at every launch and
+the kernel benchmarks (`benchmarks/cascade_kernel.py`) patch them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from dyngen_core.engine.cascade import CascadePlan, CascadePolicy, plan_shared_prefixes
-from dyngen_core.engine.cascade_tracker import SharedPrefixTracker
-from dyngen_core.engine.plan import StepPlan
-from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.attention.triton.cascade import (
-    PrefixLaunch,
-    attend_prefixes,
-    merge_partials,
-    multiprocessors,
-    split_count,
-    tile_keys,
-    tiles_fit,
+from dyngen_core.engine.cascade import (
+    CascadePlan,
+    CascadePolicy,
+    SharedPrefixTracker,
+    plan_shared_prefixes,
 )
-from dyngen_core.kv.attention.triton.cascade_fused import attend_remainder_merged
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.cascade_kernels import (
+    own_keys_kernel,
+    prefix_tiles_kernel,
+    shared_prefix_kernel,
+)
 from dyngen_core.kv.attention.triton.cascade_tables import (
     CascadeTables,
+    GraphCascade,
     StaticCascadeLayout,
     cascade_tables,
 )
@@ -50,101 +48,75 @@ if TYPE_CHECKING:
     from dyngen_core.kv.attention.triton.page_operands import HeadShape, PageOperands
 
 LOG2_E = 1.4426950408889634
-PREFIX_KERNELS = ("tiles", "window", "general")
 UNKNOWN_KEYS = 1 << 30  # a graph's lengths: never the bound on its split count
-# (out, (partials, lse), splits, kv_start): one REMAINDER launch of the backend's paged kernel.
-RemainderLaunch = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], int, torch.Tensor],
-                           None]
+
+# Prefix pass: query rows (members x heads of a KV group, a power of two >= 16) and warps per
+# program, programs aimed for per multiprocessor when choosing its split count, keys per tile
+# (None: the backend's block_n; halved until it divides the page size) and pipelining stages.
+PREFIX_ROWS = 64
+PREFIX_WARPS = 4
+PREFIX_PROGRAMS_PER_SM = 2
+PREFIX_BLOCK_N: int | None = None
+PREFIX_STAGES = 3
+# Own-keys pass: warps per program, keys per tile (None: the backend's block_n), most splits of
+# a sequence's own keys (None: the backend's max_splits; 1 never splits, no partials or
+# counters), page ids loaded ahead of their tiles (0: one per key, the paged kernel's loop; a
+# power of two: that many, where the tile divides the page size) and partials loaded per round
+# of its merges (a power of two).
+OWN_WARPS = 4
+OWN_BLOCK_N: int | None = None
+OWN_MAX_SPLITS: int | None = None
+OWN_WINDOW = 0
+MERGE_SPLIT_BLOCK = 4
 
 
 @dataclass(frozen=True)
-class CascadeOptions:
-    """The backend's cascade settings (as `TritonPagedBackend` documents them).
+class PrefixLaunch:
+    """How `attend_prefixes` launches the prefix pass.
 
-    policy: when a plan pays (None: never cascade).
-    rows, warps, programs_per_sm: the shared-prefix kernel's query rows and warps per program,
-        and its programs aimed for per multiprocessor.
-    block_n, max_splits, decode_programs_per_sm: the backend's keys per inner step, most splits
-        and plain decode programs per multiprocessor (the remainder pass's split count).
-    prefix_kernel: "tiles" runs the shared prefixes through `prefix_tiles_kernel` wherever it
-        fits (float pages; its tile is ``prefix_block_n`` keys, halved until it divides the
-        page size, at least 16), "window" through the same kernel with the page ids of
-        ``prefix_window`` pages loaded ahead of their tiles (so the tile copies pipeline),
-        "general" always through `shared_prefix_kernel` (the first version, kept for
-        comparison).
-    prefix_window: pages per id vector of the "window" kernel (a power of two).
-    prefix_block_n: keys per inner step of the shared-prefix kernel (None: ``block_n``).
-    stages: software-pipelining stages of the shared-prefix kernel's key loop.
-    fused_merge: True runs two launches a layer: the shared-prefix pass, then the own-keys
-        pass that folds the prefix partials into each row and writes the output
-        (`triton_cascade_fused`); False the first three-launch version (own keys through the
-        backend's paged kernel, then the prefix pass, then `merge_cascade_kernel`).
-    remainder_max_splits: with ``fused_merge``, most splits of each sequence's own keys (the
-        count still follows the batch size and ``decode_programs_per_sm``; None: ``max_splits``;
-        1: never split, no partials or counters at all).
-    remainder_warps: with ``fused_merge``, warps per own-keys program.
-    remainder_block_n: with ``fused_merge``, keys per inner step of the own-keys pass (None:
-        ``block_n``; fewer, larger steps are fewer dependent memory round trips over the
-        few own keys of a member).
-    remainder_window: with ``fused_merge``, 0 reads own keys with a page id per key (the
-        paged kernel's loop); > 0 (a power of two) loads that many page ids ahead of their
-        tiles, one id a tile, so the tile copies pipeline (`triton_cascade_fused`), where
-        the tile divides the page size.
-    merge_split_block: with ``fused_merge``, partials loaded per round of its merges.
+    group, group_pad: query heads per KV head, and that rounded up to a power of two.
+    rows: query rows per program (members x group_pad); block_n: keys per inner step.
+    head_pad: head_dim padded for the kernel; splits: parts the prefixes are split into.
+    warps: warps per program; stages: software-pipelining stages of the key loop (Triton's
+        ``num_stages``).
+    tiles: run `prefix_tiles_kernel` (see `tiles_fit`) instead of `shared_prefix_kernel`.
     """
 
-    policy: CascadePolicy | None
+    group: int
+    group_pad: int
     rows: int
-    warps: int
-    programs_per_sm: int
     block_n: int
-    max_splits: int
-    decode_programs_per_sm: int
-    prefix_kernel: str = "tiles"
-    prefix_block_n: int | None = None
-    stages: int = 3
-    prefix_window: int = 16
-    fused_merge: bool = True
-    remainder_max_splits: int | None = None
-    remainder_warps: int = 4
-    remainder_block_n: int | None = None
-    remainder_window: int = 0
-    merge_split_block: int = 4
+    head_pad: int
+    splits: int
+    warps: int
+    stages: int
+    tiles: bool
 
 
 class CascadePath:
-    """Plans, tables and launches of the cascade for one backend (see `CascadeOptions`)."""
+    """Plans, tables and launches of the cascade for one backend.
 
-    def __init__(self, options: CascadeOptions) -> None:
-        if options.rows < 16 or options.rows & (options.rows - 1):
-            raise ValueError(f"cascade_rows must be a power of two >= 16 (a tl.dot tile); "
-                             f"got {options.rows}")
-        if options.prefix_kernel not in PREFIX_KERNELS:
-            raise ValueError(f"cascade prefix_kernel must be one of {PREFIX_KERNELS}; got "
-                             f"{options.prefix_kernel!r}")
-        if options.stages < 1:
-            raise ValueError(f"cascade stages must be >= 1; got {options.stages}")
-        for name, least in (("merge_split_block", 1), ("prefix_window", 1),
-                            ("remainder_block_n", 16),  # keys: a tl.dot side
-                            ("remainder_window", 1)):
-            value = getattr(options, name) or least
-            if value < least or value & (value - 1):
-                raise ValueError(f"cascade {name} must be a power of two >= {least}; got "
-                                 f"{value}")
-        if options.remainder_max_splits is not None and options.remainder_max_splits < 1:
-            raise ValueError(f"cascade remainder_max_splits must be >= 1 or None; got "
-                             f"{options.remainder_max_splits}")
-        self.options = options
+    policy: when a plan pays (None: never cascade).
+    block_n, max_splits, decode_programs_per_sm: the backend's keys per inner step, most splits
+        and plain decode programs per multiprocessor (the own-keys pass splits as the plain
+        decode does).
+    """
+
+    def __init__(self, policy: CascadePolicy | None, *, block_n: int, max_splits: int,
+                 decode_programs_per_sm: int) -> None:
+        self.policy = policy
+        self.block_n = block_n
+        self.max_splits = max_splits
+        self.decode_programs_per_sm = decode_programs_per_sm
         self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
         self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
-        self._tracker: SharedPrefixTracker | None = None  # graph steps: reuses plans
-        # The fused merge's counters (split own-keys passes): allocated by an eager call (a
-        # graph's warm-up forwards) before any capture needs them.
+        # The own-keys pass's counters (split passes): allocated by an eager call (a graph's
+        # warm-up forwards) before any capture needs them.
         self.split_counters = SplitCounters()
 
     def plan(self, batch: ForwardBatch, storage: KVStorage) -> CascadePlan | None:
         """The batch's shared-prefix plan (once per batch), or None when it runs no cascade."""
-        policy = self.options.policy
+        policy = self.policy
         if (policy is None or not cascade_reads(storage)
                 or batch.page_tables_host is None or not batch.is_decode_only):
             return None
@@ -156,39 +128,32 @@ class CascadePath:
         self._plan = (batch, plan)
         return plan
 
-    def plan_step(self, plan: StepPlan, storage: KVStorage) -> CascadePlan | None:
-        """The shared-prefix plan of the decode-only batch ``plan`` would build, from the plan
-        alone (no batch, no tensors); None when it runs no cascade. Successive steps go
-        through one `SharedPrefixTracker`: a step that changed no shared page reuses the
-        previous step's plan (the same object when the batch order is unchanged)."""
-        policy = self.options.policy
-        if policy is None or not cascade_reads(storage) or not plan.slices:
+    def graph_tables(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
+                     capacity: int) -> GraphCascade | None:
+        """The tables of one set of CUDA graphs over batches of up to ``capacity`` sequences
+        with this head layout (their own tracker plans their steps); None when this backend
+        never cascades over ``storage``."""
+        if self.policy is None or not cascade_reads(storage):
             return None
-        tracker = self._tracker
-        if tracker is None or tracker.page_size != storage.page_size:
-            tracker = self._tracker = SharedPrefixTracker(storage.page_size, policy)
-        return tracker.plan(plan.slices)
-
-    def graph_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
-                     capacity: int) -> StaticCascadeLayout | None:
-        """Where a CUDA graph's static buffers hold the tables of batches of up to ``capacity``
-        sequences with this head layout; None when this backend never cascades over
-        ``storage``."""
-        if self.options.policy is None or not cascade_reads(storage):
-            return None
-        return StaticCascadeLayout(capacity, self.members_per_block(num_heads // num_kv_heads))
+        layout = StaticCascadeLayout(capacity, self.members_per_block(num_heads // num_kv_heads))
+        return GraphCascade(layout, SharedPrefixTracker(storage.page_size, self.policy))
 
     def members_per_block(self, group: int) -> int:
-        """Members in one shared-prefix program's rows for ``group`` query heads per KV head."""
+        """Members in one prefix program's rows for ``group`` query heads per KV head."""
         group_pad = 1 << (max(1, group) - 1).bit_length()
-        return max(self.options.rows, group_pad) // group_pad
+        return max(PREFIX_ROWS, group_pad) // group_pad
 
     def tables(self, batch: ForwardBatch, storage: KVStorage, heads: HeadShape,
                device: torch.device) -> CascadeTables | None:
         """The batch's device tables: a graph batch's own, else those of its plan (built once
         per batch); None: no cascade."""
-        if batch.cascade is not None:
-            return batch.cascade
+        carried = batch.graph_tables
+        if carried is not None:
+            if not isinstance(carried, CascadeTables):
+                raise TypeError(f"a graph batch for the Triton backend carries "
+                                f"{type(carried).__name__} instead of CascadeTables: build its "
+                                f"graphs with this backend's graph_tables")
+            return carried
         plan = self.plan(batch, storage)
         if plan is None:
             return None
@@ -201,82 +166,177 @@ class CascadePath:
         return tables
 
     def attend(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
-               batch: ForwardBatch, tables: CascadeTables, scale: float, heads: HeadShape,
-               launch_remainder: RemainderLaunch) -> torch.Tensor:
-        """Own keys of every sequence, shared prefixes of every group, merged per query row."""
-        options = self.options
-        num_tokens, num_heads, _ = q.shape
+               batch: ForwardBatch, tables: CascadeTables, scale: float,
+               heads: HeadShape) -> torch.Tensor:
+        """Shared prefixes of every group, then own keys of every sequence merged with them;
+        returns the output [B, H, D] in q's dtype."""
         sms = multiprocessors(q.device)
         launch = self.prefix_launch(ops, batch, tables, heads, sms)
-        if options.fused_merge:
-            prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
-            splits = self.remainder_splits(batch, tables, heads, sms)
-            counters = (self.split_counters.for_launch(q.device,
-                                                       batch.num_seqs * heads.num_kv_heads)
-                        if splits > 1 else None)
-            return attend_remainder_merged(
-                q, ops, batch, tables, prefix, scale * LOG2_E, heads, splits=splits,
-                counters=counters, block_n=options.remainder_block_n or options.block_n,
-                warps=options.remainder_warps, split_block=options.merge_split_block,
-                window=options.remainder_window)
-        rem_splits = self.remainder_splits(batch, tables, heads, sms)
-        remainder = (
-            torch.empty(num_tokens, num_heads, rem_splits, heads.head_pad, dtype=torch.float32,
-                        device=q.device),
-            torch.empty(num_tokens, num_heads, rem_splits, dtype=torch.float32, device=q.device))
-        out = torch.empty_like(q)
-        launch_remainder(out, remainder, rem_splits, tables.kv_start)
         prefix = attend_prefixes(q, ops, page_args, batch, tables, scale * LOG2_E, launch)
-        merge_partials(out, remainder, prefix, tables)
-        return out
+        splits = self.own_splits(batch, tables, heads, sms)
+        counters = (self.split_counters.for_launch(q.device, batch.num_seqs * heads.num_kv_heads)
+                    if splits > 1 else None)
+        return attend_own_keys(q, ops, batch, tables, prefix, scale * LOG2_E, heads,
+                               splits=splits, counters=counters,
+                               block_n=OWN_BLOCK_N or self.block_n)
 
-    def remainder_splits(self, batch: ForwardBatch, tables: CascadeTables, heads: HeadShape,
-                         sms: int) -> int:
+    def own_splits(self, batch: ForwardBatch, tables: CascadeTables, heads: HeadShape,
+                   sms: int) -> int:
         """Parts of each sequence's own keys: from the batch shape alone in a graph (its
         tables leave the lengths unknown), as the plain decode's split count."""
-        options = self.options
-        most = options.max_splits
-        if options.fused_merge and options.remainder_max_splits is not None:
-            most = min(most, options.remainder_max_splits)
+        most = self.max_splits if OWN_MAX_SPLITS is None else min(self.max_splits,
+                                                                  OWN_MAX_SPLITS)
         return split_count(_or_unknown(tables.max_remainder),
                            batch.num_seqs * heads.num_kv_heads,
-                           options.decode_programs_per_sm * sms, most, 4 * options.block_n)
+                           self.decode_programs_per_sm * sms, most, 4 * self.block_n)
 
     def prefix_launch(self, ops: PageOperands, batch: ForwardBatch, tables: CascadeTables,
-                       heads: HeadShape, sms: int) -> PrefixLaunch:
-        """The shared-prefix kernel's launch: which kernel, its tile and its split count (from
-        the bucket alone in a graph)."""
-        options = self.options
-        block_n = options.prefix_block_n or options.block_n
-        tiles = False
-        if options.prefix_kernel in ("tiles", "window"):
-            tile_n = tile_keys(batch.page_size, block_n)
-            tiles = tiles_fit(ops, batch.page_size, tile_n)
-            # The general kernel keeps the backend's tile: a prefix tile too small for any
-            # page-dividing tile (below 16 keys) is also too small for its dot.
-            block_n = tile_n if tiles else options.block_n
+                      heads: HeadShape, sms: int) -> PrefixLaunch:
+        """The prefix pass's launch: the tile kernel wherever it fits, else the general kernel
+        at the backend's tile (a page-dividing tile under 16 keys is too small for its dot);
+        the split count from the bucket alone in a graph."""
+        tile_n = tile_keys(batch.page_size, PREFIX_BLOCK_N or self.block_n)
+        tiles = tiles_fit(ops, batch.page_size, tile_n)
+        block_n = tile_n if tiles else self.block_n
         splits = split_count(_or_unknown(tables.max_prefix),
                              tables.grid_blocks * heads.num_kv_heads,
-                             options.programs_per_sm * sms, options.max_splits, 4 * block_n)
+                             PREFIX_PROGRAMS_PER_SM * sms, self.max_splits, 4 * block_n)
         return PrefixLaunch(group=heads.group, group_pad=heads.group_pad,
-                            rows=max(options.rows, heads.group_pad), block_n=block_n,
-                            head_pad=heads.head_pad, splits=splits, warps=options.warps,
-                            stages=options.stages, tiles=tiles,
-                            window=options.prefix_window
-                            if tiles and options.prefix_kernel == "window" else 0)
+                            rows=max(PREFIX_ROWS, heads.group_pad), block_n=block_n,
+                            head_pad=heads.head_pad, splits=splits, warps=PREFIX_WARPS,
+                            stages=PREFIX_STAGES, tiles=tiles)
+
+
+def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
+                    batch: ForwardBatch, tables: CascadeTables, scale_log2: float,
+                    launch: PrefixLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every group's query rows against its shared pages; returns float32 partials
+    [M, H, splits, head_pad] and their log2-sum-exp [M, H, splits].
+
+    page_args: the page tensors, scales, their strides and the rotation, in the kernels' order
+    (`page_operands.page_arguments`)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = ops.keys.shape[2]
+    parts = torch.empty(tables.member_rows, num_heads, launch.splits, launch.head_pad,
+                        dtype=torch.float32, device=q.device)
+    lse = torch.empty(tables.member_rows, num_heads, launch.splits, dtype=torch.float32,
+                      device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (tables.grid_blocks, num_kv_heads, launch.splits)
+    group_tables = (tables.member_seq, tables.group_end, tables.group_prefix,
+                    tables.block_group, tables.block_first, tables.num_blocks)
+    if launch.tiles:
+        keys, values = ops.keys, ops.values
+        prefix_tiles_kernel[grid](
+            q, q.stride(0), q.stride(1), keys, values, *keys.stride()[:3], *values.stride()[:3],
+            batch.page_table, batch.page_table.stride(0), batch.query_start, *group_tables,
+            parts, lse, scale_log2,
+            G=launch.group, G_PAD=launch.group_pad, BLOCK_M=launch.rows,
+            BLOCK_N=launch.block_n, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
+            PAGE_SIZE=batch.page_size, DOT_PRECISION=precision,
+            num_warps=launch.warps, num_stages=launch.stages,
+        )
+        return parts, lse
+    shared_prefix_kernel[grid](
+        q, q.stride(0), q.stride(1), *page_args,
+        batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
+        *group_tables, parts, lse, scale_log2,
+        G=launch.group, G_PAD=launch.group_pad, BLOCK_M=launch.rows, BLOCK_N=launch.block_n,
+        HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=batch.page_size,
+        K_BITS=ops.key_bits, V_BITS=ops.value_bits, NUM_SPLITS=launch.splits,
+        DOT_PRECISION=precision, num_warps=launch.warps, num_stages=launch.stages,
+    )
+    return parts, lse
+
+
+def attend_own_keys(q: torch.Tensor, ops: PageOperands, batch: ForwardBatch,
+                    tables: CascadeTables, prefix: tuple[torch.Tensor, torch.Tensor],
+                    scale_log2: float, heads: HeadShape, *, splits: int,
+                    counters: torch.Tensor | None, block_n: int) -> torch.Tensor:
+    """Own keys of every decode sequence merged with its group's prefix partials (parts,
+    lse) [M, H, S_pre, ...] from `attend_prefixes`; returns the output [B, H, D] in q's dtype.
+
+    splits: parts of each sequence's own keys (from the batch shape alone in a graph);
+        several need ``counters`` (at least B x KV heads zeroed int32) and float32 partial
+        buffers, allocated here.
+    block_n: keys per inner step."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    pre_parts, pre_lse = prefix
+    if splits > 1:
+        if counters is None:
+            raise ValueError("a split own-keys pass needs its split counters")
+        rem_parts = torch.empty(num_tokens, num_heads, splits, heads.head_pad,
+                                dtype=torch.float32, device=q.device)
+        rem_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
+                              device=q.device)
+    else:
+        rem_parts = rem_lse = counters = pre_lse  # never read
+    keys, values = ops.keys, ops.values
+    own_keys_kernel[(batch.num_seqs, heads.num_kv_heads, splits)](
+        q, q.stride(0), q.stride(1), keys, values, *keys.stride()[:3], *values.stride()[:3],
+        batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
+        tables.kv_start, tables.seq_member, pre_parts, pre_lse, pre_lse.shape[2],
+        rem_parts, rem_lse, counters,
+        out, out.stride(0), out.stride(1),
+        scale_log2,
+        G=heads.group, G_PAD=heads.group_pad, BLOCK_M=max(16, heads.group_pad),
+        BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_PAD=heads.head_pad,
+        PAGE_SIZE=batch.page_size, SPLIT=splits > 1, SPLIT_BLOCK=MERGE_SPLIT_BLOCK,
+        WINDOW=OWN_WINDOW if batch.page_size % block_n == 0 else 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=OWN_WARPS,
+    )
+    return out
+
+
+def tiles_fit(ops: PageOperands, page_size: int, block_n: int) -> bool:
+    """Whether `prefix_tiles_kernel` serves these pages with ``block_n`` keys a tile: float
+    pages, and tiles (a power of two, at least 16: a ``tl.dot`` side) that never straddle a
+    page, so a prefix of whole pages is whole tiles."""
+    return (ops.key_bits == 0 and ops.value_bits == 0 and block_n >= 16
+            and block_n & (block_n - 1) == 0 and page_size % block_n == 0)
+
+
+def tile_keys(page_size: int, wanted: int) -> int:
+    """Keys per tile of `prefix_tiles_kernel`: ``wanted`` (a power of two), halved until it
+    divides ``page_size``."""
+    keys = max(1, wanted)
+    while keys > 1 and page_size % keys:
+        keys //= 2
+    return keys
+
+
+def split_count(keys: int, programs: int, target_programs: int, max_splits: int,
+                min_keys_per_split: int) -> int:
+    """Parts to split ``keys`` into so ``programs`` (programs per split) come nearest to
+    ``target_programs`` (rounded, not raised: a second wave of a few programs costs a whole
+    wave), at most ``max_splits`` and no part under ``min_keys_per_split`` keys (a part that
+    short costs more in partials than it gains in parallelism)."""
+    wanted = round(target_programs / max(1, programs))
+    by_length = max(1, -(-keys // max(1, min_keys_per_split)))
+    return max(1, min(max_splits, wanted, by_length))
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 4 for the Triton interpreter on the CPU (a few
+    splits still exercise the merges)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
+
+
+def cascade_reads(storage: KVStorage) -> bool:
+    """Whether the cascade serves this storage: unquantized pages only. Its general prefix
+    kernel reads quantized pages too (same loaders and rotation as the plain kernel), but
+    quantized storages keep per-sequence state outside the pages (a recent-token window) that
+    the cascade does not read."""
+    return storage.mode == "fp16"
 
 
 def _or_unknown(keys: int | None) -> int:
     return UNKNOWN_KEYS if keys is None else keys
 
 
-def cascade_reads(storage: KVStorage) -> bool:
-    """Whether the cascade serves this storage: unquantized pages only. Its kernels read
-    quantized pages too (same loaders and rotation as the plain kernel, and they agree with it
-    on the q8/q6/q4 page formats), but quantized storages are gaining per-sequence state
-    outside the pages (a recent-token window) that the plain path must handle first."""
-    return storage.mode == "fp16"
-
-
-__all__ = ["PREFIX_KERNELS", "CascadeOptions", "CascadePath", "RemainderLaunch",
-           "cascade_reads"]
+__all__ = ["CascadePath", "PrefixLaunch", "attend_own_keys", "attend_prefixes",
+           "cascade_reads", "multiprocessors", "split_count", "tile_keys", "tiles_fit"]

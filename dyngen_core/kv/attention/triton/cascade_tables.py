@@ -1,31 +1,37 @@
 """The group tables of shared-prefix ("cascade") attention: built on the host, read on the device.
 
-A `CascadePlan` (`shared_prefix`) becomes int32 tables the cascade kernels read
-(`triton_cascade_kernels`): per sequence its member index and where its own keys begin, per
-member its sequence, per group its end and prefix length, per row block its group and first
-member, and the number of row blocks in use.
+A `CascadePlan` (`engine.cascade`) becomes int32 tables the cascade kernels read
+(`cascade_kernels`): per sequence its member index and where its own keys begin, per member its
+sequence, per group its end and prefix length, per row block its group and first member, and
+the number of row blocks in use.
 
 Two ways to hold them:
 
 - `cascade_tables`: an eager forward's tables, sized to the plan, one host-to-device copy;
 - `StaticCascadeLayout`: a fixed region of a CUDA graph's static int32 buffer, sized for the
-  largest batch (capacity), filled on the host each step (`fill`) and copied with the rest of
+  largest batch (capacity), written on the host each step (`write`) and copied with the rest of
   the step's metadata. A graph's launches depend on its bucket size alone, never on the plan:
   the prefix kernel's programs take every n-th row block up to the device-side count.
+
+`GraphCascade` is what the decode graphs see of it (`base.GraphTables`): each step planned
+through a `SharedPrefixTracker`, then written into the layout.
 
 This module needs no Triton (CPU tests and CI build and check the tables).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from operator import attrgetter
 
 import numpy as np
 import torch
 
-from dyngen_core.engine.cascade import CascadePlan
+from dyngen_core.engine.cascade import CascadePlan, SharedPrefixTracker
+from dyngen_core.engine.plan import StepPlan
 
 _members, _prefix_pages = attrgetter("members"), attrgetter("prefix_pages")
 
@@ -37,7 +43,7 @@ class CascadeTables:
     seq_member [B]: each sequence's index in ``member_seq``, -1 for sequences in no group.
     kv_start [B]: where each sequence's own keys begin (its group's prefix tokens, else 0).
     member_seq [M], group_end [groups], group_prefix [groups], block_group / block_first
-        [row blocks], num_blocks [1]: as `shared_prefix_kernel` reads them.
+        [row blocks], num_blocks [1]: as `cascade_kernels.shared_prefix_kernel` reads them.
     grid_blocks: programs along the prefix kernel's first axis (each loops over row blocks).
     member_rows: rows of the prefix partials (at least the members).
     max_prefix, max_remainder: the longest group prefix and the most own keys of a sequence,
@@ -125,7 +131,7 @@ def cascade_tables(plan: CascadePlan, context_lens: list[int], members_per_block
 
 class StaticCascadeLayout:
     """Where the tables of any plan over at most ``capacity`` sequences sit in one fixed int32
-    region (CUDA graphs: a region of the static inputs, filled and copied every step).
+    region (CUDA graphs: a region of the static inputs, written and copied every step).
 
     capacity: the most sequences of a batch (the largest graph bucket).
     members_per_block: members per row block of the prefix kernel.
@@ -143,9 +149,9 @@ class StaticCascadeLayout:
         groups = max(1, capacity // 2)
         self._lengths = [capacity, capacity, capacity, groups, groups, capacity, capacity, 1]
         self.size = sum(self._lengths)
-        self._last: tuple[CascadePlan, int, np.ndarray] | None = None  # what fill last wrote
+        self._last: tuple[CascadePlan, int, np.ndarray] | None = None  # what write last wrote
 
-    def fill(self, plan: CascadePlan, num_seqs: int, region: np.ndarray) -> None:
+    def write(self, plan: CascadePlan, num_seqs: int, region: np.ndarray) -> None:
         """Write the tables of ``plan`` (over a batch of ``num_seqs``) into ``region`` (int32,
         ``size`` entries). Rows from ``num_seqs`` to ``capacity`` (a bucket's padding) are in
         no group; entries past a plan's members, groups and blocks are left as they were
@@ -170,7 +176,7 @@ class StaticCascadeLayout:
         self._last = (plan, num_seqs, region)
 
     def _write(self, plan: CascadePlan, num_seqs: int, region: np.ndarray) -> None:
-        """`fill` in a few array operations (numpy loops, not Python ones)."""
+        """`write` in a few array operations (numpy loops, not Python ones)."""
         capacity = self.capacity
         sizes = np.fromiter(map(len, map(_members, plan.groups)), dtype=np.int64,
                             count=len(plan.groups))
@@ -213,6 +219,36 @@ class StaticCascadeLayout:
         )
 
 
+class GraphCascade:
+    """The shared-prefix tables of one set of decode graphs (`base.GraphTables`).
+
+    layout: where the tables sit in the graphs' static region.
+    tracker: plans the graphs' successive steps (a step that changed no shared page gets the
+        previous plan object back, and `StaticCascadeLayout.write` then writes nothing).
+    """
+
+    def __init__(self, layout: StaticCascadeLayout, tracker: SharedPrefixTracker) -> None:
+        self.layout = layout
+        self.tracker = tracker
+        self.size = layout.size
+
+    def plan(self, plan: StepPlan) -> CascadePlan | None:
+        """The shared-prefix groups of the decode step ``plan``; None: no cascade pays."""
+        return self.tracker.plan(plan.slices) if plan.slices else None
+
+    def stage(self, plan: StepPlan) -> Callable[[np.ndarray], None] | None:
+        """What writes the step's tables into a host region (`StaticCascadeLayout.write`);
+        None when the step has no groups (the plain graph serves it)."""
+        cascade = self.plan(plan)
+        if cascade is None:
+            return None
+        return partial(self.layout.write, cascade, len(plan.slices))
+
+    def views(self, region: torch.Tensor, bucket: int) -> CascadeTables:
+        """The tables a graph of ``bucket`` sequences reads, as views of the device region."""
+        return self.layout.tables(region, bucket)
+
+
 def _tables(views: list[torch.Tensor], *, grid_blocks: int, member_rows: int,
             max_prefix: int | None, max_remainder: int | None) -> CascadeTables:
     seq_member, kv_start, member_seq, group_end, group_prefix, block_group, block_first, count = (
@@ -230,5 +266,5 @@ def _split(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     return views
 
 
-__all__ = ["CascadeTables", "StaticCascadeLayout", "TableLists", "cascade_tables",
-           "table_lists"]
+__all__ = ["CascadeTables", "GraphCascade", "StaticCascadeLayout", "TableLists",
+           "cascade_tables", "table_lists"]

@@ -12,10 +12,10 @@ tables and context lengths. Batches with prefill chunks map query blocks to sequ
 small table built once per forward on the host.
 
 Shared prefixes: in a decode-only forward over unquantized pages, decodes whose page tables
-begin with the same pages (prefix dedup) are planned into groups on the host (`shared_prefix`),
-and each group's shared keys are read once for all its members (`triton_cascade_path` decides
-and launches it), in eager forwards and in replayed CUDA graphs alike (`cascade_layout`,
-`plan_cascade`). Quantized pages keep the plain path.
+begin with the same pages (prefix dedup) are planned into groups on the host (`engine.cascade`),
+and each group's shared keys are read once for all its members (`cascade_path` decides and
+launches it), in eager forwards and in replayed CUDA graphs alike (`graph_tables`). Quantized
+pages keep the plain path.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dyngen_core.engine.cascade import CascadePlan, CascadePolicy
-from dyngen_core.engine.plan import StepPlan
-from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.attention.triton.cascade import multiprocessors
-from dyngen_core.kv.attention.triton.cascade_path import CascadeOptions, CascadePath
-from dyngen_core.kv.attention.triton.cascade_tables import StaticCascadeLayout
+from dyngen_core.engine.cascade import CascadePolicy
+from dyngen_core.kv.attention.base import ForwardBatch, GraphTables
+from dyngen_core.kv.attention.triton.cascade_path import CascadePath, multiprocessors
 from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
 from dyngen_core.kv.attention.triton.decode_options import DecodeOptions, split_buffers
 from dyngen_core.kv.attention.triton.exact import ExactOperands, exact_operands
@@ -87,15 +84,9 @@ class TritonPagedBackend:
         for batches above ``DecodeOptions.word_one_launch_max_seqs`` sequences.
     cascade_min_saved_keys, cascade_min_members, cascade_min_prefix_pages: when decode-only
         batches over unquantized pages use shared-prefix ("cascade") attention, as the fields
-        of `shared_prefix.CascadePolicy` (whose defaults these are, with the reasons);
-        ``cascade_min_saved_keys=None`` never cascades.
-    cascade_rows: query rows (members x heads of a KV group) per shared-prefix program; each
-        program reads its group's shared keys once for all of them.
-    cascade_warps: warps per shared-prefix program (its tiles are prefill-sized).
-    cascade_programs_per_sm: shared-prefix programs aimed for per multiprocessor when choosing
-        how many parts a prefix is split into (each part adds partial results to merge).
-        Defaults 64 rows x 4 warps x 2 programs: 65 us against 108 (the general kernel) per
-        layer for 64 members over an 8k document on an H200 (benchmarks/cascade_kernel.py).
+        of `engine.cascade.CascadePolicy` (whose defaults these are, with the reasons);
+        ``cascade_min_saved_keys=None`` never cascades. The cascade's launch settings are
+        `cascade_path`'s module constants.
     word_flags: code paths of that kernel (`triton_quant.WordKernelFlags`; None: defaults).
     merge_in_kernel: decode-only launches over several splits merge them in the attention
         kernel (its last split program per sequence and KV head, `triton_decode_merge`)
@@ -127,8 +118,7 @@ class TritonPagedBackend:
                  cascade_min_saved_keys: int | None = CascadePolicy.min_saved_keys,
                  cascade_min_members: int = CascadePolicy.min_members,
                  cascade_min_prefix_pages: int = CascadePolicy.min_prefix_pages,
-                 cascade_rows: int = 64, cascade_warps: int = 4,
-                 cascade_programs_per_sm: int = 2, word_block_n: int | None = 64,
+                 word_block_n: int | None = 64,
                  word_warps: int = 4, word_launches: int = 2,
                  word_flags: WordKernelFlags | None = None, merge_in_kernel: bool = True,
                  merge_rows: int = 64, write_in_kernel: bool = True, in_kernel_max_seqs: int = 4,
@@ -158,11 +148,10 @@ class TritonPagedBackend:
         self.programs_per_sm = programs_per_sm
         self.decode_warps = decode_warps
         self.prefill_warps = prefill_warps
-        self.cascade = CascadePath(CascadeOptions(
-            policy=None if cascade_min_saved_keys is None else CascadePolicy(
+        self.cascade = CascadePath(
+            None if cascade_min_saved_keys is None else CascadePolicy(
                 cascade_min_members, cascade_min_prefix_pages, cascade_min_saved_keys),
-            rows=cascade_rows, warps=cascade_warps, programs_per_sm=cascade_programs_per_sm,
-            block_n=block_n, max_splits=max_splits, decode_programs_per_sm=programs_per_sm))
+            block_n=block_n, max_splits=max_splits, decode_programs_per_sm=programs_per_sm)
         self._blocks: tuple[ForwardBatch, int, _QueryBlocks] | None = None
         self._rotations: dict[torch.device, torch.Tensor] = {}
 
@@ -202,14 +191,7 @@ class TritonPagedBackend:
         rotation = self._rotation(q.device) if ops.key_bits or ops.value_bits else q
         page_args = page_arguments(ops, rotation)
         if tables is not None:
-            def launch_remainder(out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor],
-                                 splits: int, kv_start: torch.Tensor) -> None:
-                self._launch_paged(q, ops, page_args, batch, heads, out, partials, scale,
-                                   rows=max(16, heads.group_pad), block_q=1, blocks=None,
-                                   splits=splits, kv_start=kv_start)
-
-            return self.cascade.attend(q, ops, page_args, batch, tables, scale, heads,
-                                       launch_remainder)
+            return self.cascade.attend(q, ops, page_args, batch, tables, scale, heads)
         word_block_n, small = self.word_block_n, self.decode_options.word_one_launch_max_seqs
         if (word_block_n is not None and exact is not None
                 and word_decode_fits(batch, ops.key_bits, ops.value_bits, exact, word_block_n)):
@@ -251,27 +233,22 @@ class TritonPagedBackend:
             launch_combine(parts, lse, out, splits, heads.head_dim, heads.head_pad)
         return out
 
-    def cascade_layout(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
-                       capacity: int) -> StaticCascadeLayout | None:
-        """Where CUDA graphs hold shared-prefix tables (`base.SharedPrefixGraphs`)."""
-        return self.cascade.graph_layout(storage, num_heads, num_kv_heads, capacity)
-
-    def plan_cascade(self, plan: StepPlan, storage: KVStorage) -> CascadePlan | None:
-        """The shared-prefix groups of a decode-only ``plan`` (`base.SharedPrefixGraphs`)."""
-        return self.cascade.plan_step(plan, storage)
+    def graph_tables(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
+                     capacity: int) -> GraphTables | None:
+        """The shared-prefix tables of one set of CUDA graphs (`base.GraphTablesBackend`;
+        `cascade_tables.GraphCascade`)."""
+        return self.cascade.graph_tables(storage, num_heads, num_kv_heads, capacity)
 
     def _launch_paged(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],
                       batch: ForwardBatch, heads: HeadShape, out: torch.Tensor,
                       partials: tuple[torch.Tensor, torch.Tensor], scale: float, *, rows: int,
                       block_q: int, blocks: _QueryBlocks | None, splits: int,
-                      kv_start: torch.Tensor | None = None,
                       exact: ExactOperands | None = None,
                       counters: torch.Tensor | None = None,
                       step_write: StepWrite | None = None) -> None:
-        """One `paged_attention_kernel` launch; ``kv_start`` makes it a cascade's remainder,
-        ``exact`` reads quantized storage's exact rows, ``counters`` (a decode over several
-        splits) merges the splits in the kernel, ``step_write`` (a decode) stores the step's
-        rows."""
+        """One `paged_attention_kernel` launch; ``exact`` reads quantized storage's exact rows,
+        ``counters`` (a decode over several splits) merges the splits in the kernel,
+        ``step_write`` (a decode) stores the step's rows."""
         grid0 = batch.num_seqs if blocks is None else int(blocks.seq.shape[0])
         decode = self.decode_options
         parts, lse = partials
@@ -284,7 +261,7 @@ class TritonPagedBackend:
             batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
             blocks.seq if blocks is not None else unused,
             blocks.first if blocks is not None else unused,
-            kv_start if kv_start is not None else unused,
+            unused,  # kv_start: REMAINDER is off
             *exact_args,
             out, out.stride(0), out.stride(1),
             parts, lse, counters if counters is not None else unused,
@@ -293,8 +270,8 @@ class TritonPagedBackend:
             G=heads.group, G_PAD=heads.group_pad, BLOCK_Q=block_q, BLOCK_M=rows,
             BLOCK_N=self.block_n, HEAD_DIM=heads.head_dim, HEAD_PAD=heads.head_pad,
             PAGE_SIZE=batch.page_size, K_BITS=ops.key_bits, V_BITS=ops.value_bits,
-            NUM_SPLITS=splits, DECODE=blocks is None, REMAINDER=kv_start is not None,
-            WRITE_PARTIALS=splits > 1 or kv_start is not None,
+            NUM_SPLITS=splits, DECODE=blocks is None, REMAINDER=False,
+            WRITE_PARTIALS=splits > 1,
             HEADS=exact is not None, WINDOW=exact.window if exact is not None else 0,
             num_warps=self.decode_warps if blocks is None else self.prefill_warps,
             num_stages=decode.stages if blocks is None else 3,
