@@ -2,7 +2,7 @@
 the reply back into a LlamaIndex `ChatResponse` (text, or text plus tool calls).
 
 The prompt goes through the model's own chat template. A turn with tools is rendered,
-constrained and parsed by `dyngen_core.text.tools` (shared with the LangChain adapter) through
+constrained and parsed by `dyngen_core.tools` (shared with the LangChain adapter) through
 `ToolTurn`; this module only adapts LlamaIndex objects to it.
 """
 
