@@ -312,3 +312,19 @@ def test_generation_defaults_and_the_largest_job_come_from_the_engine(engine):
     engine.submit(_job(29, n=engine.max_job_tokens - 10, new=10)).cancel()
     with pytest.raises(JobTooLargeError):
         engine.submit(_job(30, n=engine.max_job_tokens - 10, new=11))
+
+
+def test_a_consumer_side_exception_never_stops_the_engine(engine, monkeypatch):
+    push = JobHandle._push
+
+    def push_or_fail(handle, result):
+        if handle.job.identifier == 31:
+            raise RuntimeError("the consumer broke")
+        push(handle, result)
+
+    monkeypatch.setattr(JobHandle, "_push", push_or_fail)
+    engine.submit(_job(31))
+    beside = engine.submit(_job(32))
+    assert beside.result(timeout=60)["eos_reason"] == "max_new_tokens"
+    assert engine.running
+    assert engine.submit(_job(33)).result(timeout=60)["eos_reason"] == "max_new_tokens"
