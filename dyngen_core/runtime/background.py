@@ -77,7 +77,7 @@ class BackgroundGenerator:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """The model's `Tokenizer` (thread-safe to use)."""
+        """The model's `Tokenizer`."""
         return self.generator.tokenizer
 
     @property
