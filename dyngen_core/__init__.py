@@ -1,7 +1,9 @@
 """dyngen: a dynamic-batching LLM inference engine with a paged KV cache.
 
-Public names are imported lazily so that control-plane modules (pages, scheduler, job, ...) can be
-used without importing torch.
+The public API is the names below and the public modules `dyngen_core.errors`,
+`dyngen_core.tools` and `dyngen_core.constraints`; everything else is internal. Public names are
+imported lazily so that control-plane modules (pages, scheduler, job, ...) can be used without
+importing torch.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ _PUBLIC = {
     "GeneratorStats": "dyngen_core.engine.results",
     "EosReason": "dyngen_core.engine.results",
     "SamplerSettings": "dyngen_core.engine.settings",
+    "FRAMEWORK_SAMPLING_FIELDS": "dyngen_core.engine.settings",
     "BackgroundGenerator": "dyngen_core.runtime.background",
-    "JobHandle": "dyngen_core.runtime.background",
+    "JobHandle": "dyngen_core.runtime.handle",
+    "SubmissionCoalescer": "dyngen_core.runtime.coalescer",
     "shared_generator": "dyngen_core.runtime.background",
     "EngineOptions": "dyngen_core.config",
     "errors": "dyngen_core.errors",
+    "tools": "dyngen_core.tools",
+    "constraints": "dyngen_core.constraints",
 }
+_MODULES = {"errors", "tools", "constraints"}
 
 __all__ = sorted(_PUBLIC)
 
@@ -35,7 +42,7 @@ def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'dyngen_core' has no attribute {name!r}")
-    if name == "errors":
+    if name in _MODULES:
         return importlib.import_module(module)
     return getattr(importlib.import_module(module), name)
 

@@ -213,7 +213,8 @@ def _all_ids(*values: Any) -> tuple[int, ...]:
 
 
 class EngineOptions(BaseModel):
-    """How to build an engine for one model folder.
+    """How to build an engine for one model folder. Frozen and validated at construction;
+    `shared_generator` keeps one engine per folder and equal options.
 
     Attributes:
         device: "auto" (CUDA when present, else CPU), or a torch device string such as "cuda:1".
@@ -244,14 +245,3 @@ class EngineOptions(BaseModel):
     prompt_cache: bool = True
     cuda_graphs: bool = True
     compile_decode: bool = False
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(max_tokens=self.cache_tokens, mode=self.cache_mode)
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_batch_size=self.max_batch_size,
-            max_chunk_size=self.max_chunk_size,
-            dedup=self.dedup,
-            prompt_cache=self.prompt_cache,
-        )

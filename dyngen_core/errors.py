@@ -33,3 +33,8 @@ class JobError(DynGenError, ValueError):
 
 class ConversionError(DynGenError, ValueError):
     """A GGUF file cannot be converted."""
+
+
+class EngineStoppedError(DynGenError, RuntimeError):
+    """A `BackgroundGenerator` no longer runs jobs: it was closed, or its engine thread stopped
+    on an error (then chained as ``__cause__``). `shared_generator` gives a new engine."""

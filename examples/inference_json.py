@@ -11,7 +11,7 @@ from _demo import model_dir
 from pydantic import BaseModel, ConfigDict, Field
 
 from dyngen_core import DynamicGenerator, SamplerSettings
-from dyngen_core.text.constraints import Constraint
+from dyngen_core.constraints import Constraint
 
 
 class City(BaseModel):

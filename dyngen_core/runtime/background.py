@@ -10,12 +10,16 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from dyngen_core.config import EngineOptions
 from dyngen_core.engine.job import Job
+from dyngen_core.engine.results import GeneratorStats, Result
+from dyngen_core.errors import EngineStoppedError
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.runtime.generator import DynamicGenerator
@@ -24,97 +28,205 @@ from dyngen_core.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# How long `close` waits for the engine thread to finish its current step.
+_CLOSE_WAIT_S = 30.0
+
 
 class BackgroundGenerator:
-    """Runs a `DynamicGenerator` on its own daemon thread.
+    """Runs a `DynamicGenerator` on its own daemon thread, for any number of threads and event
+    loops.
 
-    `submit` is thread-safe and never waits for a step: jobs are handed to the engine thread,
-    which enqueues them before its next step. A job that can never fit raises at `submit`.
-    Call `close()` to stop the thread (pending jobs are cancelled).
+    generator: the engine to run. From now on only the engine thread calls its methods; read
+        `tokenizer`, `generation_defaults`, `max_job_tokens` and `stats()` here instead.
+
+    Contract:
+        - `submit` and `submit_many` are thread-safe and never wait for a step: jobs are handed
+          to the engine thread, which enqueues them before its next step. A job that can never
+          fit in the cache raises JobTooLargeError there; one the engine refuses at enqueue
+          fails its handle.
+        - An exception raised by a step fails the jobs running in the engine (their handles
+          raise it); the engine goes on serving later jobs.
+        - Anything else that ends the engine thread (a BaseException such as SystemExit,
+          KeyboardInterrupt or a native library's panic, or an exception outside a step) stops
+          the engine: every unfinished handle fails at once with EngineStoppedError, the cause
+          chained, and every later submit raises it. The thread logs the cause and ends.
+        - `close()` stops the engine the same way, with EngineStoppedError saying so.
+        - A consumer's failure (its event loop closed, say) never stops the engine thread.
     """
 
     def __init__(self, generator: DynamicGenerator) -> None:
         self.generator = generator
+        config = generator.model.config
+        self._generation_defaults = MappingProxyType(dict(config.generation_defaults))
+        self._max_job_tokens = min(int(config.max_position_embeddings),
+                                   int(generator.cache.max_tokens))
         self._lock = threading.Condition()
+        # Guarded by the lock: the hand-over lists and the engine's state.
         self._incoming: list[tuple[Job, JobHandle]] = []
         self._cancels: list[Job] = []
-        self._handles: dict[int, JobHandle] = {}
         self._closed = False
+        self._failure: BaseException | None = None
+        # Engine thread only: jobs being enqueued, and the enqueued ones by job id.
+        self._admitting: list[tuple[Job, JobHandle]] = []
+        self._handles: dict[int, JobHandle] = {}
         self._stats = generator.stats()
-        self._thread = threading.Thread(target=self._loop, name="dyngen-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="dyngen-engine", daemon=True)
         self._thread.start()
 
+    # ---- what callers read ---------------------------------------------------------------------
+
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
+        """The model's `Tokenizer`."""
         return self.generator.tokenizer
 
-    def submit(self, job: Job) -> JobHandle:
-        """Queue a job; returns a handle that streams its results (sync or async)."""
-        self.generator.check_fits(job)
-        handle = JobHandle(job, self)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this BackgroundGenerator is closed; create a new one")
-            self._incoming.append((job, handle))
-            self._lock.notify()
-        return handle
+    @property
+    def generation_defaults(self) -> Mapping[str, Any]:
+        """The model's sampling defaults from its generation_config.json: those of
+        temperature, top_p, top_k, min_p, repetition_penalty and do_sample it sets (read-only).
+        A job without ``gen_settings`` samples with these; pass them to
+        `SamplerSettings.from_framework_fields` to lay a caller's fields over them."""
+        return self._generation_defaults
 
-    def submit_many(self, jobs: Sequence[Job]) -> list[JobHandle]:
-        """Queue several jobs at once (they enter the same step)."""
-        for job in jobs:
-            self.generator.check_fits(job)
-        handles = [JobHandle(job, self) for job in jobs]
-        with self._lock:
-            self._incoming.extend(zip(jobs, handles))
-            self._lock.notify()
-        return handles
+    @property
+    def max_job_tokens(self) -> int:
+        """The most tokens (prompt plus ``max_new_tokens``) one job may hold: the model's
+        trained length (``max_position_embeddings``) bounded by the whole cache. `submit`
+        refuses a job beyond the cache with JobTooLargeError."""
+        return self._max_job_tokens
 
-    def cancel(self, job: Job) -> None:
-        """Cancel a job from any thread; its pages are freed before the next step."""
-        with self._lock:
-            self._cancels.append(job)
-            self._lock.notify()
+    @property
+    def running(self) -> bool:
+        """True until the engine is closed or stops on an error."""
+        return not self._closed and self._failure is None
 
-    def stats(self) -> Any:
+    def stats(self) -> GeneratorStats:
         """The engine's `GeneratorStats`, as published after the latest step (never waits for
         a step; safe from any thread)."""
         return self._stats
 
+    # ---- what callers do -----------------------------------------------------------------------
+
+    def submit(self, job: Job) -> JobHandle:
+        """Queue ``job``; returns the handle that streams its results (sync or async).
+
+        Raises JobTooLargeError for a job that can never fit in the cache, EngineStoppedError
+        when the engine is closed or stopped."""
+        return self._hand_over([job])[0]
+
+    def submit_many(self, jobs: Sequence[Job]) -> list[JobHandle]:
+        """Queue several jobs at once: they are enqueued before the same step. Raises like
+        `submit`, and then queues none of them."""
+        return self._hand_over(list(jobs))
+
+    def cancel(self, job: Job) -> None:
+        """Cancel a job from any thread; its pages are freed before the next step. Does
+        nothing once the engine has stopped (its jobs have failed already)."""
+        with self._lock:
+            if self.running:
+                self._cancels.append(job)
+                self._lock.notify()
+
     def close(self) -> None:
-        """Stop the engine thread; running and queued jobs fail with a clear error."""
+        """Stop the engine thread. Unfinished jobs fail with EngineStoppedError, and later
+        submits raise it. Waits (up to 30 s) for the step in progress to end. Safe to call more
+        than once and from any thread."""
         with self._lock:
             self._closed = True
+            waiting, self._incoming = self._incoming, []
+            self._cancels.clear()
             self._lock.notify()
-        self._thread.join(timeout=30)
+        self._fail(waiting)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=_CLOSE_WAIT_S)
+            if self._thread.is_alive():
+                logger.warning("the dyngen engine thread is still in a step after %s s; it "
+                               "fails its jobs when the step ends", _CLOSE_WAIT_S)
 
-    # ---- engine thread -----------------------------------------------------------------------
+    def _hand_over(self, jobs: list[Job]) -> list[JobHandle]:
+        if not self.running:
+            raise self._stopped_error()
+        for job in jobs:
+            self.generator.check_fits(job)
+        handles = [JobHandle(job, partial(self.cancel, job)) for job in jobs]
+        with self._lock:
+            if not self.running:
+                raise self._stopped_error()
+            self._incoming.extend(zip(jobs, handles, strict=True))
+            self._lock.notify()
+        return handles
 
-    def _loop(self) -> None:
-        generator = self.generator
+    def _stopped_error(self) -> EngineStoppedError:
+        """The error for a job this engine can no longer run (a new one per job)."""
+        cause = self._failure
+        if cause is None:
+            return EngineStoppedError(
+                "this BackgroundGenerator is closed, so it runs no more jobs; build a new one, "
+                "or call shared_generator(...) again for a fresh shared engine")
+        error = EngineStoppedError(
+            f"the dyngen engine thread stopped on {cause!r}, so it runs no more jobs; "
+            "call shared_generator(...) again for a fresh shared engine, or build a new "
+            "BackgroundGenerator")
+        error.__cause__ = cause
+        return error
+
+    def _fail(self, pairs: Sequence[tuple[Job, JobHandle]]) -> None:
+        for _, handle in pairs:
+            handle._fail(self._stopped_error())
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as cause:  # noqa: BLE001 - the engine stops; every caller learns why
+            self._stop(cause)
+
+    def _serve(self) -> None:
         while True:
-            # The lock guards only the hand-over lists: submitters never wait for a step.
+            # The lock guards only the hand-over: submitters never wait for a step.
             with self._lock:
                 while not (self._closed or self._incoming or self._cancels
-                           or generator.num_remaining_jobs()):
+                           or self.generator.num_remaining_jobs()):
                     self._lock.wait()
                 closed = self._closed
-                incoming, self._incoming = self._incoming, []
+                self._admitting, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
             if closed:
-                self._fail_all(RuntimeError("the background generator was closed"))
+                self._end()
                 return
-            self._admit(incoming)
+            self._admit()
             for job in cancels:
-                generator.cancel(job)
-            try:
-                results = generator.iterate()
-            except Exception as exc:  # noqa: BLE001 - an engine fault fails its jobs, not the thread
-                self._fail_all(exc)
-                results = []
-            self._stats = generator.stats()
-            self._deliver(results)
+                self.generator.cancel(job)
+            self._step()
 
-    def _deliver(self, results: list[Any]) -> None:
+    def _admit(self) -> None:
+        for job, handle in self._admitting:
+            if handle.cancel_requested:
+                handle._cancelled_before_start()
+                continue
+            try:
+                self.generator.enqueue(job)
+            except Exception as exc:  # noqa: BLE001 - reported to the submitter, engine goes on
+                handle._fail(exc)
+                continue
+            assert job.job_id is not None
+            self._handles[job.job_id] = handle
+        self._admitting = []
+
+    def _step(self) -> None:
+        try:
+            results = self.generator.iterate()
+        except Exception as exc:  # noqa: BLE001 - a step's fault fails its jobs, not the engine
+            self.generator.clear_queue()
+            for handle in self._handles.values():
+                handle._fail(exc)
+            self._handles.clear()
+            results = []
+        self._stats = self.generator.stats()
+        self._deliver(results)
+
+    def _deliver(self, results: list[Result]) -> None:
         for result in results:
             owner = self._handles.get(result["job"].job_id)
             if owner is None:
@@ -126,25 +238,27 @@ class BackgroundGenerator:
             except Exception:  # noqa: BLE001 - a consumer's failure must not stop the engine
                 logger.exception("delivering a result to %r failed", owner)
 
-    def _fail_all(self, error: BaseException) -> None:
-        self.generator.clear_queue()
-        for handle in self._handles.values():
-            handle._fail(error)
-        self._handles.clear()
-        self._stats = self.generator.stats()
+    def _stop(self, cause: BaseException) -> None:
+        """The engine thread ends on ``cause``: fail every unfinished job, refuse new ones."""
+        logger.error("the dyngen engine thread stopped; failing its jobs", exc_info=cause)
+        with self._lock:
+            self._failure = cause
+            self._cancels.clear()
+        try:
+            self._end()
+        except Exception:  # noqa: BLE001 - the engine is stopped either way
+            logger.exception("emptying the stopped engine failed")
 
-    def _admit(self, incoming: list[tuple[Job, JobHandle]]) -> None:
-        for job, handle in incoming:
-            if handle.cancel_requested:
-                handle._cancelled_before_start()
-                continue
-            try:
-                self.generator.enqueue(job)
-            except Exception as exc:  # noqa: BLE001 - reported to the submitter, engine goes on
-                handle._fail(exc)
-                continue
-            assert job.job_id is not None
-            self._handles[job.job_id] = handle
+    def _end(self) -> None:
+        """Fail the handed-over, admitting and running jobs, and empty the engine (it runs no
+        more jobs)."""
+        with self._lock:
+            waiting, self._incoming = self._incoming, []
+        running = [(handle.job, handle) for handle in self._handles.values()]
+        self._fail([*waiting, *self._admitting, *running])
+        self._admitting, self._handles = [], {}
+        self.generator.clear_queue()
+        self._stats = self.generator.stats()
 
 
 class _SharedGenerators:
@@ -159,31 +273,33 @@ class _SharedGenerators:
         self._models: dict[tuple[str, str, str], Model] = {}
 
     def get(self, model_dir: str | Path, options: EngineOptions) -> BackgroundGenerator:
-        folder = str(Path(model_dir).resolve())
-        key = (folder, options)
+        key = (str(Path(model_dir).resolve()), options)
         with self._lock:
-            if key not in self._by_key:
-                model = self._model(folder, options)
-                generator = DynamicGenerator(
-                    model=model,
-                    cache=Cache(model, max_tokens=options.cache_tokens, mode=options.cache_mode),
-                    tokenizer=Tokenizer.from_model_dir(folder),
-                    max_batch_size=options.max_batch_size,
-                    max_chunk_size=options.max_chunk_size,
-                    dedup=options.dedup,
-                    prompt_cache=options.prompt_cache,
-                    attention_backend=options.attention_backend,
-                    cuda_graphs=options.cuda_graphs,
-                    compile_decode=options.compile_decode,
-                )
-                self._by_key[key] = BackgroundGenerator(generator)
-            return self._by_key[key]
+            engine = self._by_key.get(key)
+            if engine is None or not engine.running:
+                engine = self._by_key[key] = BackgroundGenerator(self._generator(*key))
+            return engine
 
     def close_all(self) -> None:
         with self._lock:
             engines, self._by_key = list(self._by_key.values()), {}
         for engine in engines:
             engine.close()
+
+    def _generator(self, folder: str, options: EngineOptions) -> DynamicGenerator:
+        model = self._model(folder, options)
+        return DynamicGenerator(
+            model=model,
+            cache=Cache(model, max_tokens=options.cache_tokens, mode=options.cache_mode),
+            tokenizer=Tokenizer.from_model_dir(folder),
+            max_batch_size=options.max_batch_size,
+            max_chunk_size=options.max_chunk_size,
+            dedup=options.dedup,
+            prompt_cache=options.prompt_cache,
+            attention_backend=options.attention_backend,
+            cuda_graphs=options.cuda_graphs,
+            compile_decode=options.compile_decode,
+        )
 
     def _model(self, folder: str, options: EngineOptions) -> Model:
         key = (folder, options.device, options.dtype)
@@ -204,9 +320,15 @@ atexit.register(_REGISTRY.close_all)
 def shared_generator(model_dir: str | Path, **options: Any) -> BackgroundGenerator:
     """The process-wide `BackgroundGenerator` for this model folder and engine options.
 
-    ``options`` are `EngineOptions` fields (cache_tokens, cache_mode, device, dtype,
-    max_batch_size, ...). The same folder with the same options always gives the same engine,
-    whichever adapter asks, so the weights load once and every caller shares one job queue.
+    model_dir: the model folder (any spelling of the same path gives the same engine).
+    options: `EngineOptions` fields (cache_tokens, cache_mode, device, dtype, max_batch_size,
+        max_chunk_size, attention_backend, dedup, prompt_cache, cuda_graphs, compile_decode),
+        or ``engine_options=EngineOptions(...)``.
+
+    The same folder with the same options gives the same engine, whichever adapter asks, so the
+    weights load once and every caller shares one job queue. An engine that was closed or
+    stopped on an error is replaced by a new one over the same loaded weights, with a new
+    cache (the old cache's memory is freed once nothing holds the old engine).
     """
     opts = options.pop("engine_options", None) or EngineOptions(**options)
     return _REGISTRY.get(model_dir, opts)

@@ -1,44 +1,52 @@
 """`JobHandle`: one submitted job's results, readable from a thread or an event loop.
 
-The engine thread pushes results; a consumer iterates them synchronously (``for r in handle``)
-or asynchronously (``async for r in handle``), or waits for the final one (``result()`` /
-``await aresult()``). Async consumers are woken with ``call_soon_threadsafe``, so awaiting many
-handles needs no thread per job.
+The engine thread pushes results; a consumer reads them synchronously (``for r in handle``,
+``handle.stream(timeout)``) or asynchronously (``async for r in handle``,
+``handle.astream(timeout)``), or waits for the final one (``result()`` / ``await aresult()``).
+Async consumers are woken with ``call_soon_threadsafe``, so awaiting many handles needs no
+thread per job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 from dyngen_core.engine.job import Job
 from dyngen_core.engine.results import EosReason, Result
 
-if TYPE_CHECKING:
-    from dyngen_core.runtime.background import BackgroundGenerator
+_Waiter = tuple[asyncio.AbstractEventLoop, asyncio.Event]
 
 
 class JobHandle:
-    """Results of one job submitted to a `BackgroundGenerator`.
+    """Results of one job submitted to a `BackgroundGenerator` (which builds the handles).
 
-    A handle is consumed once: iterate it (sync or async) or ask for `result()`. Breaking out of
-    an iteration does not cancel the job; call `cancel()` (adapters do).
+    job: the submitted `Job`.
+    cancel: asks the engine to stop the job (no argument); `cancel()` calls it once.
+
+    Results stay in the handle, so it may be read more than once. Breaking out of a read does
+    not cancel the job; call `cancel()` (the adapters do).
+
+    Every wait takes an optional ``timeout`` in seconds, counted from the call: when it passes
+    before the job ends, TimeoutError is raised and the job keeps running (cancel it to give
+    up). A job the engine could not run or finish (refused at enqueue, a failed step, a
+    stopped engine) raises that error from every read once its earlier results are read.
     """
 
-    def __init__(self, job: Job, owner: BackgroundGenerator) -> None:
+    def __init__(self, job: Job, cancel: Callable[[], None]) -> None:
         self.job = job
-        self._owner = owner
+        self._request_cancel = cancel
         self._cond = threading.Condition()
         self._results: list[Result] = []
         self._final: Result | None = None
         self._error: BaseException | None = None
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._waiters: list[_Waiter] = []
         self.cancel_requested = False
 
-    # ---- producer side (engine thread) -------------------------------------------------------
+    # ---- producer side (the engine) ----------------------------------------------------------
 
     def _push(self, result: Result) -> None:
         with self._cond:
@@ -48,7 +56,10 @@ class JobHandle:
             self._wake()
 
     def _fail(self, error: BaseException) -> None:
+        """End the job with ``error`` (ignored once the job has ended)."""
         with self._cond:
+            if self.done:
+                return
             self._error = error
             self._wake()
 
@@ -75,27 +86,72 @@ class JobHandle:
 
     @property
     def done(self) -> bool:
+        """True once the job has ended: its final result came, or it failed."""
         return self._final is not None or self._error is not None
 
     def cancel(self) -> None:
-        """Cancel the job; its pages are freed before the engine's next step."""
-        if self.done:
+        """Cancel the job; its pages are freed before the engine's next step, and its final
+        result has eos_reason "cancelled". Does nothing once the job has ended."""
+        if self.done or self.cancel_requested:
             return
         self.cancel_requested = True
-        self._owner.cancel(self.job)
+        self._request_cancel()
+
+    def stream(self, timeout: float | None = None) -> Iterator[Result]:
+        """The job's results as they come, up to and including the final one."""
+        return self._stream(_deadline(timeout), timeout)
+
+    def astream(self, timeout: float | None = None) -> AsyncIterator[Result]:
+        """`stream` for an event loop (call it from a coroutine): waits without blocking it."""
+        return self._astream(_deadline(timeout), timeout)
 
     def __iter__(self) -> Iterator[Result]:
+        return self.stream()
+
+    def __aiter__(self) -> AsyncIterator[Result]:
+        return self.astream()
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Block until the job ends; return its final result (text in ``full_completion``)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout=timeout):
+                raise self._timed_out(timeout)
+            if self._error is not None:
+                raise self._error
+            assert self._final is not None
+            return self._final
+
+    async def aresult(self, timeout: float | None = None) -> Result:
+        """Await the job's final result without blocking the event loop."""
+        final: Result | None = None
+        async for result in self.astream(timeout):
+            final = result
+        assert final is not None
+        return final
+
+    def text(self, timeout: float | None = None) -> str:
+        """Block until the job ends; return its completion text."""
+        return str(self.result(timeout)["full_completion"])
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.job!r}, done={self.done})"
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def _stream(self, deadline: float | None, timeout: float | None) -> Iterator[Result]:
         index = 0
         while True:
             with self._cond:
-                self._cond.wait_for(partial(self._ready, index))
+                if not self._cond.wait_for(partial(self._ready, index), _left(deadline)):
+                    raise self._timed_out(timeout)
                 batch = self._new_results(index)
             index += len(batch)
             yield from _until_eos(batch)
             if batch[-1]["eos"]:
                 return
 
-    async def __aiter__(self) -> AsyncIterator[Result]:
+    async def _astream(self, deadline: float | None, timeout: float | None
+                       ) -> AsyncIterator[Result]:
         index = 0
         loop = asyncio.get_running_loop()
         while True:
@@ -106,18 +162,28 @@ class JobHandle:
                 else:
                     self._waiters.append(waiter)
             if waiter is not None:
-                try:
-                    await waiter[1].wait()
-                finally:
-                    with self._cond:
-                        if waiter in self._waiters:
-                            self._waiters.remove(waiter)
+                await self._wait(waiter, deadline, timeout)
                 continue
             index += len(batch)
             for result in _until_eos(batch):
                 yield result
             if batch[-1]["eos"]:
                 return
+
+    async def _wait(self, waiter: _Waiter, deadline: float | None,
+                    timeout: float | None) -> None:
+        """Wait for the engine to set ``waiter``'s event; always unregisters it."""
+        try:
+            if deadline is None:
+                await waiter[1].wait()
+            else:
+                await asyncio.wait_for(waiter[1].wait(), _left(deadline))
+        except asyncio.TimeoutError:
+            raise self._timed_out(timeout) from None
+        finally:
+            with self._cond:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
 
     def _ready(self, index: int) -> bool:
         return index < len(self._results) or self._error is not None
@@ -130,30 +196,18 @@ class JobHandle:
             raise self._error
         return self._results[index:]
 
-    def result(self, timeout: float | None = None) -> Result:
-        """Block until the job ends; return its final result (text in ``full_completion``)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.done, timeout=timeout):
-                raise TimeoutError(f"{self.job!r} did not finish within {timeout} s")
-            if self._error is not None:
-                raise self._error
-            assert self._final is not None
-            return self._final
+    def _timed_out(self, timeout: float | None) -> TimeoutError:
+        return TimeoutError(f"{self.job!r} did not end within timeout={timeout} s; it is still "
+                            "running (cancel() it to give up)")
 
-    async def aresult(self) -> Result:
-        """Await the job's final result without blocking the event loop."""
-        final: Result | None = None
-        async for result in self:
-            final = result
-        assert final is not None
-        return final
 
-    def text(self) -> str:
-        """Block until the job ends; return its completion text."""
-        return str(self.result()["full_completion"])
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
 
-    def __repr__(self) -> str:
-        return f"JobHandle({self.job!r}, done={self.done})"
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _until_eos(batch: list[Result]) -> Iterator[Result]:

@@ -1,6 +1,6 @@
 """One chat job's results as LangChain message chunks.
 
-Text is passed on token by token. With tools offered, `dyngen_core.text.tools.ToolCallParser` holds
+Text is passed on token by token. With tools offered, `dyngen_core.tools.ToolCallParser` holds
 back output that may be a call and turns each completed call into a tool-call chunk (with its
 id); whatever is left when the job ends goes out with the last chunk, which also carries usage
 metadata, the finish reason and the model name, and is marked ``chunk_position="last"``.
@@ -16,7 +16,7 @@ from langchain_core.messages.tool import ToolCallChunk, tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
 from dyngen_core import Result
-from dyngen_core.text.tools import ToolCallParser, ToolStreamDelta
+from dyngen_core.tools import ToolCallParser, ToolStreamDelta
 from langchain_dyngen._runs import response_metadata, usage_metadata
 
 

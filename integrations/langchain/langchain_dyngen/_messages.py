@@ -3,7 +3,7 @@
 Messages become the dicts chat templates read (transformers' shape: ``role``, ``content``,
 ``tool_calls`` with ``function.arguments`` as a dict, ``tool_call_id``). A template that renders
 tools itself gets the tools and these messages; for one that does not, the documented fallback
-of `dyngen_core.text.tools.fallback_messages` describes the tools in the system message and writes
+of `dyngen_core.tools.fallback_messages` describes the tools in the system message and writes
 calls and results as text.
 """
 
@@ -22,7 +22,7 @@ from langchain_core.messages import (
 )
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from dyngen_core.text.tools import ToolSpec, fallback_messages, template_supports_tools
+from dyngen_core.tools import ToolSpec, fallback_messages, template_supports_tools
 
 # Content blocks a text-only model cannot take; other non-text blocks (tool_use, thinking,
 # reasoning) are carried elsewhere in the message or have no place in the prompt.

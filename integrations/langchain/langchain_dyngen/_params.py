@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dyngen_core import Job, SamplerSettings
-from dyngen_core.engine.settings import FRAMEWORK_SAMPLING_FIELDS
+from dyngen_core import FRAMEWORK_SAMPLING_FIELDS, Job, SamplerSettings
 
 if TYPE_CHECKING:
     from dyngen_core import BackgroundGenerator
@@ -78,12 +77,11 @@ class Generation:
         """A `Job` for ``input_ids`` on ``engine``: ends at the model's end-of-sequence tokens,
         at any stop sequence (cut from the text) or after max_tokens."""
         tokenizer = engine.tokenizer
-        defaults = engine.generator.model.config.generation_defaults
         return Job(
             input_ids=list(input_ids),
             max_new_tokens=self.max_tokens,
             stop_conditions=[*tokenizer.eos_token_ids, *self.stop],
-            gen_settings=self.sampler_settings(defaults),
+            gen_settings=self.sampler_settings(engine.generation_defaults),
             seed=self.seed,
             constraint=constraint,
         )

@@ -2,15 +2,13 @@
 
 Whatever ends the reading early — the caller breaking out of a stream, an exception, a
 cancelled asyncio task, the timeout — cancels the job, so its pages go back to the cache at
-once instead of after max_tokens more tokens. Also the LangChain views of a final result:
-usage metadata, finish reason, response metadata.
+once instead of after max_tokens more tokens. A timeout raises as soon as it passes, whatever
+the engine is doing. Also the LangChain views of a final result: usage metadata, finish reason,
+response metadata.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +18,6 @@ from dyngen_core import Result
 
 if TYPE_CHECKING:
     from dyngen_core import JobHandle
-
-# How long a cancelled job may take to end (one engine step, normally).
-_ENDING_WAIT_S = 60.0
 
 # eos_reason -> OpenAI-style finish_reason (what LangChain users and tools look for).
 _FINISH_REASONS = {
@@ -34,43 +29,19 @@ _FINISH_REASONS = {
 }
 
 
-class _Deadline:
-    """Cancels a handle when ``timeout`` seconds pass; remembers whether it did."""
-
-    def __init__(self, handle: JobHandle) -> None:
-        self.handle = handle
-        self.fired = False
-
-    def fire(self) -> None:
-        self.fired = True
-        self.handle.cancel()
-
-    def check(self, result: Result, timeout: float | None) -> None:
-        if self.fired and result["eos"] and str(result["eos_reason"]) == "cancelled":
-            raise TimeoutError(
-                f"generation did not finish within timeout={timeout} s; the job was cancelled "
-                "(raise `timeout` or lower `max_tokens`)"
-            )
-
-
 def iterate_results(handle: JobHandle, timeout: float | None = None) -> Iterator[Result]:
-    """The job's results as they come. The timeout counts from this call; the job is
-    cancelled if the caller stops reading early."""
-    deadline = _Deadline(handle)
-    timer = threading.Timer(timeout, deadline.fire) if timeout else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
+    """The job's results as they come. ``timeout`` (seconds, from this call) bounds the whole
+    job; the job is cancelled when it passes or when the caller stops reading early."""
+    stream = handle.stream(timeout)
 
     def results() -> Iterator[Result]:
         try:
-            for result in handle:
-                deadline.check(result, timeout)
+            for result in stream:
                 raise_for_error(result)
                 yield result
+        except TimeoutError as exc:
+            raise _timed_out(timeout) from exc
         finally:
-            if timer is not None:
-                timer.cancel()
             handle.cancel()
 
     return results()
@@ -79,33 +50,24 @@ def iterate_results(handle: JobHandle, timeout: float | None = None) -> Iterator
 def aiterate_results(handle: JobHandle, timeout: float | None = None) -> AsyncIterator[Result]:
     """`iterate_results` for an event loop (call it from a coroutine): waits without blocking
     the loop."""
-    deadline = _Deadline(handle)
-    loop = asyncio.get_running_loop()
-    timer = loop.call_later(timeout, deadline.fire) if timeout else None
+    stream = handle.astream(timeout)
 
     async def results() -> AsyncIterator[Result]:
         try:
-            async for result in handle:
-                deadline.check(result, timeout)
+            async for result in stream:
                 raise_for_error(result)
                 yield result
+        except TimeoutError as exc:
+            raise _timed_out(timeout) from exc
         finally:
-            if timer is not None:
-                timer.cancel()
-            if not handle.done:
-                handle.cancel()
-                await _until_ended(handle)
+            handle.cancel()
 
     return results()
 
 
-async def _until_ended(handle: JobHandle) -> None:
-    """Wait (off the loop) until the engine has ended a cancelled job. A task cancelled while
-    waiting on a handle leaves a wake-up registered with this event loop, which the engine
-    delivers with its next result; the loop must still be open then (``asyncio.run`` would
-    otherwise close it first, and the engine thread fails on the closed loop)."""
-    with contextlib.suppress(Exception):
-        await asyncio.to_thread(handle.result, _ENDING_WAIT_S)
+def _timed_out(timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"generation did not finish within timeout={timeout} s; the job was "
+                        "cancelled (raise `timeout` or lower `max_tokens`)")
 
 
 def raise_for_error(result: Result) -> None:

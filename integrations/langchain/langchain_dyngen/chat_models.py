@@ -19,8 +19,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from dyngen_core import EngineOptions, Tokenizer
-from dyngen_core.text.tools import ToolSpec, normalize_tool_choice, tool_choice_constraint
-from langchain_dyngen._batch import gated_batch, run_coroutine_blocking, submit
+from dyngen_core.tools import ToolSpec, normalize_tool_choice, tool_choice_constraint
+from langchain_dyngen._batch import coalesced_batch, run_coroutine_blocking, submit
 from langchain_dyngen._chat_output import ChatChunker
 from langchain_dyngen._engine import (
     ENGINE_OPTION_NAMES,
@@ -96,7 +96,7 @@ class ChatDynGen(BaseChatModel):
     Tools: `bind_tools` with tool_choice "auto", "none", "any"/"required" or a tool name, each
     enforced by constrained decoding; parallel calls; calls parsed into ``tool_calls`` with ids.
     A chat template without tools support gets the documented fallback prompt of
-    `dyngen_core.text.tools` (the demo model's ChatML template is one). Structured output: see
+    `dyngen_core.tools` (the demo model's ChatML template is one). Structured output: see
     `with_structured_output`. Usage metadata counts prompt tokens served from the prefix cache
     as ``input_token_details["cache_read"]``.
     """
@@ -247,7 +247,7 @@ class ChatDynGen(BaseChatModel):
         if not inputs or configs[0].get("max_concurrency") is not None:
             return await super().abatch(inputs, config, return_exceptions=return_exceptions,
                                         **kwargs)
-        results = await gated_batch(lambda item, cfg: self.ainvoke(item, cfg, **kwargs),
+        results = await coalesced_batch(lambda item, cfg: self.ainvoke(item, cfg, **kwargs),
                                     inputs, configs, return_exceptions)
         return results  # type: ignore[return-value]
 

@@ -29,7 +29,7 @@ from langchain_dyngen._params import Generation as GenerationRequest
 from langchain_dyngen._runs import aiterate_results, iterate_results, response_metadata
 
 if TYPE_CHECKING:
-    from dyngen_core import BackgroundGenerator, Job, JobHandle
+    from dyngen_core import BackgroundGenerator, Job
 
 
 class DynGenLLM(BaseLLM):
@@ -125,20 +125,20 @@ class DynGenLLM(BaseLLM):
                           "cached_tokens": final["cached_tokens"]}}
         return Generation(text=text, generation_info=info)
 
-    def _collect(self, handle: JobHandle, model_name: str,
+    def _collect(self, results: Iterator[Result], model_name: str,
                  run_manager: CallbackManagerForLLMRun | None) -> Generation:
         final = None
-        for final in iterate_results(handle, self.timeout):
+        for final in results:
             text = final.get("text")
             if text and run_manager is not None:
                 run_manager.on_llm_new_token(text)
         assert final is not None
         return self._final_generation(str(final["full_completion"]), final, model_name)
 
-    async def _acollect(self, handle: JobHandle, model_name: str,
+    async def _acollect(self, results: AsyncIterator[Result], model_name: str,
                         run_manager: AsyncCallbackManagerForLLMRun | None) -> Generation:
         final = None
-        async for final in aiterate_results(handle, self.timeout):
+        async for final in results:
             text = final.get("text")
             if text and run_manager is not None:
                 await run_manager.on_llm_new_token(text)
@@ -152,8 +152,10 @@ class DynGenLLM(BaseLLM):
         engine = engine_for(model_dir, self.engine_options)
         handles = engine.submit_many(self._jobs(engine, prompts, stop, options))
         name = self._model_name(options.get("model"))
+        # One deadline for the whole call: every job's timeout starts now.
+        streams = [iterate_results(h, self.timeout) for h in handles]
         try:
-            generations = [self._collect(h, name, run_manager) for h in handles]
+            generations = [self._collect(s, name, run_manager) for s in streams]
         finally:
             for handle in handles:
                 handle.cancel()
@@ -166,9 +168,10 @@ class DynGenLLM(BaseLLM):
         engine = await asyncio.to_thread(engine_for, model_dir, self.engine_options)
         handles = engine.submit_many(self._jobs(engine, prompts, stop, options))
         name = self._model_name(options.get("model"))
+        streams = [aiterate_results(h, self.timeout) for h in handles]
         try:
             generations = await asyncio.gather(
-                *(self._acollect(h, name, run_manager) for h in handles))
+                *(self._acollect(s, name, run_manager) for s in streams))
         finally:
             for handle in handles:
                 handle.cancel()

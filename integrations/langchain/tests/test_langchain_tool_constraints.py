@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from dyngen_core import Tokenizer
-from dyngen_core.text.constraints import ConstraintCompiler
-from dyngen_core.text.tools import ToolSpec, tool_choice_constraint
+from dyngen_core.constraints import ConstraintCompiler
+from dyngen_core.tools import ToolSpec, tool_choice_constraint
 
 ADD = ToolSpec("add", "Add two ints", {"type": "object", "properties": {
     "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -260,81 +258,3 @@ def test_a_template_without_tool_support_gets_the_fallback() -> None:
     assert "Result of tool call c1 (add): 3" in offered
     replay = ToolTurn.history_only().render(chatml, to_template_messages(HISTORY))
     assert "Result of tool call c1 (add): 3" in replay and "You can call" not in replay
-
-
-class _FakeHandle:
-    def __init__(self, job: object) -> None:
-        self.job, self.cancelled = job, False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class _FakeEngine:
-    """Records how jobs arrive and keeps their handles; refuses the job "too big" as the real
-    engine refuses a job that can never fit. ``submit_many`` waits for ``release``."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.calls: list[list[object]] = []
-        self.handles: list[_FakeHandle] = []
-        self.release = threading.Event()
-        self.release.set()
-
-    def submit_many(self, jobs: list[object]) -> list[_FakeHandle]:
-        self.calls.append(list(jobs))
-        self.release.wait()
-        if "too big" in jobs:
-            raise ValueError("a job is too big")
-        self.handles += [_FakeHandle(j) for j in jobs]
-        return self.handles[-len(jobs):]
-
-    def submit(self, job: object) -> _FakeHandle:
-        self.calls.append([job])
-        if job == "too big":
-            raise ValueError("job too big for the cache")
-        self.handles.append(_FakeHandle(job))
-        return self.handles[-1]
-
-
-def test_one_loop_iteration_of_async_submissions_reaches_the_engine_together() -> None:
-    import asyncio
-
-    from llama_index.llms.dyngen.gate import GateRegistry
-
-    engine = _FakeEngine()
-    gates = GateRegistry(engine)
-
-    async def run() -> list[Any]:
-        return await asyncio.gather(*(gates.submit(f"job {i}") for i in range(5)))
-
-    handles = asyncio.run(run())
-    assert engine.calls == [[f"job {i}" for i in range(5)]]
-    assert [h.job for h in handles] == [f"job {i}" for i in range(5)]
-
-
-def test_a_refused_job_fails_only_its_caller_and_an_abandoned_one_is_cancelled() -> None:
-    import asyncio
-
-    from llama_index.llms.dyngen.gate import GateRegistry
-
-    engine = _FakeEngine()
-    engine.release.clear()
-    gates = GateRegistry(engine)
-
-    async def run() -> list[Any]:
-        abandoned = asyncio.ensure_future(gates.submit("abandoned"))
-        results = asyncio.gather(gates.submit("ok"), gates.submit("too big"),
-                                 return_exceptions=True)
-        while not engine.calls:  # the group is on its way to the engine
-            await asyncio.sleep(0.001)
-        abandoned.cancel()
-        engine.release.set()
-        return list(await results)
-
-    ok, refused = asyncio.run(run())
-    assert engine.calls[0] == ["abandoned", "ok", "too big"]  # one group, then one by one
-    assert ok.job == "ok" and isinstance(refused, ValueError)
-    [abandoned] = [h for h in engine.handles if h.job == "abandoned"]
-    assert abandoned.cancelled

@@ -3,8 +3,8 @@
 Every call — sync, async, streaming, from any thread — becomes one `Job` submitted to the
 process-wide `BackgroundGenerator` for the model folder (`shared_generator`), so concurrent
 calls from a query engine batch together and prompts that share a prefix share cache pages.
-Async methods hand their jobs over off the event loop (grouped per loop iteration, see
-`gate`) and await the job's handle: they never block the event loop.
+Async methods hand their jobs over grouped per event-loop iteration (`JobSubmitter`) and await
+the job's handle: they never block the event loop.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from llama_index.llms.dyngen.tool_calling import (
     validate_tool_response,
 )
 
-from dyngen_core import BackgroundGenerator, EngineOptions, JobHandle, shared_generator
+from dyngen_core import BackgroundGenerator, EngineOptions, JobHandle
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -74,6 +74,8 @@ class DynGenLLM(FunctionCallingLLM):
         stop: strings that end generation (the model's end-of-turn tokens always do).
         context_window: report a smaller window to LlamaIndex than the model and cache allow
             (it decides how much retrieved text to pack into one prompt).
+        timeout: seconds a call may take (a stream: counted from its first read); the job is
+            then cancelled and TimeoutError raised. None (default): no limit.
         engine_options: an `EngineOptions` (or dict); or give its fields directly
             (cache_tokens, cache_mode, device, dtype, max_batch_size, max_chunk_size,
             attention_backend, dedup, prompt_cache), which win over ``engine_options``.
@@ -82,7 +84,7 @@ class DynGenLLM(FunctionCallingLLM):
 
     Every generation field can be overridden per call as a keyword argument, as can
     ``constraint`` (a JSON schema dict, pydantic class, regex or choices; see
-    `dyngen_core.text.constraints`), ``banned_strings`` and ``min_tokens``.
+    `dyngen_core.constraints`), ``banned_strings`` and ``min_tokens``.
     """
 
     model_dir: str = Field(description="Folder of the model (config.json, weights, tokenizer).")
@@ -96,9 +98,10 @@ class DynGenLLM(FunctionCallingLLM):
     seed: int | None = Field(default=None)
     stop: list[str] = Field(default_factory=list, description="Strings that end generation.")
     context_window: int | None = Field(default=None, gt=0)
+    timeout: float | None = Field(default=None, gt=0,
+                                  description="Seconds a call may take (then TimeoutError).")
     engine_options: EngineOptions = Field(default_factory=EngineOptions)
 
-    _engine: BackgroundGenerator = PrivateAttr()
     _jobs: JobSubmitter = PrivateAttr()
     _metadata: LLMMetadata = PrivateAttr()
 
@@ -110,8 +113,7 @@ class DynGenLLM(FunctionCallingLLM):
     def __init__(self, **data: Any) -> None:
         super().__init__(**data)
         folder = Path(self.model_dir)
-        self._engine = shared_generator(folder, engine_options=self.engine_options)
-        self._jobs = JobSubmitter(self._engine)
+        self._jobs = JobSubmitter(folder, self.engine_options)
         self._metadata = LLMMetadata(
             context_window=self.context_window or self._jobs.usable_window,
             num_output=self.max_tokens,
@@ -136,28 +138,31 @@ class DynGenLLM(FunctionCallingLLM):
 
     @property
     def engine(self) -> BackgroundGenerator:
-        """The shared `BackgroundGenerator` this LLM submits to (for stats or direct jobs)."""
-        return self._engine
+        """The shared `BackgroundGenerator` this LLM submits to now (for stats or direct jobs);
+        a closed or stopped engine is replaced by a new one on the next call."""
+        return self._jobs.engine
 
     # ---- completion ------------------------------------------------------------------------
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        final = wait_final(self._submit_text(prompt, formatted, kwargs, "complete"))
+        handle = self._submit_text(prompt, formatted, kwargs, "complete")
+        final = wait_final(handle, self.timeout)
         return CompletionResponse(text=final["full_completion"], raw=metrics(final))
 
     @llm_completion_callback()
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
-        return completion_stream(self._submit_text(prompt, formatted, kwargs, "stream_complete"))
+        handle = self._submit_text(prompt, formatted, kwargs, "stream_complete")
+        return completion_stream(handle, self.timeout)
 
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         handle = await self._asubmit_text(prompt, formatted, kwargs, "acomplete")
-        final = await await_final(handle)
+        final = await await_final(handle, self.timeout)
         return CompletionResponse(text=final["full_completion"], raw=metrics(final))
 
     @llm_completion_callback()
@@ -165,31 +170,32 @@ class DynGenLLM(FunctionCallingLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         handle = await self._asubmit_text(prompt, formatted, kwargs, "astream_complete")
-        return acompletion_stream(handle)
+        return acompletion_stream(handle, self.timeout)
 
     # ---- chat ------------------------------------------------------------------------------
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         turn, handle = self._submit_chat(messages, kwargs, "chat")
-        final = wait_final(handle)
+        final = wait_final(handle, self.timeout)
         return turn.response(final["full_completion"], raw=metrics(final))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return chat_stream(*self._submit_chat(messages, kwargs, "stream_chat"))
+        return chat_stream(*self._submit_chat(messages, kwargs, "stream_chat"), self.timeout)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         turn, handle = await self._asubmit_chat(messages, kwargs, "achat")
-        final = await await_final(handle)
+        final = await await_final(handle, self.timeout)
         return turn.response(final["full_completion"], raw=metrics(final))
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        return achat_stream(*await self._asubmit_chat(messages, kwargs, "astream_chat"))
+        turn, handle = await self._asubmit_chat(messages, kwargs, "astream_chat")
+        return achat_stream(turn, handle, self.timeout)
 
     # ---- tools -----------------------------------------------------------------------------
 

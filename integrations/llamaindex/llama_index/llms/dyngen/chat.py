@@ -2,7 +2,7 @@
 the reply back into a LlamaIndex `ChatResponse` (text, or text plus tool calls).
 
 The prompt goes through the model's own chat template. A turn with tools is rendered,
-constrained and parsed by `dyngen_core.text.tools` (shared with the LangChain adapter) through
+constrained and parsed by `dyngen_core.tools` (shared with the LangChain adapter) through
 `ToolTurn`; this module only adapts LlamaIndex objects to it.
 """
 
@@ -12,6 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llama_index.core.base.llms.generic_utils import (
+    messages_to_prompt as generic_messages_to_prompt,
+)
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
 from llama_index.llms.dyngen.messages import assistant_message, to_template_messages
 from llama_index.llms.dyngen.tool_calling import ToolTurn
@@ -53,12 +56,13 @@ def prepare_turn(
     tokenizer: Any,
     messages: Sequence[ChatMessage],
     kwargs: dict[str, Any],
-    messages_to_prompt: Callable[[Sequence[ChatMessage]], str],
+    messages_to_prompt: Callable[[Sequence[ChatMessage]], str] | None,
 ) -> ChatTurn:
     """Build the prompt for ``messages``; pops the tool keywords out of ``kwargs``.
 
-    Without a chat template in the model folder, LlamaIndex's ``messages_to_prompt`` renders
-    the conversation as plain text (tools then need a template and are refused).
+    Without a chat template in the model folder, ``messages_to_prompt`` (LlamaIndex's generic
+    one when None) renders the conversation as plain text (tools then need a template and are
+    refused).
     """
     tool_args = {k: kwargs.pop(k) for k in TOOL_KEYS if k in kwargs}
     if not messages:
@@ -74,7 +78,8 @@ def prepare_turn(
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
         return ChatTurn(tokenizer.encode(text, encode_special_tokens=True))
     add_bos = bool(tokenizer.add_bos_token and tokenizer.bos_token_id is not None)
-    return ChatTurn(tokenizer.encode(messages_to_prompt(messages), add_bos=add_bos))
+    render = messages_to_prompt or generic_messages_to_prompt
+    return ChatTurn(tokenizer.encode(render(messages), add_bos=add_bos))
 
 
 def _has_tool_traffic(chat: list[dict[str, Any]]) -> bool:

@@ -1,6 +1,6 @@
 """LlamaIndex `ChatMessage` objects to the plain dicts a chat template reads, and back.
 
-Chat templates (and `dyngen_core.text.tools`) speak the OpenAI / transformers message shape:
+Chat templates (and `dyngen_core.tools`) speak the OpenAI / transformers message shape:
 ``{"role", "content", "tool_calls": [{"id", "type": "function", "function": {"name",
 "arguments"}}], "tool_call_id"}``. LlamaIndex keeps tool calls as `ToolCallBlock`s (newer
 agents) or in ``additional_kwargs["tool_calls"]`` (older integrations); both are read here.

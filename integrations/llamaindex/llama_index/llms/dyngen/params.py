@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dyngen_core import Job, SamplerSettings
-from dyngen_core.engine.settings import FRAMEWORK_SAMPLING_FIELDS
+from dyngen_core import FRAMEWORK_SAMPLING_FIELDS, Job, SamplerSettings
 
 GENERATION_FIELDS: tuple[str, ...] = ("max_tokens", *FRAMEWORK_SAMPLING_FIELDS, "seed", "stop")
 # Job options a caller may pass per call, besides the generation fields.

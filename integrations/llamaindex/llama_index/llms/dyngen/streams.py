@@ -35,10 +35,14 @@ def raise_if_failed(result: Result) -> None:
         raise RuntimeError(f"dyngen job failed: {error!r}")
 
 
-def wait_final(handle: JobHandle) -> Result:
-    """Block until the job ends; return its final result."""
+def wait_final(handle: JobHandle, timeout: float | None = None) -> Result:
+    """Block until the job ends; return its final result. The job is cancelled when the wait
+    ends early: ``timeout`` seconds passed (TimeoutError), or an exception."""
     try:
-        final = handle.result()
+        final = handle.result(timeout)
+    except TimeoutError as exc:
+        handle.cancel()
+        raise timed_out(timeout) from exc
     except BaseException:
         handle.cancel()
         raise
@@ -46,10 +50,14 @@ def wait_final(handle: JobHandle) -> Result:
     return final
 
 
-async def await_final(handle: JobHandle) -> Result:
-    """Await the job's end without blocking the event loop; return its final result."""
+async def await_final(handle: JobHandle, timeout: float | None = None) -> Result:
+    """Await the job's end without blocking the event loop; return its final result (the job
+    is cancelled on a timeout, an exception or a cancelled task)."""
     try:
-        final = await handle.aresult()
+        final = await handle.aresult(timeout)
+    except TimeoutError as exc:
+        handle.cancel()
+        raise timed_out(timeout) from exc
     except BaseException:  # includes asyncio.CancelledError: free the job's pages
         handle.cancel()
         raise
@@ -57,28 +65,51 @@ async def await_final(handle: JobHandle) -> Result:
     return final
 
 
-def iter_chunks(handle: JobHandle) -> Iterator[tuple[str, Result]]:
+def iter_chunks(handle: JobHandle, timeout: float | None = None
+                ) -> Iterator[tuple[str, Result]]:
     """Yield ``(new_text, result)`` per streamed result; the last one carries the final result.
 
-    Closing the iterator early cancels the job.
+    ``timeout`` (seconds, from this call) bounds the whole job. Closing the iterator early or
+    the timeout cancels the job.
     """
-    try:
-        for result in handle:
-            raise_if_failed(result)
-            text = result.get("text", "") or ""
-            if text or result["eos"]:
-                yield text, result
-    finally:
-        handle.cancel()  # no-op once the job has ended
+    results = handle.stream(timeout)
+
+    def chunks() -> Iterator[tuple[str, Result]]:
+        try:
+            for result in results:
+                raise_if_failed(result)
+                text = result.get("text", "") or ""
+                if text or result["eos"]:
+                    yield text, result
+        except TimeoutError as exc:
+            raise timed_out(timeout) from exc
+        finally:
+            handle.cancel()  # no-op once the job has ended
+
+    return chunks()
 
 
-async def aiter_chunks(handle: JobHandle) -> AsyncIterator[tuple[str, Result]]:
+def aiter_chunks(handle: JobHandle, timeout: float | None = None
+                 ) -> AsyncIterator[tuple[str, Result]]:
     """Async form of `iter_chunks`: awaits results, never blocks the event loop."""
-    try:
-        async for result in handle:
-            raise_if_failed(result)
-            text = result.get("text", "") or ""
-            if text or result["eos"]:
-                yield text, result
-    finally:
-        handle.cancel()
+    results = handle.astream(timeout)
+
+    async def chunks() -> AsyncIterator[tuple[str, Result]]:
+        try:
+            async for result in results:
+                raise_if_failed(result)
+                text = result.get("text", "") or ""
+                if text or result["eos"]:
+                    yield text, result
+        except TimeoutError as exc:
+            raise timed_out(timeout) from exc
+        finally:
+            handle.cancel()
+
+    return chunks()
+
+
+def timed_out(timeout: float | None) -> TimeoutError:
+    """The error for a call that did not end within ``timeout`` seconds (its job cancelled)."""
+    return TimeoutError(f"generation did not finish within timeout={timeout} s; the job was "
+                        "cancelled (raise `timeout` or lower `max_tokens`)")

@@ -9,7 +9,7 @@ and enforced in every form (sync, async, streaming).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole, TextBlock
@@ -83,7 +83,7 @@ def parse_partial(text: str, output_cls: type[BaseModel]) -> FlexibleModel | Non
 
 def stream_objects(
     responses: Iterator[ChatResponse], output_cls: type[Model]
-) -> Iterator[Model | FlexibleModel]:
+) -> Generator[Model | FlexibleModel, None, None]:
     """Partial objects while the reply streams (each one differing from the last), then the
     validated object."""
     last: ChatResponse | None = None
@@ -99,7 +99,7 @@ def stream_objects(
 
 async def astream_objects(
     responses: AsyncIterator[ChatResponse], output_cls: type[Model]
-) -> AsyncIterator[Model | FlexibleModel]:
+) -> AsyncGenerator[Model | FlexibleModel, None]:
     """Async form of `stream_objects`."""
     last: ChatResponse | None = None
     shown: FlexibleModel | None = None

@@ -1,35 +1,52 @@
-"""`JobSubmitter`: prompt text or chat-turn ids plus generation fields, as jobs on one engine.
+"""`JobSubmitter`: prompt text or chat-turn ids plus generation fields, as jobs on the shared
+engine of one model folder and engine options.
 
-Sync callers submit directly; async callers go through a `GateRegistry`, which groups one loop
-iteration's jobs and hands them over off the event loop.
+Sync callers submit directly; async callers go through a `dyngen_core.SubmissionCoalescer`,
+which sends the jobs one event-loop iteration produces in one ``submit_many``: a query engine
+with ``use_async=True`` starts its prompts with ``asyncio.gather``, so they enter the same
+scheduling step (they batch, and a shared document prefix is prefilled once).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from llama_index.llms.dyngen.gate import GateRegistry
 from llama_index.llms.dyngen.params import build_job
 
-from dyngen_core import BackgroundGenerator, EngineOptions, JobHandle
+from dyngen_core import (
+    BackgroundGenerator,
+    EngineOptions,
+    JobHandle,
+    SubmissionCoalescer,
+    shared_generator,
+)
 
 
 class JobSubmitter:
-    """Builds and submits jobs for one shared engine.
+    """Builds and submits jobs for one model folder and engine options.
 
-    engine: the `BackgroundGenerator` (from `shared_generator`) that runs them.
+    model_dir: the model folder.
+    options: the `EngineOptions` of its shared engine.
+
+    The engine is `shared_generator(model_dir, engine_options=options)`, asked for on every
+    submission: an engine that was closed or stopped is replaced by a new one.
     """
 
-    def __init__(self, engine: BackgroundGenerator) -> None:
-        self.engine = engine
+    def __init__(self, model_dir: str | Path, options: EngineOptions) -> None:
+        self._model_dir = model_dir
+        self._options = options
+        self._coalescer = SubmissionCoalescer()
+        engine = self.engine  # loads the model now, so errors surface at construction
         self.tokenizer: Any = engine.tokenizer
-        self._gates = GateRegistry(engine)
-        generator: Any = engine.generator
-        self._model_defaults = dict(generator.model.config.generation_defaults)
-        # The longest prompt plus output one job can hold: the model's trained length, bounded
-        # by the cache (a job that does not fit in the whole cache is refused).
-        self.usable_window = min(int(generator.model.config.max_position_embeddings),
-                                 int(generator.cache.max_tokens))
+        self._model_defaults = dict(engine.generation_defaults)
+        # The longest prompt plus output one job can hold.
+        self.usable_window = engine.max_job_tokens
+
+    @property
+    def engine(self) -> BackgroundGenerator:
+        """The shared engine jobs go to now."""
+        return shared_generator(self._model_dir, engine_options=self._options)
 
     def check(self, fields: dict[str, Any]) -> None:
         """Raise now on generation fields the engine would refuse (e.g. temperature < 0)."""
@@ -49,7 +66,8 @@ class JobSubmitter:
     async def asubmit(self, input_ids: list[int], fields: dict[str, Any],
                       constraint: Any = None) -> JobHandle:
         """`submit` from an event loop, grouped with the loop iteration's other jobs."""
-        return await self._gates.submit(self._job(input_ids, fields, constraint))
+        job = self._job(input_ids, fields, constraint)
+        return await self._coalescer.submit(self.engine, job)
 
     def _job(self, input_ids: list[int], fields: dict[str, Any], constraint: Any) -> Any:
         return build_job(input_ids, fields, stop_token_ids=self.tokenizer.eos_token_ids,

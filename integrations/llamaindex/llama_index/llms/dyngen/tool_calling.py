@@ -15,7 +15,7 @@ from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageR
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.llms.dyngen.messages import assistant_message, tool_calls_of
 
-from dyngen_core.text.tools import (
+from dyngen_core.tools import (
     ToolCallParser,
     ToolSpec,
     fallback_messages,
@@ -63,7 +63,7 @@ def prepare_tools_kwargs(
 
 def resolve_tool_choice(choice: str | dict[str, Any] | None, required: bool) -> Any:
     """LlamaIndex's tool_required folded into tool_choice (which wins when it names a tool or
-    says "none"); `dyngen_core.text.tools.normalize_tool_choice` reads the result."""
+    says "none"); `dyngen_core.tools.normalize_tool_choice` reads the result."""
     if required and (choice is None or choice == "auto"):
         return "required"
     return choice
@@ -72,7 +72,7 @@ def resolve_tool_choice(choice: str | dict[str, Any] | None, required: bool) -> 
 class ToolTurn:
     """A chat turn that offers tools (or replays earlier tool traffic without offering any).
 
-    Rendering, the forcing constraint and the output format are `dyngen_core.text.tools`', shared
+    Rendering, the forcing constraint and the output format are `dyngen_core.tools`', shared
     with the LangChain adapter. One `ToolTurn` serves one reply: when streamed, it reads the
     reply incrementally, so each call keeps one id across the partial responses.
 
@@ -123,7 +123,7 @@ class ToolTurn:
         return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
     def constraint(self) -> Any:
-        """What enforces tool_choice (`dyngen_core.text.tools.tool_choice_constraint`): a forced
+        """What enforces tool_choice (`dyngen_core.tools.tool_choice_constraint`): a forced
         choice gets the call list's schema; "auto" a grammar allowing that call list or plain
         text, so a call the model makes always matches its tool's schema; "none" text only."""
         return tool_choice_constraint(self.specs, self.choice, parallel=self.parallel)

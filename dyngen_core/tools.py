@@ -1,0 +1,76 @@
+"""Tool calling, framework-neutral: the public contract the LangChain and LlamaIndex adapters
+build on, for any front end that offers tools to a model.
+
+Tools are plain data: `ToolSpec` (name, description, JSON schema of the arguments), read from
+OpenAI-style dicts with `ToolSpec.from_dict`. A front end converts its own tool and message
+types to these dicts; nothing here imports torch or a framework.
+
+Output format. A model calls tools by answering with a JSON list, and nothing else::
+
+    [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+tool_choice. `normalize_tool_choice(tool_choice, tools)` maps what callers pass (None/"auto",
+"none", "any"/"required"/True, a tool name, ``{"type": "function", "function": {"name": ...}}``)
+to "auto", "none", "required" or a tool name, and raises ValueError for a name not among the
+tools. `tool_choice_constraint(tools, choice, parallel=True)` is the ``Job(constraint=...)``
+that enforces it: "required" or a name forces a call list matching the tools' schemas
+(`tool_calls_schema`; exactly one call for a name, or unless ``parallel``); "auto" allows
+either such a call list or text that does not start with ``[``, ``{`` or a space; "none" allows
+only such text; without tools it is None.
+
+Prompt. When the model's chat template reads a ``tools`` variable (`template_supports_tools`),
+pass it the tools (`ToolSpec.as_dict`) and HF-style messages. Otherwise
+`fallback_messages(messages, tools, tool_choice)` rewrites the messages for a template that
+knows nothing of tools: a system message lists the tools and the output format
+(`render_tools_prompt`), past calls are written in that format (`format_tool_calls`), and tool
+results become user messages. `inline_refs` inlines a schema's local ``$ref``s (recursive
+schemas raise ValueError).
+
+Reading calls. `ToolCallParser` reads calls out of output as it streams: `push(text)` and
+`finish()` each return a `ToolStreamDelta` (``content`` to show, completed ``calls`` as
+`ToolCall` with name, arguments and id, and ``invalid`` as `InvalidToolCall`);
+`parse_tool_calls(text)` reads a whole output. Besides the output format it reads a single
+``{"name", "arguments"|"parameters"}`` object and ``<tool_call>{...}</tool_call>`` blocks
+(Hermes, Qwen), keeping the text around them as content. `new_call_id` makes a call id;
+`call_dict` reads an OpenAI-, LangChain- or plain-style call into ``{"name", "arguments"}``.
+"""
+
+from __future__ import annotations
+
+from dyngen_core.text.tools import (
+    InvalidToolCall,
+    ToolCall,
+    ToolCallParser,
+    ToolSpec,
+    ToolStreamDelta,
+    call_dict,
+    fallback_messages,
+    format_tool_calls,
+    inline_refs,
+    new_call_id,
+    normalize_tool_choice,
+    parse_tool_calls,
+    render_tools_prompt,
+    template_supports_tools,
+    tool_calls_schema,
+    tool_choice_constraint,
+)
+
+__all__ = [
+    "InvalidToolCall",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolSpec",
+    "ToolStreamDelta",
+    "call_dict",
+    "fallback_messages",
+    "format_tool_calls",
+    "inline_refs",
+    "new_call_id",
+    "normalize_tool_choice",
+    "parse_tool_calls",
+    "render_tools_prompt",
+    "template_supports_tools",
+    "tool_calls_schema",
+    "tool_choice_constraint",
+]
