@@ -10,6 +10,9 @@ sample something else. Pure Python: no torch.
 from __future__ import annotations
 
 import re
+import weakref
+from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -42,22 +45,27 @@ def _checked(strings: Iterable[str], what: str) -> tuple[str, ...]:
     return out
 
 
-# Most texts a shared `StopIndex` remembers as passing through (token texts, mostly).
+# Most texts one stop-string table remembers as passing through (token texts, mostly).
 PASSES_LIMIT = 1 << 16
+# Tables of stop-string sets no matcher uses any more that `StopIndexes` keeps for later jobs.
+IDLE_TABLES_KEPT = 16
 
 
 class _PrefixIndex:
-    """Finds the longest end of a text that is a proper prefix of one of ``strings``."""
+    """Finds the longest end of a text that is a proper prefix of one of ``strings``.
+
+    Its size is linear in the strings' total length: prefixes are looked up in the sorted
+    strings, never listed."""
 
     def __init__(self, strings: tuple[str, ...]) -> None:
         # Texts that, fed with nothing held, hold nothing back and contain no string: the same
         # for every matcher of these strings, so a shared index learns each token text once.
         self.passes: set[str] = set()
-        self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
+        self._sorted = sorted(set(strings))
         self._longest = max((len(s) - 1 for s in strings), default=0)
         # A held end ends with the last character of some proper prefix: text ending in any
         # other character holds nothing back, found without a scan (the usual token).
-        self.ends = frozenset(s[k - 1] for s in strings for k in range(1, len(s)))
+        self.ends = frozenset("".join(s[:-1] for s in strings))
         # No string fits in a shorter text: with an end outside ``ends`` too, it passes.
         self.shortest = min(map(len, strings), default=0)
         # A held end starts with some string's first character: only those places are tried
@@ -72,10 +80,17 @@ class _PrefixIndex:
         found = self._starts.search(tail)
         while found is not None:
             at = found.start()
-            if tail[at:] in self._prefixes:
+            if self._is_proper_prefix(tail[at:]):
                 return len(tail) - at
             found = self._starts.search(tail, at + 1)
         return 0
+
+    def _is_proper_prefix(self, text: str) -> bool:
+        """Whether a string longer than ``text`` starts with it. Those strings sort right
+        after ``text`` itself, so the first string sorted after it decides."""
+        strings = self._sorted
+        after = bisect_right(strings, text)
+        return after < len(strings) and strings[after].startswith(text)
 
 
 class StopMatcher:
@@ -148,21 +163,35 @@ class StopMatcher:
 
 
 class StopIndexes:
-    """The scanning tables of stop-string sets, shared by the jobs that use the same strings
-    (each table learns which token texts pass through; see `StopMatcher.feed`). Keeps at most
-    ``limit`` sets, forgetting all when full (a server's jobs rarely use many)."""
+    """The scanning tables of stop-string sets, shared by the matchers that use the same strings
+    (each table learns which token texts pass through; see `StopMatcher.feed`).
 
-    def __init__(self, limit: int = 256) -> None:
-        self._limit = limit
-        self._tables: dict[tuple[str, ...], _PrefixIndex] = {}
+    A table lives as long as a matcher uses it. Of the tables no matcher uses any more, the
+    ``keep`` most recently asked for are kept for later jobs with the same strings; older ones
+    are dropped. So what outlives the jobs is at most ``keep`` tables of at most `PASSES_LIMIT`
+    texts each, plus their strings.
+    """
+
+    def __init__(self, keep: int = IDLE_TABLES_KEPT) -> None:
+        self._keep = keep
+        self._in_use: weakref.WeakValueDictionary[tuple[str, ...], _PrefixIndex] = (
+            weakref.WeakValueDictionary())
+        self._recent: OrderedDict[tuple[str, ...], _PrefixIndex] = OrderedDict()
 
     def get(self, strings: tuple[str, ...]) -> _PrefixIndex:
-        table = self._tables.get(strings)
+        """The table of ``strings``, shared with every matcher that uses it now."""
+        table = self._in_use.get(strings)
         if table is None:
-            if len(self._tables) >= self._limit:
-                self._tables.clear()
-            table = self._tables[strings] = _PrefixIndex(strings)
+            table = self._in_use[strings] = _PrefixIndex(strings)
+        self._recent[strings] = table
+        self._recent.move_to_end(strings)
+        if len(self._recent) > self._keep:
+            self._recent.popitem(last=False)
         return table
+
+    def __len__(self) -> int:
+        """How many tables are alive: those in use and those kept."""
+        return len(self._in_use)
 
 
 def _earliest(text: str, strings: tuple[str, ...]) -> tuple[int, str | None]:
