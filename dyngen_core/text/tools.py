@@ -53,14 +53,25 @@ class ToolSpec:
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object"})
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise JobError(f"a tool needs a non-empty string name; got {self.name!r}")
+        if not isinstance(self.parameters, Mapping):
+            raise JobError(f"the parameters of tool {self.name!r} must be a JSON schema object "
+                           f"(a dict); got {type(self.parameters).__name__}")
+
     @classmethod
     def from_dict(cls, tool: Mapping[str, Any]) -> ToolSpec:
         """Read an OpenAI-style tool: ``{"type": "function", "function": {...}}`` or the bare
         ``{"name", "description", "parameters"}`` function dict."""
-        function = tool.get("function", tool)
+        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise JobError("a tool must be a dict with a 'name' (and 'description', "
+                           "'parameters'), or one under 'function' (OpenAI style); got "
+                           f"{tool!r:.200}")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"a tool needs a non-empty 'name'; got {dict(tool)!r}")
+            raise JobError(f"a tool needs a non-empty 'name'; got {dict(tool)!r}")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         return cls(name, str(function.get("description") or ""), parameters)
 
@@ -81,18 +92,22 @@ def normalize_tool_choice(tool_choice: Any, tools: Sequence[ToolSpec]) -> str:
     ``{"type": "function", "function": {"name": ...}}`` / ``{"name": ...}``.
     """
     if isinstance(tool_choice, Mapping):
-        tool_choice = tool_choice.get("function", tool_choice).get("name")
+        function = tool_choice.get("function", tool_choice)
+        if not isinstance(function, Mapping):
+            raise JobError(f"tool_choice={tool_choice!r}: 'function' must be a dict with a "
+                           "'name'")
+        tool_choice = function.get("name")
     if tool_choice is None or tool_choice == "auto":
         return "auto"
     if tool_choice is False or tool_choice == "none":
         return "none"
     if tool_choice is True or tool_choice in ("any", "required"):
         if not tools:
-            raise ValueError(f"tool_choice={tool_choice!r} needs at least one tool")
+            raise JobError(f"tool_choice={tool_choice!r} needs at least one tool")
         return "required"
     names = [t.name for t in tools]
-    if tool_choice not in names:
-        raise ValueError(
+    if not isinstance(tool_choice, str) or tool_choice not in names:
+        raise JobError(
             f"tool_choice={tool_choice!r} is not one of the bound tools {names}; pass a tool "
             "name, 'auto', 'none', 'any' or 'required'"
         )
@@ -130,8 +145,12 @@ def render_tools_prompt(tools: Sequence[ToolSpec]) -> str:
 
 def format_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
     """Calls (dicts with ``name`` and ``arguments``) written in the output format."""
-    return json.dumps([{"name": c["name"], "arguments": c.get("arguments") or {}}
-                       for c in calls], ensure_ascii=False)
+    try:
+        return json.dumps([{"name": c["name"], "arguments": c.get("arguments") or {}}
+                           for c in calls], ensure_ascii=False)
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise JobError(f"tool calls must be dicts with a 'name' and JSON 'arguments' ({exc!r}); "
+                       f"got {list(calls)!r:.200}") from None
 
 
 def fallback_messages(
@@ -152,6 +171,9 @@ def fallback_messages(
     """
     out: list[dict[str, Any]] = []
     for message in messages:
+        if not isinstance(message, Mapping):
+            raise JobError(f"a chat message must be a dict with 'role' and 'content'; got "
+                           f"{message!r}")
         role = message.get("role")
         if role == "tool":
             line = f"Result of tool call {message.get('tool_call_id') or ''} " \
