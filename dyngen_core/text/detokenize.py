@@ -56,11 +56,9 @@ class TokenPieces:
     tokens) whose text is whole characters. `for_tokenizer` checks the decoder; `lookup` checks
     the tokens.
 
-    `build` fills the table for the whole vocabulary, so no step decodes to look a token up:
-    two decodes per id, about 0.55 s and 33 MB for 128,256 ids on a 2-core dev CPU (a
-    word-level vocabulary; SmolLM2's byte-level BPE costs about the same per id). A
-    `dyngen_core.Tokenizer` builds its table once and every generator over it shares it
-    (`Tokenizer.token_pieces`).
+    `build` fills the table for the whole vocabulary (two decodes per id), so no step decodes
+    to look a token up. A `dyngen_core.Tokenizer` builds its table once and every generator
+    over it shares it (`Tokenizer.token_pieces`).
 
     ``table`` maps an id to its two texts (None: not simple); ``after`` and ``alone`` hold the
     same texts in lists indexed by id (None: not simple or not filled), which the detokenizer

@@ -48,8 +48,7 @@ class JobStream:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.pieces = pieces
-        self.stop = StopMatcher(set(stop_token_ids), list(job.stop_strings),
-                                indexes=stop_indexes)
+        self.stop = StopMatcher(list(job.stop_strings), indexes=stop_indexes)
         # Read once per token: copied here from the job (whose limits do not change).
         self._has_stop_strings = bool(self.stop.stop_strings)
         # Texts that pass the stop strings on sight (see `StopMatcher`): most token texts of
@@ -84,10 +83,6 @@ class JobStream:
             prompt_ids=prefix,
             pieces=self.pieces,
         )
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.job.new_token_ids)
 
     @property
     def completion(self) -> str:

@@ -32,13 +32,13 @@ def _peak_bytes(build: Callable[[], object]) -> int:
 def test_a_long_stop_or_banned_string_costs_memory_linear_in_its_length() -> None:
     stop = _long_string(LONG)
     # The string itself is 12 kB; an index listing its prefixes would need 72 MB.
-    assert _peak_bytes(lambda: StopMatcher((), [stop])) < 1_000_000
+    assert _peak_bytes(lambda: StopMatcher([stop])) < 1_000_000
     assert _peak_bytes(lambda: BannedStringMatcher([stop])) < 1_000_000
 
 
 def test_a_long_stop_string_still_matches_across_any_chunks() -> None:
     stop = _long_string(LONG)
-    matcher = StopMatcher((), [stop])
+    matcher = StopMatcher([stop])
     text = "before " + stop[:-1]
     released = "".join(matcher.feed(text[i:i + 7]) for i in range(0, len(text), 7))
     assert released == "before " and matcher.held_text == stop[:-1]
@@ -54,7 +54,7 @@ def test_ended_jobs_leave_a_bounded_number_of_shared_tables() -> None:
     tracemalloc.start()
     try:
         for job in range(40):  # each job's matcher ends when the job does
-            matcher = StopMatcher((), [_long_string(2000, salt=job)], indexes=shared)
+            matcher = StopMatcher([_long_string(2000, salt=job)], indexes=shared)
             matcher.feed("some text")
             del matcher
         gc.collect()

@@ -154,7 +154,7 @@ def test_a_stream_stops_at_the_first_stop_string_and_never_shows_one(
 def test_the_stop_matcher_over_any_chunks_releases_the_first_cut(
         text: str, chunks: list[int], data: st.DataObject, shared: bool) -> None:
     stops = _substrings(data, text, data.draw(st.integers(1, 4)))
-    matcher = StopMatcher((), stops, indexes=SHARED if shared else None)
+    matcher = StopMatcher(stops, indexes=SHARED if shared else None)
     released = ""
     for piece in _segments(text, chunks):
         released += matcher.feed(piece)

@@ -1,17 +1,15 @@
 """Token masks for constraints, from llguidance (CPU, Rust; no torch).
 
 `ConstraintCompiler` is built once per tokenizer (it wraps llguidance's view of the
-vocabulary, ~0.5 s for 50k tokens) and compiles each job's `Constraint` into a
+vocabulary, which indexes every token) and compiles each job's `Constraint` into a
 `ConstraintMatcher`: the job's own parser state. Masks are packed bitmasks (int32, bit
 ``i % 32`` of word ``i // 32`` = token ``i`` allowed), the layout the sampler unpacks on the
 device. `ConstraintCompiler.fill_bitmasks` computes a batch of masks on llguidance's thread
 pool with the GIL released, so the generator can run it on a helper thread while the model's
 forward runs.
 
-Why llguidance: it compiles JSON schemas, regexes and Lark grammars in about a millisecond,
-computes a mask in tens of microseconds, enforces JSON (string escapes, numeric bounds) exactly,
-rolls back, and installs as one 3 MB wheel with no dependencies (xgrammar needs torch, triton
-and transformers; outlines-core has no grammars and ignores numeric bounds).
+llguidance compiles JSON schemas (``$ref``s included), regexes and Lark grammars, enforces
+JSON (string escapes, numeric bounds) exactly, rolls back, and needs no torch.
 """
 
 from __future__ import annotations
