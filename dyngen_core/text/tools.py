@@ -59,6 +59,12 @@ class ToolSpec:
         if not isinstance(self.parameters, Mapping):
             raise JobError(f"the parameters of tool {self.name!r} must be a JSON schema object "
                            f"(a dict); got {type(self.parameters).__name__}")
+        try:
+            json.dumps(self.parameters)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise JobError(f"the parameters schema of tool {self.name!r} cannot be written as "
+                           f"JSON ({exc}); pass a tree of plain dicts, lists, strings, numbers, "
+                           "booleans and None") from None
 
     @classmethod
     def from_dict(cls, tool: Mapping[str, Any]) -> ToolSpec:
@@ -276,14 +282,11 @@ def _arguments_schema(tool: ToolSpec, at: str) -> dict[str, Any]:
     if target is not None:
         parameters = {**target, **{k: v for k, v in parameters.items() if k != "$ref"}}
     try:
-        arguments: dict[str, Any] = _rebased(parameters, at, set())
-    except RecursionError:
-        raise JobError(f"the parameters schema of tool {tool.name!r} is nested too deeply to "
-                       "embed; flatten it with $defs and $ref") from None
-    except _CycleError:
-        raise JobError(f"the parameters schema of tool {tool.name!r} contains itself (a cycle "
-                       "of Python objects, which JSON cannot write); express the recursion "
-                       "with $defs and $ref") from None
+        arguments: dict[str, Any] = json.loads(json.dumps(parameters))  # a copy, JSON only
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise JobError(f"the parameters schema of tool {tool.name!r} cannot be written as "
+                       f"JSON ({exc})") from None
+    _rebase_refs(arguments, at)
     arguments.pop("title", None)
     arguments.setdefault("type", "object")
     arguments.setdefault("properties", {})
@@ -291,26 +294,19 @@ def _arguments_schema(tool: ToolSpec, at: str) -> dict[str, Any]:
     return arguments
 
 
-class _CycleError(Exception):
-    """A schema (as Python objects) contains itself."""
-
-
-def _rebased(node: Any, at: str, path: set[int]) -> Any:
-    """A copy of ``node`` whose local ``$ref``s (``#`` and ``#/...``) are prefixed with ``at``."""
-    if isinstance(node, (dict, list)):
-        if id(node) in path:
-            raise _CycleError
-        path.add(id(node))
-        if isinstance(node, list):
-            out: Any = [_rebased(n, at, path) for n in node]
-        else:
-            out = {k: _rebased(v, at, path) for k, v in node.items()}
-            ref = out.get("$ref")
+def _rebase_refs(schema: dict[str, Any], at: str) -> None:
+    """Prefix the local ``$ref``s (``#`` and ``#/...``) in ``schema`` (a JSON tree) with
+    ``at``, in place."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
             if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-                out["$ref"] = "#" + at + ref[1:]
-        path.discard(id(node))
-        return out
-    return node
+                node["$ref"] = "#" + at + ref[1:]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _root_target(schema: dict[str, Any]) -> dict[str, Any] | None:

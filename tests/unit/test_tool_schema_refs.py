@@ -77,13 +77,25 @@ def test_a_root_ref_and_recursion_are_kept_and_still_closed(tools: list[ToolSpec
 def test_schemas_json_cannot_write_fail_with_a_clear_error() -> None:
     cyclic: dict[str, Any] = {"type": "object", "properties": {}}
     cyclic["properties"]["self"] = cyclic
-    with pytest.raises(JobError, match="'loop'.*contains itself"):
+    with pytest.raises(JobError, match="'loop' cannot be written as JSON"):
         tool_calls_schema([ToolSpec("loop", "", cyclic)], "required")
     deep: dict[str, Any] = {"type": "object"}
     for _ in range(5_000):
         deep = {"type": "object", "properties": {"d": deep}}
-    with pytest.raises(JobError, match="'deep'.*nested too deeply"):
+    with pytest.raises(JobError, match="'deep' cannot be written as JSON"):
         tool_calls_schema([ToolSpec("deep", "", deep)], "required")
+
+
+def test_schemas_nested_as_deep_as_json_writes_are_embedded() -> None:
+    deep: dict[str, Any] = {"$ref": "#/$defs/leaf"}
+    for _ in range(400):
+        deep = {"type": "object", "properties": {"d": deep}}
+    schema = tool_calls_schema([ToolSpec("deep", "", {**deep, "$defs": {
+        "leaf": {"type": "integer"}}})], "required")
+    node = schema["items"]["properties"]["arguments"]  # type: ignore[index]
+    for _ in range(400):
+        node = node["properties"]["d"]
+    assert node == {"$ref": "#/items/properties/arguments/$defs/leaf"}
 
 
 def test_inline_refs_resolves_each_definition_once_and_bounds_the_result() -> None:
