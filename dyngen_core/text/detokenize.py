@@ -23,10 +23,13 @@ from typing import Any, Protocol
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of context taken from the prompt; a few is enough to fix a leading space.
 PROMPT_CONTEXT_TOKENS = 4
-# A UTF-8 character spans at most 4 bytes, each at least one token, so an unfinished one spans at
-# most 3 tokens. Past MAX_PENDING_TOKENS pending tokens, text before it is released even when
-# invalid bytes (real U+FFFD) keep the end unfinished, which bounds the window.
+# Past MAX_PENDING_TOKENS tokens whose text still ends unfinished (U+FFFD), the text up to the
+# last token that ends a character is released. Tokens can end inside characters many times in
+# a row (merges across characters), and invalid bytes (real U+FFFD) never finish: past
+# OPEN_CHARACTER_TOKENS with no such token, the text is released as it decodes (invalid bytes
+# as U+FFFD), which bounds the window. An unfinished character spans at most 3 tokens.
 MAX_PENDING_TOKENS = 8
+OPEN_CHARACTER_TOKENS = 16
 UNFINISHED_CHAR_TOKENS = 3
 _UNSEEN = object()  # `TokenPieces.table` has no entry yet (None means "not simple")
 
@@ -53,11 +56,9 @@ class TokenPieces:
     tokens) whose text is whole characters. `for_tokenizer` checks the decoder; `lookup` checks
     the tokens.
 
-    `build` fills the table for the whole vocabulary, so no step decodes to look a token up:
-    two decodes per id, about 0.55 s and 33 MB for 128,256 ids on a 2-core dev CPU (a
-    word-level vocabulary; SmolLM2's byte-level BPE costs about the same per id). A
-    `dyngen_core.Tokenizer` builds its table once and every generator over it shares it
-    (`Tokenizer.token_pieces`).
+    `build` fills the table for the whole vocabulary (two decodes per id), so no step decodes
+    to look a token up. A `dyngen_core.Tokenizer` builds its table once and every generator
+    over it shares it (`Tokenizer.token_pieces`).
 
     ``table`` maps an id to its two texts (None: not simple); ``after`` and ``alone`` hold the
     same texts in lists indexed by id (None: not simple or not filled), which the detokenizer
@@ -179,6 +180,9 @@ class IncrementalDetokenizer:
         ``decode(prompt)``. (Exact whenever the ids spell valid UTF-8, and for byte-level BPE
         always; where a ByteFallback decoder meets invalid bytes, U+FFFD may be placed
         differently, since that decoder replaces a whole run of byte tokens at once.)
+
+    A chunk never ends inside a character, unless `OPEN_CHARACTER_TOKENS` tokens in a row do
+    (then the text is released as it decodes, so invalid bytes cannot stall the stream).
     """
 
     def __init__(
@@ -205,6 +209,14 @@ class IncrementalDetokenizer:
         # _read of them are the context, already emitted (or the prompt's).
         self._window: list[int] = tail[start:]
         self._read = len(self._window)
+        # Cuts of the window up to this one were found to end inside a character.
+        self._open_from = 0
+
+    @property
+    def settled(self) -> bool:
+        """Whether every added token's text has been returned: none waits for the rest of a
+        character or sits unread after a skipped special token."""
+        return len(self._window) == self._read
 
     def add_token(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty).
@@ -246,14 +258,18 @@ class IncrementalDetokenizer:
             return self._emit(text, len(self._window))
         if pending < MAX_PENDING_TOKENS:
             return ""  # an unfinished character: wait for its next byte
-        # Many tokens and still no finished end: release all but the unfinished character.
-        # It has at most 3 bytes, so it starts in one of the last 3 tokens.
+        # Many tokens and still no finished end: release the text up to the last token that
+        # ends a character (each cut is tried once: its text never changes).
         end = len(self._window)
-        for cut in range(end - 1, max(end - 1 - UNFINISHED_CHAR_TOKENS, self._read), -1):
+        for cut in range(end - 1, max(self._open_from, self._read), -1):
             head = self._decode(self._window[:cut])
             if not head.endswith(REPLACEMENT_CHAR):
                 return self._emit(head, cut)
-        # Invalid bytes come right before it: they are real U+FFFD, release them too.
+        self._open_from = end - 1
+        if pending < OPEN_CHARACTER_TOKENS:
+            return ""
+        # Still none: invalid bytes (real U+FFFD) keep the end unfinished. Release all but the
+        # last unfinished character, which starts in one of the last 3 tokens.
         cut = end - UNFINISHED_CHAR_TOKENS
         return self._emit(self._decode(self._window[:cut]), cut)
 
@@ -270,6 +286,7 @@ class IncrementalDetokenizer:
         start, self._read_text = self._clean_start(self._window, self._read, upto)
         self._window = self._window[start:]
         self._read = upto - start
+        self._open_from = 0
         if self._pieces is not None and len(self._window) == 1 == self._read:
             entry = self._pieces.lookup(self._window[0])
             simple = entry is not None and entry[1] == self._read_text

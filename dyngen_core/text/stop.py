@@ -1,15 +1,18 @@
-"""When a job's text must end or be taken back: stop tokens, stop strings, banned strings.
+"""When a job's text must end or be taken back: stop strings and banned strings.
 
-`StopMatcher` ends a job on a stop token or a stop string. Text that could be the start of a stop
-string is held back until it is known not to be one, and a matched stop string (with everything
-after it) is never emitted. `BannedStringMatcher` finds banned strings, case-insensitively, and
-holds back text while one may be starting, so the generator can rewind to where it began and
-sample something else. Pure Python: no torch.
+`StopMatcher` ends a job on a stop string. Text that could be the start of a stop string is held
+back until it is known not to be one, and a matched stop string (with everything after it) is
+never emitted. `BannedStringMatcher` finds banned strings, case-insensitively, and tells how much
+of a text no banned string can reach, so the caller holds back the rest and can rewind to where
+one began and sample something else. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
+from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -24,16 +27,6 @@ class StopResult(NamedTuple):
     stop_string: str | None
 
 
-class BanResult(NamedTuple):
-    """What `BannedStringMatcher.feed_text` releases: ``text`` is safe to emit now; on a match,
-    ``banned`` is the banned string and ``offset`` the character offset (counted over all text
-    fed so far, emitted or held) where it starts."""
-
-    text: str
-    banned: str | None = None
-    offset: int | None = None
-
-
 def _checked(strings: Iterable[str], what: str) -> tuple[str, ...]:
     out = tuple(strings)
     for s in out:
@@ -42,22 +35,27 @@ def _checked(strings: Iterable[str], what: str) -> tuple[str, ...]:
     return out
 
 
-# Most texts a shared `StopIndex` remembers as passing through (token texts, mostly).
+# Most texts one stop-string table remembers as passing through (token texts, mostly).
 PASSES_LIMIT = 1 << 16
+# Tables of stop-string sets no matcher uses any more that `StopIndexes` keeps for later jobs.
+IDLE_TABLES_KEPT = 16
 
 
 class _PrefixIndex:
-    """Finds the longest end of a text that is a proper prefix of one of ``strings``."""
+    """Finds the longest end of a text that is a proper prefix of one of ``strings``.
+
+    Its size is linear in the strings' total length: prefixes are looked up in the sorted
+    strings, never listed."""
 
     def __init__(self, strings: tuple[str, ...]) -> None:
         # Texts that, fed with nothing held, hold nothing back and contain no string: the same
         # for every matcher of these strings, so a shared index learns each token text once.
         self.passes: set[str] = set()
-        self._prefixes = {s[:k] for s in strings for k in range(1, len(s))}
+        self._sorted = sorted(set(strings))
         self._longest = max((len(s) - 1 for s in strings), default=0)
         # A held end ends with the last character of some proper prefix: text ending in any
         # other character holds nothing back, found without a scan (the usual token).
-        self.ends = frozenset(s[k - 1] for s in strings for k in range(1, len(s)))
+        self.ends = frozenset("".join(s[:-1] for s in strings))
         # No string fits in a shorter text: with an end outside ``ends`` too, it passes.
         self.shortest = min(map(len, strings), default=0)
         # A held end starts with some string's first character: only those places are tried
@@ -72,17 +70,21 @@ class _PrefixIndex:
         found = self._starts.search(tail)
         while found is not None:
             at = found.start()
-            if tail[at:] in self._prefixes:
+            if self._is_proper_prefix(tail[at:]):
                 return len(tail) - at
             found = self._starts.search(tail, at + 1)
         return 0
 
+    def _is_proper_prefix(self, text: str) -> bool:
+        """Whether a string longer than ``text`` starts with it. Those strings sort right
+        after ``text`` itself, so the first string sorted after it decides."""
+        strings = self._sorted
+        after = bisect_right(strings, text)
+        return after < len(strings) and strings[after].startswith(text)
+
 
 class StopMatcher:
-    """Stop conditions of one job.
-
-    stop_token_ids: ids that end the job when sampled (they never become text).
-    stop_strings: strings that end the job when they appear in its text.
+    """Stop strings of one job: strings that end it when they appear in its text.
 
     Read-only attributes: ``held_text``, the text held back because it may be the start of a
     stop string; ``matched``, the stop string that matched (None until one does); ``passes``,
@@ -93,11 +95,8 @@ class StopMatcher:
     of a stop string) passes `feed` unchanged too, without being looked up.
     """
 
-    def __init__(
-        self, stop_token_ids: Iterable[int] = (), stop_strings: Iterable[str] = (),
-        *, indexes: StopIndexes | None = None,
-    ) -> None:
-        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+    def __init__(self, stop_strings: Iterable[str] = (), *,
+                 indexes: StopIndexes | None = None) -> None:
         self.stop_strings = _checked(stop_strings, "stop strings")
         self._index = (_PrefixIndex(self.stop_strings) if indexes is None
                        else indexes.get(self.stop_strings))
@@ -106,10 +105,6 @@ class StopMatcher:
         self.shortest: int = self._index.shortest
         self.held_text = ""
         self.matched: str | None = None
-
-    def feed_token(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a stop token."""
-        return token_id in self.stop_token_ids
 
     def feed_text(self, text: str) -> StopResult:
         """Add newly decoded text; returns what may be emitted and the stop string if one matched.
@@ -148,21 +143,35 @@ class StopMatcher:
 
 
 class StopIndexes:
-    """The scanning tables of stop-string sets, shared by the jobs that use the same strings
-    (each table learns which token texts pass through; see `StopMatcher.feed`). Keeps at most
-    ``limit`` sets, forgetting all when full (a server's jobs rarely use many)."""
+    """The scanning tables of stop-string sets, shared by the matchers that use the same strings
+    (each table learns which token texts pass through; see `StopMatcher.feed`).
 
-    def __init__(self, limit: int = 256) -> None:
-        self._limit = limit
-        self._tables: dict[tuple[str, ...], _PrefixIndex] = {}
+    A table lives as long as a matcher uses it. Of the tables no matcher uses any more, the
+    ``keep`` most recently asked for are kept for later jobs with the same strings; older ones
+    are dropped. So what outlives the jobs is at most ``keep`` tables of at most `PASSES_LIMIT`
+    texts each, plus their strings.
+    """
+
+    def __init__(self, keep: int = IDLE_TABLES_KEPT) -> None:
+        self._keep = keep
+        self._in_use: weakref.WeakValueDictionary[tuple[str, ...], _PrefixIndex] = (
+            weakref.WeakValueDictionary())
+        self._recent: OrderedDict[tuple[str, ...], _PrefixIndex] = OrderedDict()
 
     def get(self, strings: tuple[str, ...]) -> _PrefixIndex:
-        table = self._tables.get(strings)
+        """The table of ``strings``, shared with every matcher that uses it now."""
+        table = self._in_use.get(strings)
         if table is None:
-            if len(self._tables) >= self._limit:
-                self._tables.clear()
-            table = self._tables[strings] = _PrefixIndex(strings)
+            table = self._in_use[strings] = _PrefixIndex(strings)
+        self._recent[strings] = table
+        self._recent.move_to_end(strings)
+        if len(self._recent) > self._keep:
+            self._recent.popitem(last=False)
         return table
+
+    def __len__(self) -> int:
+        """How many tables are alive: those in use and those kept."""
+        return len(self._in_use)
 
 
 def _earliest(text: str, strings: tuple[str, ...]) -> tuple[int, str | None]:
@@ -190,28 +199,21 @@ def _fold(text: str) -> str:
 
 
 class BannedStringMatcher:
-    """Banned strings of one job, matched case-insensitively.
+    """Banned strings of one job, matched case-insensitively (character by character).
 
-    banned: strings the job's text must never contain. Use `find` and `safe_prefix_length` on a
-    text the caller holds, or let the matcher hold the text with `feed_text`, `rewind`, `flush`.
+    banned: strings the job's text must never contain. The caller holds the text: `find` says
+    where a banned string starts in it, `safe_prefix_length` how much of it may be shown.
     """
 
     def __init__(self, banned: Iterable[str]) -> None:
         self.banned = _checked(banned, "banned strings")
         self._folded = tuple(_fold(s) for s in self.banned)
         self._index = _PrefixIndex(self._folded)
-        self._held = ""
-        self._emitted = 0
 
     def find(self, text: str) -> int | None:
         """Offset in ``text`` where the first banned string to complete starts, or None."""
         at, found = _earliest(_fold(text), self._folded)
         return None if found is None else at
-
-    def find_banned(self, text: str) -> tuple[int, str] | None:
-        """Like `find`, with the banned string (as given) that matched."""
-        at, found = _earliest(_fold(text), self._folded)
-        return None if found is None else (at, self.banned[self._folded.index(found)])
 
     def safe_prefix_length(self, text: str) -> int:
         """Length of the start of ``text`` that no banned string can reach: before a full match,
@@ -221,42 +223,3 @@ class BannedStringMatcher:
         if found is not None:
             return at
         return len(text) - self._index.held_length(folded)
-
-    @property
-    def held_text(self) -> str:
-        """Text fed with `feed_text` and not released yet."""
-        return self._held
-
-    @property
-    def held_offset(self) -> int:
-        """Offset of the held text's first character in all text fed so far."""
-        return self._emitted
-
-    def feed_text(self, text: str) -> BanResult:
-        """Add decoded text; returns what may be emitted, and the banned string and its start
-        offset on a match (the matched text stays held until `rewind`)."""
-        self._held += text
-        match = self.find_banned(self._held)
-        if match is not None:
-            at, banned = match
-            released = self._release(at)
-            return BanResult(released, banned, self._emitted)
-        return BanResult(self._release(self.safe_prefix_length(self._held)))
-
-    def rewind(self, offset: int) -> None:
-        """Drop held text from ``offset`` (counted over all text fed) on, after the generator
-        took back the tokens that produced it."""
-        if offset < self._emitted:
-            raise JobError(
-                f"cannot rewind to offset {offset}: text up to {self._emitted} was already emitted"
-            )
-        self._held = self._held[: offset - self._emitted]
-
-    def flush(self) -> str:
-        """Release all held text (the job ended)."""
-        return self._release(len(self._held))
-
-    def _release(self, length: int) -> str:
-        out, self._held = self._held[:length], self._held[length:]
-        self._emitted += length
-        return out

@@ -48,8 +48,7 @@ class JobStream:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.pieces = pieces
-        self.stop = StopMatcher(set(stop_token_ids), list(job.stop_strings),
-                                indexes=stop_indexes)
+        self.stop = StopMatcher(list(job.stop_strings), indexes=stop_indexes)
         # Read once per token: copied here from the job (whose limits do not change).
         self._has_stop_strings = bool(self.stop.stop_strings)
         # Texts that pass the stop strings on sight (see `StopMatcher`): most token texts of
@@ -66,9 +65,16 @@ class JobStream:
         # The detokenizer's fast path, taken here without a call (`add_token` says how).
         self._after: list[str | None] = pieces.after if pieces is not None else []
         self._chunks: list[str] = []  # joined on demand: += on an attribute copies every step
-        # Tokens whose text the banned matcher still holds back (candidates for a rewind).
-        self.held_tokens: list[int] = []
-        self.held_text = ""
+        # With banned strings: text the banned check holds back (a banned string may start in
+        # it), which always starts where a token's text starts, so a rewind takes back whole
+        # tokens and nothing shown. ``_held_from`` is the first of those tokens; ``_held_ends``
+        # gives, for it and each later token, where the text of all tokens up to it ends
+        # (offsets over all text produced), or -1 where that text is not settled (a character
+        # waits for more bytes, or a special token was skipped): no cut there.
+        self._held = ""
+        self._held_from = 0
+        self._held_ends: list[int] = []
+        self._released = 0  # how much text the banned check released
 
     def _new_detokenizer(self, prefix: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
@@ -77,10 +83,6 @@ class JobStream:
             prompt_ids=prefix,
             pieces=self.pieces,
         )
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.job.new_token_ids)
 
     @property
     def completion(self) -> str:
@@ -128,10 +130,15 @@ class JobStream:
                 if stop.matched is not None:
                     return self._end(text, EosReason.STOP_STRING, token_id)
         if len(generated) >= self._max_new_tokens:
-            return self._end(text + self._release_all(), EosReason.MAX_NEW_TOKENS, token_id)
+            return self._end(text + self._release_all(), self._limit_reason(), token_id)
         if text:
             self._chunks.append(text)
         return text
+
+    def _limit_reason(self) -> EosReason:
+        """Why a job that reached max_new_tokens ended: a stop string may complete only in the
+        text released then (one ending in what looked like an unfinished character)."""
+        return EosReason.MAX_NEW_TOKENS if self.stop.matched is None else EosReason.STOP_STRING
 
     def _end(self, text: str, reason: EosReason, token_id: int) -> StreamUpdate:
         if text:
@@ -146,7 +153,7 @@ class JobStream:
             return self._end(self._release_all(), EosReason.STOP_TOKEN, token_id)
         text = self.detok.add_token(token_id)
         if self.banned is not None:
-            rewind = self._check_banned(token_id, text)
+            rewind = self._check_banned(text)
             if rewind is not None:
                 return rewind
             text = self._release_banned_safe()
@@ -161,55 +168,74 @@ class JobStream:
                 text = stop.flush() + text
         if eos_reason is None and len(generated) >= self._max_new_tokens:
             text += self._release_all()
-            eos_reason = EosReason.MAX_NEW_TOKENS
+            eos_reason = self._limit_reason()
         if eos_reason is not None:
             return self._end(text, eos_reason, token_id)
         if text:
             self._chunks.append(text)
         return text
 
-    def _check_banned(self, token_id: int, text: str) -> StreamUpdate | None:
+    def _check_banned(self, text: str) -> StreamUpdate | None:
+        """Hold the token's text; on a banned string, take back the tokens from the last token
+        boundary at or before where it starts (the rewind the generator applies)."""
         assert self.banned is not None
-        self.held_tokens.append(token_id)
-        self.held_text += text
-        match_at = self.banned.find(self.held_text)
+        self._held += text
+        produced = self._released + len(self._held)
+        self._held_ends.append(produced if self.detok.settled else -1)
+        match_at = self.banned.find(self._held)
         if match_at is None:
             return None
-        # Drop held tokens until the kept text ends before the banned string starts.
-        kept = list(self.held_tokens)
-        while kept and len(self.tokenizer.decode(kept)) > match_at:
-            kept.pop()
-        dropped = len(self.held_tokens) - len(kept)
-        first_banned = self.held_tokens[len(kept)]
-        del self.job.new_token_ids[len(self.job.new_token_ids) - dropped:]
-        self.held_tokens = kept
-        self.held_text = self.tokenizer.decode(kept) if kept else ""
-        self.detok = self._new_detokenizer(self.job.input_ids + self.job.new_token_ids)
-        return StreamUpdate(rewind=dropped, banned_token_id=first_banned)
+        kept = self._held_boundary(self._released + match_at)
+        tokens = self.job.new_token_ids
+        first = self._held_from + kept
+        dropped, banned_token_id = len(tokens) - first, tokens[first]
+        del tokens[first:]
+        kept_end = self._held_ends[kept - 1] if kept else self._released
+        del self._held_ends[kept:]
+        self._held = self._held[: kept_end - self._released]
+        self.detok = self._new_detokenizer(self.job.input_ids + tokens)
+        return StreamUpdate(rewind=dropped, banned_token_id=banned_token_id)
 
     def _release_banned_safe(self) -> str:
-        """Release the held text no banned string can still start in."""
+        """Release the held text no banned string can start in, up to a token boundary."""
         assert self.banned is not None
-        safe = self.banned.safe_prefix_length(self.held_text)
-        if safe == 0:
+        held, ends = self._held, self._held_ends
+        safe = self.banned.safe_prefix_length(held)
+        if safe == len(held) and ends[-1] >= 0:  # the usual token: all of it goes
+            self._released += safe
+            self._held_from += len(ends)
+            self._held = ""
+            ends.clear()
+            return held
+        kept = self._held_boundary(self._released + safe)
+        if not kept:
             return ""
-        out = self.held_text[:safe]
-        if safe == len(self.held_text):
-            self.held_tokens, self.held_text = [], ""
-        else:
-            self.held_text = self.held_text[safe:]
-            # Keep tokens from the earliest one whose text reaches the held part.
-            while self.held_tokens and len(self.tokenizer.decode(self.held_tokens[1:])) >= len(
-                self.held_text
-            ):
-                self.held_tokens.pop(0)
+        end = self._held_ends[kept - 1]
+        out, self._held = self._held[: end - self._released], self._held[end - self._released:]
+        self._released = end
+        self._held_from += kept
+        del self._held_ends[:kept]
         return out
+
+    def _held_boundary(self, offset: int) -> int:
+        """How many held tokens have their text end, settled, at or before ``offset``."""
+        ends = self._held_ends
+        kept = len(ends)
+        while kept and not 0 <= ends[kept - 1] <= offset:
+            kept -= 1
+        return kept
 
     def _release_all(self) -> str:
         text = self.detok.flush()
         if self.banned is not None:
-            text = self.held_text + text
-            self.held_tokens, self.held_text = [], ""
+            text, self._held = self._held + text, ""
+            # The flush may end in U+FFFD (an unfinished character): a banned string ending in
+            # one is cut off here, as the job ends and no rewind can follow.
+            cut = self.banned.find(text)
+            text = text if cut is None else text[:cut]
+            self._released += len(text)
+            self._held_from = len(self.job.new_token_ids)
+            self._held_ends.clear()
         if self.job.stop_strings:
             released, _ = self.stop.feed_text(text)
             text = released + self.stop.flush()

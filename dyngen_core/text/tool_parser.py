@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dyngen_core.errors import JobError
+
 _TAG_OPEN = "<tool_call>"
 _TAG_CLOSE = "</tool_call>"
 
@@ -39,10 +41,16 @@ def new_call_id() -> str:
 def call_dict(call: Mapping[str, Any]) -> dict[str, Any]:
     """``{"name", "arguments"}`` from an OpenAI-style call (``{"function": {...}}``), a
     LangChain-style one (``args``) or a plain one; string arguments are parsed as JSON."""
-    function = call.get("function", call)
+    function = call.get("function", call) if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or "name" not in function:
+        raise JobError(f"a tool call needs a 'name' (or a 'function' with one); got {call!r:.200}")
     arguments = function.get("arguments", function.get("args")) or {}
     if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except (ValueError, RecursionError) as exc:
+            raise JobError(f"the arguments of tool call {function['name']!r} are not valid "
+                           f"JSON ({exc}): {arguments!r:.200}") from None
     return {"name": function["name"], "arguments": arguments}
 
 
@@ -68,23 +76,49 @@ class ToolCallParser:
     def __init__(self) -> None:
         self._pending = ""       # text not yet classified or not yet released
         self._mode = "start"     # "start", "text", "json", "tag"
+        # While only spaces came ("start") or a <tool_call> block is open ("tag"), pushed text
+        # waits here unjoined, so a long wait costs linear time; ``_last`` holds its end.
+        self._waiting: list[str] = []
+        self._last = ""
         self._json = _JsonCallScanner()
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
 
     def push(self, text: str) -> ToolStreamDelta:
-        self._pending += text
+        """Add streamed output; returns the content it releases and the calls it completes."""
         delta = ToolStreamDelta()
+        if self._still_waiting(text):
+            return delta
+        self._pending = "".join(self._waiting) + self._pending + text
+        self._waiting, self._last = [], ""
         while self._step(delta):
             pass
+        if self._mode in ("start", "tag") and self._pending:
+            self._waiting, self._pending = [self._pending], ""
+            self._last = self._waiting[0][-len(_TAG_CLOSE):]
         self.calls += delta.calls
         self.invalid += delta.invalid
         return delta
 
+    def _still_waiting(self, text: str) -> bool:
+        """Whether ``text`` leaves the parser where it was (more spaces at the start, or no end
+        of the open <tool_call> block); it is then kept for later."""
+        if self._mode == "start":
+            waiting = not text.strip()
+        elif self._mode == "tag":
+            waiting = _TAG_CLOSE not in self._last + text
+        else:
+            return False
+        if waiting:
+            self._waiting.append(text)
+            self._last = (self._last + text)[-len(_TAG_CLOSE):]
+        return waiting
+
     def finish(self) -> ToolStreamDelta:
         """End of output: release or report whatever is still held."""
         delta = ToolStreamDelta()
-        held, self._pending = self._pending, ""
+        held, self._pending = "".join(self._waiting) + self._pending, ""
+        self._waiting, self._last = [], ""
         scanner = self._json
         if self._mode == "json":
             cut_call = not scanner.done and '"name"' in scanner.raw
@@ -126,7 +160,7 @@ class ToolCallParser:
             self._mode = "text"
             try:
                 delta.calls += _calls_from_value(json.loads(body))
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 delta.invalid.append(InvalidToolCall(body.strip(), str(exc), new_call_id()))
             return True
         start = self._pending.find(_TAG_OPEN)
@@ -177,42 +211,60 @@ def _calls_from_value(value: Any) -> list[ToolCall]:
 
 class _JsonCallScanner:
     """Follows a JSON call list (or one call object) as it streams, returning each call object
-    as soon as its closing brace arrives. Tracks nesting and strings, nothing more."""
+    as soon as its closing brace arrives. Tracks nesting and strings, nothing more.
+
+    ``raw`` is the text fed up to the value's end, ``tail`` what came after it; both are kept
+    in pieces and joined when read, so feeding costs time linear in the text."""
 
     def __init__(self) -> None:
-        self.raw = ""
+        self._raw: list[str] = []
+        self._tail: list[str] = []
+        self._item: list[str] | None = None  # the pieces of the call object being read
         self._depth = 0
         self._in_string = False
         self._escaped = False
         self._is_list: bool | None = None
-        self._item_start: int | None = None
         self.done = False
-        self.tail = ""
         self.found_any = False
 
+    @property
+    def raw(self) -> str:
+        return _joined(self._raw)
+
+    @property
+    def tail(self) -> str:
+        return _joined(self._tail)
+
     def feed(self, text: str) -> list[ToolCall]:
+        if self.done:
+            self._tail.append(text)
+            return []
         calls: list[ToolCall] = []
-        for ch in text:
-            if self.done:
-                self.tail += ch
-                continue
-            self.raw += ch
+        item_from = 0 if self._item is not None else None
+        for at, ch in enumerate(text):
             if self._string_char(ch):
                 continue
             if ch in "[{":
                 if self._is_list is None:
                     self._is_list = ch == "["
                 self._depth += 1
-                item_depth = 2 if self._is_list else 1
-                if ch == "{" and self._depth == item_depth:
-                    self._item_start = len(self.raw) - 1
+                if ch == "{" and self._depth == (2 if self._is_list else 1):
+                    self._item, item_from = [], at
             elif ch in "]}":
                 self._depth -= 1
-                if ch == "}" and self._item_start is not None and \
+                if ch == "}" and self._item is not None and item_from is not None and \
                         self._depth == (1 if self._is_list else 0):
-                    calls += self._close_item()
+                    body = "".join(self._item) + text[item_from:at + 1]
+                    self._item = item_from = None
+                    calls += self._close_item(body)
                 if self._depth == 0:
                     self.done = True
+                    self._raw.append(text[:at + 1])
+                    self._tail.append(text[at + 1:])
+                    return calls
+        self._raw.append(text)
+        if self._item is not None and item_from is not None:
+            self._item.append(text[item_from:])
         return calls
 
     def _string_char(self, ch: str) -> bool:
@@ -229,13 +281,17 @@ class _JsonCallScanner:
             return True
         return False
 
-    def _close_item(self) -> list[ToolCall]:
-        assert self._item_start is not None
-        body = self.raw[self._item_start:]
-        self._item_start = None
+    def _close_item(self, body: str) -> list[ToolCall]:
         try:
             calls = _calls_from_value(json.loads(body))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return []
         self.found_any = True
         return calls
+
+
+def _joined(parts: list[str]) -> str:
+    """``parts`` joined, kept as one piece for the next read."""
+    if len(parts) > 1:
+        parts[:] = ["".join(parts)]
+    return parts[0] if parts else ""

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dyngen_core.errors import JobError
 from dyngen_core.text.constraints.spec import Constraint
 from dyngen_core.text.tool_parser import (
     InvalidToolCall,
@@ -52,14 +53,31 @@ class ToolSpec:
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object"})
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise JobError(f"a tool needs a non-empty string name; got {self.name!r}")
+        if not isinstance(self.parameters, Mapping):
+            raise JobError(f"the parameters of tool {self.name!r} must be a JSON schema object "
+                           f"(a dict); got {type(self.parameters).__name__}")
+        try:
+            json.dumps(self.parameters)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise JobError(f"the parameters schema of tool {self.name!r} cannot be written as "
+                           f"JSON ({exc}); pass a tree of plain dicts, lists, strings, numbers, "
+                           "booleans and None") from None
+
     @classmethod
     def from_dict(cls, tool: Mapping[str, Any]) -> ToolSpec:
         """Read an OpenAI-style tool: ``{"type": "function", "function": {...}}`` or the bare
         ``{"name", "description", "parameters"}`` function dict."""
-        function = tool.get("function", tool)
+        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise JobError("a tool must be a dict with a 'name' (and 'description', "
+                           "'parameters'), or one under 'function' (OpenAI style); got "
+                           f"{tool!r:.200}")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"a tool needs a non-empty 'name'; got {dict(tool)!r}")
+            raise JobError(f"a tool needs a non-empty 'name'; got {dict(tool)!r}")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         return cls(name, str(function.get("description") or ""), parameters)
 
@@ -80,18 +98,22 @@ def normalize_tool_choice(tool_choice: Any, tools: Sequence[ToolSpec]) -> str:
     ``{"type": "function", "function": {"name": ...}}`` / ``{"name": ...}``.
     """
     if isinstance(tool_choice, Mapping):
-        tool_choice = tool_choice.get("function", tool_choice).get("name")
+        function = tool_choice.get("function", tool_choice)
+        if not isinstance(function, Mapping):
+            raise JobError(f"tool_choice={tool_choice!r}: 'function' must be a dict with a "
+                           "'name'")
+        tool_choice = function.get("name")
     if tool_choice is None or tool_choice == "auto":
         return "auto"
     if tool_choice is False or tool_choice == "none":
         return "none"
     if tool_choice is True or tool_choice in ("any", "required"):
         if not tools:
-            raise ValueError(f"tool_choice={tool_choice!r} needs at least one tool")
+            raise JobError(f"tool_choice={tool_choice!r} needs at least one tool")
         return "required"
     names = [t.name for t in tools]
-    if tool_choice not in names:
-        raise ValueError(
+    if not isinstance(tool_choice, str) or tool_choice not in names:
+        raise JobError(
             f"tool_choice={tool_choice!r} is not one of the bound tools {names}; pass a tool "
             "name, 'auto', 'none', 'any' or 'required'"
         )
@@ -129,8 +151,12 @@ def render_tools_prompt(tools: Sequence[ToolSpec]) -> str:
 
 def format_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
     """Calls (dicts with ``name`` and ``arguments``) written in the output format."""
-    return json.dumps([{"name": c["name"], "arguments": c.get("arguments") or {}}
-                       for c in calls], ensure_ascii=False)
+    try:
+        return json.dumps([{"name": c["name"], "arguments": c.get("arguments") or {}}
+                           for c in calls], ensure_ascii=False)
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise JobError(f"tool calls must be dicts with a 'name' and JSON 'arguments' ({exc!r}); "
+                       f"got {list(calls)!r:.200}") from None
 
 
 def fallback_messages(
@@ -151,6 +177,9 @@ def fallback_messages(
     """
     out: list[dict[str, Any]] = []
     for message in messages:
+        if not isinstance(message, Mapping):
+            raise JobError(f"a chat message must be a dict with 'role' and 'content'; got "
+                           f"{message!r}")
         role = message.get("role")
         if role == "tool":
             line = f"Result of tool call {message.get('tool_call_id') or ''} " \
@@ -188,17 +217,18 @@ def tool_calls_schema(
 
     tool_choice "required": a list of one or more calls of any of ``tools`` (exactly one unless
     ``parallel``); a tool name: exactly one call of that tool; "auto"/"none": None. Argument
-    schemas have their local ``$ref``s inlined and, where they leave it open, no extra keys.
+    schemas are embedded as they are, their local ``$ref``s (``#/$defs/X``, ``#`` ...) pointed
+    at where they now sit, so the schema grows linearly with the tools' schemas, and recursive
+    ones work. Where an argument schema leaves it open, it allows no extra keys.
     """
     if tool_choice in ("auto", "none"):
         return None
     chosen = [t for t in tools if tool_choice == "required" or t.name == tool_choice]
-    items = [_call_schema(t) for t in chosen]
-    schema: dict[str, Any] = {
-        "type": "array",
-        "items": items[0] if len(items) == 1 else {"anyOf": items},
-        "minItems": 1,
-    }
+    if len(chosen) == 1:
+        items: dict[str, Any] = _call_schema(chosen[0], "/items")
+    else:
+        items = {"anyOf": [_call_schema(t, f"/items/anyOf/{i}") for i, t in enumerate(chosen)]}
+    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel or tool_choice != "required":
         schema["maxItems"] = 1
     return schema
@@ -233,12 +263,9 @@ def tool_choice_constraint(
     return tool_calls_schema(tools, tool_choice, parallel)
 
 
-def _call_schema(tool: ToolSpec) -> dict[str, Any]:
-    arguments = inline_refs(dict(tool.parameters))
-    arguments.pop("title", None)
-    arguments.setdefault("type", "object")
-    arguments.setdefault("properties", {})
-    arguments.setdefault("additionalProperties", False)
+def _call_schema(tool: ToolSpec, at: str) -> dict[str, Any]:
+    """The schema of one call of ``tool``, to sit at JSON pointer ``at`` of the whole schema."""
+    arguments = _arguments_schema(tool, f"{at}/properties/arguments")
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, "arguments": arguments},
@@ -247,34 +274,129 @@ def _call_schema(tool: ToolSpec) -> dict[str, Any]:
     }
 
 
-def inline_refs(schema: dict[str, Any], max_depth: int = 32) -> dict[str, Any]:
-    """Replace local ``{"$ref": "#/$defs/X"}`` (or ``#/definitions/X``) by the definition, so the
-    schema can be nested inside another one. Recursive schemas raise ValueError."""
+def _arguments_schema(tool: ToolSpec, at: str) -> dict[str, Any]:
+    """``tool.parameters`` to sit at JSON pointer ``at``: a copy whose local refs point there,
+    its root ``$ref`` followed (so the keys added here apply to the object it names)."""
+    parameters = dict(tool.parameters)
+    target = _root_target(parameters)
+    if target is not None:
+        parameters = {**target, **{k: v for k, v in parameters.items() if k != "$ref"}}
+    try:
+        arguments: dict[str, Any] = json.loads(json.dumps(parameters))  # a copy, JSON only
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise JobError(f"the parameters schema of tool {tool.name!r} cannot be written as "
+                       f"JSON ({exc})") from None
+    _rebase_refs(arguments, at)
+    arguments.pop("title", None)
+    arguments.setdefault("type", "object")
+    arguments.setdefault("properties", {})
+    arguments.setdefault("additionalProperties", False)
+    return arguments
+
+
+def _rebase_refs(schema: dict[str, Any], at: str) -> None:
+    """Prefix the local ``$ref``s (``#`` and ``#/...``) in ``schema`` (a JSON tree) with
+    ``at``, in place."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                node["$ref"] = "#" + at + ref[1:]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _root_target(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """The definition a schema's root ``$ref`` names inside the schema (following a chain of
+    them), or None when the root has no such ``$ref``."""
+    node: Any = schema
+    seen: set[str] = set()
+    while isinstance(node, Mapping) and isinstance(node.get("$ref"), str):
+        ref = node["$ref"]
+        if not ref.startswith("#/") or ref in seen:
+            return None
+        seen.add(ref)
+        node = _pointer_target(schema, ref[2:].split("/"))
+    return dict(node) if isinstance(node, Mapping) and node is not schema else None
+
+
+def _pointer_target(root: Any, parts: list[str]) -> Any:
+    """What a JSON pointer's ``parts`` name inside ``root`` (None when nothing)."""
+    node = root
+    for part in parts:
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping):
+            node = node.get(key)
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
+
+
+# Most nodes `inline_refs` writes: definitions that use each other several times grow the
+# inlined schema exponentially with their depth.
+INLINED_NODES_LIMIT = 100_000
+
+
+def inline_refs(schema: dict[str, Any], max_nodes: int = INLINED_NODES_LIMIT) -> dict[str, Any]:
+    """Replace local ``{"$ref": "#/$defs/X"}`` (or ``#/definitions/X``) by the definition, for
+    consumers that do not read ``$ref``. Each definition is resolved once; where it is used
+    several times the result holds the same object (copy before editing one place).
+
+    Raises `JobError` (a ValueError) when the schema is recursive (a ``$ref`` refers to
+    itself), or when the inlined schema, written out, would have more than ``max_nodes`` JSON
+    values (definitions that reuse each other grow it exponentially): keep the ``$ref``s then.
+    """
     defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    done: dict[str, tuple[Any, int]] = {}
+    resolving: set[str] = set()
 
-    def resolve(node: Any, depth: int) -> Any:
-        if depth > max_depth:
-            raise ValueError("the schema is recursive (a $ref refers to itself); it cannot be "
-                             "inlined into a tool-call constraint")
+    def definition(name: str) -> tuple[Any, int]:
+        if name not in done:
+            if name in resolving:
+                raise JobError(f"the schema is recursive ($defs {name!r} refers to itself); "
+                               "it cannot be inlined: keep its $refs")
+            resolving.add(name)
+            done[name] = resolve(defs[name])
+            resolving.discard(name)
+        return done[name]
+
+    def resolve(node: Any) -> tuple[Any, int]:
+        """``node`` inlined, and how many JSON values it has written out."""
         if isinstance(node, list):
-            return [resolve(n, depth) for n in node]
-        if not isinstance(node, dict):
-            return node
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.split("/")[-1] in defs:
-            rest = {k: v for k, v in node.items() if k != "$ref"}
-            return {**resolve(defs[ref.split("/")[-1]], depth + 1), **resolve(rest, depth)}
-        return {k: resolve(v, depth) for k, v in node.items() if k not in ("$defs", "definitions")}
+            parts = [resolve(n) for n in node]
+            out: Any = [p for p, _ in parts]
+            size = 1 + sum(n for _, n in parts)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            name = ref.split("/")[-1] if isinstance(ref, str) else None
+            if name is not None and name in defs:
+                (target, target_size), (rest, rest_size) = definition(name), resolve(
+                    {k: v for k, v in node.items() if k != "$ref"})
+                out, size = {**target, **rest}, target_size + rest_size
+            else:
+                fields = {k: resolve(v) for k, v in node.items()
+                          if k not in ("$defs", "definitions")}
+                out = {k: v for k, (v, _) in fields.items()}
+                size = 1 + sum(n for _, n in fields.values())
+        else:
+            return node, 1
+        if size > max_nodes:
+            raise JobError(f"the schema inlined would have more than {max_nodes} JSON values "
+                           "(its $defs reuse each other); keep its $refs instead of inlining")
+        return out, size
 
-    resolved: dict[str, Any] = resolve(schema, 0)
+    resolved: dict[str, Any] = resolve(schema)[0]
     return resolved
 
 
-
-
 __all__ = [
-    "InvalidToolCall", "ToolCall", "ToolCallParser", "ToolSpec", "ToolStreamDelta",
-    "fallback_messages", "format_tool_calls", "inline_refs", "new_call_id",
+    "INLINED_NODES_LIMIT", "InvalidToolCall", "ToolCall", "ToolCallParser", "ToolSpec",
+    "ToolStreamDelta", "fallback_messages", "format_tool_calls", "inline_refs", "new_call_id",
     "normalize_tool_choice", "parse_tool_calls", "render_tools_prompt",
     "template_supports_tools", "tool_calls_schema", "tool_choice_constraint",
 ]

@@ -163,7 +163,7 @@ def held_oracle(text: str, stops: list[str]) -> str:
        chunks=st.lists(st.text(alphabet="abc\n", max_size=6), max_size=10))
 def test_held_text_is_the_longest_possible_stop_start(stops: list[str],
                                                       chunks: list[str]) -> None:
-    matcher = StopMatcher(set(), stops)
+    matcher = StopMatcher(stops)
     seen = ""
     for chunk in chunks:
         released, matched = matcher.feed_text(chunk)

@@ -17,7 +17,7 @@ ALPHABET = "ab \nUs:r"
 @given(stops=st.lists(st.text(ALPHABET, min_size=1, max_size=6), min_size=1, max_size=3),
        text=st.text(ALPHABET, max_size=6))
 def test_quick_pass_texts_pass_feed_unchanged(stops: list[str], text: str) -> None:
-    matcher = StopMatcher(set(), stops)
+    matcher = StopMatcher(stops)
     quick = not text or (len(text) < matcher.shortest and text[-1] not in matcher.end_chars)
     released = matcher.feed(text)
     if quick:
@@ -25,7 +25,7 @@ def test_quick_pass_texts_pass_feed_unchanged(stops: list[str], text: str) -> No
 
 
 def test_quick_pass_tables() -> None:
-    matcher = StopMatcher(set(), ["t1 t2 t3", "\n\nUser:"])
+    matcher = StopMatcher(["t1 t2 t3", "\n\nUser:"])
     assert matcher.shortest == 7
     assert matcher.end_chars == frozenset("t1 2\nUser")
-    assert StopMatcher(set(), []).shortest == 0
+    assert StopMatcher([]).shortest == 0

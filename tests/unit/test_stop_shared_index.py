@@ -3,7 +3,9 @@ strings untouched) release exactly what a matcher of their own releases."""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,15 +28,15 @@ def test_shared_tables_release_what_own_tables_release(strings: list[str],
                                                        streams: list[list[str]]) -> None:
     shared = StopIndexes()
     for pieces in streams:  # later streams run on a table earlier ones filled
-        alone = _feed(StopMatcher(set(), strings), pieces)
-        assert _feed(StopMatcher(set(), strings, indexes=shared), pieces) == alone
+        alone = _feed(StopMatcher(strings), pieces)
+        assert _feed(StopMatcher(strings, indexes=shared), pieces) == alone
 
 
 def test_matchers_of_the_same_strings_share_one_table_and_learn_passing_texts() -> None:
     shared = StopIndexes()
-    first = StopMatcher(set(), ["\n\nUser:"], indexes=shared)
-    second = StopMatcher(set(), ["\n\nUser:"], indexes=shared)
-    other = StopMatcher(set(), ["</s>"], indexes=shared)
+    first = StopMatcher(["\n\nUser:"], indexes=shared)
+    second = StopMatcher(["\n\nUser:"], indexes=shared)
+    other = StopMatcher(["</s>"], indexes=shared)
     assert shared.get(("\n\nUser:",)) is shared.get(("\n\nUser:",))
     assert first.feed(" hello") == " hello"
     assert " hello" in shared.get(("\n\nUser:",)).passes
@@ -46,13 +48,22 @@ def test_matchers_of_the_same_strings_share_one_table_and_learn_passing_texts() 
     assert other.feed(" hello") == " hello"
 
 
-def test_a_full_registry_starts_over() -> None:
-    shared = StopIndexes(limit=3)
-    tables = [shared.get((f"s{i}",)) for i in range(3)]
-    assert shared.get(("s0",)) is tables[0]
-    shared.get(("s3",))
-    assert shared.get(("s0",)) is not tables[0]
+def test_tables_live_while_used_and_a_few_idle_ones_are_kept() -> None:
+    shared = StopIndexes(keep=2)
+    in_use = StopMatcher(["s0"], indexes=shared)
+    table = weakref.ref(shared.get(("s0",)))
+    for i in range(1, 10):  # jobs with other strings come and go
+        StopMatcher([f"s{i}"], indexes=shared)
+    gc.collect()
+    assert len(shared) == 3  # s0 in use, s8 and s9 the two idle ones kept
+    assert shared.get(("s0",)) is table()  # in use: still shared
+    del in_use
+    for i in range(10, 12):
+        StopMatcher([f"s{i}"], indexes=shared)
+    gc.collect()
+    assert len(shared) == 2
+    assert table() is None  # idle and pushed out: dropped
     rng = random.Random(0)
     text = "".join(rng.choice("s0 ") for _ in range(50))
-    assert StopMatcher(set(), ["s0"], indexes=shared).feed_text(text) == \
-        StopMatcher(set(), ["s0"]).feed_text(text)
+    assert StopMatcher(["s0"], indexes=shared).feed_text(text) == \
+        StopMatcher(["s0"]).feed_text(text)

@@ -1,17 +1,15 @@
 """Token masks for constraints, from llguidance (CPU, Rust; no torch).
 
 `ConstraintCompiler` is built once per tokenizer (it wraps llguidance's view of the
-vocabulary, ~0.5 s for 50k tokens) and compiles each job's `Constraint` into a
+vocabulary, which indexes every token) and compiles each job's `Constraint` into a
 `ConstraintMatcher`: the job's own parser state. Masks are packed bitmasks (int32, bit
 ``i % 32`` of word ``i // 32`` = token ``i`` allowed), the layout the sampler unpacks on the
 device. `ConstraintCompiler.fill_bitmasks` computes a batch of masks on llguidance's thread
 pool with the GIL released, so the generator can run it on a helper thread while the model's
 forward runs.
 
-Why llguidance: it compiles JSON schemas, regexes and Lark grammars in about a millisecond,
-computes a mask in tens of microseconds, enforces JSON (string escapes, numeric bounds) exactly,
-rolls back, and installs as one 3 MB wheel with no dependencies (xgrammar needs torch, triton
-and transformers; outlines-core has no grammars and ignores numeric bounds).
+llguidance compiles JSON schemas (``$ref``s included), regexes and Lark grammars, enforces
+JSON (string escapes, numeric bounds) exactly, rolls back, and needs no torch.
 """
 
 from __future__ import annotations
@@ -92,12 +90,16 @@ class ConstraintMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance by one generated token. False when the constraint forbids it (the matcher
         is then in an error state: see `error`)."""
-        return bool(self._matcher.consume_token(int(token_id)))
+        try:
+            return bool(self._matcher.consume_token(int(token_id)))
+        except OverflowError:
+            raise JobError(f"token id {token_id} is outside the vocabulary "
+                           f"(0 to {self.vocab_size - 1})") from None
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` accepted tokens (banned-string rewinds, rejected
         drafts)."""
-        if num_tokens > 0 and not self._matcher.rollback(num_tokens):
+        if num_tokens > 0 and not self._matcher.rollback(int(num_tokens)):
             raise JobError(f"the constraint cannot roll back {num_tokens} tokens: {self.error}")
 
     def is_terminated(self) -> bool:
@@ -113,7 +115,7 @@ class ConstraintMatcher:
     @property
     def error(self) -> str | None:
         """Why the matcher failed, or None."""
-        return str(self._matcher.get_error()) if self._matcher.is_error() else None
+        return _brief(self._matcher.get_error()) if self._matcher.is_error() else None
 
 
 class ConstraintCompiler:
@@ -145,7 +147,7 @@ class ConstraintCompiler:
         text = self._grammar_text(spec)
         problem = self._llg.LLMatcher.validate_grammar(text, self._tokenizer)
         if problem and not problem.startswith("WARNING"):
-            raise JobError(f"invalid {spec.kind} constraint: {problem.strip()}")
+            raise JobError(f"invalid {spec.kind} constraint: {_brief(problem)}")
         return str(text)
 
     def matcher(self, constraint: Any) -> ConstraintMatcher:
@@ -153,7 +155,7 @@ class ConstraintCompiler:
         text = self.grammar(constraint)
         matcher = self._llg.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise JobError(f"invalid constraint: {matcher.get_error()}")
+            raise JobError(f"invalid constraint: {_brief(matcher.get_error())}")
         return ConstraintMatcher(matcher, self.vocab_size)
 
     def new_bitmask(self, rows: int) -> np.ndarray:
@@ -186,7 +188,7 @@ class ConstraintCompiler:
             try:
                 return str(lm.grammar_from_json_schema(json.loads(spec.source), defaults=options))
             except ValueError as exc:
-                raise JobError(f"invalid JSON schema constraint: {exc}") from exc
+                raise JobError(f"invalid JSON schema constraint: {_brief(str(exc))}") from exc
         if spec.kind == "regex":
             return str(lm.grammar_from_regex(spec.source))
         if spec.kind == "choice":
@@ -194,8 +196,25 @@ class ConstraintCompiler:
         if spec.syntax == "gbnf":
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
-            return str(lm.grammar_from_lark(gbnf_to_lark(spec.source)))
+            try:
+                lark = gbnf_to_lark(spec.source)
+            except Exception as exc:  # the converter raises bare Exceptions too
+                raise JobError(f"invalid GBNF grammar: {_brief(str(exc))}") from exc
+            return str(lm.grammar_from_lark(lark))
         return str(lm.grammar_from_lark(spec.source))
+
+
+# Longest engine message quoted in an error (llguidance quotes the grammar and its state).
+MESSAGE_LIMIT = 2000
+
+
+def _brief(message: str) -> str:
+    """An engine message for an error: without the parser state dump, at most MESSAGE_LIMIT
+    characters."""
+    text = str(message).split("\n<state>", 1)[0].strip()
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    return f"{text[:MESSAGE_LIMIT]}... ({len(text)} characters in all)"
 
 
 def _literal(text: str) -> str:

@@ -50,15 +50,24 @@ class Constraint:
                 raise JobError(
                     f"{schema.__name__} is not a pydantic model class; pass a JSON schema dict"
                 )
-            schema = as_json()
+            model = schema.__name__
+            try:
+                schema = as_json()
+            except Exception as exc:  # pydantic's errors for types JSON schema cannot describe
+                raise JobError(f"{model}.model_json_schema() failed: {exc}") from exc
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise JobError(f"the JSON schema text is not valid JSON: {exc}") from exc
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise JobError(f"the JSON schema text is not valid JSON: {exc}") from None
         if not isinstance(schema, Mapping):
             raise JobError(f"a JSON schema must be a JSON object; got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema), flexible_whitespace=flexible_whitespace)
+        try:
+            text = json.dumps(schema)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise JobError(f"the JSON schema cannot be written as JSON ({exc}); pass plain dicts, "
+                           "lists, strings, numbers, booleans and None, without cycles") from None
+        return cls("json_schema", text, flexible_whitespace=flexible_whitespace)
 
     @classmethod
     def regex(cls, pattern: str | re.Pattern[str]) -> Constraint:
@@ -67,7 +76,7 @@ class Constraint:
         text = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
         if not isinstance(text, str) or not text:
             raise JobError("a regex constraint needs a non-empty pattern string")
-        return cls("regex", text)
+        return cls("regex", _utf8(text, "the regex"))
 
     @classmethod
     def grammar(cls, text: str, syntax: GrammarSyntax = "lark") -> Constraint:
@@ -77,7 +86,7 @@ class Constraint:
             raise JobError(f"grammar syntax must be 'lark' or 'gbnf'; got {syntax!r}")
         if not isinstance(text, str) or not text.strip():
             raise JobError("a grammar constraint needs the grammar text")
-        return cls("grammar", text, syntax=syntax)
+        return cls("grammar", _utf8(text, "the grammar"), syntax=syntax)
 
     @classmethod
     def choice(cls, options: Sequence[str]) -> Constraint:
@@ -87,6 +96,8 @@ class Constraint:
         bad = [o for o in options if not isinstance(o, str) or not o]
         if bad:
             raise JobError(f"choices must be non-empty strings; got {bad[:3]!r}")
+        for option in options:
+            _utf8(option, "a choice")
         return cls("choice", json.dumps(list(dict.fromkeys(options))))
 
     @property
@@ -95,6 +106,16 @@ class Constraint:
         if self.kind != "choice":
             raise JobError(f"a {self.kind} constraint has no choices")
         return list(json.loads(self.source))
+
+
+def _utf8(text: str, what: str) -> str:
+    """``text``, checked to be writable as UTF-8 (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise JobError(f"{what} holds a lone surrogate ({text[exc.start]!r} at {exc.start}), "
+                       "which is not text; remove it") from None
+    return text
 
 
 def as_constraint(obj: Any) -> Constraint:
@@ -132,7 +153,7 @@ def _from_string(text: str) -> Constraint:
     if text.lstrip().startswith("{"):
         try:
             parsed = json.loads(text)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             parsed = None
         if isinstance(parsed, dict):
             return Constraint.json_schema(parsed)
