@@ -19,13 +19,7 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model.layers import DecoderLayer, GatedMLP, Placement, RMSNorm, empty_parameter
-from dyngen_core.model.layout import checkpoint_layout
-from dyngen_core.model.loader import (
-    check_inventory,
-    find_weight_files,
-    load_weights,
-    read_inventory,
-)
+from dyngen_core.model.loader import checked_layout, find_weight_files, load_weights, read_inventory
 from dyngen_core.model.placement import resolve_device, resolve_dtype
 from dyngen_core.model.rope import RotaryEmbedding
 from dyngen_core.ops.fused_ops import DEFAULT_FUSED_OPS, fused_ops_for
@@ -125,15 +119,18 @@ class Model(nn.Module):
             "float32" or the torch dtype.
         progress: show a progress bar over the bytes loaded.
 
-        Raises ModelFolderError (missing folder, config.json or weights),
-        UnsupportedArchitectureError, or WeightsError (corrupt file; missing, unexpected or
-        wrongly shaped tensor), each naming the file or tensor.
+        The folder is untrusted: config.json and the checkpoint headers are checked against
+        each other before anything is allocated, so a bad folder fails in milliseconds.
+
+        Raises ModelFolderError (missing folder, config.json or weights; a config.json field
+        missing, mistyped or out of range), UnsupportedArchitectureError, or WeightsError
+        (corrupt file; a layer count, tensor, shape or dtype that config.json does not
+        describe), each naming the file, field or tensor.
         """
         folder = Path(model_dir)
         config = ModelConfig.from_model_dir(folder)
         inventory = read_inventory(find_weight_files(folder))
-        layout = checkpoint_layout(config)
-        check_inventory(inventory, layout, config)
+        layout = checked_layout(inventory, config)  # before anything is allocated
         target = resolve_device(device)
         model = cls(config, device=target, dtype=resolve_dtype(dtype, config.torch_dtype, target),
                     model_dir=folder)

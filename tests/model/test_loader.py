@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +115,73 @@ def test_wrong_shape(llama_copy: Path) -> None:
         Model.load(llama_copy)
 
 
+def test_absurd_layer_count_fails_before_anything_is_built(llama_copy: Path) -> None:
+    edit_config(llama_copy, num_hidden_layers=10**6)
+    tracemalloc.start()
+    try:
+        with pytest.raises(WeightsError, match=r"config.json says num_hidden_layers=1000000, but "
+                                               r"the checkpoint holds 2 layer\(s\); set "
+                                               r"num_hidden_layers to 2"):
+            Model.load(llama_copy)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20  # no layout, no parameters for the million layers
+
+
+@pytest.mark.parametrize(("field", "value", "blame"), [
+    ("hidden_size", 10**9, r"model.embed_tokens.weight.*\(dimension 1 from hidden_size\)"),
+    ("vocab_size", 10**9, r"model.embed_tokens.weight.*\(dimension 0 from vocab_size\)"),
+    ("intermediate_size", 10**9,
+     r"gate_proj.weight.*\(dimension 0 from intermediate_size\)"),
+    ("num_attention_heads", 64,
+     r"o_proj.weight.*\(dimension 1 from num_attention_heads x head_dim\)"),
+])
+def test_absurd_sizes_name_the_field(llama_copy: Path, field: str, value: int,
+                                     blame: str) -> None:
+    edit_config(llama_copy, **{field: value})
+    with pytest.raises(WeightsError, match=blame):
+        Model.load(llama_copy)
+
+
+def test_layers_with_a_gap(llama_copy: Path) -> None:
+    def renumber(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+            tensors[name.replace("layers.1.", "layers.5.")] = tensors.pop(name)
+
+    edit_weights(llama_copy, renumber)
+    with pytest.raises(WeightsError, match="not numbered 0 to 1: it holds model.layers.5 but no "
+                                           "model.layers.1, 2, 3, 4, 6"):
+        Model.load(llama_copy)
+
+
+def test_integer_weights_are_refused(llama_copy: Path) -> None:
+    def to_int(tensors: dict[str, torch.Tensor]) -> None:
+        name = "model.layers.0.mlp.up_proj.weight"
+        tensors[name] = tensors[name].to(torch.int64)
+
+    edit_weights(llama_copy, to_int)
+    with pytest.raises(WeightsError, match="up_proj.weight' in model.safetensors is stored as "
+                                           "I64; dyngen loads floating-point weights"):
+        Model.load(llama_copy)
+
+
+@pytest.mark.parametrize("index", [
+    {"weight_map": {"model.norm.weight": "../model.safetensors"}},
+    {"weight_map": {"model.norm.weight": "/etc/passwd"}},
+    {"weight_map": {"model.norm.weight": 5}},
+    {"weight_map": [1]},
+    {"no_map": {}},
+])
+def test_bad_shard_index(llama_copy: Path, index: object) -> None:
+    (llama_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match="shard|not a valid safetensors index"):
+        Model.load(llama_copy)
+    (llama_copy / "model.safetensors.index.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(WeightsError, match="not a valid safetensors index"):
+        Model.load(llama_copy)
+
+
 def test_corrupt_header(llama_copy: Path) -> None:
     data = (llama_copy / WEIGHTS).read_bytes()
     (llama_copy / WEIGHTS).write_bytes(data[:8] + b"{not json" + data[17:])
@@ -156,6 +224,13 @@ def test_tied_embeddings(tiny_model_dirs: Callable[[str], Path], tmp_path: Path)
     edit_weights(copy, lambda t: t.update({"lm_head.weight": torch.zeros(512, 64)}))
     reloaded = Model.load(copy)
     assert torch.equal(reloaded.lm_head_weight, model.embed_weight)
+
+
+def test_every_rope_scaling_type_has_an_implementation() -> None:
+    from dyngen_core.config import ROPE_SCALING_FIELDS
+    from dyngen_core.model.rope import _BY_TYPE
+
+    assert set(_BY_TYPE) == {"default", *ROPE_SCALING_FIELDS}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", torch.float16])
