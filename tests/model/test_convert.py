@@ -5,6 +5,7 @@ produces (the oracle); fetch-demo-model must reuse its folder."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import tokenizers
 from gguf import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -346,6 +349,65 @@ def test_output_folder_that_is_a_file(tiny_gguf: TinyGguf, tmp_path: Path) -> No
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConversionError, match="cannot write .*file"):
         convert_gguf(tiny_gguf[0], tmp_path / "file")
+
+
+# ---- fuzz: a damaged GGUF converts, or fails with a ConversionError, nothing else ----
+
+FUZZ = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def convert_or_refuse(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "fuzzed.gguf"
+        path.write_bytes(data)
+        try:
+            convert_gguf(path, Path(work) / "out")
+        except ConversionError:
+            assert not (Path(work) / "out").exists()
+
+
+@FUZZ
+@given(data=st.binary(max_size=400) | st.binary(max_size=400).map(
+    lambda tail: b"GGUF\x03\x00\x00\x00" + tail))  # a valid magic and version, then noise
+def test_fuzz_arbitrary_bytes(data: bytes) -> None:
+    convert_or_refuse(data)
+
+
+@FUZZ
+@given(flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1,
+                      max_size=6),
+       cut=st.none() | st.floats(0, 1))
+def test_fuzz_damaged_metadata(tiny_gguf: TinyGguf, flips: list[tuple[float, int]],
+                               cut: float | None) -> None:
+    original = tiny_gguf[0].read_bytes()
+    metadata_end = gguf.GGUFReader(str(tiny_gguf[0])).data_offset
+    data = bytearray(original)
+    for where, value in flips:  # inside the header, metadata and tensor table
+        data[int(where * (metadata_end - 1))] = value
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    convert_or_refuse(bytes(data))
+
+
+@FUZZ
+@given(key=st.sampled_from(["llama.block_count", "llama.embedding_length",
+                            "llama.feed_forward_length", "llama.attention.head_count",
+                            "llama.attention.head_count_kv", "llama.attention.key_length",
+                            "llama.context_length", "llama.rope.freq_base",
+                            "llama.rope.scaling.type", "llama.rope.scaling.factor",
+                            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.model",
+                            "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token",
+                            "general.architecture", "tokenizer.chat_template"]),
+       value=st.integers(-1, 2**32 - 1) | st.sampled_from(["", "llama", "yarn", "gpt2", "x"])
+       | st.floats(-1e9, 1e9, allow_nan=False) | st.booleans())
+def test_fuzz_one_metadata_value(tiny_gguf: TinyGguf, tmp_path_factory: pytest.TempPathFactory,
+                                 key: str, value: Any) -> None:
+    kind = (V.BOOL if isinstance(value, bool) else V.STRING if isinstance(value, str)
+            else V.FLOAT32 if isinstance(value, float) else V.INT64)
+    folder = tmp_path_factory.mktemp("meta")
+    rewritten = rewrite_gguf(tiny_gguf[0], folder / "x.gguf", set_key=(key, value, kind))
+    convert_or_refuse(rewritten.read_bytes())
 
 
 # ---- the demo model (downloaded once per machine; see tests/conftest_demo.py) ----

@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
-from dyngen_core.errors import ModelFolderError, UnsupportedArchitectureError, WeightsError
+from dyngen_core.errors import (
+    DynGenError,
+    ModelFolderError,
+    UnsupportedArchitectureError,
+    WeightsError,
+)
 from dyngen_core.kv.attention import SdpaBackend
 from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
+from dyngen_core.model.loader import WEIGHT_DTYPES, checked_layout, read_inventory
 
 WEIGHTS = "model.safetensors"
 
@@ -265,3 +275,105 @@ def test_progress_bar_counts_bytes(tiny_llama_dir: Path,
     size = tqdm.format_sizeof(sum(p.numel() * 4 for p in model.parameters()))  # float32 file
     assert f"Loading {tiny_llama_dir.name}" in err
     assert "100%" in err and f"{size}/{size}" in err
+
+
+# ---- fuzz: the safetensors reader never raises anything but dyngen's errors ----
+
+FUZZ = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+header_entries = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "X", 3]),
+    "shape": st.lists(st.integers(-2, 70), max_size=3) | st.text(max_size=3),
+    "data_offsets": st.lists(st.integers(-5, 300), max_size=3),
+})
+headers = st.dictionaries(
+    st.sampled_from(["model.norm.weight", "model.embed_tokens.weight", "__metadata__",
+                     "model.layers.0.mlp.up_proj.weight", "model.layers.99999999999.x", "x"]),
+    header_entries | st.dictionaries(st.text(max_size=3), st.text(max_size=3)) | st.integers(),
+    max_size=4)
+
+
+def inventory_then_layout(data: bytes, config: ModelConfig) -> None:
+    """The header-side half of Model.load on one model.safetensors holding ``data``: a
+    dyngen error, or a layout whose every tensor is there with its shape and a float dtype."""
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / WEIGHTS
+        path.write_bytes(data)
+        try:
+            inventory = read_inventory([path])
+            layout = checked_layout(inventory, config)
+        except DynGenError:
+            return
+    for name, slot in layout.items():
+        assert inventory[name].shape == slot.shape and inventory[name].dtype in WEIGHT_DTYPES
+
+
+@FUZZ
+@given(data=st.binary(max_size=300))
+def test_fuzz_arbitrary_bytes(tiny_llama_dir: Path, data: bytes) -> None:
+    inventory_then_layout(data, ModelConfig.from_model_dir(tiny_llama_dir))
+
+
+@FUZZ
+@given(header=headers, length_delta=st.integers(-3, 3) | st.just(2**62),
+       body=st.binary(max_size=300))
+def test_fuzz_headers(tiny_llama_dir: Path, header: dict[str, object], length_delta: int,
+                      body: bytes) -> None:
+    encoded = json.dumps(header).encode()
+    length = max(0, len(encoded) + length_delta) if length_delta < 2**62 else length_delta
+    inventory_then_layout(length.to_bytes(8, "little") + encoded + body,
+                          ModelConfig.from_model_dir(tiny_llama_dir))
+
+
+tensor_names = st.sampled_from(["model.embed_tokens.weight", "lm_head.weight",
+                                 "rotary_emb.inv_freq"]) | st.builds(
+    "model.layers.{}.{}".format, st.integers(0, 3) | st.integers(0, 10**12),
+    st.sampled_from(["input_layernorm.weight", "self_attn.q_proj.weight", "mlp.up_proj.weight",
+                     "self_attn.q_proj.bias", "x"]))
+edits = st.lists(st.tuples(
+    tensor_names, st.sampled_from(["drop", "add", "reshape", "retype"]),
+    st.lists(st.integers(0, 70), max_size=2),
+    st.sampled_from(["float32", "float16", "float64", "int64", "uint8", "bool"])), max_size=3)
+
+
+@FUZZ
+@given(changes=edits)
+def test_fuzz_edited_tensor_tables(
+    tiny_llama_dir: Path, changes: list[tuple[str, str, list[int], str]]
+) -> None:
+    import numpy as np
+    from safetensors.numpy import load_file as load_numpy
+    from safetensors.numpy import save
+
+    arrays = load_numpy(tiny_llama_dir / WEIGHTS)
+    for name, change, shape, dtype in changes:
+        if change == "drop":
+            arrays.pop(name, None)
+        elif change == "add" or name in arrays:
+            old = arrays.get(name, np.zeros(shape))
+            arrays[name] = np.zeros(shape if change != "retype" else old.shape,
+                                    dtype if change != "reshape" else old.dtype)
+    inventory_then_layout(save(arrays), ModelConfig.from_model_dir(tiny_llama_dir))
+
+
+@FUZZ
+@given(flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1,
+                      max_size=4),
+       cut=st.none() | st.floats(0, 1))
+def test_fuzz_damaged_checkpoint_loads_or_fails_cleanly(
+    tiny_llama_dir: Path, flips: list[tuple[float, int]], cut: float | None
+) -> None:
+    original = (tiny_llama_dir / WEIGHTS).read_bytes()
+    header_end = 8 + int.from_bytes(original[:8], "little")
+    data = bytearray(original)
+    for where, value in flips:  # mostly inside the header, where parsing happens
+        data[int(where * (header_end - 1))] = value
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    with tempfile.TemporaryDirectory() as work:
+        folder = Path(shutil.copytree(tiny_llama_dir, Path(work) / "m"))
+        (folder / WEIGHTS).write_bytes(bytes(data))
+        try:
+            Model.load(folder)
+        except DynGenError:
+            pass
