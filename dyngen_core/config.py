@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 CACHE_MODES = ("fp16", "q8", "q6", "q4")
+# config.json and generation_config.json are kilobytes; a larger file is refused unread.
+MAX_CONFIG_BYTES = 1 << 24
 # rope_scaling types the rotary embedding implements, each with the fields it requires (checked
 # to be positive numbers) and the numeric fields it may take.
 ROPE_SCALING_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -183,8 +185,12 @@ class SchedulerConfig:
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; ModelFolderError when it is unreadable, not UTF-8 JSON, or
-    not an object."""
+    """The JSON object in ``path``; ModelFolderError when it is unreadable, larger than any
+    config file (`MAX_CONFIG_BYTES`), not UTF-8 JSON, or not an object."""
+    size = path.stat().st_size if path.is_file() else 0
+    if size > MAX_CONFIG_BYTES:
+        raise ModelFolderError(f"{str(path)!r} holds {size:,} bytes, far more than a model "
+                               "config; it is not a config file: re-download it")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)

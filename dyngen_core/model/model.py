@@ -75,7 +75,7 @@ class Model(nn.Module):
 
     def set_fused_ops(self, enabled: bool | None = None) -> None:
         """Run RMSNorm (with the residual add in front of it) and SiLU-and-mul of bf16/fp16
-        activations as one Triton kernel each (`models.fused_ops`) instead of the torch ops.
+        activations as one Triton kernel each (`ops.fused_ops`) instead of the torch ops.
 
         enabled: None (what a new model starts with, `fused_ops.DEFAULT_FUSED_OPS`) turns them
             on for the layers on a CUDA device with triton installed; True turns them on
@@ -94,7 +94,7 @@ class Model(nn.Module):
     def set_skinny_matmul(self, max_rows: int) -> None:
         """Route the matrix products (q/k/v, output, gate/up, down, lm_head) of at most
         ``max_rows`` rows (tokens, or sampled rows for the lm_head) through the Triton skinny
-        matmul (`models.skinny_matmul`), which reads each weight once at full bandwidth; 0 turns
+        matmul (`ops.skinny_matmul`), which reads each weight once at full bandwidth; 0 turns
         it off (every product is ``F.linear``); a new model starts at
         ``skinny_matmul.DEFAULT_SKINNY_ROWS``. Only bf16/fp16 products on CUDA with triton
         installed take it; elsewhere the setting resolves to 0 for that layer's
@@ -173,8 +173,8 @@ class Model(nn.Module):
         """Final norm and lm_head over hidden rows [S, hidden]; float32 logits [S, vocab]."""
         normed = self.norm(hidden)
         if normed.device.type == "cpu" and normed.shape[0] > 1:
-            # The CPU BLAS runs this product up to 1.5x faster with the vocabulary as the long
-            # side of the output ([vocab, S]) than as x @ W^T with few rows (measured on the
-            # 2-core dev machine for 2 to 32 rows); same products, summed in another order.
+            # The CPU BLAS is faster with the vocabulary as the long side of the output
+            # ([vocab, S]) than as x @ W^T with few rows; same products, summed in another
+            # order. See BENCHMARKS.md, "CPU lm_head layout".
             return (self.lm_head_weight @ normed.t()).t().float().contiguous()
         return linear(normed, self.lm_head_weight, skinny_rows=self.skinny_rows).float()

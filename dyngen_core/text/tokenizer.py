@@ -170,10 +170,6 @@ class Tokenizer:
         """The id of a vocabulary entry, or None."""
         return self._parsing.token_to_id(piece)
 
-    def is_special(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a special (control) token."""
-        return token_id in self.special_token_ids
-
     @property
     def template_limits(self) -> TemplateLimits:
         """The time and size limits of a chat-template render (see `TemplateLimits`)."""

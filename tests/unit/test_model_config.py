@@ -146,6 +146,11 @@ def test_unreadable_config_files(tmp_path: Path) -> None:
         path.write_bytes(content)
         with pytest.raises(ModelFolderError, match=message):
             ModelConfig.from_model_dir(tmp_path)
+    with open(path, "wb") as f:  # sparse: 1 GB that takes no disk
+        f.truncate(2**30)
+    with pytest.raises(ModelFolderError, match="^'.*config.json' holds 1,073,741,824 bytes, far "
+                                               "more than a model config"):
+        ModelConfig.from_model_dir(tmp_path)
 
 
 @FUZZ
