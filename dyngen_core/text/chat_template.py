@@ -333,10 +333,16 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any,
                    right: Any) -> Any:
+        """An intercepted operator, sized before (repetition, powers, %-formats) or after it
+        runs. No deadline check: an operator repeats only inside a loop or call, which check."""
         budget = cast(_LimitedContext, context).budget
-        budget.tick()
+        if operator == "+" and type(left) is str and type(right) is str:  # the common case
+            budget.check_size(len(left) + len(right), "would build a value of")
+            return left + right
         budget.check_size(_binop_size(operator, left, right), "would build a value of")
-        return budget.checked(super().call_binop(context, operator, left, right))
+        result = self.binop_table[operator](left, right)
+        budget.check_size(_size(result), "built a value of")
+        return result
 
     def joined(self, context: jinja2.runtime.Context, parts: Iterable[Any]) -> str:
         """``a ~ b ~ ...``: the parts as text, joined once their total size is known."""
