@@ -15,8 +15,9 @@ from typing import Any
 import tokenizers
 
 from dyngen_core.errors import TokenizerError
-from dyngen_core.text.chat_template import ChatTemplate, TemplateLimits
+from dyngen_core.text.chat_template import ChatTemplate
 from dyngen_core.text.detokenize import TokenPieces
+from dyngen_core.text.template_sandbox import TemplateLimits
 
 # The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (

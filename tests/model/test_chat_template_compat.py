@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from dyngen_core.errors import TokenizerError
-from dyngen_core.text.chat_template import ChatTemplate, TemplateLimits
+from dyngen_core.text.chat_template import ChatTemplate
+from dyngen_core.text.template_sandbox import TemplateLimits
 from dyngen_core.text.tokenizer import Tokenizer
 from tests.tiny_models import trained_tokenizer_json
 

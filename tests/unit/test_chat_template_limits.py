@@ -13,7 +13,8 @@ import tracemalloc
 import pytest
 
 from dyngen_core.errors import TokenizerError
-from dyngen_core.text.chat_template import ChatTemplate, TemplateLimits
+from dyngen_core.text.chat_template import ChatTemplate
+from dyngen_core.text.template_sandbox import TemplateLimits
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 SMALL = TemplateLimits(max_seconds=0.5, max_chars=100_000)
