@@ -43,7 +43,7 @@ def _generator(args: argparse.Namespace) -> Any:
     )
 
 
-def _settings(args: argparse.Namespace, generator: Any) -> Any:
+def _settings(args: argparse.Namespace) -> Any:
     from dyngen_core.engine.settings import SamplerSettings
 
     given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
@@ -58,7 +58,7 @@ def _stream(generator: Any, input_ids: list[int], args: argparse.Namespace) -> A
     from dyngen_core.engine.job import Job
 
     generator.enqueue(Job(input_ids=input_ids, max_new_tokens=args.max_new_tokens,
-                          gen_settings=_settings(args, generator), seed=args.seed))
+                          gen_settings=_settings(args), seed=args.seed))
     final = None
     while generator.num_remaining_jobs():
         for result in generator.iterate():
@@ -88,7 +88,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         _stream(generator, tokenizer.encode(prompts[0], encode_special_tokens=args.chat), args)
         return 0
     texts = generator.generate(prompts, max_new_tokens=args.max_new_tokens,
-                               gen_settings=_settings(args, generator), seed=args.seed,
+                               gen_settings=_settings(args), seed=args.seed,
                                encode_special_tokens=args.chat)
     for prompt, text in zip(args.prompt, texts):
         print(f"### {prompt}\n{text}\n")

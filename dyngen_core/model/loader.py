@@ -1,14 +1,17 @@
 """Reading safetensors checkpoints (single file or sharded) into a model's parameters.
 
-Headers are read and checked against the expected layout before any weight is touched, so a
-mismatched checkpoint fails fast with a message naming the tensor. Weights then stream one tensor
-at a time: read from the file, cast and copied straight into the device parameter, so the host
-never holds more than one tensor. Only safetensors are read: no pickle, no remote code.
+The folder is untrusted. Headers are read and checked against config.json before anything is
+allocated: first the layer count (so a config that claims a million layers fails at once), then
+every tensor's name, shape and dtype against the expected layout, each failure a `WeightsError`
+naming the tensor and the config.json field behind it. Weights then stream one tensor at a
+time: read from the file, cast and copied straight into the device parameter, so the host never
+holds more than one tensor. Only safetensors are read: no pickle, no remote code.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,21 +23,28 @@ from tqdm import tqdm
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.errors import ModelFolderError, WeightsError
-from dyngen_core.model.layout import TensorSlot, is_ignored
+from dyngen_core.model.layout import TensorSlot, checkpoint_layout, is_ignored
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _MAX_LISTED = 5
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
+# The floating-point dtypes weights may be stored in (safetensors names), with their sizes.
+WEIGHT_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+# A decoder layer's tensors: model.layers.<index>.<...>; longer indices are no layer of ours.
+_LAYER_PREFIX = re.compile(r"model\.layers\.(\d{1,9})\.")
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor as the checkpoint header describes it."""
+    """One tensor as the checkpoint header describes it (``dtype``: the safetensors name)."""
 
     file: Path
     shape: tuple[int, ...]
-    nbytes: int
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return WEIGHT_DTYPES.get(self.dtype, 1) * _numel(self.shape)
 
 
 def find_weight_files(folder: Path) -> list[Path]:
@@ -70,14 +80,45 @@ def read_inventory(files: list[Path]) -> dict[str, TensorInfo]:
                     )
                 info = f.get_slice(name)
                 shape = tuple(int(d) for d in info.get_shape())
-                nbytes = _DTYPE_BYTES.get(info.get_dtype(), 1) * _numel(shape)
-                inventory[name] = TensorInfo(path, shape, nbytes)
+                inventory[name] = TensorInfo(path, shape, str(info.get_dtype()))
     return inventory
 
 
-def check_inventory(inventory: Mapping[str, TensorInfo], layout: Mapping[str, TensorSlot],
-                    config: ModelConfig) -> None:
-    """Raise WeightsError when the checkpoint lacks, adds or misshapes a tensor."""
+def checked_layout(inventory: Mapping[str, TensorInfo],
+                   config: ModelConfig) -> dict[str, TensorSlot]:
+    """The checkpoint layout of ``config``, once the checkpoint is known to match it.
+
+    Raises WeightsError when the checkpoint holds another number of layers than config.json
+    says (checked first, so the layout is never built for a size the weights do not have), or
+    lacks, adds, misshapes or mistypes a tensor."""
+    _check_layer_count(inventory, config)
+    layout = checkpoint_layout(config)
+    _check_names(inventory, layout, config)
+    for name, slot in layout.items():
+        _check_tensor(name, inventory[name], slot)
+    return layout
+
+
+def _check_layer_count(inventory: Mapping[str, TensorInfo], config: ModelConfig) -> None:
+    layers = {int(m.group(1)) for name in inventory if (m := _LAYER_PREFIX.match(name))}
+    held = len(layers)
+    if layers and max(layers) != held - 1:
+        gaps = _first_missing(layers, _MAX_LISTED)
+        raise WeightsError(
+            f"the checkpoint's layers are not numbered 0 to {held - 1}: it holds "
+            f"model.layers.{max(layers)} but no model.layers.{', '.join(map(str, gaps))}; a "
+            "shard is missing or the weights are damaged: download every shard again"
+        )
+    if held != config.num_layers:
+        raise WeightsError(
+            f"config.json says num_hidden_layers={config.num_layers}, but the checkpoint holds "
+            f"{held} layer(s); set num_hidden_layers to {held} in config.json, or use the "
+            "weights that config.json belongs to"
+        )
+
+
+def _check_names(inventory: Mapping[str, TensorInfo], layout: Mapping[str, TensorSlot],
+                 config: ModelConfig) -> None:
     arch = config.architecture
     missing = [name for name in layout if name not in inventory]
     if missing:
@@ -93,17 +134,40 @@ def check_inventory(inventory: Mapping[str, TensorInfo], layout: Mapping[str, Te
         raise WeightsError(
             f"the checkpoint holds {len(unexpected)} tensor(s) a {arch} with this config.json "
             f"does not use: {_listing(unexpected)}; check 'architectures' and "
-            "'num_hidden_layers' in config.json"
+            "'attention_bias' in config.json"
         )
-    for name, slot in layout.items():
-        info = inventory[name]
-        if info.shape != slot.shape:
-            raise WeightsError(
-                f"tensor {name!r} in {info.file.name} has shape {list(info.shape)} but "
-                f"config.json implies {list(slot.shape)}; the weights and config.json disagree "
-                "(check hidden_size, num_attention_heads, num_key_value_heads, head_dim, "
-                "intermediate_size, vocab_size)"
-            )
+
+
+def _check_tensor(name: str, info: TensorInfo, slot: TensorSlot) -> None:
+    if info.shape != slot.shape:
+        if len(info.shape) != len(slot.shape):
+            blame = f"{len(slot.shape)} dimension(s) from {' and '.join(slot.sources)}"
+        else:
+            blame = ", ".join(f"dimension {i} from {source}" for i, (source, held, wanted)
+                              in enumerate(zip(slot.sources, info.shape, slot.shape,
+                                               strict=True)) if held != wanted)
+        raise WeightsError(
+            f"tensor {name!r} in {info.file.name} has shape {list(info.shape)} but "
+            f"config.json implies {list(slot.shape)} ({blame}); the weights and config.json "
+            "disagree: fix those fields in config.json, or use the weights it belongs to"
+        )
+    if info.dtype not in WEIGHT_DTYPES:
+        raise WeightsError(
+            f"tensor {name!r} in {info.file.name} is stored as {info.dtype}; dyngen loads "
+            f"floating-point weights ({', '.join(WEIGHT_DTYPES)}), not quantized or integer "
+            "tensors: use the model's 16- or 32-bit checkpoint"
+        )
+
+
+def _first_missing(present: set[int], count: int) -> list[int]:
+    """The ``count`` smallest non-negative integers not in ``present``."""
+    missing: list[int] = []
+    candidate = 0
+    while len(missing) < count and candidate <= len(present) + count:
+        if candidate not in present:
+            missing.append(candidate)
+        candidate += 1
+    return missing
 
 
 def load_weights(params: Mapping[str, torch.Tensor], layout: Mapping[str, TensorSlot],
@@ -133,11 +197,18 @@ def _files_from_index(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         names = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError, KeyError,
+            TypeError, AttributeError) as exc:
         raise WeightsError(
             f"{str(index)!r} is not a valid safetensors index (needs a 'weight_map' object): "
             f"{exc}; re-download it or delete it when the folder holds {SINGLE_FILE}"
         ) from exc
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise WeightsError(
+                f"{index.name} names the shard {name!r}, which is not a file name in the model "
+                "folder; an index may only name files beside it: re-download it"
+            )
     files = [index.parent / name for name in names]
     absent = [f.name for f in files if not f.is_file()]
     if absent:

@@ -19,13 +19,7 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model.layers import DecoderLayer, GatedMLP, Placement, RMSNorm, empty_parameter
-from dyngen_core.model.layout import checkpoint_layout
-from dyngen_core.model.loader import (
-    check_inventory,
-    find_weight_files,
-    load_weights,
-    read_inventory,
-)
+from dyngen_core.model.loader import checked_layout, find_weight_files, load_weights, read_inventory
 from dyngen_core.model.placement import resolve_device, resolve_dtype
 from dyngen_core.model.rope import RotaryEmbedding
 from dyngen_core.ops.fused_ops import DEFAULT_FUSED_OPS, fused_ops_for
@@ -81,7 +75,7 @@ class Model(nn.Module):
 
     def set_fused_ops(self, enabled: bool | None = None) -> None:
         """Run RMSNorm (with the residual add in front of it) and SiLU-and-mul of bf16/fp16
-        activations as one Triton kernel each (`models.fused_ops`) instead of the torch ops.
+        activations as one Triton kernel each (`ops.fused_ops`) instead of the torch ops.
 
         enabled: None (what a new model starts with, `fused_ops.DEFAULT_FUSED_OPS`) turns them
             on for the layers on a CUDA device with triton installed; True turns them on
@@ -100,7 +94,7 @@ class Model(nn.Module):
     def set_skinny_matmul(self, max_rows: int) -> None:
         """Route the matrix products (q/k/v, output, gate/up, down, lm_head) of at most
         ``max_rows`` rows (tokens, or sampled rows for the lm_head) through the Triton skinny
-        matmul (`models.skinny_matmul`), which reads each weight once at full bandwidth; 0 turns
+        matmul (`ops.skinny_matmul`), which reads each weight once at full bandwidth; 0 turns
         it off (every product is ``F.linear``); a new model starts at
         ``skinny_matmul.DEFAULT_SKINNY_ROWS``. Only bf16/fp16 products on CUDA with triton
         installed take it; elsewhere the setting resolves to 0 for that layer's
@@ -125,15 +119,18 @@ class Model(nn.Module):
             "float32" or the torch dtype.
         progress: show a progress bar over the bytes loaded.
 
-        Raises ModelFolderError (missing folder, config.json or weights),
-        UnsupportedArchitectureError, or WeightsError (corrupt file; missing, unexpected or
-        wrongly shaped tensor), each naming the file or tensor.
+        The folder is untrusted: config.json and the checkpoint headers are checked against
+        each other before anything is allocated, so a bad folder fails in milliseconds.
+
+        Raises ModelFolderError (missing folder, config.json or weights; a config.json field
+        missing, mistyped or out of range), UnsupportedArchitectureError, or WeightsError
+        (corrupt file; a layer count, tensor, shape or dtype that config.json does not
+        describe), each naming the file, field or tensor.
         """
         folder = Path(model_dir)
         config = ModelConfig.from_model_dir(folder)
         inventory = read_inventory(find_weight_files(folder))
-        layout = checkpoint_layout(config)
-        check_inventory(inventory, layout, config)
+        layout = checked_layout(inventory, config)  # before anything is allocated
         target = resolve_device(device)
         model = cls(config, device=target, dtype=resolve_dtype(dtype, config.torch_dtype, target),
                     model_dir=folder)
@@ -176,8 +173,8 @@ class Model(nn.Module):
         """Final norm and lm_head over hidden rows [S, hidden]; float32 logits [S, vocab]."""
         normed = self.norm(hidden)
         if normed.device.type == "cpu" and normed.shape[0] > 1:
-            # The CPU BLAS runs this product up to 1.5x faster with the vocabulary as the long
-            # side of the output ([vocab, S]) than as x @ W^T with few rows (measured on the
-            # 2-core dev machine for 2 to 32 rows); same products, summed in another order.
+            # The CPU BLAS is faster with the vocabulary as the long side of the output
+            # ([vocab, S]) than as x @ W^T with few rows; same products, summed in another
+            # order. See BENCHMARKS.md, "CPU lm_head layout".
             return (self.lm_head_weight @ normed.t()).t().float().contiguous()
         return linear(normed, self.lm_head_weight, skinny_rows=self.skinny_rows).float()

@@ -34,8 +34,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str,
                   device: torch.device) -> torch.dtype:
     """None or "auto" gives the checkpoint's ``torch_dtype`` on CUDA and float32 on the CPU.
 
-    float32 is the CPU default because bf16/fp16 matrix products on a few CPU cores are several
-    times slower than fp32 (no native half-precision GEMM there), and fp32 is the reference.
+    float32 is the CPU default because CPUs have no fast half-precision matrix products, and
+    fp32 is the reference.
     """
     if dtype is None or dtype == "auto":
         if device.type == "cpu":

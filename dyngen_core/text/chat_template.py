@@ -1,106 +1,26 @@
 """Rendering a model's jinja2 chat template the way Hugging Face transformers does.
 
-Templates come from model folders, so they are untrusted code: they run in jinja2's immutable
-sandbox. The environment matches transformers' (trim_blocks, lstrip_blocks, loopcontrols, the
-``{% generation %}`` tag, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII
-text and does not escape HTML), and so does what a template sees: messages with None-valued keys
-dropped, the special tokens (``bos_token``, ``eos_token``, ...), ``tools`` as JSON schemas,
-``documents``, ``add_generation_prompt`` and any extra keyword. Pure Python: no torch.
+The template runs in the limited sandbox of `template_sandbox` (untrusted code, bounded in time
+and size by `TemplateLimits`). What it sees matches transformers: messages with None-valued keys
+dropped, reasoning under each of its names, the special tokens (``bos_token``, ``eos_token``,
+...), ``tools`` as JSON schemas, ``documents``, ``add_generation_prompt`` and any extra keyword,
+all rebuilt from plain JSON types. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dyngen_core.errors import TokenizerError
+from dyngen_core.text.template_sandbox import LimitedTemplate, TemplateLimits
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # Names a message's reasoning may travel under; templates read the first (and gpt-oss `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks in
-    transformers; for rendering it only outputs its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_render_body")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller: Any) -> str:
-        return str(caller())
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja2's ``namespace`` without underscore-prefixed attributes (no reach into internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805  (jinja2's signature trick)
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _check_namespace_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_namespace_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-
-def _check_namespace_name(name: Any) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(
-            f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
-        )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | str | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _dict_factory(*args: Any, **kwargs: Any) -> dict[Any, Any]:
-    return dict(*args, **kwargs)
-
-
-def _new_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _dict_factory
-    env.globals["namespace"] = _TemplateNamespace
-    return env
 
 
 class ChatTemplate:
@@ -109,17 +29,24 @@ class ChatTemplate:
     source: the jinja2 template text.
     special_tokens: names the template may read, e.g. ``{"bos_token": "<s>", ...}``; keyword
         arguments given at render time override them.
+    limits: how long one render may run and how much text it may produce.
     """
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None,
+                 limits: TemplateLimits | None = None) -> None:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
+        self.limits = limits or TemplateLimits()
+        fix = "fix chat_template in tokenizer_config.json or pass chat_template=... explicitly"
         try:
-            self._template = _new_environment().from_string(source)
+            self._template = LimitedTemplate(source, self.limits)
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(
-                f"the chat template does not compile (line {exc.lineno}: {exc.message}); fix "
-                "chat_template in tokenizer_config.json or pass chat_template=... explicitly"
+                f"the chat template does not compile (line {exc.lineno}: {exc.message}); {fix}"
+            ) from exc
+        except Exception as exc:  # deep nesting (RecursionError), a compiler limit
+            raise TokenizerError(
+                f"the chat template does not compile ({type(exc).__name__}: {exc}); {fix}"
             ) from exc
 
     def render(
@@ -150,16 +77,13 @@ class ChatTemplate:
         chat = _alias_reasoning(_normalize_messages(messages))
         final_text = _tag_final_message(chat) if continue_final_message else None
         context = {**self.special_tokens, **_plain(kwargs)}
-        try:
-            text = self._template.render(
-                messages=chat,
-                tools=_tool_schemas(tools),
-                documents=_documents(documents),
-                add_generation_prompt=add_generation_prompt,
-                **context,
-            )
-        except jinja2.TemplateError as exc:
-            raise TokenizerError(f"the chat template failed to render: {exc}") from exc
+        text = self._template.render({
+            "messages": chat,
+            "tools": _tool_schemas(tools),
+            "documents": _documents(documents),
+            "add_generation_prompt": add_generation_prompt,
+            **context,
+        })
         return text if final_text is None else _cut_at_tag(text, final_text)
 
 

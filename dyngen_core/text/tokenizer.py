@@ -17,6 +17,7 @@ import tokenizers
 from dyngen_core.errors import TokenizerError
 from dyngen_core.text.chat_template import ChatTemplate
 from dyngen_core.text.detokenize import TokenPieces
+from dyngen_core.text.template_sandbox import TemplateLimits
 
 # The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -35,6 +36,8 @@ class Tokenizer:
     add_bos_token: what the model's tokenizer_config says about a leading BOS (informational;
         `encode` adds one only when asked).
     model_max_length: the longest input the model was trained for, when known.
+    template_limits: how long one chat-template render may run and how much text it may
+        produce (templates come from the model folder: untrusted code); settable later.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class Tokenizer:
         chat_template: str | Mapping[str, str] | None = None,
         add_bos_token: bool = False,
         model_max_length: int | None = None,
+        template_limits: TemplateLimits | None = None,
     ) -> None:
         # `encode_special_tokens` is a mutable flag on the backend, so each mode gets its own
         # backend: encode() may be called from several threads at once.
@@ -57,6 +61,7 @@ class Tokenizer:
         self.model_max_length = model_max_length
         self._templates = _named_templates(chat_template)
         self._compiled: dict[str, ChatTemplate] = {}
+        self._template_limits = template_limits or TemplateLimits()
         self.special_token_ids = frozenset(
             token_id
             for token_id, added in backend.get_added_tokens_decoder().items()
@@ -87,8 +92,11 @@ class Tokenizer:
             )
         try:
             backend = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust side raises plain Exception
-            raise TokenizerError(f"{str(path)!r} cannot be read by `tokenizers`: {exc}") from exc
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # plain Exception, or a Rust panic (a BaseException)
+            raise TokenizerError(f"{str(path)!r} cannot be read by `tokenizers`: {exc}; "
+                                 "re-download it") from exc
         config = _read_json(folder / "tokenizer_config.json")
         template = _folder_template(folder, config)
         bos_eos = [_read_json(folder / name) for name in ("generation_config.json", "config.json")]
@@ -104,7 +112,7 @@ class Tokenizer:
             special_tokens=special,
             eos_token_ids=_special_ids(bos_eos, "eos_token_id"),
             chat_template=template,
-            add_bos_token=bool(config.get("add_bos_token", False)),
+            add_bos_token=_flag(config, "add_bos_token", folder / "tokenizer_config.json"),
             model_max_length=int(max_length) if isinstance(max_length, int) else None,
         )
 
@@ -147,10 +155,9 @@ class Tokenizer:
 
     def token_pieces(self) -> TokenPieces | None:
         """The detokenizer's table of every token's text (`TokenPieces`), built on the first
-        call (two decodes per id: about 0.55 s and 30 MB at 128,256 ids on a 2-core CPU) and
-        shared by every generator over this tokenizer; None when the decoder is not
-        token-local. Two threads asking at once may each build one: both are right, one is
-        kept."""
+        call (two decodes per id) and shared by every generator over this tokenizer; None when
+        the decoder is not token-local. Two threads asking at once may each build one: both
+        are right, one is kept."""
         if not self._pieces_built:
             self._pieces = TokenPieces.build(self)
             self._pieces_built = True
@@ -164,9 +171,15 @@ class Tokenizer:
         """The id of a vocabulary entry, or None."""
         return self._parsing.token_to_id(piece)
 
-    def is_special(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a special (control) token."""
-        return token_id in self.special_token_ids
+    @property
+    def template_limits(self) -> TemplateLimits:
+        """The time and size limits of a chat-template render (see `TemplateLimits`)."""
+        return self._template_limits
+
+    @template_limits.setter
+    def template_limits(self, limits: TemplateLimits) -> None:
+        self._template_limits = limits
+        self._compiled = {}  # compiled templates carry their limits
 
     @property
     def has_chat_template(self) -> bool:
@@ -224,9 +237,10 @@ class Tokenizer:
             source = self._templates[key]
         else:
             source = self._templates.get(name_or_source, name_or_source)
-        if source not in self._compiled:
-            self._compiled[source] = ChatTemplate(source, self.special_tokens)
-        return self._compiled[source]
+        compiled = self._compiled
+        if source not in compiled:
+            compiled[source] = ChatTemplate(source, self.special_tokens, self._template_limits)
+        return compiled[source]
 
     def _id_of(self, name: str) -> int | None:
         text = self.special_tokens.get(name)
@@ -246,11 +260,28 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{str(path)!r} is not readable JSON: {exc}") from exc
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{str(path)!r} is not readable JSON ({exc}); re-download it"
+                             ) from exc
     if not isinstance(data, dict):
         raise TokenizerError(f"{str(path)!r} must hold a JSON object")
     return data
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"{str(path)!r} is not readable UTF-8 text ({exc}); re-download "
+                             "it") from exc
+
+
+def _flag(config: dict[str, Any], key: str, path: Path) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise TokenizerError(f"{str(path)!r} has {key}={value!r}, but it must be true or false; "
+                             f"fix {key} there")
+    return value
 
 
 def _token_text(value: Any) -> str | None:
@@ -286,14 +317,24 @@ def _folder_template(folder: Path, config: dict[str, Any]) -> str | dict[str, st
     if isinstance(raw, str):
         templates["default"] = raw
     elif isinstance(raw, list):
-        templates.update({t["name"]: t["template"] for t in raw if isinstance(t, dict)})
+        for entry in raw:
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise TokenizerError(
+                    "tokenizer_config.json's chat_template list holds "
+                    f"{str(entry)[:60]!r}; each entry must be "
+                    '{"name": "...", "template": "..."}: fix or remove it')
+            templates[entry["name"]] = entry["template"]
+    elif raw is not None:
+        raise TokenizerError("tokenizer_config.json's chat_template must be a string or a list "
+                             f"of named templates, not {type(raw).__name__}: fix or remove it")
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        templates["default"] = jinja_file.read_text(encoding="utf-8")
+        templates["default"] = _read_text(jinja_file)
     named_dir = folder / "chat_templates"
     if named_dir.is_dir():
         for path in sorted(named_dir.glob("*.jinja")):
-            templates[path.stem] = path.read_text(encoding="utf-8")
+            templates[path.stem] = _read_text(path)
     if not templates:
         return None
     return templates["default"] if list(templates) == ["default"] else templates

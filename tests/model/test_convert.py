@@ -5,6 +5,7 @@ produces (the oracle); fetch-demo-model must reuse its folder."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import tokenizers
 from gguf import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -221,6 +224,190 @@ def test_existing_model_folder_and_missing_file_are_refused(
         convert_gguf(tiny_gguf[0], tmp_path)
     assert main(["convert-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "o")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def rewrite_gguf(source: Path, target: Path, *, drop: str | None = None,
+                 set_key: tuple[str, Any, gguf.GGUFValueType] | None = None,
+                 drop_tensor: str | None = None) -> Path:
+    """Copy ``source`` with one metadata key dropped or set, or one tensor dropped."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(target), arch=None)  # type: ignore[arg-type]
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == drop or (set_key and key == set_key[0]):
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(key, field.contents(), field.types[0],
+                             sub_type=field.types[-1] if array else None)
+    if set_key:
+        writer.add_key_value(*set_key)
+    for tensor in reader.tensors:
+        if tensor.name == drop_tensor:
+            continue
+        data = np.asarray(tensor.data)
+        if tensor.tensor_type == Q.F32:
+            writer.add_tensor(tensor.name, data.reshape([int(d) for d in reversed(tensor.shape)]))
+        else:
+            writer.add_tensor(tensor.name, data, raw_shape=data.shape,
+                              raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+V = gguf.GGUFValueType
+DAMAGED: dict[str, tuple[dict[str, Any], str]] = {
+    "no embedding_length": ({"drop": "llama.embedding_length"},
+                            "lacks the metadata key llama.embedding_length"),
+    "no head_count": ({"drop": "llama.attention.head_count"},
+                      "lacks the metadata key llama.attention.head_count"),
+    "no block_count": ({"drop": "llama.block_count"}, "lacks the metadata key llama.block_count"),
+    "no architecture": ({"drop": "general.architecture"},
+                        "lacks the metadata key general.architecture"),
+    "no token embeddings": ({"drop_tensor": "token_embd.weight"},
+                            "has no 2-D token_embd.weight tensor"),
+    "a missing layer tensor": ({"drop_tensor": "blk.1.attn_q.weight"},
+                               "lacks 1 tensor.*blk.1.attn_q.weight"),
+    "head_count 0": ({"set_key": ("llama.attention.head_count", 0, V.UINT32)},
+                     "head_count .* is 0, but it must be a positive integer"),
+    "head_count 3": ({"set_key": ("llama.attention.head_count", 3, V.UINT32)},
+                     "head_count=3 is not a multiple of .*head_count_kv=2"),
+    "head_count_kv 0": ({"set_key": ("llama.attention.head_count_kv", 0, V.UINT32)},
+                        "head_count_kv .* is 0, but it must be a positive integer"),
+    "head_count 64": ({"set_key": ("llama.attention.head_count", 64, V.UINT32)},
+                      "a head size of 1 .*needs an even one"),
+    "block_count 10**6": ({"set_key": ("llama.block_count", 10**6, V.UINT32)},
+                          "block_count=1000000, but the file holds tensors of 2 layer"),
+    "block_count 1": ({"set_key": ("llama.block_count", 1, V.UINT32)},
+                      "block_count=1, but the file holds tensors of 2 layer"),
+    "embedding_length 0": ({"set_key": ("llama.embedding_length", 0, V.UINT32)},
+                           "embedding_length .* is 0, but it must be a positive integer"),
+    "embedding_length 32": ({"set_key": ("llama.embedding_length", 32, V.UINT32)},
+                            r"token_embd.weight has shape \[310, 64\].*implies \[310, 32\]"),
+    "a string for a size": ({"set_key": ("llama.embedding_length", "64", V.STRING)},
+                            "embedding_length .* is '64', but it must be a positive integer"),
+    "a bos id outside the vocabulary": (
+        {"set_key": ("tokenizer.ggml.bos_token_id", 10**6, V.UINT32)},
+        "bos_token_id .* is 1000000, outside the 310-token vocabulary"),
+    "token types of the wrong length": (
+        {"set_key": ("tokenizer.ggml.token_type", [1, 1], V.ARRAY)},
+        "2 tokenizer.ggml.token_type entries for 310 tokens"),
+    "a numeric chat template": ({"set_key": ("tokenizer.chat_template", 3, V.UINT32)},
+                                "tokenizer.chat_template .* is 3, but it must be a string"),
+    "a string rms epsilon": ({"set_key": ("llama.attention.layer_norm_rms_epsilon", "x",
+                                          V.STRING)}, "layer_norm_rms_epsilon .* is 'x'"),
+}
+
+
+@pytest.mark.parametrize(("change", "message"), DAMAGED.values(), ids=DAMAGED.keys())
+def test_damaged_gguf_is_one_clear_line(
+    tiny_gguf: TinyGguf, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    change: dict[str, Any], message: str,
+) -> None:
+    damaged = rewrite_gguf(tiny_gguf[0], tmp_path / "damaged.gguf", **change)
+    with pytest.raises(ConversionError, match=message):
+        convert_gguf(damaged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert main(["convert-gguf", str(damaged), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dyngen convert-gguf: error: "), err
+
+
+@pytest.mark.parametrize("cut", [0, 4, 40, 3000, -100])
+def test_truncated_gguf_is_refused(tiny_gguf: TinyGguf, tmp_path: Path, cut: int) -> None:
+    data = tiny_gguf[0].read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:cut])
+    with pytest.raises(ConversionError, match="is not a readable GGUF file"):
+        convert_gguf(tmp_path / "cut.gguf", tmp_path / "out")
+
+
+def test_a_failed_conversion_leaves_nothing_behind(
+    tiny_gguf: TinyGguf, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = gguf.quants.dequantize
+
+    def failing(data: np.ndarray, qtype: Q) -> np.ndarray:
+        if qtype == Q.Q4_1:
+            raise NotImplementedError("no Q4_1 today")
+        return real(data, qtype)
+
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    monkeypatch.setattr(gguf.quants, "dequantize", failing)
+    for out in (tmp_path / "new", tmp_path / "kept"):
+        with pytest.raises(ConversionError, match=r"GGUF tensor blk.*\(Q4_1\) cannot be "
+                                                  r"dequantized: NotImplementedError"):
+            convert_gguf(tiny_gguf[0], out)
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]
+    monkeypatch.setattr(gguf.quants, "dequantize", real)
+    assert (convert_gguf(tiny_gguf[0], tmp_path / "kept") / "config.json").is_file()
+
+
+def test_output_folder_that_is_a_file(tiny_gguf: TinyGguf, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConversionError, match="cannot write .*file"):
+        convert_gguf(tiny_gguf[0], tmp_path / "file")
+
+
+# ---- fuzz: a damaged GGUF converts, or fails with a ConversionError, nothing else ----
+
+FUZZ = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def convert_or_refuse(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "fuzzed.gguf"
+        path.write_bytes(data)
+        try:
+            convert_gguf(path, Path(work) / "out")
+        except ConversionError:
+            assert not (Path(work) / "out").exists()
+
+
+@FUZZ
+@given(data=st.binary(max_size=400) | st.binary(max_size=400).map(
+    lambda tail: b"GGUF\x03\x00\x00\x00" + tail))  # a valid magic and version, then noise
+def test_fuzz_arbitrary_bytes(data: bytes) -> None:
+    convert_or_refuse(data)
+
+
+@FUZZ
+@given(flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1,
+                      max_size=6),
+       cut=st.none() | st.floats(0, 1))
+def test_fuzz_damaged_metadata(tiny_gguf: TinyGguf, flips: list[tuple[float, int]],
+                               cut: float | None) -> None:
+    original = tiny_gguf[0].read_bytes()
+    metadata_end = gguf.GGUFReader(str(tiny_gguf[0])).data_offset
+    data = bytearray(original)
+    for where, value in flips:  # inside the header, metadata and tensor table
+        data[int(where * (metadata_end - 1))] = value
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    convert_or_refuse(bytes(data))
+
+
+@FUZZ
+@given(key=st.sampled_from(["llama.block_count", "llama.embedding_length",
+                            "llama.feed_forward_length", "llama.attention.head_count",
+                            "llama.attention.head_count_kv", "llama.attention.key_length",
+                            "llama.context_length", "llama.rope.freq_base",
+                            "llama.rope.scaling.type", "llama.rope.scaling.factor",
+                            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.model",
+                            "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token",
+                            "general.architecture", "tokenizer.chat_template"]),
+       value=st.integers(-1, 2**32 - 1) | st.sampled_from(["", "llama", "yarn", "gpt2", "x"])
+       | st.floats(-1e9, 1e9, allow_nan=False) | st.booleans())
+def test_fuzz_one_metadata_value(tiny_gguf: TinyGguf, tmp_path_factory: pytest.TempPathFactory,
+                                 key: str, value: Any) -> None:
+    kind = (V.BOOL if isinstance(value, bool) else V.STRING if isinstance(value, str)
+            else V.FLOAT32 if isinstance(value, float) else V.INT64)
+    folder = tmp_path_factory.mktemp("meta")
+    rewritten = rewrite_gguf(tiny_gguf[0], folder / "x.gguf", set_key=(key, value, kind))
+    convert_or_refuse(rewritten.read_bytes())
 
 
 # ---- the demo model (downloaded once per machine; see tests/conftest_demo.py) ----

@@ -5,19 +5,30 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
-from dyngen_core.errors import ModelFolderError, UnsupportedArchitectureError, WeightsError
+from dyngen_core.errors import (
+    DynGenError,
+    ModelFolderError,
+    UnsupportedArchitectureError,
+    WeightsError,
+)
 from dyngen_core.kv.attention import SdpaBackend
 from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
+from dyngen_core.model.loader import WEIGHT_DTYPES, checked_layout, read_inventory
 
 WEIGHTS = "model.safetensors"
 
@@ -114,6 +125,73 @@ def test_wrong_shape(llama_copy: Path) -> None:
         Model.load(llama_copy)
 
 
+def test_absurd_layer_count_fails_before_anything_is_built(llama_copy: Path) -> None:
+    edit_config(llama_copy, num_hidden_layers=10**6)
+    tracemalloc.start()
+    try:
+        with pytest.raises(WeightsError, match=r"config.json says num_hidden_layers=1000000, but "
+                                               r"the checkpoint holds 2 layer\(s\); set "
+                                               r"num_hidden_layers to 2"):
+            Model.load(llama_copy)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20  # no layout, no parameters for the million layers
+
+
+@pytest.mark.parametrize(("field", "value", "blame"), [
+    ("hidden_size", 10**9, r"model.embed_tokens.weight.*\(dimension 1 from hidden_size\)"),
+    ("vocab_size", 10**9, r"model.embed_tokens.weight.*\(dimension 0 from vocab_size\)"),
+    ("intermediate_size", 10**9,
+     r"gate_proj.weight.*\(dimension 0 from intermediate_size\)"),
+    ("num_attention_heads", 64,
+     r"o_proj.weight.*\(dimension 1 from num_attention_heads x head_dim\)"),
+])
+def test_absurd_sizes_name_the_field(llama_copy: Path, field: str, value: int,
+                                     blame: str) -> None:
+    edit_config(llama_copy, **{field: value})
+    with pytest.raises(WeightsError, match=blame):
+        Model.load(llama_copy)
+
+
+def test_layers_with_a_gap(llama_copy: Path) -> None:
+    def renumber(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+            tensors[name.replace("layers.1.", "layers.5.")] = tensors.pop(name)
+
+    edit_weights(llama_copy, renumber)
+    with pytest.raises(WeightsError, match="not numbered 0 to 1: it holds model.layers.5 but no "
+                                           "model.layers.1, 2, 3, 4, 6"):
+        Model.load(llama_copy)
+
+
+def test_integer_weights_are_refused(llama_copy: Path) -> None:
+    def to_int(tensors: dict[str, torch.Tensor]) -> None:
+        name = "model.layers.0.mlp.up_proj.weight"
+        tensors[name] = tensors[name].to(torch.int64)
+
+    edit_weights(llama_copy, to_int)
+    with pytest.raises(WeightsError, match="up_proj.weight' in model.safetensors is stored as "
+                                           "I64; dyngen loads floating-point weights"):
+        Model.load(llama_copy)
+
+
+@pytest.mark.parametrize("index", [
+    {"weight_map": {"model.norm.weight": "../model.safetensors"}},
+    {"weight_map": {"model.norm.weight": "/etc/passwd"}},
+    {"weight_map": {"model.norm.weight": 5}},
+    {"weight_map": [1]},
+    {"no_map": {}},
+])
+def test_bad_shard_index(llama_copy: Path, index: object) -> None:
+    (llama_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match="shard|not a valid safetensors index"):
+        Model.load(llama_copy)
+    (llama_copy / "model.safetensors.index.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(WeightsError, match="not a valid safetensors index"):
+        Model.load(llama_copy)
+
+
 def test_corrupt_header(llama_copy: Path) -> None:
     data = (llama_copy / WEIGHTS).read_bytes()
     (llama_copy / WEIGHTS).write_bytes(data[:8] + b"{not json" + data[17:])
@@ -158,6 +236,13 @@ def test_tied_embeddings(tiny_model_dirs: Callable[[str], Path], tmp_path: Path)
     assert torch.equal(reloaded.lm_head_weight, model.embed_weight)
 
 
+def test_every_rope_scaling_type_has_an_implementation() -> None:
+    from dyngen_core.config import ROPE_SCALING_FIELDS
+    from dyngen_core.model.rope import _BY_TYPE
+
+    assert set(_BY_TYPE) == {"default", *ROPE_SCALING_FIELDS}
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", torch.float16])
 def test_half_precision_load(tiny_llama_dir: Path, dtype: str | torch.dtype) -> None:
     expected = torch.bfloat16 if dtype == "bfloat16" else torch.float16
@@ -190,3 +275,105 @@ def test_progress_bar_counts_bytes(tiny_llama_dir: Path,
     size = tqdm.format_sizeof(sum(p.numel() * 4 for p in model.parameters()))  # float32 file
     assert f"Loading {tiny_llama_dir.name}" in err
     assert "100%" in err and f"{size}/{size}" in err
+
+
+# ---- fuzz: the safetensors reader never raises anything but dyngen's errors ----
+
+FUZZ = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+header_entries = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "X", 3]),
+    "shape": st.lists(st.integers(-2, 70), max_size=3) | st.text(max_size=3),
+    "data_offsets": st.lists(st.integers(-5, 300), max_size=3),
+})
+headers = st.dictionaries(
+    st.sampled_from(["model.norm.weight", "model.embed_tokens.weight", "__metadata__",
+                     "model.layers.0.mlp.up_proj.weight", "model.layers.99999999999.x", "x"]),
+    header_entries | st.dictionaries(st.text(max_size=3), st.text(max_size=3)) | st.integers(),
+    max_size=4)
+
+
+def inventory_then_layout(data: bytes, config: ModelConfig) -> None:
+    """The header-side half of Model.load on one model.safetensors holding ``data``: a
+    dyngen error, or a layout whose every tensor is there with its shape and a float dtype."""
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / WEIGHTS
+        path.write_bytes(data)
+        try:
+            inventory = read_inventory([path])
+            layout = checked_layout(inventory, config)
+        except DynGenError:
+            return
+    for name, slot in layout.items():
+        assert inventory[name].shape == slot.shape and inventory[name].dtype in WEIGHT_DTYPES
+
+
+@FUZZ
+@given(data=st.binary(max_size=300))
+def test_fuzz_arbitrary_bytes(tiny_llama_dir: Path, data: bytes) -> None:
+    inventory_then_layout(data, ModelConfig.from_model_dir(tiny_llama_dir))
+
+
+@FUZZ
+@given(header=headers, length_delta=st.integers(-3, 3) | st.just(2**62),
+       body=st.binary(max_size=300))
+def test_fuzz_headers(tiny_llama_dir: Path, header: dict[str, object], length_delta: int,
+                      body: bytes) -> None:
+    encoded = json.dumps(header).encode()
+    length = max(0, len(encoded) + length_delta) if length_delta < 2**62 else length_delta
+    inventory_then_layout(length.to_bytes(8, "little") + encoded + body,
+                          ModelConfig.from_model_dir(tiny_llama_dir))
+
+
+tensor_names = st.sampled_from(["model.embed_tokens.weight", "lm_head.weight",
+                                 "rotary_emb.inv_freq"]) | st.builds(
+    "model.layers.{}.{}".format, st.integers(0, 3) | st.integers(0, 10**12),
+    st.sampled_from(["input_layernorm.weight", "self_attn.q_proj.weight", "mlp.up_proj.weight",
+                     "self_attn.q_proj.bias", "x"]))
+edits = st.lists(st.tuples(
+    tensor_names, st.sampled_from(["drop", "add", "reshape", "retype"]),
+    st.lists(st.integers(0, 70), max_size=2),
+    st.sampled_from(["float32", "float16", "float64", "int64", "uint8", "bool"])), max_size=3)
+
+
+@FUZZ
+@given(changes=edits)
+def test_fuzz_edited_tensor_tables(
+    tiny_llama_dir: Path, changes: list[tuple[str, str, list[int], str]]
+) -> None:
+    import numpy as np
+    from safetensors.numpy import load_file as load_numpy
+    from safetensors.numpy import save
+
+    arrays = load_numpy(tiny_llama_dir / WEIGHTS)
+    for name, change, shape, dtype in changes:
+        if change == "drop":
+            arrays.pop(name, None)
+        elif change == "add" or name in arrays:
+            old = arrays.get(name, np.zeros(shape))
+            arrays[name] = np.zeros(shape if change != "retype" else old.shape,
+                                    dtype if change != "reshape" else old.dtype)
+    inventory_then_layout(save(arrays), ModelConfig.from_model_dir(tiny_llama_dir))
+
+
+@FUZZ
+@given(flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1,
+                      max_size=4),
+       cut=st.none() | st.floats(0, 1))
+def test_fuzz_damaged_checkpoint_loads_or_fails_cleanly(
+    tiny_llama_dir: Path, flips: list[tuple[float, int]], cut: float | None
+) -> None:
+    original = (tiny_llama_dir / WEIGHTS).read_bytes()
+    header_end = 8 + int.from_bytes(original[:8], "little")
+    data = bytearray(original)
+    for where, value in flips:  # mostly inside the header, where parsing happens
+        data[int(where * (header_end - 1))] = value
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    with tempfile.TemporaryDirectory() as work:
+        folder = Path(shutil.copytree(tiny_llama_dir, Path(work) / "m"))
+        (folder / WEIGHTS).write_bytes(bytes(data))
+        try:
+            Model.load(folder)
+        except DynGenError:
+            pass

@@ -110,13 +110,21 @@ def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
         raise ConversionError("the GGUF file has no tokenizer.ggml.merges; cannot rebuild BPE")
     ids = {token: i for i, token in enumerate(vocab.tokens)}
     merges = [_split_merge(m) for m in vocab.merges]
-    tokenizer = Tokenizer(models.BPE(ids, merges, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = PRE_TOKENIZERS[vocab.pre]()
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = _post_processor(vocab)
-    specials, plain = _added_tokens(vocab)
-    tokenizer.add_special_tokens(specials)
-    tokenizer.add_tokens(plain)
+    try:
+        tokenizer = Tokenizer(models.BPE(ids, merges, fuse_unk=False, byte_fallback=False))
+        tokenizer.pre_tokenizer = PRE_TOKENIZERS[vocab.pre]()
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.post_processor = _post_processor(vocab)
+        specials, plain = _added_tokens(vocab)
+        tokenizer.add_special_tokens(specials)
+        tokenizer.add_tokens(plain)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # `tokenizers` raises Exception, or panics (BaseException)
+        raise ConversionError(
+            f"the GGUF vocabulary does not make a BPE tokenizer ({type(exc).__name__}: {exc}); "
+            "the file is damaged: use the model's original Hugging Face folder"
+        ) from exc
     return tokenizer
 
 
@@ -168,9 +176,10 @@ def tokenizer_config(vocab: GgufVocab, model_max_length: int) -> dict[str, Any]:
     return config
 
 
-def write_tokenizer(vocab: GgufVocab, out_dir: Path, model_max_length: int) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``."""
-    build_tokenizer(vocab).save(str(out_dir / "tokenizer.json"))
-    with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8") as f:
+def write_tokenizer_files(tokenizer: Tokenizer, vocab: GgufVocab, model_max_length: int,
+                          tokenizer_path: Path, config_path: Path) -> None:
+    """Write ``tokenizer.json`` (the built `tokenizer`) and ``tokenizer_config.json``."""
+    tokenizer.save(str(tokenizer_path))
+    with open(config_path, "w", encoding="utf-8") as f:
         json.dump(tokenizer_config(vocab, model_max_length), f, indent=2, ensure_ascii=False)
         f.write("\n")

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.([0-9]{1,9})\.(\w+)\.(weight|bias)", re.ASCII)
+_HF_LAYER = re.compile(r"model\.layers\.([0-9]{1,9})\.")
 
 # safetensors dtype name and numpy cast for each output dtype.
 OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -85,11 +87,86 @@ def cast(array: np.ndarray, dtype: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TensorSource:
-    """One output tensor: its name, shape, and a function producing its float32 values."""
+    """One output tensor: its HF name, shape, a function producing its float32 values, and
+    the name of the GGUF tensor it comes from."""
 
     name: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    origin: str = ""
+
+
+def check_tensors(sources: list[TensorSource], config: dict[str, Any]) -> None:
+    """Raise ConversionError unless ``sources`` are exactly the tensors, with the shapes, of
+    the Llama ``config`` (a config.json dict) describes. Layers are counted first, so a
+    block_count of a million fails before a million layers are listed."""
+    _check_layer_count(sources, config["num_hidden_layers"])
+    expected = _expected_shapes(config)
+    held = {source.name: source for source in sources}
+    missing = [name for name in expected if name not in held]
+    if missing:
+        raise ConversionError(
+            f"the GGUF file lacks {len(missing)} tensor(s) its metadata implies, e.g. "
+            f"{_gguf_name(missing[0])}; the file is damaged or not a plain llama model"
+        )
+    extra = [held[name].origin for name in held if name not in expected]
+    if extra:
+        raise ConversionError(
+            f"the GGUF file holds tensor(s) its metadata does not describe: "
+            f"{', '.join(extra[:5])}; the file is damaged or not a plain llama model"
+        )
+    for name, shape in expected.items():
+        if held[name].shape != shape:
+            raise ConversionError(
+                f"GGUF tensor {held[name].origin} has shape {list(held[name].shape)} (rows "
+                f"first) but the metadata (embedding_length, feed_forward_length, head counts, "
+                f"key_length) implies {list(shape)}; the file's metadata and tensors disagree"
+            )
+
+
+def _check_layer_count(sources: list[TensorSource], block_count: int) -> None:
+    layers = {int(m.group(1)) for s in sources if (m := _HF_LAYER.match(s.name))}
+    if len(layers) != block_count or (layers and max(layers) != block_count - 1):
+        raise ConversionError(
+            f"the GGUF metadata says block_count={block_count}, but the file holds tensors of "
+            f"{len(layers)} layer(s) numbered up to {max(layers, default=-1)}; the file is "
+            "damaged"
+        )
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Llama checkpoint of ``config``, with its shape (rows first)."""
+    hidden, vocab, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
+                                          "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    per_layer: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_rows, hidden), "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden), "self_attn.o_proj.weight": (hidden, q_rows),
+        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    if config["attention_bias"]:
+        per_layer.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
+                          "self_attn.v_proj.bias": (kv_rows,), "self_attn.o_proj.bias": (hidden,)})
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def _gguf_name(hf_name: str) -> str:
+    """The GGUF name of a Hugging Face Llama tensor name (the inverse of `hf_tensor_name`)."""
+    for gguf_name, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return gguf_name
+    _, _, layer, *rest = hf_name.split(".")
+    part = ".".join(rest[:-1])
+    gguf_part = next(g for g, h in _LAYER_NAMES.items() if h == part)
+    return f"blk.{layer}.{gguf_part}.{rest[-1]}"
 
 
 def write_safetensors(
