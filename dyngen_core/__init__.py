@@ -29,6 +29,7 @@ _PUBLIC = {
     "SubmissionCoalescer": "dyngen_core.runtime.coalescer",
     "shared_generator": "dyngen_core.runtime.background",
     "EngineOptions": "dyngen_core.config",
+    "TemplateLimits": "dyngen_core.text.template_sandbox",
     "errors": "dyngen_core.errors",
     "tools": "dyngen_core.tools",
     "constraints": "dyngen_core.constraints",

@@ -8,7 +8,8 @@ class DynGenError(Exception):
 
 
 class ModelFolderError(DynGenError, FileNotFoundError):
-    """The model folder, or a file in it, is missing or unreadable."""
+    """The model folder, or a file in it, is missing, unreadable or invalid (a config.json
+    value of the wrong type or out of range, a checkpoint that disagrees with it)."""
 
 
 class UnsupportedArchitectureError(DynGenError, ValueError):
