@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from dyngen_core.ops.triton_support import (
     launch_device,
-    pdl_launch,
     require_triton,
     triton_by_default,
 )
@@ -126,14 +125,13 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     inner, stride_inner = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else None
-    pdl = pdl_launch(x.device)
     with launch_device(x.device):
         rms_norm_kernel[(-(-rows // block_m),)](
             x, y if residual is None else residual, weight, y if h is None else h, y,
             rows, n, inner, x.stride(0), stride_inner,
             0 if residual is None else residual.stride(0), eps,
             HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, GDC=pdl, launch_pdl=pdl,
+            num_warps=num_warps,
         )
     return y, h
 
@@ -151,11 +149,10 @@ def launch_silu_mul(gate_up: torch.Tensor, *, block: int = 0,
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     block = block or SILU_BLOCK
     y = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    pdl = pdl_launch(gate_up.device)
     with launch_device(gate_up.device):
         silu_mul_kernel[(rows, -(-inter // block))](
             gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block,
-            num_warps=num_warps or SILU_WARPS, GDC=pdl, launch_pdl=pdl,
+            num_warps=num_warps or SILU_WARPS,
         )
     return y
 

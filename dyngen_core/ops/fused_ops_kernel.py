@@ -22,19 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.ops.pdl import pdl_start
-
 
 @triton.jit(do_not_specialize=["rows"])
 def rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, h_ptr, y_ptr,
     rows, n, inner, stride_xo, stride_xi, stride_res, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GDC: tl.constexpr = False,
 ):
-    """Program m normalizes rows [m * BLOCK_M, (m + 1) * BLOCK_M). GDC: launched as a
-    programmatic dependent launch (`triton_pdl`)."""
-    pdl_start(GDC)
+    """Program m normalizes rows [m * BLOCK_M, (m + 1) * BLOCK_M)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     mask = (offs_m < rows)[:, None] & (offs_n < n)[None, :]
@@ -56,10 +51,8 @@ def rms_norm_kernel(
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr,
-                    GDC: tl.constexpr = False):
-    """Program (row, b) writes y[row, b * BLOCK : (b + 1) * BLOCK]. GDC: as above."""
-    pdl_start(GDC)
+def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
+    """Program (row, b) writes y[row, b * BLOCK : (b + 1) * BLOCK]."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

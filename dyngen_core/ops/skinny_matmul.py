@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.ops.triton_support import launch_device, pdl_launch, triton_by_default
+from dyngen_core.ops.triton_support import launch_device, triton_by_default
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("reduce", "dot")
@@ -188,14 +188,13 @@ def _launch(kernel: Any, grid: tuple[int, int], x: torch.Tensor, weight: torch.T
             block_m: int) -> None:
     rows, k = x.shape
     extra = {"PREFETCH": config.prefetch} if config.kernel == "reduce" else {}
-    pdl = pdl_launch(x.device)
     kernel[grid](
         x, weight, weight if bias is None else bias, out,
         rows, weight.shape[0], k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
-        GDC=pdl, launch_pdl=pdl, **extra,
+        **extra,
     )
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.ops.pdl import pdl_start
-
 
 @triton.jit(do_not_specialize=["M"])
 def skinny_reduce_kernel(
@@ -36,11 +34,9 @@ def skinny_reduce_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, GDC: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]. GDC: launched as
-    a programmatic dependent launch (`triton_pdl`)."""
-    pdl_start(GDC)
+    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,11 +69,10 @@ def skinny_dot_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, GDC: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr,
 ):
     """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N] through tl.dot
-    (BLOCK_M and BLOCK_N at least 16). GDC: as `skinny_reduce_kernel`'s."""
-    pdl_start(GDC)
+    (BLOCK_M and BLOCK_N at least 16)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -1,6 +1,6 @@
 """Whether the optional Triton kernels (those with a torch twin: the fp16 KV write, the fused
-sampler draw) run on a device, decided in one place, the device context their launches run
-in, and whether a launch is a programmatic dependent launch (`pdl_launch`).
+sampler draw) run on a device, decided in one place, and the device context their launches run
+in.
 
 Triton is never required (CI has none): a kernel runs by default on CUDA when triton is
 installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use),
@@ -14,11 +14,6 @@ import os
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-
-# "1" turns programmatic dependent launches on (sm_90+); unset or anything else leaves them
-# off. Off by default: on the H200 they measured no faster end to end (BENCHMARKS.md: batch-1
-# decode step 4.297 ms off, 4.376 on, same run; 16k q4 step 5.293 off, 5.351 on).
-PDL_ENV = "DYNGEN_PDL"
 
 
 def triton_by_default(device: torch.device) -> bool:
@@ -46,12 +41,3 @@ def launch_device(device: torch.device) -> AbstractContextManager[object]:
         return torch.cuda.device(device)
     return nullcontext()
 
-
-def pdl_launch(device: torch.device) -> bool:
-    """Whether a Triton launch on ``device`` is a programmatic dependent launch (the kernel
-    then starts with `triton_pdl.pdl_start`; pass the result as its ``GDC`` and as
-    ``launch_pdl``): when the ``DYNGEN_PDL`` environment variable is "1", on CUDA devices
-    of compute capability 9.0 or above (`PDL_ENV` says why it is off by default)."""
-    if device.type != "cuda" or os.environ.get(PDL_ENV) != "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9

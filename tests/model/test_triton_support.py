@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from dyngen_core.ops.triton_support import (
-    PDL_ENV,
     launch_device,
-    pdl_launch,
     require_triton,
     triton_by_default,
 )
@@ -45,17 +43,3 @@ def test_launch_device_switches_only_to_another_gpu() -> None:
         with launch_device(other):
             assert torch.cuda.current_device() == other.index
 
-
-def test_no_dependent_launches_off_cuda() -> None:
-    assert not pdl_launch(torch.device("cpu"))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_dependent_launches_follow_the_gpu_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.delenv(PDL_ENV, raising=False)
-    assert not pdl_launch(device)
-    monkeypatch.setenv(PDL_ENV, "1")
-    assert pdl_launch(device) == (torch.cuda.get_device_capability(device)[0] >= 9)
-    monkeypatch.setenv(PDL_ENV, "0")
-    assert not pdl_launch(device)

@@ -22,7 +22,6 @@ import torch
 
 from dyngen_core.ops.triton_support import (
     launch_device,
-    pdl_launch,
     require_triton,
     triton_by_default,
 )
@@ -62,7 +61,6 @@ def write_rows_triton(keys: torch.Tensor, values: torch.Tensor, key: torch.Tenso
     key = _last_dim_contiguous(key.to(keys.dtype))
     value = _last_dim_contiguous(value.to(values.dtype))
     page_size = keys.shape[1]
-    pdl = pdl_launch(keys.device)
     with launch_device(keys.device):
         kv_write_kernel[(tokens,)](
             key, value, slots,
@@ -71,7 +69,7 @@ def write_rows_triton(keys: torch.Tensor, values: torch.Tensor, key: torch.Tenso
             keys.shape[0] * page_size,
             PAGE_SIZE=page_size, HEADS=heads, HEAD_DIM=head_dim,
             HEADS_PAD=_next_pow2(heads), DIM_PAD=_next_pow2(head_dim),
-            num_warps=4, GDC=pdl, launch_pdl=pdl,
+            num_warps=4,
         )
 
 

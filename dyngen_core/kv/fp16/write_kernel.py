@@ -10,8 +10,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.ops.pdl import pdl_start
-
 
 @triton.jit
 def kv_write_kernel(
@@ -22,14 +20,13 @@ def kv_write_kernel(
     value_page_stride, value_slot_stride, value_cache_head_stride,
     num_slots,
     PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, GDC: tl.constexpr = False,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
     """Program ``t`` copies token t's key and value rows [HEADS, HEAD_DIM] (last dimension
     contiguous, other strides as given) into the caches [pages, PAGE_SIZE, HEADS, HEAD_DIM] at
     flat slot ``slots[t]``; the rows come in the caches' dtype (a pure copy). A slot outside
     [0, num_slots) writes nothing (a launch cannot raise, and must never write outside the
-    caches). GDC: launched as a programmatic dependent launch (`triton_pdl`)."""
-    pdl_start(GDC)
+    caches)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + token).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)

@@ -48,7 +48,6 @@ from dyngen_core.kv.quant.hadamard import inv_sqrt
 from dyngen_core.kv.quant.window import RecentLayer, RecentWindow
 from dyngen_core.ops.triton_support import (
     launch_device,
-    pdl_launch,
     require_triton,
     triton_by_default,
 )
@@ -202,12 +201,10 @@ def launch_quant_write(write: StepQuantWrite) -> None:
         return
     shape = write.constants
     device = write.exact.device
-    pdl = pdl_launch(device)
     with launch_device(device):
         quant_write_kernel[(tokens, shape["HEADS"] // shape["HEAD_BLOCK"])](
             *write.arguments(), **shape,
-            num_warps=min(4, max(1, shape["ROWS"] // 4)), enable_fp_fusion=False, GDC=pdl,
-            launch_pdl=pdl,
+            num_warps=min(4, max(1, shape["ROWS"] // 4)), enable_fp_fusion=False,
         )
 
 

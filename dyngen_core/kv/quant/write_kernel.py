@@ -24,8 +24,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dyngen_core.ops.pdl import pdl_start
-
 # Adding then subtracting 1.5 * 2**23 rounds a float32 of magnitude below 2**22 to the nearest
 # integer, ties to even (the spacing of floats in [2**23, 2**24) is 1): rintf, which the
 # interpreter lacks. Launches turn FMA contraction off, so nothing fuses around it.
@@ -120,7 +118,7 @@ def quant_write_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ROWS: tl.constexpr, INV_SQRT: tl.constexpr, WINDOW: tl.constexpr,
-    HEAD_BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+    HEAD_BLOCK: tl.constexpr,
 ):
     """Program (t, b) writes heads [b * HEAD_BLOCK, (b + 1) * HEAD_BLOCK) of token t (see the
     module docstring; HEAD_BLOCK divides HEADS). ``key``/``value``: rows
@@ -132,9 +130,7 @@ def quant_write_kernel(
     rows are still stored: a reader may attend to them). WINDOW > 0: the exact rows also go to the
     recent window (``positions``, ``seq_slots`` [T]; ``ring_rows``, ``ring_positions``,
     ``slots_held``: as `window_write_kernel`'s) by the rule of a decode-only step
-    (`_store_decode_window`); WINDOW 0 reads none of them. GDC: launched as a programmatic
-    dependent launch (`triton_pdl`)."""
-    pdl_start(GDC)
+    (`_store_decode_window`); WINDOW 0 reads none of them."""
     write_token_heads(
         tl.program_id(0).to(tl.int64), tl.num_programs(0).to(tl.int64), tl.program_id(1),
         key, value, slots, offsets, signs,

@@ -36,8 +36,6 @@ from dyngen_core.kv.attention.triton.decode_tiles import attend_keys
 from dyngen_core.kv.attention.triton.exact_kernels import attend_exact_rows
 from dyngen_core.kv.attention.triton.rotation import rotated_back, rotated_queries
 from dyngen_core.kv.attention.triton.step_write import store_step_row
-from dyngen_core.ops.pdl import pdl_start
-from dyngen_core.ops.triton_support import pdl_launch
 
 
 @triton.jit
@@ -103,7 +101,7 @@ def paged_attention_kernel(
     DECODE: tl.constexpr, REMAINDER: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
     HEADS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MERGE: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1, WRITE_STEP: tl.constexpr = False,
-    PAGE_WINDOW: tl.constexpr = 0, GDC: tl.constexpr = False,
+    PAGE_WINDOW: tl.constexpr = 0,
 ):
     """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
     else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
@@ -128,9 +126,7 @@ def paged_attention_kernel(
     DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise.
     PAGE_WINDOW > 0 (a power of two; BLOCK_N must divide PAGE_SIZE): the key loop loads the
     page ids of that many pages ahead of their tiles, so its tile loads pipeline
-    (`triton_decode_tiles.attend_key_windows`); 0: each tile loads its page ids.
-    GDC: launched as a programmatic dependent launch (`triton_pdl`)."""
-    pdl_start(GDC)
+    (`triton_decode_tiles.attend_key_windows`); 0: each tile loads its page ids."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -239,11 +235,8 @@ def paged_attention_kernel(
 @triton.jit
 def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
                           num_heads, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                          GDC: tl.constexpr = False):
-    """Grid (tokens, heads): merge the split partials of one query row into the output.
-    GDC: as `paged_attention_kernel`'s."""
-    pdl_start(GDC)
+                          HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Grid (tokens, heads): merge the split partials of one query row into the output."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -262,12 +255,10 @@ def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride
 def launch_combine(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int,
                    head_dim: int, head_pad: int) -> None:
     """`combine_splits_kernel` over the partials ``parts`` [T, H, splits, head_pad] and ``lse``
-    [T, H, splits] of a decode launch, into ``out`` [T, H, head_dim] (a programmatic dependent
-    launch where `triton_support.pdl_launch` says so)."""
-    pdl = pdl_launch(out.device)
+    [T, H, splits] of a decode launch, into ``out`` [T, H, head_dim]."""
     num_tokens, num_heads = out.shape[0], out.shape[1]
     combine_splits_kernel[(num_tokens, num_heads)](
         parts, lse, out, out.stride(0), out.stride(1), num_heads,
         NUM_SPLITS=splits, SPLITS_PAD=1 << (splits - 1).bit_length(), HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, num_warps=4, GDC=pdl, launch_pdl=pdl,
+        HEAD_PAD=head_pad, num_warps=4,
     )

@@ -54,7 +54,6 @@ from dyngen_core.kv.attention.triton.rotation import ROTATION_GROUP
 from dyngen_core.kv.attention.triton.step_write import StepWrite, step_write_for
 from dyngen_core.kv.quant.write import StepQuantWrite
 from dyngen_core.kv.storage import KVStorage
-from dyngen_core.ops.triton_support import pdl_launch
 
 LOG2_E = 1.4426950408889634
 
@@ -278,7 +277,6 @@ class TritonPagedBackend:
         unused = batch.query_start
         exact_args = exact.arguments() if exact is not None else (
             q, q, q, q, unused, unused, q, q, 0, 0)
-        pdl = pdl_launch(q.device)
         paged_attention_kernel[(grid0, heads.num_kv_heads, splits)](
             q, q.stride(0), q.stride(1), *page_args,
             batch.page_table, batch.page_table.stride(0), batch.context_lens, batch.query_start,
@@ -301,8 +299,7 @@ class TritonPagedBackend:
             PAGE_WINDOW=0 if blocks is not None else decode.window_for(
                 batch.page_size, self.block_n, ops.key_bits > 0 or ops.value_bits > 0),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            MERGE=counters is not None, WRITE_STEP=step_write is not None, GDC=pdl,
-            launch_pdl=pdl,
+            MERGE=counters is not None, WRITE_STEP=step_write is not None,
             SPLIT_BLOCK=min(triton_next_pow2(splits),
                             max(1, self.merge_rows // heads.group_pad)),
         )

@@ -24,7 +24,6 @@ from dyngen_core.kv.attention.triton.quant_kernels import quant_decode_kernel
 from dyngen_core.kv.quant.storage import QuantStorage
 from dyngen_core.kv.quant.write import StepQuantWrite
 from dyngen_core.kv.storage import KVStorage
-from dyngen_core.ops.triton_support import pdl_launch
 
 WORD_BITS = (4, 8)
 # Tail parts the kernel splits its exact-row work into (`triton_quant_programs.tail_program`):
@@ -303,7 +302,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
              "SPLIT_BLOCK": min(_pow2(partials), max(1, merge_rows // group_pad)),
              "TAIL_PARTS": tail_parts,
              "LOOP_FLAGS": (int(lazy_sum) + 2 * int(paired_values) + 4 * int(small_tail_rows)
-                            + 8 * int(swapped_values)), "GDC": pdl_launch(q.device),
+                            + 8 * int(swapped_values)),
              **write_shape}
     grids = ([(partials, 0)] if launches == 1 else [(splits, 1), (tail_parts, 2)])
     tuning: dict[str, Any] = {"num_warps": warps}
@@ -316,7 +315,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         # stages: one compile of it serves every window and depth.
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
             *arguments, **(shape | {"PAGE_WINDOW": 0} if role == 2 else shape),
-            PROGRAMS=role, launch_pdl=shape["GDC"],
+            PROGRAMS=role,
             **({"num_warps": warps} if role == 2 else tuning))
     if counters is not None:
         return out

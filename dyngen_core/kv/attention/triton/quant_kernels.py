@@ -37,7 +37,6 @@ from dyngen_core.kv.attention.triton.quant_programs import page_program, tail_pr
 from dyngen_core.kv.attention.triton.quant_unpack import split_columns
 from dyngen_core.kv.attention.triton.rotation import rotated_back, rotated_queries
 from dyngen_core.kv.quant.write_kernel import write_token_heads
-from dyngen_core.ops.pdl import pdl_start
 
 
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
@@ -65,7 +64,7 @@ def quant_decode_kernel(
     FAST_UNPACK: tl.constexpr = False, WIDE_SCALES: tl.constexpr = False,
     PAGE_WINDOW: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = False,
     MERGE: tl.constexpr = False, G_PAD: tl.constexpr = 1, SPLIT_BLOCK: tl.constexpr = 1,
-    TAIL_PARTS: tl.constexpr = 1, LOOP_FLAGS: tl.constexpr = 0, GDC: tl.constexpr = False,
+    TAIL_PARTS: tl.constexpr = 1, LOOP_FLAGS: tl.constexpr = 0,
     WRITE_STEP: tl.constexpr = False, W_HEADS: tl.constexpr = 1,
     W_HAS_OFFSETS: tl.constexpr = False, W_ROWS: tl.constexpr = 1,
     W_INV_SQRT: tl.constexpr = 1.0,
@@ -101,7 +100,7 @@ def quant_decode_kernel(
     round over ``G_PAD`` (G's power of two) rows, into ``out`` [T, H, HEAD_DIM] (strides
     ``stride_ot``, ``stride_oh``, 1). Two launches: the page programs only count in; the tail
     parts (launched after them on the stream) count in with acquire-release, and the last of
-    them merges. GDC: launched as a programmatic dependent launch (`triton_pdl`).
+    them merges.
     WRITE_STEP (WINDOW > 0): the last tail part of each (sequence, KV head) first does the
     storage's write of that head's rows of this step (the ``w_*`` / ``stride_w*`` operands and W_*
     constexprs: `storage.quant_write.StepQuantWrite`, token ``w_tokens`` of the rows),
@@ -111,7 +110,6 @@ def quant_decode_kernel(
     replaced row held a position no query of the step reads
     (`quant_write_kernel._store_decode_window`)."""
     SCALE_LOAD: tl.constexpr = 2 if SCALE_ROWS else (WIDE_SCALES and HEAD_DIM % 64 == 0) * 1
-    pdl_start(GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PROGRAMS == 2:
