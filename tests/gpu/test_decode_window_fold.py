@@ -39,7 +39,7 @@ def _storage(fold: bool, device: torch.device, seed: int = 0) -> QuantStorage:
                          hidden_size=HEADS * DIM, intermediate_size=64, num_layers=LAYERS,
                          num_heads=HEADS, num_kv_heads=HEADS, head_dim=DIM)
     storage = QuantStorage(config, PAGES, PAGE, torch.bfloat16, [device] * LAYERS, "q4",
-                           use_native=False, recent_window=WINDOW, triton_write=True,
+                           recent_window=WINDOW, triton_write=True,
                            fold_decode_window=fold)
     gen = torch.Generator().manual_seed(seed)
     storage.set_key_offsets([torch.randn(HEADS, DIM, generator=gen) for _ in range(LAYERS)])

@@ -1,10 +1,10 @@
-"""The one-launch Triton write of the quantized storage (`storage.quant_write`) against the write
-it replaces (`storage.quant_write_native`) and the codec both follow (`storage.qformat`).
+"""The one-launch Triton write of the quantized storage (`quant.write`) against its torch twin
+(the CPU path) and the codec both follow (`quant.format`).
 
-Oracle: the native kernel's arithmetic in torch (the signs, the butterfly of
+Oracle: the butterfly arithmetic in torch (the signs, the butterfly of
 `hadamard.walsh_hadamard`, the float32 1/sqrt(32), then `qformat.quantize_rotated`), which the
-kernel must match bit for bit: codes, scales, exact rows, head rows. Against the old write (the
-torch codec on a matrix-product rotation, the CPU path) codes may differ by one step on
+kernel must match bit for bit: codes, scales, exact rows, head rows. Against the torch twin (the
+torch codec on a matrix-product rotation) codes may differ by one step on
 rounding boundaries and exact rows by one step of the compute dtype; the test bounds both.
 Every tensor starts poisoned (random bytes), so a store to the wrong place, or a missing one,
 shows: rows outside the step's slots must keep the poison. Covers q8/q6/q4, key offsets on and
@@ -38,7 +38,7 @@ def _pair(mode: str, heads: int, dim: int, dtype: torch.dtype, offsets: bool,
                          hidden_size=heads * dim, intermediate_size=64, num_layers=LAYERS,
                          num_heads=heads, num_kv_heads=heads, head_dim=dim)
     pair = tuple(QuantStorage(config, PAGES, PAGE, dtype, [device] * LAYERS, mode,
-                              use_native=False, recent_window=WINDOW, triton_write=triton)
+                              recent_window=WINDOW, triton_write=triton)
                  for triton in (True, False))
     gen = torch.Generator().manual_seed(heads * dim)
     means = [torch.randn(heads, dim, generator=gen) * 2 for _ in range(LAYERS)]
@@ -79,7 +79,7 @@ def _rows(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: torch.d
 
 def _oracle(storage: QuantStorage, layer: int, key: torch.Tensor, value: torch.Tensor
             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Exact rows [2, T, H, D] and (codes, scales) of keys and values as the native kernel
+    """Exact rows [2, T, H, D] and (codes, scales) of keys and values as the butterfly
     computes them."""
     stored = storage._prepare_rows(layer, key, value).stored
     assert stored is not None
@@ -123,7 +123,7 @@ def _check_layer(fast: QuantStorage, before: list[torch.Tensor], layer: int,
     ("q8", 3, 64, torch.float16, False, 3),
     ("q4", 1, 32, torch.float32, False, 1),
 ])
-def test_write_matches_native_arithmetic(device: torch.device, mode: str, heads: int, dim: int,
+def test_write_matches_butterfly_arithmetic(device: torch.device, mode: str, heads: int, dim: int,
                                          dtype: torch.dtype, offsets: bool,
                                          head_block: int) -> None:
     """Also with each program writing ``head_block`` of a token's heads."""

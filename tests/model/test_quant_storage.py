@@ -24,7 +24,6 @@ from dyngen_core.kv.quant.hadamard import (
     unrotate,
     walsh_hadamard,
 )
-from dyngen_core.kv.quant.native import independent_runs, load_native
 from dyngen_core.kv.quant.storage import MODE_BITS, QuantStorage
 
 MODES = tuple(MODE_BITS)
@@ -284,21 +283,14 @@ def test_bad_configurations_fail_clearly() -> None:
 
 
 def test_triton_write_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-launch write (`quant_write`) is never the default off CUDA, cannot be forced
-    onto the CPU outside Triton's interpreter, and the A/B variable must name a path."""
+    """The one-launch write (`write`) is never the default off CUDA and cannot be forced onto
+    the CPU outside Triton's interpreter."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("DYNGEN_QUANT_WRITE", raising=False)
     storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
     assert storage._triton == [False, False]
-    monkeypatch.setenv("DYNGEN_QUANT_WRITE", "triton")
-    storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
-    assert storage._triton == [False, False]  # the variable asks for it where it runs
     with pytest.raises(ValueError, match="triton_write=True"):
         QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4",
                      triton_write=True)
-    monkeypatch.setenv("DYNGEN_QUANT_WRITE", "fast")
-    with pytest.raises(ValueError, match="DYNGEN_QUANT_WRITE='fast'"):
-        QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
 
 
 def test_explicit_bits_override_the_mode_pair() -> None:
@@ -308,21 +300,3 @@ def test_explicit_bits_override_the_mode_pair() -> None:
     assert storage.nbytes() == QuantStorage(model_config(), 2, 8, torch.float32,
                                             ["cpu", "cpu"], "q6").nbytes()
 
-
-def test_independent_runs_keep_dependent_copies_apart() -> None:
-    a, b, c = PageCopy(0, 1, 4), PageCopy(2, 3, 4), PageCopy(1, 4, 4)
-    assert independent_runs([a, b]) == [[a, b]]
-    assert independent_runs([a, b, c]) == [[a, b], [c]]  # c reads page 1, which a writes
-    d = PageCopy(5, 0, 4)  # writes page 0, which a reads
-    assert independent_runs([a, d]) == [[a], [d]]
-    assert independent_runs([a, PageCopy(6, 1, 2)]) == [[a], [PageCopy(6, 1, 2)]]
-    assert independent_runs([]) == []
-
-
-def test_native_kernels_are_not_built_without_cuda() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; tests/gpu covers the native kernels")
-    load_native.cache_clear()
-    assert load_native() is None
-    storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
-    assert storage._native is None

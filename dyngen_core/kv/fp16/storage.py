@@ -19,6 +19,7 @@ from dyngen_core.kv.fp16.write import (
     write_rows_torch,
     write_rows_triton,
 )
+from dyngen_core.kv.storage import copy_page_slots
 
 # (keys cache, values cache, key rows, value rows, slots) -> None
 RowWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -81,23 +82,8 @@ class FP16Storage:
 
     @torch.inference_mode()
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
-        """Copy slot ranges between pages in every layer, in order.
-
-        When no copy reads a page an earlier copy writes, all of them run as one indexed copy per
-        tensor (the common case: partial-page reuse, defrag moves into free pages).
-        """
-        if not copies:
-            return
-        if _independent(copies):
-            src, dst = _slot_indices(copies, self.page_size)
-            for tensor in (*self.keys, *self.values):
-                flat = tensor.view(-1, *tensor.shape[2:])
-                index_src, index_dst = src.to(tensor.device), dst.to(tensor.device)
-                flat.index_copy_(0, index_dst, flat.index_select(0, index_src))
-            return
-        for copy in copies:
-            for tensor in (*self.keys, *self.values):
-                tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
+        """Copy slot ranges between pages in every layer, in order (`copy_page_slots`)."""
+        copy_page_slots([*self.keys, *self.values], copies, self.page_size)
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
@@ -122,17 +108,3 @@ def _row_writer(device: torch.device, triton_write: bool | None) -> RowWriter:
     use_triton = triton_write_default(device) if triton_write is None else triton_write
     return write_rows_triton if use_triton else write_rows_torch
 
-
-def _independent(copies: Sequence[PageCopy]) -> bool:
-    """True when no copy's source page is written by any copy (so order does not matter)."""
-    written = {c.dst for c in copies}
-    return not any(c.src in written for c in copies) and len(written) == len(copies)
-
-
-def _slot_indices(copies: Sequence[PageCopy], page_size: int) -> tuple[torch.Tensor, ...]:
-    src: list[int] = []
-    dst: list[int] = []
-    for c in copies:
-        src.extend(range(c.src * page_size, c.src * page_size + c.num_slots))
-        dst.extend(range(c.dst * page_size, c.dst * page_size + c.num_slots))
-    return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)

@@ -26,9 +26,9 @@ Packing of the codes of one row (``packed_bytes = head_dim * bits / 8``):
   ``u[4i] | u[4i+1] << 6 | u[4i+2] << 12 | u[4i+3] << 18``.
 
 So value ``d`` of a row always starts at bit ``d * bits`` of the row's bytes (little-endian).
-Scales are stored as [..., head_dim / 32] float16. This module is the fallback path and the test
-oracle of the native kernels in csrc/, which follow it operation for operation (only the
-rotation's float32 rounding differs: a butterfly there, a matrix product here).
+Scales are stored as [..., head_dim / 32] float16. This module is the CPU path; the Triton write
+follows it operation for operation (only the rotation's float32 rounding differs: a butterfly
+there, a matrix product here).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ set by the typical magnitude rather than by one channel. ``R`` is orthogonal: ``
 diag(s) · H_n / sqrt(n)``, and since attention only needs dot products, a kernel may work in the
 rotated space (rotate q, un-rotate the output) without un-rotating each cached row.
 
-The torch path applies ``R`` as a float32 matrix product. The native CUDA kernels compute the
+The torch path applies ``R`` as a float32 matrix product. The Triton write computes the
 same transform as a fast Walsh-Hadamard butterfly (stage ``h = 1, 2, 4, ...``: pairs at distance
-``h`` become ``(a + b, a - b)``, see `walsh_hadamard`) across the 32 lanes of a warp; the two
+``h`` become ``(a + b, a - b)``, see `walsh_hadamard`); the two
 agree to float32 rounding.
 """
 

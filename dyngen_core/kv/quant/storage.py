@@ -6,8 +6,7 @@ Per layer, on that layer's device, four tensors indexed by page (format in `qfor
     key_scales, value_scales  [num_pages, page_size, num_kv_heads, head_dim / 32] float16
 
 Rows are quantized as they are written (`write`) and dequantized only for the pages a step
-references (`gather`). On CUDA, the native kernels of csrc/ do the work when they could be built
-(`native.load_native`); otherwise, and on CPU, the torch reference codec does.
+references (`gather`, the torch codec of `format`).
 
 Bits per mode (keys, values): q8 = (8, 8), q6 = (6, 6), q4 = (4, 4): 1.88x, 2.46x and 3.56x the
 tokens of a 16-bit cache in the same memory. q6 packs 6-bit codes rather than keeping keys at 8
@@ -28,8 +27,8 @@ readers take the recent rows from `gather_recent`.
 Per layer and step, the exact rows are made once by `write` and reused by the calls after it
 (`step_rows.StepMemo`). On CUDA with triton, `write` is one Triton launch and the window's
 write one more (`quant_write`), or none when `write` is given a decode-only step's
-``decode_window`` (``fold_decode_window``); otherwise the torch ops around the native kernel
-(`quant_write_native`; benchmarks/storage_ops.py counts them).
+``decode_window`` (``fold_decode_window``); otherwise the torch codec
+(`write.write_pages_torch`).
 
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
 from every key before it is quantized and never added back: attention scores of a query all move
@@ -40,16 +39,14 @@ longer spend their range on what all keys share. `Cache` sets them from `calibra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import PageCopy
-from dyngen_core.kv.quant import native
-from dyngen_core.kv.quant.copy import copy_quant_pages
 from dyngen_core.kv.quant.format import GROUP_SIZE, QuantFormat, check_head_dim, dequantize
 from dyngen_core.kv.quant.hadamard import hadamard_matrix, rotation_signs, unrotate
-from dyngen_core.kv.quant.layer import QuantLayer
 from dyngen_core.kv.quant.step_rows import (
     ExactStepRows,
     StepMemo,
@@ -66,14 +63,45 @@ from dyngen_core.kv.quant.write import (
     resolve_fold_window,
     resolve_triton_write,
     step_quant_write,
+    write_heads_torch,
+    write_pages_torch,
     write_window_triton,
 )
-from dyngen_core.kv.quant.write_native import write_heads, write_pages
+from dyngen_core.kv.storage import copies_independent, copy_page_slots
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
 # nothing for its cost: memory, and outputs that depend on whether a prefix came from the cache.
 DEFAULT_RECENT_WINDOW = {"q8": 0, "q6": 16, "q4": 16}
+
+
+@dataclass
+class QuantLayer:
+    """The page tensors of one layer (what a kernel reading quantized pages directly needs)."""
+
+    key_codes: torch.Tensor
+    key_scales: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
+    head_rows: torch.Tensor  # [2, num_pages + 1, kv_heads, head_dim]: key heads, value heads
+
+    @property
+    def key_heads(self) -> torch.Tensor:
+        """The unquantized first key row of every page, [num_pages + 1, kv_heads, head_dim]."""
+        return self.head_rows[0]
+
+    @property
+    def value_heads(self) -> torch.Tensor:
+        """The unquantized first value row of every page, like `key_heads`."""
+        return self.head_rows[1]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The [num_pages, page_size, ...] tensors (what page copies move slot by slot)."""
+        return (self.key_codes, self.key_scales, self.value_codes, self.value_scales)
+
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unquantized first rows of every page, [num_pages + 1, kv_heads, head_dim]."""
+        return (self.key_heads, self.value_heads)
 
 
 class QuantStorage:
@@ -88,15 +116,11 @@ class QuantStorage:
         layer_devices: the device of each layer, ``config.num_layers`` entries.
         mode: "q8", "q6" or "q4".
         bits: (key bits, value bits) overriding the mode's default pair; for measurements.
-        use_native: use the csrc/ CUDA kernels for layers on CUDA when they build (False forces
-            the torch reference everywhere).
         recent_window: positions of each running sequence kept unquantized once
             `reserve_sequences` has been called (0: none). Default: 16 for q6 and q4, 0 for q8
             (`DEFAULT_RECENT_WINDOW`).
         triton_write: write a layer's rows in one Triton launch, its window in one more
-            (`quant_write`: the native kernel's codes; exact rows within one step of the
-            compute dtype) instead of the ops of `quant_write_native`. None: on CUDA layers
-            with triton installed, unless ``DYNGEN_QUANT_WRITE`` is "native" (or "triton");
+            (`write`) instead of the torch codec. None: on CUDA layers with triton installed;
             True: every layer (ValueError where it cannot run: no triton, or the CPU without
             ``TRITON_INTERPRET=1``); False: never.
         fold_decode_window: `write` given a ``decode_window`` stores the window rows itself
@@ -110,7 +134,7 @@ class QuantStorage:
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: Sequence[torch.device | str], mode: str = "q4", *,
-                 bits: tuple[int, int] | None = None, use_native: bool = True,
+                 bits: tuple[int, int] | None = None,
                  recent_window: int | None = None, triton_write: bool | None = None,
                  fold_decode_window: bool | None = None) -> None:
         if mode not in MODE_BITS:
@@ -131,11 +155,9 @@ class QuantStorage:
         self.value_format = QuantFormat(value_bits)
         self.devices = [torch.device(d) for d in layer_devices]
         self.layers = [self._allocate(device) for device in self.devices]
-        # The native kernels take the sign pattern (they run the butterfly); torch the matrix.
+        # The Triton write takes the sign pattern (it runs the butterfly); torch the matrix.
         self._signs = {d: rotation_signs(GROUP_SIZE).to(d) for d in set(self.devices)}
         self._rotation = {d: hadamard_matrix(GROUP_SIZE).to(d) for d in set(self.devices)}
-        wants_native = use_native and any(d.type == "cuda" for d in self.devices)
-        self._native = native.load_native() if wants_native else None
         self._triton = [resolve_triton_write(triton_write, d) for d in self.devices]
         self.fold_decode_window = resolve_fold_window(fold_decode_window)
         self.write_head_block = 1
@@ -203,9 +225,6 @@ class QuantStorage:
         return QuantLayer(codes(self.key_format), scales(), codes(self.value_format), scales(),
                           heads)
 
-    def _kernels(self, layer: int) -> native.NativeKernels | None:
-        return self._native if self.devices[layer].type == "cuda" else None
-
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor, *,
               decode_window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -227,13 +246,13 @@ class QuantStorage:
         else:
             rows = self._prepare_rows(layer, key, value)
             self._memo.keep_rows(layer, key, value, rows)
-            assert rows.stored is not None and rows.rotated is not None
-            write_pages(pages.tensors(), (self.key_format, self.value_format), rows.stored,
-                        rows.rotated, slot_mapping, self._kernels(layer), self._signs[device])
+            assert rows.rotated is not None
+            write_pages_torch(pages.tensors(), (self.key_format, self.value_format),
+                              rows.rotated, slot_mapping)
             index = self._memo.index("heads", layer, device, (slot_mapping,),
                                      lambda: head_index(slot_mapping, self.page_size,
                                                         self.num_pages, device))
-            write_heads(pages.head_rows, index, rows.exact)
+            write_heads_torch(pages.head_rows, index, rows.exact)
         if fold is not None and decode_window is not None:
             if not self._triton[layer]:  # its general rule gives the decode rule's rows
                 self.write_recent(layer, key, value, *decode_window)
@@ -330,27 +349,19 @@ class QuantStorage:
         [B, P * page_size, num_kv_heads, head_dim] in the compute dtype."""
         pages = self.layers[layer]
         device = self.devices[layer]
-        kernels = self._kernels(layer)
         out_shape = (page_table.shape[0], page_table.shape[1] * self.page_size,
                      self.num_kv_heads, self.head_dim)
+        index = page_table.to(device=device, dtype=torch.int64)
         results = []
         for codes, scales, fmt in (
             (pages.key_codes, pages.key_scales, self.key_format),
             (pages.value_codes, pages.value_scales, self.value_format),
         ):
-            if kernels is not None:
-                out = torch.empty(out_shape, dtype=self.dtype, device=codes.device)
-                kernels.dequantize_gather(codes, scales, page_table, self._signs[device],
-                                          fmt.bits, out)
-            else:
-                index = page_table.to(device=codes.device, dtype=torch.int64)
-                rows = dequantize(codes[index], scales[index], fmt, self._rotation[device],
-                                  self.dtype)
-                out = rows.reshape(out_shape)
-            results.append(out)
+            rows = dequantize(codes[index], scales[index], fmt, self._rotation[device],
+                              self.dtype)
+            results.append(rows.reshape(out_shape))
         rotation = self._rotation[device]
         for out, heads in zip(results, pages.heads(), strict=True):
-            index = page_table.to(device=heads.device, dtype=torch.int64)
             exact = unrotate(heads[index].to(torch.float32), rotation).to(self.dtype)
             out.view(*page_table.shape, self.page_size, *out.shape[2:])[:, :, 0] = exact
         return results[0], results[1]
@@ -369,9 +380,23 @@ class QuantStorage:
 
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` (codes and
-        scales, keys and values, head rows), in every layer, in the order given."""
-        copy_quant_pages(self.layers, copies, self.num_pages, self.page_size,
-                         [self._kernels(layer) for layer in range(len(self.layers))])
+        scales, keys and values, head rows), in every layer, in the order given. Raises
+        IndexError for a page outside the storage, ValueError for more slots than a page."""
+        copies = [c for c in copies if c.src != c.dst and c.num_slots > 0]
+        for c in copies:
+            self._check_copy(c)
+        for pages in self.layers:
+            copy_page_slots(pages.tensors(), copies, self.page_size)
+            _copy_head_rows(pages.head_rows, copies)
+
+    def _check_copy(self, copy: PageCopy) -> None:
+        for page in (copy.src, copy.dst):
+            if not 0 <= page < self.num_pages:
+                raise IndexError(f"page copy {copy} names page {page}; the storage holds pages "
+                                 f"0..{self.num_pages - 1}")
+        if copy.num_slots > self.page_size:
+            raise ValueError(f"page copy {copy} copies {copy.num_slots} slots; a page holds "
+                             f"{self.page_size}")
 
     def nbytes(self) -> int:
         """Bytes held: the pages (codes, scales, head rows) and the recent windows."""
@@ -393,3 +418,18 @@ class QuantStorage:
         """Bytes of one page's unquantized head rows (keys and values) over all layers."""
         element = torch.empty((), dtype=self.dtype).element_size()
         return len(self.layers) * 2 * self.num_kv_heads * self.head_dim * element
+
+
+def _copy_head_rows(head_rows: torch.Tensor, copies: Sequence[PageCopy]) -> None:
+    """Every copy starts at slot 0, so its destination takes the source's head rows (key and
+    value at once, ``head_rows`` [2, num_pages + 1, ...]); in order, as a later copy may read
+    what an earlier one wrote (at once when the copies are independent)."""
+    if not copies:
+        return
+    if copies_independent(copies):
+        src = torch.tensor([c.src for c in copies], device=head_rows.device)
+        dst = torch.tensor([c.dst for c in copies], device=head_rows.device)
+        head_rows.index_copy_(1, dst, head_rows.index_select(1, src))
+        return
+    for c in copies:
+        head_rows[:, c.dst].copy_(head_rows[:, c.src])

@@ -1,35 +1,15 @@
-"""The quantized storage's write in one Triton launch per layer (and one more for the recent
-window), and the choice between it and the write it replaces.
+"""The quantized storage's write of a step's rows: one Triton launch per layer (and one more for
+the recent window, or none when a decode-only step's window rows are stored by the same launch,
+`DecodeWindowWrite`), and its torch twin, the CPU path (`write_pages_torch`,
+`write_heads_torch`).
 
-Why: per layer of a decode step, the write `quant.QuantStorage` used to run is about ten small
-kernels: the key offsets and the value copy into one tensor, a float32 cast, the rotation as a
-cuBLAS matrix product (plus its split-K reduction), the cast to the compute dtype, the native
-quantize-on-write (csrc/), the head rows' ``index_copy_``, and after attention the window's two
-``index_copy_``; plus, once per step, the dozen kernels that build the head and window row
-indices. In a batch-1 CUDA-graph step of a Llama-3-8B-shape model on an H200 they cost about
-15-20 us per layer, against 0 for the fp16 storage's one-launch write. `launch_quant_write` does
-all of the write in one launch (`quant_write_kernel.quant_write_kernel`), and
-`write_window_triton` the window in another, each computing its row indices itself. In a
-decode-only step (one token per sequence) the first launch can store the window rows as well
-(`DecodeWindowWrite`): 2-3 us a layer less in a batch-1 graph step.
-
-Agreement with the write it replaces: codes and scales are bit for bit those of the native
-kernel (same butterfly order, IEEE division, round half to even, fp16 scale rounding); the
-exact rows (page heads, window, the step's exact operands) are the same float32 rotation
-rounded once to the compute dtype, where the old path rotated them with a float32 matrix
-product: the two round differently in the last float32 bits (relative to the group's largest
-value, as the sums of 32 terms are), so an exact row element may differ by one step of the
-compute dtype at its group's largest value where the float32 sum sits on a rounding boundary:
-for bf16 at most 2**-8 of that value, far below the error of the quantized rows around it
-(4 bits: about 2**-4), and no more than the old path's own codes and exact rows already
-disagreed by (codes from the butterfly, exact rows from the product). Against the torch codec
-(the CPU path, which quantizes the product's rotation) codes can differ by one step on
-rounding boundaries, as the native kernel's do (tests/gpu/test_native_kernels.py).
-
-What is not reproduced: the old write stored the exact row of a slot that opens no page into
-a spare head row nobody reads; the kernel stores nothing there. Slots outside the pages: the
-native kernel skipped them, as this one does (codes and head row); their exact rows are still
-produced.
+The kernel (`write_kernel.quant_write_kernel`) subtracts the key offsets, rotates each group of
+32 values with the Walsh-Hadamard butterfly, quantizes (`format`: signed extreme, fp16 scale,
+round half to even) and stores codes, scales, the step's exact rows and the head rows of
+page-opening slots, computing its row indices itself. Against the torch twin (which rotates by
+a float32 matrix product) codes can differ by one step where a rotated value sits on a rounding
+boundary, and exact rows by one step of the compute dtype at their group's largest value.
+Slots outside the pages store no codes and no head row; their exact rows are still produced.
 
 Everything launched has a grid of the token count only and reads slots, positions and sequence
 slots on the device: capturable in CUDA graphs, no host sync.
@@ -43,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dyngen_core.kv.quant.format import GROUP_SIZE
+from dyngen_core.kv.quant.format import GROUP_SIZE, QuantFormat, quantize_rotated
 from dyngen_core.kv.quant.hadamard import inv_sqrt
 from dyngen_core.kv.quant.window import RecentLayer, RecentWindow
 from dyngen_core.ops.triton_support import (
@@ -52,9 +32,6 @@ from dyngen_core.ops.triton_support import (
     triton_by_default,
 )
 
-# Overrides the default of `QuantStorage(triton_write=None)`, for A/B runs of scripts that
-# build their storage with defaults: "triton" (the one-launch write) or "native" (the old one).
-WRITE_ENV = "DYNGEN_QUANT_WRITE"
 WINDOW_SCAN = 256
 # Overrides the default of `QuantStorage(fold_decode_window=None)` likewise: "1" stores a
 # decode-only step's window rows in the write's launch, "0" in a launch of their own.
@@ -108,17 +85,11 @@ def resolve_fold_window(option: bool | None) -> bool:
 
 
 def resolve_triton_write(option: bool | None, device: torch.device) -> bool:
-    """Whether a layer on ``device`` takes the Triton write. ``option`` None: the
-    ``DYNGEN_QUANT_WRITE`` environment variable when set ("triton" or "native"), else on CUDA
-    with triton installed (`triton_support.triton_by_default`). True: raises ValueError where
-    the kernel cannot run (no triton; the CPU without ``TRITON_INTERPRET=1``)."""
+    """Whether a layer on ``device`` takes the Triton write. ``option`` None: on CUDA with
+    triton installed (`triton_support.triton_by_default`); True: raises ValueError where the
+    kernel cannot run (no triton; the CPU without ``TRITON_INTERPRET=1``); False: never."""
     if option is None:
-        chosen = os.environ.get(WRITE_ENV, "")
-        if chosen not in ("", "triton", "native"):
-            raise ValueError(f"{WRITE_ENV}={chosen!r}: use 'triton' or 'native' (or unset it)")
-        if not chosen:
-            return triton_by_default(device)
-        option = chosen == "triton" and triton_by_default(device)
+        return triton_by_default(device)
     if option:
         require_triton(device, "triton_write")
     return option
@@ -239,3 +210,26 @@ def _last_dim_contiguous(rows: torch.Tensor) -> torch.Tensor:
 
 def _next_pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
+
+
+def write_pages_torch(pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                      formats: tuple[QuantFormat, QuantFormat], rotated: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """The torch twin of the write's codes and scales (the CPU path): quantize a step's rotated
+    rows ``rotated`` [2, T, H, D] (float32, keys then values) with the torch codec into
+    ``pages`` (key codes, key scales, value codes, value scales) at flat ``slot_mapping`` [T]."""
+    key_codes, key_scales, value_codes, value_scales = pages
+    slots = slot_mapping.to(torch.int64)
+    for rows, codes, scales, fmt in ((rotated[0], key_codes, key_scales, formats[0]),
+                                     (rotated[1], value_codes, value_scales, formats[1])):
+        packed, row_scales = quantize_rotated(rows, fmt)
+        codes.view(-1, *codes.shape[2:]).index_copy_(0, slots, packed)
+        scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, row_scales)
+
+
+def write_heads_torch(head_rows: torch.Tensor, index: torch.Tensor, exact: torch.Tensor) -> None:
+    """The torch twin of the write's head rows: copy the step's exact rows ``exact``
+    [2, T, H, D] into ``head_rows`` [2, num_pages + 1, H, D] at `step_rows.head_index`
+    ``index`` [2T]."""
+    flat = head_rows.view(-1, *head_rows.shape[2:])
+    flat.index_copy_(0, index, exact.view(-1, *head_rows.shape[2:]))

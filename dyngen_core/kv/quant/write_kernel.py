@@ -4,7 +4,7 @@
 of HEAD_BLOCK heads [HEAD_BLOCK, HEAD_DIM] (all heads when HEAD_BLOCK is HEADS) as the model
 left them (strided views), and in registers subtracts the key offsets (float32, rounded
 once to the keys' dtype, as `step_rows.offset_keys`), rotates every group of 32 values
-(`hadamard`: the signs, then the five butterfly stages in the native kernel's order, then the
+(`hadamard`: the signs, then the five butterfly stages of `hadamard.walsh_hadamard`, then the
 1/sqrt(32) factor), quantizes them (`qformat`: signed extreme, fp16 scale, round half to even)
 and stores codes and scales at the token's slot; it also stores the rotated rows in the compute
 dtype as the step's exact rows and, for a slot that opens a page, as that page's head row.
@@ -45,8 +45,8 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rotate(x, sign, lanes, INV_SQRT: tl.constexpr):
-    """Rotated groups of float32 ``x`` [ROWS, 32] (one group of 32 per row): the native
-    kernel's arithmetic, stage by stage (pairs at distance h become (a + b, a - b))."""
+    """Rotated groups of float32 ``x`` [ROWS, 32] (one group of 32 per row): the
+    butterfly, stage by stage (pairs at distance h become (a + b, a - b))."""
     v = x * sign
     v = _butterfly(v, lanes, 1)
     v = _butterfly(v, lanes, 2)
