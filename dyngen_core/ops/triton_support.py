@@ -1,19 +1,56 @@
-"""Whether the optional Triton kernels (those with a torch twin: the fp16 KV write, the fused
-sampler draw) run on a device, decided in one place, and the device context their launches run
-in.
+"""Where the optional Triton kernels run, decided in one place: whether a kernel with a torch twin
+runs on a device (`triton_by_default`, `require_triton`), the device context its launches run in
+(`launch_device`), and the ``triton`` / ``tl`` names every kernel module imports from here.
 
 Triton is never required (CI has none): a kernel runs by default on CUDA when triton is
-installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use),
-when asked for explicitly.
+installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use), when
+asked for explicitly. Without triton the kernel modules still import: ``triton.jit`` then makes
+each kernel an object that raises when launched, which the routing above never does.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
+
+
+class _NoTritonKernel:
+    """A kernel defined where triton is not installed: launching it raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        raise RuntimeError(f"the Triton kernel {self.name} cannot launch: triton is not "
+                           "installed (its torch twin runs instead; install triton to use it)")
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        self[None]()
+
+
+class _NoTriton:
+    """Stands in for ``triton`` and ``triton.language`` where triton is not installed, so the
+    kernel modules import (the kernels are then `_NoTritonKernel`s)."""
+
+    def jit(self, fn: Callable[..., Any] | None = None, **options: object) -> Any:
+        if fn is None:
+            return self.jit
+        return _NoTritonKernel(fn.__name__)
+
+    def constexpr(self, value: object = None) -> object:
+        return value
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = _NoTriton()
 
 
 def triton_by_default(device: torch.device) -> bool:
@@ -41,3 +78,5 @@ def launch_device(device: torch.device) -> AbstractContextManager[object]:
         return torch.cuda.device(device)
     return nullcontext()
 
+
+__all__ = ["launch_device", "require_triton", "tl", "triton", "triton_by_default"]
