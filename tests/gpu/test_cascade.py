@@ -50,7 +50,9 @@ def _backend(cascade: bool, *, prefix: Mapping[str, Any] | None = None,
         pytest.skip("triton is not installed")
     from dyngen_core.kv.attention.triton.cascade_path import CascadePath
     from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+    from tests.gpu.conftest import DECODE_GEOMETRY, decode_geometry
 
+    decode_geometry(**{key: options.pop(key) for key in DECODE_GEOMETRY if key in options})
     if not cascade:
         return TritonPagedBackend(cascade_min_saved_keys=None, **options)
     backend = TritonPagedBackend(cascade_min_saved_keys=0, **options)

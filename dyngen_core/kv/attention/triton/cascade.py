@@ -37,7 +37,7 @@ from dyngen_core.kv.attention.triton.cascade_kernels import (
 if TYPE_CHECKING:
     from dyngen_core.kv.attention.base import ForwardBatch
     from dyngen_core.kv.attention.triton.cascade_tables import CascadeTables
-    from dyngen_core.kv.attention.triton.page_operands import PageOperands
+    from dyngen_core.kv.attention.triton.operands import PageOperands
 
 
 @dataclass(frozen=True)

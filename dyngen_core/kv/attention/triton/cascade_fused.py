@@ -25,19 +25,21 @@ import torch
 import triton
 import triton.language as tl
 
-from dyngen_core.kv.attention.triton.decode_merge import fold_partials
-from dyngen_core.kv.attention.triton.kernels import (
+from dyngen_core.kv.attention.triton.key_loop import (
     attend_key_range,
     initial_state,
     load_scaled_queries,
     log2_sum_exp,
+    tile_page,
+    window_ids,
+    window_keys,
 )
-from dyngen_core.kv.attention.triton.page_window import tile_page, window_ids, window_keys
+from dyngen_core.kv.attention.triton.merge import fold_partials
 
 if TYPE_CHECKING:
     from dyngen_core.kv.attention.base import ForwardBatch
     from dyngen_core.kv.attention.triton.cascade_tables import CascadeTables
-    from dyngen_core.kv.attention.triton.page_operands import HeadShape, PageOperands
+    from dyngen_core.kv.attention.triton.operands import HeadShape, PageOperands
 
 
 @triton.jit

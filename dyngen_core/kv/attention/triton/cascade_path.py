@@ -43,11 +43,11 @@ from dyngen_core.kv.attention.triton.cascade_tables import (
     StaticCascadeLayout,
     cascade_tables,
 )
-from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
+from dyngen_core.kv.attention.triton.merge import SplitCounters
 from dyngen_core.kv.storage import KVStorage
 
 if TYPE_CHECKING:
-    from dyngen_core.kv.attention.triton.page_operands import HeadShape, PageOperands
+    from dyngen_core.kv.attention.triton.operands import HeadShape, PageOperands
 
 LOG2_E = 1.4426950408889634
 PREFIX_KERNELS = ("tiles", "window", "general")
