@@ -61,7 +61,7 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.attention.triton.cascade import attend_prefixes, multiprocessors
 from dyngen_core.kv.attention.triton.cascade_path import LOG2_E, CascadePath
-from dyngen_core.kv.attention.triton.page_operands import HeadShape, page_arguments, page_operands
+from dyngen_core.kv.attention.triton.operands import HeadShape, page_arguments, page_operands
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 from dyngen_core.kv.fp16.storage import FP16Storage
 
