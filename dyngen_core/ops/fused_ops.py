@@ -23,8 +23,8 @@ captured in CUDA graphs like any kernel; the norm's row count is not specialized
 chunks of every length share one compile.
 
 The launch shapes are module constants (`NORM_PROGRAM_ELEMENTS`, `NORM_WARP_ELEMENTS`,
-`SILU_BLOCK`, `SILU_WARPS`) that benchmarks/kernels/fused_ops.py patches; see BENCHMARKS.md,
-section 1 (sixth session).
+`SILU_BLOCK`, `SILU_WARPS`) that benchmarks/kernels/fused_ops.py patches (BENCHMARKS.md,
+section 1).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """`triton_support`: where optional Triton kernels run by default, the errors of asking for them
-where they cannot run, and the device context of a launch."""
+where they cannot run, the device context of a launch, and the kernel modules without triton."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,3 +46,22 @@ def test_launch_device_switches_only_to_another_gpu() -> None:
         with launch_device(other):
             assert torch.cuda.current_device() == other.index
 
+
+
+def test_kernel_modules_import_without_triton() -> None:
+    """Where triton is not installed the modules holding kernels still import (their torch
+    twins run), and launching one of their kernels raises, naming the reason."""
+    code = ("import sys\n"
+            "sys.modules['triton'] = None\n"
+            "from dyngen_core.kv.attention import sdpa\n"
+            "from dyngen_core.kv.fp16 import storage\n"
+            "from dyngen_core.ops import fused_ops, skinny_matmul\n"
+            "try:\n"
+            "    fused_ops.silu_mul_kernel[(1,)]()\n"
+            "except RuntimeError as error:\n"
+            "    print(error)\n")
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=repo, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "silu_mul_kernel cannot launch: triton is not installed" in result.stdout

@@ -176,7 +176,7 @@ def walsh_hadamard(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Apply ``R`` (`hadamard_matrix`) to each block of ``n`` values of the last dimension of
-    ``x``, in float32 (a matrix product: much faster on CPUs than the butterfly)."""
+    ``x``, in float32 (a matrix product, the fast form on CPUs)."""
     n = rotation.shape[0]
     blocks = x.to(torch.float32).reshape(-1, n)
     return (blocks @ rotation.T.to(x.device)).reshape(x.shape)

@@ -12,7 +12,7 @@ tables and context lengths. Batches with prefill chunks map query blocks to sequ
 small table built once per forward on the host.
 
 Shared prefixes: in a decode-only forward over unquantized pages, decodes whose page tables
-begin with the same pages (prefix dedup) are planned into groups on the host (`shared_prefix`),
+begin with the same pages (prefix dedup) are planned into groups on the host (`engine.cascade`),
 and each group's shared keys are read once for all its members (`cascade_path` decides and
 launches it), in eager forwards and in replayed CUDA graphs alike (`cascade_layout`,
 `plan_cascade`). Quantized pages keep the plain path.
@@ -60,7 +60,7 @@ class TritonPagedBackend:
 
     cascade_min_saved_keys, cascade_min_members, cascade_min_prefix_pages: when decode-only
         batches over unquantized pages use shared-prefix ("cascade") attention, as the fields
-        of `shared_prefix.CascadePolicy` (whose defaults these are, with the reasons);
+        of `engine.cascade.CascadePolicy` (whose defaults these are, with the reasons);
         ``cascade_min_saved_keys=None`` never cascades.
     cascade_rows: query rows (members x heads of a KV group) per shared-prefix program; each
         program reads its group's shared keys once for all of them.
