@@ -33,6 +33,7 @@ from dyngen_core.kv.attention.triton.cascade_kernels import (
     prefix_tiles_kernel,
     shared_prefix_kernel,
 )
+from dyngen_core.kv.attention.triton.decode import multiprocessors
 
 if TYPE_CHECKING:
     from dyngen_core.kv.attention.base import ForwardBatch
@@ -156,14 +157,6 @@ def split_count(keys: int, programs: int, target_programs: int, max_splits: int,
     wanted = round(target_programs / max(1, programs))
     by_length = max(1, -(-keys // max(1, min_keys_per_split)))
     return max(1, min(max_splits, wanted, by_length))
-
-
-def multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 4 for the Triton interpreter on the CPU (a few
-    splits still exercise the merges)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
 
 
 def _pow2_at_least_2(n: int) -> int:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.attention.triton.cascade import multiprocessors
 from dyngen_core.kv.attention.triton.key_loop import (
     attend_exact_rows,
     attend_keys,
@@ -73,6 +72,14 @@ PROGRAMS_PER_SM = 4
 # and over float pages store the step's rows in it (`merges_in_kernel`); larger ones run the
 # storage's write and a second merge launch.
 IN_KERNEL_MAX_SEQS = 4
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 4 for the Triton interpreter on the CPU (a few
+    splits still exercise the merges)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
 
 
 def decode_splits(programs: int, device: torch.device) -> int:
