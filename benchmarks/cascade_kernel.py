@@ -48,7 +48,7 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.attention.triton import cascade_path
-from dyngen_core.kv.attention.triton.page_operands import HeadShape, page_arguments, page_operands
+from dyngen_core.kv.attention.triton.operands import HeadShape, page_arguments, page_operands
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 from dyngen_core.kv.fp16.storage import FP16Storage
 

@@ -6,22 +6,15 @@ short. Each step is one decode of every sequence, replayed from its CUDA graph t
 runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
 
     python benchmarks/long_context.py [--layers 32] [--context 16384] [--batches 1,32]
-        [--quant-kernels 64x4,general]
+        [--modes fp16,q8,q4] [--profile BATCH] [--set MODULE.NAME=VALUE]
 
-``--quant-kernels``: the decode kernels the quantized modes are timed with, one line each:
-``NxW`` is `triton_quant`'s q8/q4 kernel at N keys per step and W warps (``NxWs``: its page
-and tail programs in two launches, as the backend's default; a trailing ``p``: with every
-`WordKernelFlags` code path off, the kernel as it was before them), ``general`` the general
-paged kernel; the first one listed enters the q4/fp16 ratio. Suffixes after ``NxW``: ``-w0``
-writes the step's rows in the storage's own launch (``-w1``, the default: in the decode
-kernel, `WordKernelFlags.write_step`), ``-mN`` merges the splits in the kernel with
-``merge_rows`` N (``-m0``: a second kernel), e.g. ``64x4s-w0-m256``.
+``--set``: run with a kernel constant patched (benchmarks/kernels/constants.py), e.g.
+``--set quant_decode.ONE_LAUNCH_MAX_SEQS=0``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from functools import partial
 from typing import Any
@@ -40,9 +33,10 @@ from _common import (
     weight_bytes,
 )
 
+from benchmarks.kernels import constants
 from dyngen_core import Cache
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
-from dyngen_core.kv.attention.base import AttentionBackend
+from dyngen_core.kv.attention import get_backend
 from dyngen_core.runtime.runner import ModelRunner
 
 MODES = ("fp16", "q8", "q4")
@@ -78,52 +72,18 @@ def decode_seconds(runner: ModelRunner, batch: int, context: int, pages_per_seq:
     return (time.perf_counter() - start) / steps
 
 
-def quant_backend(kernel: str, max_splits: int, tail_parts: int | None = None
-                  ) -> AttentionBackend:
-    """The Triton backend decoding q8/q4 pages with ``kernel`` ("NxW" or "general"), its
-    contexts split into at most ``max_splits`` parts, the word kernel's exact rows in
-    ``tail_parts`` programs (None: its default)."""
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
-    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
-
-    if kernel == "general":
-        return TritonPagedBackend(word_block_n=None, max_splits=max_splits)
-    kernel, *suffixes = kernel.split("-")
-    plain = kernel.endswith("p")
-    kernel = kernel.removesuffix("p")
-    block_n, warps = (int(part) for part in kernel.rstrip("s").split("x"))
-    flags = (WordKernelFlags(False, False, False, False, False, False) if plain
-             else WordKernelFlags())
-    flags = dataclasses.replace(flags, tail_parts=tail_parts)
-    for suffix in suffixes:  # -w0/-w1: write_step; -mN: merge in the kernel, N merge_rows
-        if suffix[:1] == "w":
-            flags = dataclasses.replace(flags, write_step=suffix == "w1")
-        elif suffix[:1] == "m":
-            flags = dataclasses.replace(flags, merge_in_kernel=int(suffix[1:]) > 0,
-                                        merge_rows=max(1, int(suffix[1:])))
-        else:
-            raise ValueError(f"unknown kernel suffix -{suffix} (use -w0, -w1 or -mN)")
-    return TritonPagedBackend(word_block_n=block_n, word_warps=warps,
-                              word_launches=2 if kernel.endswith("s") else 1, word_flags=flags,
-                              max_splits=max_splits)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_common_args(parser)
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--quant-kernels", default="64x4",
-                        help="comma-separated: NxW (q8/q4 word kernel) or general")
     parser.add_argument("--modes", default=",".join(MODES), help="cache modes to run")
-    parser.add_argument("--tail-parts", type=int, default=None,
-                        help="the q8/q4 kernel's exact-row programs (default: its own rule)")
-    parser.add_argument("--max-splits", type=int, default=32,
-                        help="most parts a decode's context is split into (every mode)")
     parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
                         help="print each mode's top kernels of a step at this batch size")
+    constants.add_argument(parser)
     args = parser.parse_args()
+    constants.apply(args.set)
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
     config = bench_config(args)
@@ -133,29 +93,25 @@ def main() -> None:
     report("long_context.setup", device=device_name(), layers=config["num_hidden_layers"],
            context=args.context, copy_GBps=bandwidth / 1e9, weight_GB=weights / 1e9)
     rates: dict[tuple[str, int], float] = {}
-    kernels = args.quant_kernels.split(",")
     for mode in args.modes.split(","):
         cache = Cache(model, max_tokens=max(batches) * args.context, mode=mode)
         fill_random(cache)
         pages_per_seq = args.context // cache.page_size
         kv_bytes = cache.nbytes() / cache.max_tokens
-        for kernel in kernels if mode != "fp16" else ["general"]:
-            backend = (quant_backend(kernel, args.max_splits, args.tail_parts)
-                       if mode != "fp16"
-                       else quant_backend("general", args.max_splits))
-            runner = ModelRunner(model, cache, backend, max_batch_size=max(batches))
-            for batch in batches:
-                seconds = decode_seconds(runner, batch, args.context, pages_per_seq, args.steps)
-                rates.setdefault((mode, batch), batch / seconds)
-                floor = (weights + batch * args.context * kv_bytes) / bandwidth
-                report("long_context.decode", mode=mode, kernel=kernel, batch=batch,
-                       step_ms=seconds * 1e3, tok_s=batch / seconds,
-                       roofline_fraction=floor / seconds, cache_GB=cache.nbytes() / 1e9)
-                if batch == args.profile:
-                    kernel_table(partial(decode_seconds, runner, batch, args.context,
-                                         pages_per_seq, 1), f"{mode} {kernel} batch {batch}")
-            del runner
-            free_memory()
+        runner = ModelRunner(model, cache, get_backend("triton", device),
+                             max_batch_size=max(batches))
+        for batch in batches:
+            seconds = decode_seconds(runner, batch, args.context, pages_per_seq, args.steps)
+            rates[(mode, batch)] = batch / seconds
+            floor = (weights + batch * args.context * kv_bytes) / bandwidth
+            report("long_context.decode", mode=mode, batch=batch, settings=args.set,
+                   step_ms=seconds * 1e3, tok_s=batch / seconds,
+                   roofline_fraction=floor / seconds, cache_GB=cache.nbytes() / 1e9)
+            if batch == args.profile:
+                kernel_table(partial(decode_seconds, runner, batch, args.context,
+                                     pages_per_seq, 1), f"{mode} batch {batch}")
+        del runner
+        free_memory()
         del cache
         free_memory()
     for batch in batches:

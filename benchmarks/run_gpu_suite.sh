@@ -2,7 +2,7 @@
 # The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
 # Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke kernels decode
 #        decode-compiled decode-fast long host load sampler throughput shared shared-fast
-#        kernels-shared profile breakdown idle gaps storage sweeps. Logs and JSON lines go to
+#        profile breakdown idle gaps storage. Logs and JSON lines go to
 #        $OUT (default ./bench_out). `tests` runs in 6 processes when pytest-xdist is
 #        importable (carry its wheel and execnet's in .whl/: ~300 s for ~400 tests in 2026-12).
 # Every phase runs under its own time limit so one hang cannot eat the whole run.
@@ -28,22 +28,21 @@ for phase in "$@"; do
       run 60 smoke.log $PY benchmarks/long_context.py --small --context 2048 --batches 1,4 --steps 3
       run 60 smoke.log $PY benchmarks/throughput.py --small --prompts 8 --engines dyngen
       run 90 smoke.log $PY benchmarks/shared_document.py --small --questions 4 --skip-off --no-hf ;;
-    kernels) run 120 bench.log $PY benchmarks/attention_kernels.py ;;
-    kernels-shared) run 120 bench.log $PY benchmarks/attention_kernels.py --shared ;;
+    kernels)  # the kernel microbenchmarks (benchmarks/kernels/), production defaults
+      run 110 kernels.log $PY benchmarks/kernels/skinny_matmul.py
+      run 100 kernels.log $PY benchmarks/kernels/fused_ops.py
+      run 60 kernels.log $PY benchmarks/kernels/fp16_write.py
+      run 150 kernels.log $PY benchmarks/kernels/quant_write.py
+      run 120 kernels.log $PY benchmarks/kernels/decode_attention.py
+      run 100 kernels.log $PY benchmarks/kernels/prefill_attention.py
+      run 100 kernels.log $PY benchmarks/kernels/quant_decode.py
+      run 100 kernels.log $PY benchmarks/cascade_kernel.py ;;
     shared-fast) run 200 bench.log $PY benchmarks/shared_document.py --skip-off --no-hf ;;
     decode) run 240 bench.log $PY benchmarks/decode_batch1.py ;;
     decode-compiled) run 240 bench.log $PY benchmarks/decode_batch1.py --no-hf ;;
     decode-fast) run 150 bench.log $PY benchmarks/decode_batch1.py --compiled-only ;;
     gaps) run 150 bench.log $PY benchmarks/step_gaps.py --new-tokens 128 --sync-debug ;;
-    sweeps)  # the kernel sweeps behind the Triton and skinny-matmul defaults
-      run 110 sweeps.log $PY benchmarks/skinny_matmul.py
-      run 90 sweeps.log $PY benchmarks/decode_attention.py
-      run 100 sweeps.log $PY benchmarks/cascade_kernel.py
-      run 100 sweeps.log $PY benchmarks/prefill_attention.py
-      run 90 sweeps.log $PY benchmarks/quant_decode.py
-      run 100 sweeps.log $PY benchmarks/fused_ops.py
-      run 150 sweeps.log $PY benchmarks/quant_write.py ;;
-    long) run 150 bench.log $PY benchmarks/long_context.py --quant-kernels 64x4s ;;
+    long) run 150 bench.log $PY benchmarks/long_context.py ;;
     host) run 90 bench.log $PY benchmarks/host_overhead.py ;;
     load) run 240 bench.log $PY benchmarks/load_time.py ;;
     sampler) run 240 bench.log $PY benchmarks/sampler.py --repeats 7 ;;

@@ -59,12 +59,9 @@ class Cache:
     page_size: slots per page (keyword only; default 256, which flash-attn's paged kernels
         need; smaller pages work with the sdpa backend).
     recent_window: quantized modes only (keyword): each running sequence's last positions kept
-        unquantized beside the pages. None (default): 16 for q6 and q4, 0 for q8. It cuts q4's
-        next-token KL on the demo model from 4.0e-2 to 1.0e-2 (BENCHMARKS.md, cache quality);
-        it costs 16 unquantized rows per running sequence and, at long contexts on a GPU, some
-        decode speed (H200, q4 at 16k context: 12.1 ms per step; 7.6 before the window
-        existed); 0 turns it off. The
-        first slot of every page is kept unquantized in every quantized mode.
+        unquantized beside the pages. None (default): 16 for q6 and q4, 0 for q8; 0 turns it
+        off. It costs 16 unquantized rows per running sequence and buys accuracy (BENCHMARKS.md,
+        section 8). The first slot of every page is kept unquantized in every quantized mode.
 
     Attributes: ``max_tokens`` (the rounded capacity), ``mode``, ``page_size``, ``num_pages``,
     ``config`` (the CacheConfig) and ``storage`` (the KVStorage).

@@ -1,19 +1,30 @@
-"""The decoder's element-wise ops (RMSNorm, the residual add in front of it, SiLU-and-mul) as
-one Triton kernel each, and the routing the layers call; the torch twins are the reference.
+"""The decoder's element-wise ops (RMSNorm, the residual add in front of it, SiLU-and-mul): one
+Triton kernel each, its torch twin, and the routing the layers call.
 
-Why: unfused, an RMSNorm is ~6 torch kernels with float32 intermediates and SiLU-and-mul 2, plus
-two residual adds per layer: for an 8,030-token Llama-3-8B prefill ~1 GB of traffic per norm,
-and ~15 small launches per layer in a decode step. The kernels read and write each tensor once
-(`fused_ops_kernel`), rounding where the torch ops round (only the order of the norm's sum of
-squares differs).
+Unfused, an RMSNorm is ~6 torch kernels with float32 intermediates and SiLU-and-mul 2, plus two
+residual adds per layer. The kernels read and write each tensor once, rounding where the torch
+ops round (float32 arithmetic on half inputs, one rounding per torch op), so only the order of
+the norm's sum of squares differs:
+
+- `rms_norm_kernel`: h = x + out rounded to the dtype (written when ``HAS_RESIDUAL``), then
+  normed = (h32 * rsqrt(mean(h32^2) + eps)) rounded to the dtype, then y = weight * normed
+  rounded. A program holds ``BLOCK_M`` whole rows in registers (one read, one write each).
+  Input rows are addressed as (row // inner) * stride_xo + (row % inner) * stride_xi, so a
+  3-D view [A, B, N] (per-head q/k of a fused projection) needs no copy; outputs are contiguous.
+- `silu_mul_kernel`: y = (silu(gate) rounded) * up rounded, gate and up the two halves of each
+  [2 * I] row; program (row, block) writes ``BLOCK`` columns of one row.
 
 `rms_norm`, `add_rms_norm` and `silu_mul` take ``fused``: the layer's resolved setting
 (`fused_ops_for`, from `Model.set_fused_ops`). With it, bf16/fp16 operands of supported shapes
 run the kernels; float32, other shapes, ``fused=False`` and code traced by ``torch.compile``
-run the torch twins. While compiling the torch ops are what inductor wants: it fuses them into
-kernels of the same traffic (and with their neighbours), which an opaque custom op would block.
-A launch allocates only its outputs and its grid depends on the shapes alone, so it is captured
-in CUDA graphs like any kernel.
+run the torch twins (inductor fuses the torch ops itself, which an opaque custom op would
+block). A launch allocates only its outputs and its grid depends on the shapes alone, so it is
+captured in CUDA graphs like any kernel; the norm's row count is not specialized on, so prefill
+chunks of every length share one compile.
+
+The launch shapes are module constants (`NORM_PROGRAM_ELEMENTS`, `NORM_WARP_ELEMENTS`,
+`SILU_BLOCK`, `SILU_WARPS`) that benchmarks/kernels/fused_ops.py patches (BENCHMARKS.md,
+section 1).
 """
 
 from __future__ import annotations
@@ -23,8 +34,9 @@ import torch.nn.functional as F
 
 from dyngen_core.ops.triton_support import (
     launch_device,
-    pdl_launch,
     require_triton,
+    tl,
+    triton,
     triton_by_default,
 )
 
@@ -34,13 +46,11 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_FUSED_OPS: bool | None = None
 # Rows longer than this stay on the torch path (a program holds whole rows in registers).
 MAX_NORM_DIM = 16384
-# Norm launch defaults: elements per program for short rows (several rows a program), and
-# elements per warp (8 warps for a 4096-wide row: 16 per thread, two 16-byte loads).
+# Norm launches: elements per program for short rows (several rows a program), and elements
+# per warp (8 warps for a 4096-wide row: 16 per thread, two 16-byte loads).
 NORM_PROGRAM_ELEMENTS = 2048
 NORM_WARP_ELEMENTS = 512
-# SiLU-and-mul launch defaults: columns per program and warps (4 bf16 per thread). 512 x 4
-# measured fastest on an H200 (benchmarks/fused_ops.py, 8030 x 14336: 168.6 us against 183.8
-# at 1024 x 4, floor 162.5; equal at 1 to 256 rows).
+# SiLU-and-mul launches: columns per program and warps (4 bf16 per thread).
 SILU_BLOCK = 512
 SILU_WARPS = 4
 
@@ -107,55 +117,41 @@ def silu_mul(gate_up: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
 
 
 def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None, *, block_m: int = 0,
-                    num_warps: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    residual: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(normed, h) of one `rms_norm_kernel` launch (operands as `rms_norm` / `add_rms_norm`
     route them, unchecked); h = x + residual, None without a residual. Outputs are new
-    contiguous tensors of x's shape.
-
-    block_m: rows per program (a power of two); 0 fills `NORM_PROGRAM_ELEMENTS` with rows.
-    num_warps: warps per program; 0 gives one per `NORM_WARP_ELEMENTS` elements (1 to 16).
-    """
-    from dyngen_core.ops.fused_ops_kernel import rms_norm_kernel
-
+    contiguous tensors of x's shape. Rows per program fill `NORM_PROGRAM_ELEMENTS`; one warp
+    per `NORM_WARP_ELEMENTS` elements (1 to 16)."""
     n = x.shape[-1]
     rows = x.numel() // n
     block_n = _next_pow2(n)
-    block_m = block_m or max(1, min(_next_pow2(rows), NORM_PROGRAM_ELEMENTS // block_n))
-    num_warps = num_warps or max(1, min(16, block_m * block_n // NORM_WARP_ELEMENTS))
+    block_m = max(1, min(_next_pow2(rows), NORM_PROGRAM_ELEMENTS // block_n))
+    num_warps = max(1, min(16, block_m * block_n // NORM_WARP_ELEMENTS))
     inner, stride_inner = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else None
-    pdl = pdl_launch(x.device)
     with launch_device(x.device):
         rms_norm_kernel[(-(-rows // block_m),)](
             x, y if residual is None else residual, weight, y if h is None else h, y,
             rows, n, inner, x.stride(0), stride_inner,
             0 if residual is None else residual.stride(0), eps,
             HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, GDC=pdl, launch_pdl=pdl,
+            num_warps=num_warps,
         )
     return y, h
 
 
-def launch_silu_mul(gate_up: torch.Tensor, *, block: int = 0,
-                    num_warps: int = 0) -> torch.Tensor:
+def launch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up [T, I] of one `silu_mul_kernel` launch over gate_up [T, 2 * I]
-    (contiguous along the last dimension, unchecked).
-
-    block: columns per program (a power of two); 0: `SILU_BLOCK`.
-    num_warps: warps per program; 0: `SILU_WARPS`.
-    """
-    from dyngen_core.ops.fused_ops_kernel import silu_mul_kernel
-
+    (contiguous along the last dimension, unchecked): `SILU_BLOCK` columns and `SILU_WARPS`
+    warps a program."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    block = block or SILU_BLOCK
     y = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    pdl = pdl_launch(gate_up.device)
     with launch_device(gate_up.device):
-        silu_mul_kernel[(rows, -(-inter // block))](
-            gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block,
-            num_warps=num_warps or SILU_WARPS, GDC=pdl, launch_pdl=pdl,
+        silu_mul_kernel[(rows, -(-inter // SILU_BLOCK))](
+            gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
+            num_warps=SILU_WARPS,
         )
     return y
 
@@ -169,3 +165,44 @@ def _norm_routable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+@triton.jit(do_not_specialize=["rows"])
+def rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, h_ptr, y_ptr,
+    rows, n, inner, stride_xo, stride_xi, stride_res, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program m normalizes rows [m * BLOCK_M, (m + 1) * BLOCK_M) (module docstring)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = (offs_m < rows)[:, None] & (offs_n < n)[None, :]
+    row = offs_m.to(tl.int64)
+    x_rows = (row // inner) * stride_xo + (row % inner) * stride_xi
+    x = tl.load(x_ptr + x_rows[:, None] + offs_n[None, :], mask=mask, other=0.0)
+    out_rows = row[:, None] * n + offs_n[None, :]
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row[:, None] * stride_res + offs_n[None, :], mask=mask,
+                      other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(h_ptr + out_rows, x, mask=mask)
+    x32 = x.to(tl.float32)
+    mean_square = tl.sum(x32 * x32, axis=1) / n
+    normed = (x32 * tl.math.rsqrt(mean_square + eps)[:, None]).to(y_ptr.dtype.element_ty)
+    weight = tl.load(w_ptr + offs_n, mask=offs_n < n, other=0.0)
+    y = normed.to(tl.float32) * weight.to(tl.float32)[None, :]
+    tl.store(y_ptr + out_rows, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
+    """Program (row, b) writes y[row, b * BLOCK : (b + 1) * BLOCK]."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    x_row = x_ptr + row * stride_x
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter + cols, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+    y = silu.to(tl.float32) * up.to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)

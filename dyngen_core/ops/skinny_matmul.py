@@ -1,10 +1,6 @@
 """The skinny matrix product: y = x @ W^T (+ bias) for x with few rows (decode steps), through
-a Triton kernel that streams W once at full memory bandwidth, and the routing the layers call
-instead of ``F.linear``.
-
-Why: at batch 1 a decode step is weight reads (15 GB for Llama-3-8B). cuBLAS reads the q/k/v
-and output projections at ~3.1 TB/s and adds split-K reduce kernels; the kernels of
-`skinny_matmul_kernel` read each weight once, with no second launch.
+Triton kernels that stream W once with 16-byte loads and no split-K reduce launch, its torch twin
+(``F.linear``), and the routing the layers call.
 
 `linear(x, weight, bias, skinny_rows=...)` is what the layers call: it takes the Triton path
 only for a 2-D CUDA x in bf16/fp16 (weight in the same dtype) with 1..skinny_rows rows;
@@ -12,10 +8,26 @@ everything else (CPU, float32, prefill) is ``F.linear`` unchanged. ``skinny_rows
 unless the model is told otherwise (`Model.set_skinny_matmul`, or the runner's and generator's
 ``skinny_matmul_rows``), and is resolved to 0 where triton cannot run (`skinny_rows_for`).
 
+The kernels read W [N, K] row-major, as ``F.linear`` takes it, once per launch (when the rows of
+x fit one row block), accumulate in float32 and write y [M, N] in x's dtype:
+
+- `skinny_reduce_kernel`: broadcast-multiply and sum over K, for 1 to 4 rows. Products
+  accumulate element-wise in a [BLOCK_M, BLOCK_N, BLOCK_K] register tile and are summed over K
+  once after the loop, so the loop body is loads and FMAs only; ``NUM_STAGES`` > 1 has Triton
+  pipeline the loop through shared memory.
+- `skinny_dot_kernel`: tensor-core products with the roles swapped (W's rows are the long side:
+  acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T), x padded to BLOCK_M = 16 rows.
+
+Out-of-range rows of W (the N tail) and of x are clamped to the last valid row instead of
+masked, so the K loop carries no row masks; their results are dropped by the masked store. A K
+tail is masked only when K is not a multiple of BLOCK_K (``EVEN_K`` false).
+
 Inside ``torch.compile`` the product is the custom op ``torch.ops.dyngen.skinny_linear`` (opaque
 to the compiler; its fake implementation gives the output's shape); eager calls launch directly,
 without the dispatcher's overhead. A launch allocates only its output and depends on the shapes
-alone, so it is captured in CUDA graphs like any kernel.
+alone, so it is captured in CUDA graphs like any kernel. Which shapes take which launch is the
+table `DEFAULT_CONFIGS` (benchmarks/kernels/skinny_matmul.py measures it; BENCHMARKS.md,
+section 1).
 """
 
 from __future__ import annotations
@@ -23,42 +35,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.ops.triton_support import launch_device, pdl_launch, triton_by_default
+from dyngen_core.ops.triton_support import launch_device, tl, triton, triton_by_default
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("reduce", "dot")
 # The reduce kernel handles up to this many rows in one row block (more rows re-read W).
 REDUCE_MAX_BLOCK_M = 4
+# Warps per program of every launch.
+SKINNY_WARPS = 4
 
 
 @dataclass(frozen=True)
 class SkinnyConfig:
     """One launch configuration.
 
-    kernel: "reduce" (broadcast-multiply and sum over K; best for 1 to 4 rows) or "dot"
-        (tensor-core products, x padded to 16 rows).
+    kernel: "reduce" (broadcast-multiply and sum over K; 1 to 4 rows) or "dot" (tensor-core
+        products, x padded to 16 rows).
     block_n: rows of W per program (a power of two; at least 16 for "dot").
     block_k: columns of K per loop step (a power of two; 8 bf16 per thread per load is 16 B).
-    num_warps: warps per program.
     num_stages: software-pipelining depth of the K loop (1: loads issued in the loop body).
-    block_m: rows of x per program; 0 picks the rows rounded up to a power of two (at most
-        `REDUCE_MAX_BLOCK_M`) for "reduce", 16 for "dot".
-    prefetch: ("reduce" only) load the next K tile into registers before multiplying this one,
-        instead of ``num_stages`` pipelining through shared memory.
     """
 
     kernel: str
     block_n: int
     block_k: int
-    num_warps: int = 4
     num_stages: int = 1
-    block_m: int = 0
-    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -67,14 +72,12 @@ class SkinnyConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SkinnyConfig.{name} must be a power of two; got {value}")
-        if self.kernel == "dot" and (self.block_n < 16 or self.block_k < 16 or self.prefetch):
-            raise ValueError("SkinnyConfig: the dot kernel needs block_n and block_k >= 16, "
-                             "and pipelines with num_stages (prefetch=False)")
+        if self.kernel == "dot" and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError("SkinnyConfig: the dot kernel needs block_n and block_k >= 16")
 
     def rows_per_program(self, rows: int) -> int:
-        """BLOCK_M for a product of ``rows`` rows."""
-        if self.block_m:
-            return self.block_m
+        """BLOCK_M for a product of ``rows`` rows: 16 for "dot", else the rows rounded up to a
+        power of two, at most `REDUCE_MAX_BLOCK_M`."""
         if self.kernel == "dot":
             return 16
         return min(_next_pow2(rows), REDUCE_MAX_BLOCK_M)
@@ -82,25 +85,21 @@ class SkinnyConfig:
 
 # Launch configuration per shape class (`shape_class`): rows "1", "2-4" or "5+" by weight
 # "narrow" (N and K <= 8192: q/k/v, output), "long_k" (N <= 8192 < K: down) or "wide"
-# (N > 8192: gate/up, lm_head). None: F.linear, where cuBLAS is as fast. Set from the sweep of
-# benchmarks/skinny_matmul.py on the H200, which prints this table.
+# (N > 8192: gate/up, lm_head). None: F.linear, where cuBLAS is as fast.
 DEFAULT_CONFIGS: Mapping[tuple[str, str], SkinnyConfig | None] = MappingProxyType({
-    # Measured by benchmarks/skinny_matmul.py on an H200 (2026-12-01; us per launch over the
-    # Llama-3-8B shapes of the class, weights rotated past L2, kernel vs F.linear).
-    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512),  # 884 vs 952
-    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),  # 986 vs 1028
-    ("1", "wide"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),  # 2103 vs 2110
-    ("2-4", "narrow"): None,  # 1994 vs 1902
-    ("2-4", "long_k"): None,  # 2203 vs 2071
-    ("2-4", "wide"): None,  # 4390 vs 4215
-    ("5+", "narrow"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=6),  # 1817 vs 1889
-    ("5+", "long_k"): None,  # 2182 vs 2117
-    ("5+", "wide"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=4),  # 4344 vs 4413
+    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512),
+    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
+    ("1", "wide"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
+    ("2-4", "narrow"): None,
+    ("2-4", "long_k"): None,
+    ("2-4", "wide"): None,
+    ("5+", "narrow"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=6),
+    ("5+", "long_k"): None,
+    ("5+", "wide"): SkinnyConfig("dot", block_n=64, block_k=128, num_stages=4),
 })
 
 # The row cut-off models start with on CUDA: one row (batch-1 decode) is where the kernel
-# beats cuBLAS across the layer set (3.95 vs 4.09 ms of products per step on the H200); at
-# 2-16 rows it saves at most 0.12 ms per step and loses on some shapes.
+# beats cuBLAS across the layer set; at 2-16 rows it loses on some shapes.
 DEFAULT_SKINNY_ROWS = 1
 
 
@@ -145,21 +144,20 @@ def _routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
-    """y = x @ weight^T (+ bias) through the Triton kernel, y [M, N] in x's dtype (through
-    ``F.linear`` when no config is given and `default_config` has none for the shape).
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) through the Triton kernel of `default_config`, y [M, N] in x's
+    dtype (``F.linear`` where the table has no kernel for the shape).
 
     x: [M, K], M >= 1, last dimension contiguous (rows may be strided).
     weight: [N, K], last dimension contiguous, same dtype as x.
     bias: [N] or None.
-    config: the launch configuration; None picks `default_config` for the shape.
 
     Raises ValueError for shapes or dtypes the kernel does not take.
     """
     _check_operands(x, weight, bias)
     rows, n = x.shape[0], weight.shape[0]
-    config = config or default_config(rows, n, x.shape[1])
+    config = default_config(rows, n, x.shape[1])
     if config is None:
         return F.linear(x, weight, bias)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
@@ -171,32 +169,21 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            out: torch.Tensor, config: SkinnyConfig) -> None:
     """Write x @ weight^T (+ bias) into ``out`` [M, N] (last dimension contiguous) with one
     kernel launch of ``config`` (operands as `skinny_linear` takes them, unchecked)."""
-    from dyngen_core.ops import skinny_matmul_kernel as kernels
-
-    rows, n = x.shape[0], weight.shape[0]
+    rows, k = x.shape
+    n = weight.shape[0]
     block_m = config.rows_per_program(rows)
-    kernel = (kernels.skinny_reduce_kernel if config.kernel == "reduce"
-              else kernels.skinny_dot_kernel)
+    kernel = skinny_reduce_kernel if config.kernel == "reduce" else skinny_dot_kernel
     grid = (-(-n // config.block_n), -(-rows // block_m))
     # Triton launches on the current device: a layer on another GPU needs its own.
     with launch_device(x.device):
-        _launch(kernel, grid, x, weight, bias, out, config, block_m)
-
-
-def _launch(kernel: Any, grid: tuple[int, int], x: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
-            block_m: int) -> None:
-    rows, k = x.shape
-    extra = {"PREFETCH": config.prefetch} if config.kernel == "reduce" else {}
-    pdl = pdl_launch(x.device)
-    kernel[grid](
-        x, weight, weight if bias is None else bias, out,
-        rows, weight.shape[0], k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
-        GDC=pdl, launch_pdl=pdl, **extra,
-    )
+        kernel[grid](
+            x, weight, weight if bias is None else bias, out,
+            rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
+            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            NUM_STAGES=config.num_stages, num_warps=SKINNY_WARPS,
+            num_stages=config.num_stages,
+        )
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -221,9 +208,9 @@ def _next_pow2(n: int) -> int:
 @torch.library.custom_op("dyngen::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """`skinny_linear` with the default configuration, as an op torch.compile does not trace.
-    The compiled graph chooses its buffers' layouts: x gets a copy in the rare case its rows
-    arrive strided along K (the routing checked the traced layout)."""
+    """`skinny_linear` as an op torch.compile does not trace. The compiled graph chooses its
+    buffers' layouts: x gets a copy in the rare case its rows arrive strided along K (the
+    routing checked the traced layout)."""
     return skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
 
 
@@ -231,3 +218,77 @@ def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor,
 def _skinny_linear_fake(x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@triton.jit(do_not_specialize=["M"])
+def skinny_reduce_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)
+    _store(out, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def skinny_dot_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N] through tl.dot
+    (BLOCK_M and BLOCK_N at least 16)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
+        acc = tl.dot(w, tl.trans(x), acc)
+    _store(tl.trans(acc), bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _load_tile(x_ptrs, w_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr):
+    """The x and W tiles at K offset ``k0`` (pointers already advanced there); columns past K
+    read as 0 unless K is a multiple of the block (``EVEN_K``)."""
+    if EVEN_K:
+        return tl.load(x_ptrs), tl.load(w_ptrs)
+    k_mask = (k0 + offs_k)[None, :] < K
+    return tl.load(x_ptrs, mask=k_mask, other=0.0), tl.load(w_ptrs, mask=k_mask, other=0.0)
+
+
+@triton.jit
+def _store(out, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """Add the bias (float32) to out [BLOCK_M, BLOCK_N] and store the in-range part."""
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0)
+        out += bias.to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & n_mask[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)

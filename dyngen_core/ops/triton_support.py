@@ -1,24 +1,56 @@
-"""Whether the optional Triton kernels (those with a torch twin: the fp16 KV write, the fused
-sampler draw) run on a device, decided in one place, the device context their launches run
-in, and whether a launch is a programmatic dependent launch (`pdl_launch`).
+"""Where the optional Triton kernels run, decided in one place: whether a kernel with a torch twin
+runs on a device (`triton_by_default`, `require_triton`), the device context its launches run in
+(`launch_device`), and the ``triton`` / ``tl`` names every kernel module imports from here.
 
 Triton is never required (CI has none): a kernel runs by default on CUDA when triton is
-installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use),
-when asked for explicitly.
+installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use), when
+asked for explicitly. Without triton the kernel modules still import: ``triton.jit`` then makes
+each kernel an object that raises when launched, which the routing above never does.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
-# "1" turns programmatic dependent launches on (sm_90+); unset or anything else leaves them
-# off. Off by default: on the H200 they measured no faster end to end (BENCHMARKS.md: batch-1
-# decode step 4.297 ms off, 4.376 on, same run; 16k q4 step 5.293 off, 5.351 on).
-PDL_ENV = "DYNGEN_PDL"
+
+class _NoTritonKernel:
+    """A kernel defined where triton is not installed: launching it raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        raise RuntimeError(f"the Triton kernel {self.name} cannot launch: triton is not "
+                           "installed (its torch twin runs instead; install triton to use it)")
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        self[None]()
+
+
+class _NoTriton:
+    """Stands in for ``triton`` and ``triton.language`` where triton is not installed, so the
+    kernel modules import (the kernels are then `_NoTritonKernel`s)."""
+
+    def jit(self, fn: Callable[..., Any] | None = None, **options: object) -> Any:
+        if fn is None:
+            return self.jit
+        return _NoTritonKernel(fn.__name__)
+
+    def constexpr(self, value: object = None) -> object:
+        return value
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = _NoTriton()
 
 
 def triton_by_default(device: torch.device) -> bool:
@@ -47,11 +79,4 @@ def launch_device(device: torch.device) -> AbstractContextManager[object]:
     return nullcontext()
 
 
-def pdl_launch(device: torch.device) -> bool:
-    """Whether a Triton launch on ``device`` is a programmatic dependent launch (the kernel
-    then starts with `triton_pdl.pdl_start`; pass the result as its ``GDC`` and as
-    ``launch_pdl``): when the ``DYNGEN_PDL`` environment variable is "1", on CUDA devices
-    of compute capability 9.0 or above (`PDL_ENV` says why it is off by default)."""
-    if device.type != "cuda" or os.environ.get(PDL_ENV) != "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+__all__ = ["launch_device", "require_triton", "tl", "triton", "triton_by_default"]

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
+
+# `decode_geometry`'s keywords and the constants of `attention.triton.decode` they set.
+DECODE_GEOMETRY = {"block_n": "BLOCK_N", "max_splits": "MAX_SPLITS",
+                   "programs_per_sm": "PROGRAMS_PER_SM"}
 
 
 def interpreter_mode() -> bool:
@@ -54,3 +59,27 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture(autouse=True)
+def _restore_decode_geometry() -> Iterator[None]:
+    """Every test starts and ends with the decode kernel's own geometry (`decode_geometry`)."""
+    if importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from dyngen_core.kv.attention.triton import decode
+
+    saved = {name: getattr(decode, name) for name in DECODE_GEOMETRY.values()}
+    yield
+    for name, value in saved.items():
+        setattr(decode, name, value)
+
+
+def decode_geometry(**values: int) -> None:
+    """Set the decode kernel's tile and split constants for the running test (`block_n`,
+    `max_splits`, `programs_per_sm` as `DECODE_GEOMETRY` names them); the autouse fixture
+    puts them back after it. For helpers that have no ``monkeypatch``."""
+    from dyngen_core.kv.attention.triton import decode
+
+    for key, value in values.items():
+        setattr(decode, DECODE_GEOMETRY[key], value)

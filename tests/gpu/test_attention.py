@@ -129,18 +129,23 @@ def test_triton_head_layouts(device: torch.device, heads: tuple[int, int, int]) 
     assert _relative_error(out, ref) < _tolerance(shapes["dtype"])  # type: ignore[arg-type]
 
 
-def test_triton_splits_many_ways_agree(device: torch.device) -> None:
+def test_triton_splits_many_ways_agree(device: torch.device,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The split-K merge: one split and many splits give the same decode output."""
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+    backend = _triton_backend()
+    from dyngen_core.kv.attention.triton import decode
 
     shapes = _shapes(device)
     lens = [(1, 3 * shapes["page_size"] + 5), (1, 2)]  # type: ignore[operator]
     kwargs = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
               "page_size": shapes["page_size"], "dtype": shapes["dtype"]}
-    one, ref = _run_case(TritonPagedBackend(max_splits=1), device, "q4", lens,
-                         **kwargs)  # type: ignore[arg-type]
-    many, _ = _run_case(TritonPagedBackend(max_splits=8, programs_per_sm=64, block_n=16),
-                        device, "q4", lens, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(decode, "MAX_SPLITS", 1)
+    one, ref = _run_case(backend, device, "q4", lens, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(decode, "MAX_SPLITS", 8)
+    monkeypatch.setattr(decode, "PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(decode, "BLOCK_N", 16)
+    many, _ = _run_case(_triton_backend(), device, "q4", lens,
+                        **kwargs)  # type: ignore[arg-type]
     assert _relative_error(one, ref) < _tolerance(shapes["dtype"])  # type: ignore[arg-type]
     assert _relative_error(many, one) < 1e-2
 
@@ -158,19 +163,21 @@ def test_flash_matches_sdpa(cuda_device: torch.device, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_triton_page_window_matches_sdpa(device: torch.device, mode: str) -> None:
-    """Decodes whose key loop loads page ids ahead of its tiles (`DecodeOptions`), every
-    storage mode through the general kernel (``word_block_n=None``), several splits."""
-    pytest.importorskip("triton")
-    from dyngen_core.kv.attention.triton.decode_options import DecodeOptions
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+def test_triton_paged_decode_matches_sdpa(device: torch.device,
+                                         monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Decodes through the paged kernel in every storage mode (q8/q4 too, routed away from
+    their word kernel, as pages the word block does not divide are), several splits; over
+    float pages the key loop loads page ids 2 pages ahead of its tiles."""
+    backend = _triton_backend()
+    from dyngen_core.kv.attention.triton import decode, paged
 
     shapes = _shapes(device)
     page = int(shapes["page_size"])  # type: ignore[call-overload]
-    backend = TritonPagedBackend(block_n=min(64, page), word_block_n=None, max_splits=3,
-                                 programs_per_sm=4096,
-                                 decode_options=DecodeOptions(page_window=2,
-                                                              quant_page_window=2))
+    monkeypatch.setattr(paged, "word_decode_fits", lambda *args: False)
+    monkeypatch.setattr(decode, "BLOCK_N", min(64, page))
+    monkeypatch.setattr(decode, "MAX_SPLITS", 3)
+    monkeypatch.setattr(decode, "PROGRAMS_PER_SM", 4096)
+    monkeypatch.setattr(decode, "PAGE_WINDOW", 2)
     lens = [(1, ctx) for _, ctx in shapes["lens"]]  # type: ignore[attr-defined]
     out, ref = _run_case(backend, device, mode, lens, num_heads=8, num_kv_heads=2, head_dim=64,
                          page_size=page, dtype=shapes["dtype"])  # type: ignore[arg-type]

@@ -42,11 +42,14 @@ class Layout:
 
 
 def _backend(cascade: bool, **options: int) -> TritonPagedBackend:
-    """The Triton backend with or without the cascade (``options``: its own arguments)."""
+    """The Triton backend with or without the cascade (``options``: the decode geometry,
+    `conftest.DECODE_GEOMETRY`, patched for the test)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+    from tests.gpu.conftest import DECODE_GEOMETRY, decode_geometry
 
+    decode_geometry(**{key: options.pop(key) for key in DECODE_GEOMETRY if key in options})
     return TritonPagedBackend(cascade_min_saved_keys=0 if cascade else None, **options)
 
 

@@ -1,14 +1,16 @@
-"""Decode attention whose splits are merged inside the attention kernel (``merge_in_kernel``,
-`triton_decode_merge`) against an sdpa reference over the same pages: split counts from 2 to
-more splits than key blocks, contexts from one token to several pages, half precision, the
-quantized kernel with its recent window, the counters back at zero after every call, and (CUDA)
-one captured graph replayed with new context lengths. Runs on CUDA, or on the CPU under
-TRITON_INTERPRET=1 (small shapes)."""
+"""Decode attention whose splits are merged inside the attention kernel (small decode batches,
+`decode.merges_in_kernel`, `merge.count_in_and_merge`) against an sdpa reference over the same
+pages and the second-launch merge: split counts from 2 to more splits than key blocks, contexts
+from one token to several pages, half precision, the paged kernel over quantized pages with
+their recent window, the counters back at zero after every call, and (CUDA) one captured graph
+replayed with new context lengths. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (small
+shapes)."""
 
 from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +26,8 @@ pytestmark = pytest.mark.gpu
 
 HEADS, KV_HEADS = 8, 2
 
-# Merge and write in the kernel at every batch size these tests use (the backend's default
-# stops at small batches).
+# Merge and write in the kernel at every batch size these tests use (the backend's rule stops
+# at small batches).
 ANY_BATCH = 1 << 20
 
 
@@ -85,13 +87,24 @@ def _reference(q: torch.Tensor, storage: FP16Storage, contexts: list[int],
     return torch.stack(outs)
 
 
-def _backend(splits: int, block_n: int, merge: bool = True,  # type: ignore[no-untyped-def]
-             write: bool = True):
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
+def _backend(monkeypatch: pytest.MonkeyPatch, splits: int, block_n: int,
+             in_kernel_seqs: int = ANY_BATCH) -> Any:
+    """A backend without cascades whose decodes split ``splits`` ways over ``block_n``-key
+    tiles and merge (and write) in the kernel up to ``in_kernel_seqs`` sequences."""
+    from dyngen_core.kv.attention.triton import decode  # needs triton
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 
-    return TritonPagedBackend(block_n=block_n, max_splits=splits, programs_per_sm=4096,
-                              merge_in_kernel=merge, write_in_kernel=write,
-                              cascade_min_saved_keys=None, in_kernel_max_seqs=ANY_BATCH)
+    monkeypatch.setattr(decode, "BLOCK_N", block_n)
+    monkeypatch.setattr(decode, "MAX_SPLITS", splits)
+    monkeypatch.setattr(decode, "PROGRAMS_PER_SM", 4096)
+    monkeypatch.setattr(decode, "IN_KERNEL_MAX_SEQS", in_kernel_seqs)
+    return TritonPagedBackend(cascade_min_saved_keys=None)
+
+
+def _splits(batch: ForwardBatch, device: torch.device) -> int:
+    from dyngen_core.kv.attention.triton.decode import decode_splits
+
+    return decode_splits(batch.num_seqs * KV_HEADS, device)
 
 
 def _case(device: torch.device, dtype: torch.dtype | None = None, seed: int = 0
@@ -113,7 +126,8 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("splits", [2, 5, 12, 32])
-def test_merge_matches_reference(device: torch.device, splits: int) -> None:
+def test_merge_matches_reference(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                 splits: int) -> None:
     """Exact dots (float32 on the CPU): the in-kernel merge agrees with sdpa and with the
     two-launch merge, also with more splits than a context has key blocks (12 on the CPU's
     at most 5 blocks; 32 on CUDA)."""
@@ -123,22 +137,24 @@ def test_merge_matches_reference(device: torch.device, splits: int) -> None:
     block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]
     scale = q.shape[2] ** -0.5
     ref = _reference(q, storage, contexts, tables, scale)
-    backend = _backend(splits, block_n)
-    assert backend._decode_splits(batch.num_seqs * KV_HEADS, q.device) == splits
+    backend = _backend(monkeypatch, splits, block_n)
+    assert _splits(batch, q.device) == splits
     merged = backend.attend_cached(0, q, storage, batch, scale)
-    two_launch = _backend(splits, block_n, merge=False).attend_cached(0, q, storage, batch,
-                                                                       scale)
+    assert backend.split_counters.held(q.device), "the merge took no counters"
+    two_launch = _backend(monkeypatch, splits, block_n, in_kernel_seqs=0).attend_cached(
+        0, q, storage, batch, scale)
     limit = 2e-5 if q.dtype == torch.float32 else 2e-2
     assert _relative_error(merged, ref) < limit
     assert _relative_error(merged, two_launch.float()) < limit
 
 
-def test_counters_zero_after_every_call(device: torch.device) -> None:
+def test_counters_zero_after_every_call(device: torch.device,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Every call leaves the counters at zero, so a second call (a graph replay's case) merges
     again: a counter left behind would leave outputs unwritten."""
     storage, batch, q, contexts, tables = _case(device)
     block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]
-    backend = _backend(4, block_n)
+    backend = _backend(monkeypatch, 4, block_n)
     scale = q.shape[2] ** -0.5
     first = backend.attend_cached(0, q, storage, batch, scale)
     held = backend.split_counters.held(q.device)
@@ -149,25 +165,25 @@ def test_counters_zero_after_every_call(device: torch.device) -> None:
     assert int(held[0].abs().sum()) == 0
 
 
-def test_half_precision(device: torch.device) -> None:
+def test_half_precision(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """float16 pages and queries (tf32/half dots) against the float32 reference."""
     storage, batch, q, contexts, tables = _case(device, torch.float16)
     block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]
     scale = q.shape[2] ** -0.5
-    out = _backend(8, block_n).attend_cached(0, q, storage, batch, scale)
+    out = _backend(monkeypatch, 8, block_n).attend_cached(0, q, storage, batch, scale)
     assert _relative_error(out, _reference(q, storage, contexts, tables, scale)) < 2e-2
 
 
 @pytest.mark.parametrize("mode", ["q8", "q4"])
-def test_quantized_pages_with_window(device: torch.device, mode: str) -> None:
-    """The general kernel over quantized pages with a recent window (its exact rows are read
+def test_quantized_pages_with_window(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                     mode: str) -> None:
+    """The paged kernel over quantized pages with a recent window (its exact rows are read
     by the last split, which the merge always reads) agrees with the sdpa backend."""
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+    from dyngen_core.kv.attention.triton import paged
     from tests.gpu.test_quant_decode_triton import WINDOW, _outputs
 
-    backend = TritonPagedBackend(block_n=16, word_block_n=None, max_splits=4,
-                                 programs_per_sm=4096, merge_in_kernel=True,
-                                 in_kernel_max_seqs=ANY_BATCH)
+    monkeypatch.setattr(paged, "word_decode_fits", lambda *args: False)
+    backend = _backend(monkeypatch, 4, 16)
     out, ref = _outputs(mode, WINDOW, 32, torch.float32, device, backend)
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
     assert all(int(c.abs().sum()) == 0 for c in backend.split_counters.held(device))
@@ -175,7 +191,7 @@ def test_quantized_pages_with_window(device: torch.device, mode: str) -> None:
 
 def test_counters_grow_and_keep_older_buffers(device: torch.device) -> None:
     """A larger batch gets a larger buffer; earlier ones stay alive (graphs hold them)."""
-    from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
+    from dyngen_core.kv.attention.triton.merge import SplitCounters
 
     counters = SplitCounters()
     small = counters.for_launch(device, 3)
@@ -186,7 +202,8 @@ def test_counters_grow_and_keep_older_buffers(device: torch.device) -> None:
     assert counters.for_launch(device, 2) is large
 
 
-def test_graph_replays_with_new_context_lengths(cuda_device: torch.device) -> None:
+def test_graph_replays_with_new_context_lengths(cuda_device: torch.device,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """One capture (after an eager warm-up, as the runner does) replayed twice with other
     context lengths and page tables: each replay matches the reference."""
     if interpreter_mode():
@@ -199,7 +216,7 @@ def test_graph_replays_with_new_context_lengths(cuda_device: torch.device) -> No
     static_tables = _tables([width * page] * 3, page, num_pages, seed=5)
     batch = _decode_batch([width * page] * 3, static_tables, page, cuda_device)
     q = torch.randn(3, HEADS, head_dim, device=cuda_device).to(dtype)
-    backend = _backend(32, 64)
+    backend = _backend(monkeypatch, 32, 64)
     scale = head_dim ** -0.5
     backend.attend_cached(0, q, storage, batch, scale)  # warm-up: compiles, allocates counters
     torch.cuda.synchronize()
@@ -218,17 +235,14 @@ def test_graph_replays_with_new_context_lengths(cuda_device: torch.device) -> No
         assert int(backend.split_counters.held(cuda_device)[0].abs().sum()) == 0
 
 
-def test_larger_batches_keep_two_launches(device: torch.device) -> None:
-    """Above ``in_kernel_max_seqs`` sequences a decode merges in a second launch (no counters
-    are taken) and gives the same attention."""
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
-
+def test_larger_batches_keep_two_launches(device: torch.device,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above `decode.IN_KERNEL_MAX_SEQS` sequences a decode merges in a second launch (no
+    counters are taken) and gives the same attention."""
     storage, batch, q, contexts, tables = _case(device)
     block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]
     scale = q.shape[2] ** -0.5
-    backend = TritonPagedBackend(block_n=block_n, max_splits=4, programs_per_sm=4096,
-                                 cascade_min_saved_keys=None,
-                                 in_kernel_max_seqs=batch.num_seqs - 1)
+    backend = _backend(monkeypatch, 4, block_n, in_kernel_seqs=batch.num_seqs - 1)
     out = backend.attend_cached(0, q, storage, batch, scale)
     assert backend.split_counters.held(q.device) == []
     ref = _reference(q, storage, contexts, tables, scale)

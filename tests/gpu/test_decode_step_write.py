@@ -1,9 +1,9 @@
-"""The decode step's key/value write inside the attention kernel (``write_in_kernel``,
-`triton_step_write`): the pages afterwards hold exactly what the storage's own write stores,
-and the output matches the sdpa reference over those pages, for one split and several (more
-than key blocks), with the split merge in the kernel or not, from strided key/value views (a
-fused projection's), and (CUDA) through a captured graph replayed with new lengths and slots.
-Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (small shapes)."""
+"""The decode step's key/value write inside the attention kernel (small decode batches over
+float pages, `decode.StepWrite`): the pages afterwards hold exactly what the storage's own
+write stores, and the output matches the sdpa reference over those pages, for one split and
+several (more than key blocks, merged in the kernel), from strided key/value views (a fused
+projection's), and (CUDA) through a captured graph replayed with new lengths and slots. Runs on
+CUDA, or on the CPU under TRITON_INTERPRET=1 (small shapes)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def _step_rows(tokens: int, head_dim: int, dtype: torch.dtype, device: torch.dev
 
 
 @pytest.mark.parametrize("splits", [1, 3, 12])
-@pytest.mark.parametrize("merge", [False, True])
-def test_kernel_write_matches_storage_write(device: torch.device, splits: int,
-                                            merge: bool) -> None:
+def test_kernel_write_matches_storage_write(device: torch.device,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            splits: int) -> None:
     storage, batch, q, contexts, tables = _case(device)
     expected, _, _, _, _ = _case(device)
     k, v = _step_rows(len(contexts), q.shape[2], q.dtype, device)
@@ -47,14 +47,15 @@ def test_kernel_write_matches_storage_write(device: torch.device, splits: int,
     assert not torch.equal(storage.keys[0], expected.keys[0])  # the write changes the pages
     block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]
     scale = q.shape[2] ** -0.5
-    out = _backend(splits, block_n, merge).attend(0, q, k, v, storage, batch, scale)
+    out = _backend(monkeypatch, splits, block_n).attend(0, q, k, v, storage, batch, scale)
     assert torch.equal(storage.keys[0], expected.keys[0])
     assert torch.equal(storage.values[0], expected.values[0])
     limit = 2e-5 if q.dtype == torch.float32 else 2e-2
     assert _relative_error(out, _reference(q, expected, contexts, tables, scale)) < limit
 
 
-def test_prefill_batches_still_write_through_storage(device: torch.device) -> None:
+def test_prefill_batches_still_write_through_storage(device: torch.device,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch that is not decode-only keeps the storage's write (before attention)."""
     from dyngen_core.engine.plan import SequenceSlice, StepPlan
     from dyngen_core.kv.attention.base import build_forward_batch
@@ -69,13 +70,14 @@ def test_prefill_batches_still_write_through_storage(device: torch.device) -> No
     k, v = _step_rows(3, storage.keys[0].shape[3], dtype, device)
     q = torch.randn(3, HEADS, storage.keys[0].shape[3]).to(device, dtype)
     expected.write(0, k, v, batch.slot_mapping)
-    _backend(2, int(_shape(device)["block_n"]), True).attend(  # type: ignore[call-overload]
-        0, q, k, v, storage, batch, q.shape[2] ** -0.5)
+    block_n = int(_shape(device)["block_n"])  # type: ignore[call-overload]
+    _backend(monkeypatch, 2, block_n).attend(0, q, k, v, storage, batch, q.shape[2] ** -0.5)
     assert torch.equal(storage.keys[0], expected.keys[0])
     assert torch.equal(storage.values[0], expected.values[0])
 
 
-def test_graph_replays_write_and_attend(cuda_device: torch.device) -> None:
+def test_graph_replays_write_and_attend(cuda_device: torch.device,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """One capture of attend (write in the kernel, merge in the kernel), replayed with other
     lengths, page tables and slots: the rows land at the new slots, the output matches."""
     if interpreter_mode():
@@ -89,7 +91,7 @@ def test_graph_replays_write_and_attend(cuda_device: torch.device) -> None:
                           page, cuda_device)
     q = torch.randn(3, HEADS, head_dim, device=cuda_device).to(dtype)
     k, v = _step_rows(3, head_dim, dtype, cuda_device)
-    backend = _backend(32, 64, True)
+    backend = _backend(monkeypatch, 32, 64)
     scale = head_dim ** -0.5
     backend.attend(0, q, k, v, storage, batch, scale)  # warm-up: compiles, allocates counters
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 """A decode-only step's recent-window write folded into the quantized storage's page write
-(`QuantStorage(fold_decode_window=True)`, `write(..., decode_window=...)`: one Triton launch,
-`quant_write_kernel` with WINDOW > 0) against the two launches it replaces (`write`, then
-`write_recent`: `window_write_kernel`).
+(`write(..., decode_window=...)`: one Triton launch, `quant_write_kernel` with WINDOW > 0)
+against the two launches of a write without the decode window (`write`, then `write_recent`:
+`window_write_kernel`).
 
 Storage level: every tensor starts with the same poison in both storages, and several decode
 steps (sequence slots with and without a window, one out of range, a padded duplicate row as
@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from dyngen_core.config import ModelConfig  # noqa: E402
 from dyngen_core.kv.quant import storage as quant  # noqa: E402
 from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
+from tests.model.test_decode_window_fold_cpu import UnfoldedStorage  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -38,9 +39,9 @@ def _storage(fold: bool, device: torch.device, seed: int = 0) -> QuantStorage:
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=HEADS * DIM, intermediate_size=64, num_layers=LAYERS,
                          num_heads=HEADS, num_kv_heads=HEADS, head_dim=DIM)
-    storage = QuantStorage(config, PAGES, PAGE, torch.bfloat16, [device] * LAYERS, "q4",
-                           use_native=False, recent_window=WINDOW, triton_write=True,
-                           fold_decode_window=fold)
+    kind = QuantStorage if fold else UnfoldedStorage
+    storage = kind(config, PAGES, PAGE, torch.bfloat16, [device] * LAYERS, "q4",
+                   recent_window=WINDOW, triton_write=True)
     gen = torch.Generator().manual_seed(seed)
     storage.set_key_offsets([torch.randn(HEADS, DIM, generator=gen) for _ in range(LAYERS)])
     storage.reserve_sequences(SEQS)
@@ -100,12 +101,9 @@ def _write(storage: QuantStorage, rows: dict[str, torch.Tensor]) -> None:
         storage.write_recent(layer, key, value, rows["positions"], rows["seq_slots"])
 
 
-@pytest.mark.parametrize("head_block", [2, 1])
-def test_fold_matches_two_launches(device: torch.device, monkeypatch: pytest.MonkeyPatch,
-                                   head_block: int) -> None:
-    """With one program per KV head (each stores its heads' window rows) and per token."""
+def test_fold_matches_two_launches(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One program per token and KV head, each storing its head's window rows."""
     folded, plain = _storage(True, device), _storage(False, device)
-    folded.write_head_block = head_block
     _assert_same(folded, plain)
     launches = []
     original = quant.write_window_triton
@@ -131,17 +129,17 @@ def test_fold_matches_two_launches(device: torch.device, monkeypatch: pytest.Mon
 
 
 def test_fold_writes_the_window_before_attention(device: torch.device) -> None:
-    """`write` alone stores the window (what lets attention run after it); without the fold,
-    or without ``decode_window``, it leaves the window to `write_recent`."""
+    """`write` alone stores the window (what lets attention run after it); without
+    ``decode_window`` it leaves the window to `write_recent`."""
     rows = _step(0, device)
-    for fold, window in ((True, True), (False, True), (True, False)):
-        storage = _storage(fold, device)
+    for window in (True, False):
+        storage = _storage(True, device)
         assert storage.recent is not None
         before = storage.recent.layers[0].positions.clone()
         given = (rows["positions"], rows["seq_slots"]) if window else None
         storage.write(0, rows["key"], rows["value"], rows["slots"], decode_window=given)
         after = storage.recent.layers[0].positions
-        if fold and window:
+        if window:
             assert after[0 * WINDOW + 9 % WINDOW] == 9
             assert after[2 * WINDOW + 3 % WINDOW] == 3
             assert after[1 * WINDOW + 30 % WINDOW] == 30
@@ -166,21 +164,21 @@ def test_write_recent_of_other_tensors_still_writes(device: torch.device) -> Non
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "sdpa"])
-def test_attend_same_with_and_without_fold(device: torch.device, backend_name: str) -> None:
+def test_attend_same_with_and_without_fold(device: torch.device,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           backend_name: str) -> None:
     from dyngen_core.kv.attention.sdpa import SdpaBackend
     from tests.gpu.test_recent_window_triton import DIM as ATT_DIM
     from tests.gpu.test_recent_window_triton import HEADS as ATT_HEADS
-    from tests.gpu.test_recent_window_triton import _setup
+    from tests.gpu.test_recent_window_triton import _setup, triton_backend
 
     outputs, storages = [], []
     for fold in (False, True):
-        storage, batch, k, v = _setup("decodes", "q4", device, True)
-        storage.fold_decode_window = fold
+        storage, batch, k, v = _setup("decodes", "q4", device, True,
+                                      QuantStorage if fold else UnfoldedStorage)
         assert batch.decode_window is not None
         if backend_name == "triton":
-            from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
-
-            backend: object = TritonPagedBackend(max_splits=3, block_n=16)
+            backend: object = triton_backend(monkeypatch)
         else:
             backend = SdpaBackend()
         q = torch.randn(batch.num_tokens, ATT_HEADS, ATT_DIM,

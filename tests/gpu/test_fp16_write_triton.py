@@ -1,4 +1,4 @@
-"""The one-launch Triton write of the unquantized storage (`storage.fp16_write`) stores exactly
+"""The one-launch Triton write of the unquantized storage (`fp16.storage`) stores exactly
 what the torch write (two ``index_copy_``) stores: any token count, head shapes that are not
 powers of two, dtype conversion, value rows strided as the fused qkv projection leaves them,
 int32 slots, repeated slots (CUDA-graph padding rows), and slots outside the cache (written

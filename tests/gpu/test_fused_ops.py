@@ -1,6 +1,7 @@
-"""The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`models.fused_ops`) against their
+"""The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`ops.fused_ops`) against their
 torch twins: bf16 and fp16, hidden sizes 96 and 4096, 1 and 37 rows, with and without the
-residual, strided 3-D rows (per-head q/k of a fused projection), launch variants; the routing
+residual, strided 3-D rows (per-head q/k of a fused projection), other launch shapes (the module
+constants patched); the routing
 (which calls take the kernels, that torch.compile traces the torch ops), the option through
 `Model.set_fused_ops` and the runner, a whole model with and without the kernels, and on CUDA a
 replayed CUDA graph. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1."""
@@ -82,14 +83,19 @@ def test_rms_norm_matches_torch(device: torch.device, dtype: torch.dtype, n: int
     _assert_rounds_like(y, fo.rms_norm_torch(x + out, weight, EPS))
 
 
-@pytest.mark.parametrize(("block_m", "num_warps"), [(1, 1), (4, 2), (16, 4), (64, 8)])
-def test_rms_norm_launch_variants(device: torch.device, block_m: int, num_warps: int) -> None:
+# (NORM_PROGRAM_ELEMENTS, NORM_WARP_ELEMENTS) giving 96-wide rows (128 padded) block_m rows
+# and warps of 1 and 1, 4 and 2, 16 and 4, 64 and 8.
+@pytest.mark.parametrize(("program_elements", "warp_elements"),
+                         [(128, 128), (512, 256), (2048, 512), (8192, 1024)])
+def test_rms_norm_launch_shapes(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                program_elements: int, warp_elements: int) -> None:
     """Several rows per program, rows not a multiple of it (the last program's row mask)."""
+    monkeypatch.setattr(fo, "NORM_PROGRAM_ELEMENTS", program_elements)
+    monkeypatch.setattr(fo, "NORM_WARP_ELEMENTS", warp_elements)
     x = _randn(37, 96, dtype=torch.bfloat16, device=device, seed=3)
     out = _randn(37, 96, dtype=torch.bfloat16, device=device, seed=4)
     weight = _randn(96, dtype=torch.bfloat16, device=device, seed=5, scale=0.2, shift=1.0)
-    y, h = fo.launch_rms_norm(x, weight, EPS, residual=out, block_m=block_m,
-                              num_warps=num_warps)
+    y, h = fo.launch_rms_norm(x, weight, EPS, residual=out)
     assert h is not None
     _assert_rounds_like(h, x + out)
     _assert_rounds_like(y, fo.rms_norm_torch(x + out, weight, EPS))
@@ -121,12 +127,15 @@ def test_silu_mul_matches_torch(device: torch.device, dtype: torch.dtype, inter:
 
 
 @pytest.mark.parametrize(("block", "num_warps"), [(64, 1), (128, 4), (1024, 8)])
-def test_silu_mul_launch_variants_and_strided_rows(device: torch.device, block: int,
-                                                   num_warps: int) -> None:
+def test_silu_mul_launch_shapes_and_strided_rows(device: torch.device,
+                                                 monkeypatch: pytest.MonkeyPatch, block: int,
+                                                 num_warps: int) -> None:
     """Column tails (96 is no multiple of 64 or 128) and rows strided past 2 * I."""
+    monkeypatch.setattr(fo, "SILU_BLOCK", block)
+    monkeypatch.setattr(fo, "SILU_WARPS", num_warps)
     wide = _randn(5, 2 * 96 + 10, dtype=torch.float16, device=device, seed=8, scale=3.0)
     gate_up = wide[:, 3:3 + 2 * 96]
-    y = fo.launch_silu_mul(gate_up, block=block, num_warps=num_warps)
+    y = fo.launch_silu_mul(gate_up)
     _assert_rounds_like(y, fo.silu_mul_torch(gate_up))
 
 

@@ -1,15 +1,17 @@
-"""The tiled prefill kernel (`triton_prefill`) against the sdpa reference over the same pages:
-mixed batches of several sequences whose chunks start at nonzero positions over cached
-context (and from position 0), query lengths 1..300 (so tiles straddle the causal diagonal,
-key blocks and pages), GQA groups 1/3/4/8, head_dim 64/128 (and 96, padded), bf16, fp16 and
-float32, several tile shapes, and an output buffer poisoned with NaN so an unwritten row
-fails. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (small shapes)."""
+"""The tiled prefill kernel (`attention.triton.prefill`) against the sdpa reference over the
+same pages: mixed batches of several sequences whose chunks start at nonzero positions over
+cached context (and from position 0), query lengths 1..300 (so tiles straddle the causal
+diagonal, key blocks and pages), GQA groups 1/3/4/8, head_dim 64/128 (and 96, padded), bf16,
+fp16 and float32, several tile shapes (the module constants patched), and an output buffer
+poisoned with NaN so an unwritten row fails. Runs on CUDA, or on the CPU under
+TRITON_INTERPRET=1 (small shapes)."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -57,22 +59,26 @@ def _setup(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int
     return storage, batch, q * 2, k, v
 
 
-def _tiled(**options: int) -> object:
-    from dyngen_core.kv.attention.triton.prefill import TiledPrefill, TiledPrefillOptions
+def _tiled(monkeypatch: pytest.MonkeyPatch, **constants: int) -> Any:
+    """A `TiledPrefill` with `prefill`'s constants of these (lower-case) names set."""
+    from dyngen_core.kv.attention.triton import prefill
 
-    return TiledPrefill(TiledPrefillOptions(**options))
+    for name, value in constants.items():
+        monkeypatch.setattr(prefill, name.upper(), value)
+    return prefill.TiledPrefill()
 
 
 def _check(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
-           page_size: int, dtype: torch.dtype, device: torch.device, **options: int) -> None:
+           page_size: int, dtype: torch.dtype, device: torch.device,
+           monkeypatch: pytest.MonkeyPatch, **constants: int) -> None:
     storage, batch, q, k, v = _setup(lens, heads, kv_heads, head_dim, page_size, dtype, device)
     scale = head_dim ** -0.5
     ref = SdpaBackend().attend(0, q, k, v, storage, batch, scale).float()  # writes k, v
     out = torch.full_like(q, float("nan"))
     if _small(device):  # pages of 16 slots
-        options = {"block_n": 16, "float32_block_n": 16, **options}
-    tiled = _tiled(**options)
-    tiled.attend(q, storage.keys[0], storage.values[0], batch, scale, out)  # type: ignore[attr-defined]
+        constants = {"block_n": 16, "float32_block_n": 16, **constants}
+    tiled = _tiled(monkeypatch, **constants)
+    tiled.attend(q, storage.keys[0], storage.values[0], batch, scale, out)
     assert torch.isfinite(out).all(), "rows left unwritten (or NaN)"
     error = float((out.float() - ref).norm() / ref.norm())
     assert error < (2e-3 if dtype == torch.float32 else 1.5e-2), error
@@ -91,8 +97,8 @@ def _mixed(device: torch.device) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("groups", [(8, 8), (8, 2), (8, 1), (6, 2)])
-def test_tiled_prefill_matches_sdpa(device: torch.device, dtype: torch.dtype,
-                                    groups: tuple[int, int]) -> None:
+def test_tiled_prefill_matches_sdpa(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                    dtype: torch.dtype, groups: tuple[int, int]) -> None:
     """GQA groups 1, 4, 8 and 3 (padded to 4) in every dtype."""
     if _small(device) and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's interpreter garbles bfloat16 (the paged kernel's output too)")
@@ -102,15 +108,16 @@ def test_tiled_prefill_matches_sdpa(device: torch.device, dtype: torch.dtype,
     # float32 dots run without tensor cores: a smaller head keeps their compile short.
     head_dim = 32 if _small(device) else (64 if dtype == torch.float32 else 128)
     page_size = 16 if _small(device) else 256
-    _check(_mixed(device), *groups, head_dim, page_size, dtype, device)
+    _check(_mixed(device), *groups, head_dim, page_size, dtype, device, monkeypatch)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])
-def test_tiled_prefill_head_dims(device: torch.device, head_dim: int) -> None:
+def test_tiled_prefill_head_dims(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                 head_dim: int) -> None:
     """Head dims of a power of two and one padded to the next (128: the other tests)."""
     dtype = torch.float32 if _small(device) else torch.bfloat16
     page_size = 16 if _small(device) else 256
-    _check(_mixed(device), 8, 2, head_dim, page_size, dtype, device)
+    _check(_mixed(device), 8, 2, head_dim, page_size, dtype, device, monkeypatch)
 
 
 @pytest.mark.parametrize("options", [
@@ -119,7 +126,8 @@ def test_tiled_prefill_head_dims(device: torch.device, head_dim: int) -> None:
     {"short_query": 0}, {"short_query": 100},
     {"float32_rows": 32, "float32_block_n": 16},
 ])
-def test_tiled_prefill_tile_shapes(device: torch.device, options: dict[str, int]) -> None:
+def test_tiled_prefill_tile_shapes(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                   options: dict[str, int]) -> None:
     """Other tiles: one head per tile (tokens only), tiles splitting a group, key steps
     smaller and larger (on CUDA) than the default, a small float32 tile, the short chunks
     in the long chunks' launch or more chunks in the short launch."""
@@ -129,11 +137,12 @@ def test_tiled_prefill_tile_shapes(device: torch.device, options: dict[str, int]
     dtype = torch.float32 if small_float else torch.bfloat16
     page_size = 16 if _small(device) else 256
     head_dim = 32 if _small(device) else (64 if small_float else 128)
-    _check(_mixed(device), 8, 2, head_dim, page_size, dtype, device, **options)
+    _check(_mixed(device), 8, 2, head_dim, page_size, dtype, device, monkeypatch, **options)
 
 
 @pytest.mark.parametrize("longest", ["question", "tiny"])
-def test_short_chunks_over_a_long_prefix(device: torch.device, longest: str) -> None:
+def test_short_chunks_over_a_long_prefix(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                         longest: str) -> None:
     """Short chunks over a long cached context (the shared-document question shape): a
     longest chunk filling most of a tile's tokens, and one taking the short tile."""
     if _small(device):
@@ -145,30 +154,34 @@ def test_short_chunks_over_a_long_prefix(device: torch.device, longest: str) -> 
         options = {}
     dtype = torch.float32 if _small(device) else torch.bfloat16
     _check(lens, 8, 2, 32 if _small(device) else 128, 16 if _small(device) else 256, dtype,
-           device, **options)
+           device, monkeypatch, **options)
 
 
-def test_backend_takes_the_tiled_path_and_agrees(device: torch.device) -> None:
-    """Through `TritonPagedBackend.attend`: "tiled" and "paged" agree with each other and the
-    reference, the tiled path runs (its block table is built), and a bad option is refused."""
+def test_backend_takes_the_tiled_path_and_agrees(device: torch.device,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `TritonPagedBackend.attend`: the tiled path runs (its block table is built) and
+    agrees with the reference and with the paged kernel, which takes batches whose longest
+    query is below `prefill.MIN_QUERY`."""
+    from dyngen_core.kv.attention.triton import prefill
     from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
-    from dyngen_core.kv.attention.triton.prefill import TiledPrefillOptions
 
     dtype = torch.float32 if _small(device) else torch.bfloat16
     page_size = 16 if _small(device) else 256
     storage, batch, q, k, v = _setup(_mixed(device), 8, 2, 32 if _small(device) else 128,
                                      page_size, dtype, device)
     ref = SdpaBackend().attend(0, q, k, v, storage, batch, 0.2).float()
-    options = TiledPrefillOptions(float32_block_n=16) if _small(device) else None
-    tiled = TritonPagedBackend(prefill_kernel="tiled", prefill_options=options)
+    if _small(device):
+        monkeypatch.setattr(prefill, "FLOAT32_BLOCK_N", 16)
+    tiled = TritonPagedBackend()
     out = tiled.attend(0, q, k, v, storage, batch, 0.2).float()
-    paged = TritonPagedBackend(prefill_kernel="paged").attend(0, q, k, v, storage, batch, 0.2)
-    assert tiled.tiled_prefill is not None and tiled.tiled_prefill._launches is not None
+    assert tiled.tiled_prefill._launches is not None
+    monkeypatch.setattr(prefill, "MIN_QUERY", 1 << 20)
+    paged = TritonPagedBackend()
+    paged_out = paged.attend(0, q, k, v, storage, batch, 0.2)
+    assert paged.tiled_prefill._launches is None
     tolerance = 2e-3 if dtype == torch.float32 else 1.5e-2
     assert float((out - ref).norm() / ref.norm()) < tolerance
-    assert float((paged.float() - ref).norm() / ref.norm()) < tolerance
-    with pytest.raises(ValueError, match="prefill_kernel"):
-        TritonPagedBackend(prefill_kernel="flash")
+    assert float((paged_out.float() - ref).norm() / ref.norm()) < tolerance
 
 
 def test_launches_split_short_chunks_and_order_blocks() -> None:

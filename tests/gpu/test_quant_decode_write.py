@@ -1,11 +1,10 @@
 """The quantized storage's decode-step write done by the q8/q4 decode kernel
-(`QuantStorage.deferred_write`, `attend_word_decode(write=...)`; the backend's
-``write_in_kernel`` with ``WordKernelFlags.write_step``) against the storage's own write
-launch before the kernel: the same output bit for bit, and every storage tensor (codes,
-scales, head rows, window rows and positions) identical afterwards, with no write launch
-left. Steps whose token opens a page (its head row) and sequences without a window slot;
-the tail in one program or three, page and tail programs in one launch or two, the split
-merge in the kernel or not. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1."""
+(`QuantStorage.deferred_write`, `attend_word_decode(write=...)`, which `TritonPagedBackend`
+takes for decode-only steps with a recent window) against the storage's own write launch before
+the kernel: the same output bit for bit, and every storage tensor (codes, scales, head rows,
+window rows and positions) identical afterwards, with no write launch left. Steps whose token
+opens a page (its head row) and sequences without a window slot; the single tail in one launch
+and three tail parts in two. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from dyngen_core.kv.attention.base import ForwardBatch
 from dyngen_core.kv.quant.storage import QuantStorage
 from tests.gpu.quant_setup import decode_step
 
@@ -25,14 +25,10 @@ PAGE, WINDOW, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 8, 2, 32
 DECODES = {1: [(65, True)], 3: [(17, True), (33, False), (70, True)]}
 
 
-def _backend(write_step: bool, merged: bool, tail_parts: int | None) -> Any:
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
-    from dyngen_core.kv.attention.triton.quant import WordKernelFlags
+def _backend(monkeypatch: pytest.MonkeyPatch, launches: int) -> Any:
+    from tests.gpu.test_quant_decode_triton import _backend as backend
 
-    flags = WordKernelFlags(merge_in_kernel=merged, write_step=write_step,
-                            tail_parts=tail_parts)
-    return TritonPagedBackend(block_n=16, word_block_n=16, max_splits=4, programs_per_sm=64,
-                              merge_in_kernel=merged, word_flags=flags)
+    return backend(monkeypatch, 4, programs_per_sm=64, launches=launches)
 
 
 def _tensors(storage: QuantStorage) -> list[torch.Tensor]:
@@ -42,20 +38,14 @@ def _tensors(storage: QuantStorage) -> list[torch.Tensor]:
             ring.rows[:, :-1]]  # the spare row takes unkept rows in launch order
 
 
-def _run(mode: str, batch_size: int, write_step: bool, merged: bool, tail_parts: int | None,
-         dtype: torch.dtype, device: torch.device, monkeypatch: pytest.MonkeyPatch
-         ) -> tuple[torch.Tensor, QuantStorage, list[int]]:
-    """The step's output, the storage after it and the storage write launches it made."""
+def _step(mode: str, batch_size: int, dtype: torch.dtype, device: torch.device
+          ) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     storage, batch, k, v = decode_step(mode, WINDOW, DECODES[batch_size], heads=HEADS,
                                        kv_heads=KV_HEADS, head_dim=HEAD_DIM, page=PAGE,
                                        dtype=dtype, device=device, seed=3, triton_write=True)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(batch_size, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    with monkeypatch.context() as patch:
-        launches = _count_writes(patch)
-        out = _backend(write_step, merged, tail_parts).attend(0, q, k, v, storage, batch,
-                                                            HEAD_DIM ** -0.5)
-    return out, storage, launches
+    return storage, batch, q, k, v
 
 
 def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -75,19 +65,29 @@ def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 @pytest.mark.parametrize("batch_size", [1, 3])
-@pytest.mark.parametrize(("merged", "tail_parts"), [(False, None), (True, 1), (True, 3)])
+@pytest.mark.parametrize("launches", [1, 2])
 def test_kernel_write_matches_storage_write(device: torch.device,
                                             monkeypatch: pytest.MonkeyPatch, mode: str,
-                                            batch_size: int, merged: bool,
-                                            tail_parts: int | None) -> None:
-    """Batch 1 runs one launch, batch 3 two (the backend's rule)."""
+                                            batch_size: int, launches: int) -> None:
+    """`attend` (the kernel writes) against the storage's write, then `attend_cached` over the
+    written pages with the step's rows, then `write_recent`: what `attend` runs for batches
+    the kernel does not write."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    expected, plain, launches = _run(mode, batch_size, False, merged, tail_parts, dtype,
-                                     device, monkeypatch)
-    assert launches == [1]
-    out, fused, launches = _run(mode, batch_size, True, merged, tail_parts, dtype, device,
-                                monkeypatch)
-    assert not launches, "the storage wrote although the kernel was to"
+    scale = HEAD_DIM ** -0.5
+    backend = _backend(monkeypatch, launches)
+    plain, batch, q, k, v = _step(mode, batch_size, dtype, device)
+    with monkeypatch.context() as patch:
+        written = _count_writes(patch)
+        plain.write(0, k, v, batch.slot_mapping, decode_window=batch.decode_window)
+        expected = backend.attend_cached(0, q, plain, batch, scale, step_rows=(k, v))
+        assert batch.token_seq_slots is not None
+        plain.write_recent(0, k, v, batch.positions, batch.token_seq_slots)
+    assert written == [1]
+    fused, batch, q, k, v = _step(mode, batch_size, dtype, device)
+    with monkeypatch.context() as patch:
+        written = _count_writes(patch)
+        out = _backend(patch, launches).attend(0, q, k, v, fused, batch, scale)
+    assert not written, "the storage wrote although the kernel was to"
     assert torch.isfinite(out).all()
     assert torch.equal(out, expected)
     for index, (a, b) in enumerate(zip(_tensors(fused), _tensors(plain), strict=True)):
@@ -102,17 +102,18 @@ def test_no_window_keeps_the_storage_write(device: torch.device,
                                        head_dim=HEAD_DIM, page=PAGE, dtype=torch.float32,
                                        device=device, seed=3, triton_write=True)
     q = torch.randn(3, HEADS, HEAD_DIM).to(device)
+    backend = _backend(monkeypatch, 2)
     with monkeypatch.context() as patch:
         launches = _count_writes(patch)
-        _backend(True, False, None).attend(0, q, k, v, storage, batch, HEAD_DIM ** -0.5)
+        backend.attend(0, q, k, v, storage, batch, HEAD_DIM ** -0.5)
     assert launches == [1]
 
 
 def test_write_needs_the_window_and_its_rows(device: torch.device) -> None:
     """A write whose fresh rows are not the exact operands' is refused before any launch."""
     pytest.importorskip("triton")
-    from dyngen_core.kv.attention.triton.exact import exact_operands
-    from dyngen_core.kv.attention.triton.quant import attend_word_decode
+    from dyngen_core.kv.attention.triton.operands import exact_operands
+    from dyngen_core.kv.attention.triton.quant_decode import attend_word_decode
 
     storage, batch, k, v = decode_step("q4", WINDOW, DECODES[1], heads=HEADS,
                                        kv_heads=KV_HEADS, head_dim=HEAD_DIM, page=PAGE,
@@ -125,4 +126,4 @@ def test_write_needs_the_window_and_its_rows(device: torch.device) -> None:
     q = torch.zeros(1, HEADS, HEAD_DIM, device=device)
     with pytest.raises(ValueError, match="deferred_write"):
         attend_word_decode(q, (), batch, exact, 1.0, key_bits=4, value_bits=4,
-                           num_kv_heads=KV_HEADS, block_n=16, splits=1, warps=4, write=write)
+                           num_kv_heads=KV_HEADS, splits=1, write=write)

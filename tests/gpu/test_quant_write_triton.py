@@ -1,10 +1,10 @@
-"""The one-launch Triton write of the quantized storage (`storage.quant_write`) against the write
-it replaces (`storage.quant_write_native`) and the codec both follow (`storage.qformat`).
+"""The one-launch Triton write of the quantized storage (`quant.write`) against its torch twin
+(the CPU path) and the codec both follow (`quant.format`).
 
-Oracle: the native kernel's arithmetic in torch (the signs, the butterfly of
-`hadamard.walsh_hadamard`, the float32 1/sqrt(32), then `qformat.quantize_rotated`), which the
-kernel must match bit for bit: codes, scales, exact rows, head rows. Against the old write (the
-torch codec on a matrix-product rotation, the CPU path) codes may differ by one step on
+Oracle: the butterfly arithmetic in torch (the signs, the butterfly of
+`format.walsh_hadamard`, the float32 1/sqrt(32), then `format.quantize_rotated`), which the
+kernel must match bit for bit: codes, scales, exact rows, head rows. Against the torch twin (the
+torch codec on a matrix-product rotation) codes may differ by one step on
 rounding boundaries and exact rows by one step of the compute dtype; the test bounds both.
 Every tensor starts poisoned (random bytes), so a store to the wrong place, or a missing one,
 shows: rows outside the step's slots must keep the poison. Covers q8/q6/q4, key offsets on and
@@ -21,8 +21,12 @@ import torch
 pytest.importorskip("triton")
 
 from dyngen_core.config import ModelConfig  # noqa: E402
-from dyngen_core.kv.quant.format import quantize_rotated  # noqa: E402
-from dyngen_core.kv.quant.hadamard import inv_sqrt, rotation_signs, walsh_hadamard  # noqa: E402
+from dyngen_core.kv.quant.format import (  # noqa: E402
+    inv_sqrt,
+    quantize_rotated,
+    rotation_signs,
+    walsh_hadamard,
+)
 from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
 from dyngen_core.kv.quant.window import RecentWindow  # noqa: E402
 
@@ -33,12 +37,12 @@ PAGES, PAGE, LAYERS, WINDOW, SEQS = 6, 16, 2, 4, 3
 
 def _pair(mode: str, heads: int, dim: int, dtype: torch.dtype, offsets: bool,
           device: torch.device) -> tuple[QuantStorage, QuantStorage]:
-    """(Triton-written, old-path) storages with the same poison in every tensor."""
+    """(Triton-written, torch-written) storages with the same poison in every tensor."""
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=heads * dim, intermediate_size=64, num_layers=LAYERS,
                          num_heads=heads, num_kv_heads=heads, head_dim=dim)
     pair = tuple(QuantStorage(config, PAGES, PAGE, dtype, [device] * LAYERS, mode,
-                              use_native=False, recent_window=WINDOW, triton_write=triton)
+                              recent_window=WINDOW, triton_write=triton)
                  for triton in (True, False))
     gen = torch.Generator().manual_seed(heads * dim)
     means = [torch.randn(heads, dim, generator=gen) * 2 for _ in range(LAYERS)]
@@ -79,7 +83,7 @@ def _rows(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: torch.d
 
 def _oracle(storage: QuantStorage, layer: int, key: torch.Tensor, value: torch.Tensor
             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Exact rows [2, T, H, D] and (codes, scales) of keys and values as the native kernel
+    """Exact rows [2, T, H, D] and (codes, scales) of keys and values as the butterfly
     computes them."""
     stored = storage._prepare_rows(layer, key, value).stored
     assert stored is not None
@@ -114,21 +118,18 @@ def _check_layer(fast: QuantStorage, before: list[torch.Tensor], layer: int,
     assert torch.equal(pages.head_rows, want_heads)
 
 
-@pytest.mark.parametrize(("mode", "heads", "dim", "dtype", "offsets", "head_block"), [
-    ("q4", 2, 128, torch.bfloat16, True, 2),
-    ("q4", 2, 128, torch.bfloat16, True, 1),
-    ("q6", 3, 64, torch.bfloat16, True, 3),
-    ("q6", 3, 64, torch.bfloat16, True, 1),
-    ("q8", 3, 64, torch.float16, False, 1),
-    ("q8", 3, 64, torch.float16, False, 3),
-    ("q4", 1, 32, torch.float32, False, 1),
+@pytest.mark.parametrize(("mode", "heads", "dim", "dtype", "offsets"), [
+    ("q4", 2, 128, torch.bfloat16, True),
+    ("q6", 3, 64, torch.bfloat16, True),
+    ("q6", 3, 96, torch.float16, True),
+    ("q8", 3, 64, torch.float16, False),
+    ("q4", 1, 32, torch.float32, False),
 ])
-def test_write_matches_native_arithmetic(device: torch.device, mode: str, heads: int, dim: int,
-                                         dtype: torch.dtype, offsets: bool,
-                                         head_block: int) -> None:
-    """Also with each program writing ``head_block`` of a token's heads."""
+def test_write_matches_butterfly_arithmetic(device: torch.device, mode: str, heads: int,
+                                            dim: int, dtype: torch.dtype,
+                                            offsets: bool) -> None:
+    """One program per token and KV head; 96 dims: 3 groups padded to 4 rows a program."""
     fast, _ = _pair(mode, heads, dim, dtype, offsets, device)
-    fast.write_head_block = head_block
     # Page heads (0, 16, 48), mid-page slots, the last slot, and one outside the pages.
     slots = torch.tensor([0, 5, 16, 33, 48, 95, 7, -1, PAGES * PAGE, 17], device=device)
     for layer in range(LAYERS):
@@ -139,16 +140,16 @@ def test_write_matches_native_arithmetic(device: torch.device, mode: str, heads:
 
 
 @pytest.mark.parametrize("mode", ["q4", "q6", "q8"])
-def test_write_close_to_old_path(device: torch.device, mode: str) -> None:
-    """Where the old path writes (slots inside the pages), the two agree: codes to one step on
+def test_write_close_to_torch_twin(device: torch.device, mode: str) -> None:
+    """Where the torch twin writes (slots inside the pages), the two agree: codes to one step on
     at most a few rounding boundaries, scales to one fp16 step, exact rows to one bf16 step at
     their group's largest value (float32 rounding of the rotation is relative to the group)."""
-    fast, old = _pair(mode, 2, 64, torch.bfloat16, True, device)
+    fast, twin = _pair(mode, 2, 64, torch.bfloat16, True, device)
     slots = torch.arange(0, PAGES * PAGE, 7, device=device)
     key, value = _rows(slots.shape[0], 2, 64, torch.bfloat16, device, seed=9)
-    for storage in (fast, old):
+    for storage in (fast, twin):
         storage.write(1, key, value, slots)
-    for new_half, old_half in zip(fast.exact_rows(1, key, value), old.exact_rows(1, key, value),
+    for new_half, old_half in zip(fast.exact_rows(1, key, value), twin.exact_rows(1, key, value),
                                   strict=True):
         old_float = old_half.float()
         groups = old_float.reshape(*old_float.shape[:-1], -1, 32)
@@ -156,14 +157,14 @@ def test_write_close_to_old_path(device: torch.device, mode: str) -> None:
         step = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 8)
         diff = (new_half.float() - old_float).abs().reshape(groups.shape)
         assert (diff <= step).all()  # one bf16 step at the group's largest value
-    for new_t, old_t in zip(fast.layers[1].tensors(), old.layers[1].tensors(), strict=True):
+    for new_t, old_t in zip(fast.layers[1].tensors(), twin.layers[1].tensors(), strict=True):
         if new_t.dtype == torch.float16:
             assert torch.allclose(new_t.float(), old_t.float(), rtol=2e-3, atol=0.0)
         else:
             assert (new_t != old_t).float().mean() <= 2e-3
     heads = slots[slots % PAGE == 0] // PAGE
     assert torch.allclose(fast.layers[1].head_rows[:, heads].float(),
-                          old.layers[1].head_rows[:, heads].float(), rtol=2 ** -7, atol=0.0)
+                          twin.layers[1].head_rows[:, heads].float(), rtol=2 ** -7, atol=0.0)
 
 
 def test_recent_window_matches_old_rule(device: torch.device) -> None:

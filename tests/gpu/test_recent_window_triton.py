@@ -1,12 +1,14 @@
 """The Triton kernel reads quantized storage's exact rows (page heads, recent windows) by the
-same rule as the sdpa reference (`attention.sdpa_recent`), in decode, prefill and mixed steps,
-with sequences with and without a window slot, and with the context split several ways; the
-storage written by its old path and by its one-launch Triton write (`storage.quant_write`)."""
+same rule as the sdpa reference (`attention.sdpa.extend_with_recent`), in decode, prefill and
+mixed steps, with sequences with and without a window slot, and with the context split several
+ways; the storage written by its torch twin and by its one-launch Triton write (`quant.write`).
+"""
 
 from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -28,13 +30,24 @@ CASES = {
 }
 
 
-def _setup(case: str, mode: str, device: torch.device, triton_write: bool
+def triton_backend(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The Triton backend with 16-key tiles (the page size), at most 3 splits."""
+    from dyngen_core.kv.attention.triton import decode  # needs triton
+    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
+
+    monkeypatch.setattr(decode, "BLOCK_N", 16)
+    monkeypatch.setattr(decode, "MAX_SPLITS", 3)
+    return TritonPagedBackend()
+
+
+def _setup(case: str, mode: str, device: torch.device, triton_write: bool,
+           kind: type[QuantStorage] = QuantStorage
            ) -> tuple[QuantStorage, ForwardBatch, torch.Tensor, torch.Tensor]:
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32,
                          hidden_size=HEADS * DIM, intermediate_size=64, num_layers=1,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
-    storage = QuantStorage(config, 32, PAGE, torch.float32, [device], mode,
-                           recent_window=WINDOW, triton_write=triton_write)
+    storage = kind(config, 32, PAGE, torch.float32, [device], mode, recent_window=WINDOW,
+                   triton_write=triton_write)
     storage.reserve_sequences(8)
     gen = torch.Generator().manual_seed(len(case))
     offsets = [torch.randn(KV_HEADS, DIM, generator=gen)]
@@ -64,13 +77,12 @@ def _setup(case: str, mode: str, device: torch.device, triton_write: bool
 @pytest.mark.parametrize("triton_write", [False, True])
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_reads_exact_rows_like_sdpa(device: torch.device, case: str, mode: str,
-                                           triton_write: bool) -> None:
-    from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # needs triton
-
+def test_triton_reads_exact_rows_like_sdpa(device: torch.device,
+                                           monkeypatch: pytest.MonkeyPatch, case: str,
+                                           mode: str, triton_write: bool) -> None:
     gen = torch.Generator().manual_seed(3)
     outputs = []
-    for backend in (SdpaBackend(), TritonPagedBackend(max_splits=3, block_n=16)):
+    for backend in (SdpaBackend(), triton_backend(monkeypatch)):
         storage, batch, k, v = _setup(case, mode, device, triton_write)
         q = torch.randn(batch.num_tokens, HEADS, DIM, generator=gen).to(device)
         gen.manual_seed(3)

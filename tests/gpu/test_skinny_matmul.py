@@ -1,5 +1,5 @@
-"""The Triton skinny matmul (`models.skinny_matmul`) against a float64 product: both kernels
-(the reduce kernel with and without register prefetch), every row count 1..16, bf16 and fp16,
+"""The Triton skinny matmul (`ops.skinny_matmul`) against a float64 product: both kernels,
+every row count 1..16, bf16 and fp16,
 with and without bias, K and N tails (K not a multiple of the K block, or shorter than one; N
 not a multiple of the N block), x rows strided, outputs written into a poisoned larger buffer
 (nothing outside [M, N] may change). The custom op passes torch's opcheck; on CUDA the routed
@@ -18,7 +18,6 @@ pytestmark = pytest.mark.gpu
 
 MAX_ROWS = 16
 CONFIGS = {"reduce": SkinnyConfig("reduce", block_n=8, block_k=64, num_stages=3),
-           "reduce-prefetch": SkinnyConfig("reduce", block_n=4, block_k=32, prefetch=True),
            "dot": SkinnyConfig("dot", block_n=16, block_k=32, num_stages=2)}
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -48,7 +47,7 @@ def _skip_interpreter_bf16_dot(kernel: str, dtype: torch.dtype) -> None:
         pytest.skip("the Triton interpreter's tl.dot is wrong for bf16")
 
 
-@pytest.mark.parametrize("kernel", ["reduce", "reduce-prefetch", "dot"])
+@pytest.mark.parametrize("kernel", ["reduce", "dot"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "k", "bias"), [(37, 100, True), (48, 128, False), (20, 24, True)])
 def test_every_row_count_matches_float64(device: torch.device, kernel: str, dtype: torch.dtype,
@@ -69,13 +68,13 @@ def test_every_row_count_matches_float64(device: torch.device, kernel: str, dtyp
 
 
 @pytest.mark.parametrize("kernel", ["reduce", "dot"])
-def test_explicit_block_m_covers_rows_in_several_blocks(device: torch.device,
-                                                        kernel: str) -> None:
-    """More rows than one program's BLOCK_M: row blocks along the grid's second axis."""
-    config = SkinnyConfig(kernel, block_n=16, block_k=32, block_m=2 if kernel == "reduce" else 16)
-    x, weight, b = _operands(35 if kernel == "dot" else 7, 40, 96, torch.float16, device,
-                             bias=True, seed=9)
-    y = skinny_linear(x, weight, b, config)
+def test_rows_in_several_blocks(device: torch.device, kernel: str) -> None:
+    """More rows than one program's BLOCK_M (4 for reduce, 16 for dot): row blocks along the
+    grid's second axis."""
+    rows = 35 if kernel == "dot" else 7
+    x, weight, b = _operands(rows, 40, 96, torch.float16, device, bias=True, seed=9)
+    y = torch.empty(rows, 40, dtype=torch.float16, device=device)
+    launch(x, weight, b, y, SkinnyConfig(kernel, block_n=16, block_k=32))
     assert _relative_error(y, x, weight, b) < TOLERANCE[torch.float16]
 
 

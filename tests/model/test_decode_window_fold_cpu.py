@@ -1,9 +1,9 @@
 """The decode-only window write folded into `QuantStorage.write` on its torch path (the CPU,
 no Triton): `write(..., decode_window=...)` stores the window rows itself and the
-`write_recent` of the same tensors does nothing, leaving the storage as `write` then
-`write_recent` do; the sdpa backend's decode step is unchanged by it; `ForwardBatch` offers
-the window only for decode-only batches with sequence slots; the option's environment
-override. (The Triton path: tests/gpu/test_decode_window_fold.py.)
+`write_recent` of the same tensors does nothing, leaving the storage as `write` without the
+window then `write_recent` do; the sdpa backend's decode step is unchanged by it; `ForwardBatch`
+offers the window only for decode-only batches with sequence slots. (The Triton path:
+tests/gpu/test_decode_window_fold.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.kv.attention.sdpa import SdpaBackend
 from dyngen_core.kv.quant.storage import QuantStorage
 from dyngen_core.kv.quant.window import RecentWindow
-from dyngen_core.kv.quant.write import FOLD_ENV, resolve_fold_window
 from tests.model.test_recent_window import CASES, DIM, HEADS, _setup
 
 LAYERS, WINDOW, SEQS, KV, D = 2, 4, 3, 2, 32
@@ -23,12 +22,23 @@ LAYERS, WINDOW, SEQS, KV, D = 2, 4, 3, 2, 32
 TOKENS = [(0, 9), (2, 3), (-1, 20), (1, 30), (3, 2)]
 
 
+class UnfoldedStorage(QuantStorage):
+    """A quantized storage whose `write` is never given the decode window: its window rows
+    always come from `write_recent` (the path of steps that are not decode-only)."""
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor, *,
+              decode_window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().write(layer, key, value, slot_mapping)
+
+
 def _storage(fold: bool) -> QuantStorage:
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=KV * D,
                          intermediate_size=64, num_layers=LAYERS, num_heads=KV,
                          num_kv_heads=KV, head_dim=D)
-    storage = QuantStorage(config, 16, 16, torch.float32, ["cpu"] * LAYERS, "q4",
-                           recent_window=WINDOW, triton_write=False, fold_decode_window=fold)
+    kind = QuantStorage if fold else UnfoldedStorage
+    storage = kind(config, 16, 16, torch.float32, ["cpu"] * LAYERS, "q4",
+                   recent_window=WINDOW, triton_write=False)
     storage.reserve_sequences(SEQS)
     return storage
 
@@ -73,8 +83,7 @@ def test_torch_fold_matches_write_then_write_recent(monkeypatch: pytest.MonkeyPa
 def test_sdpa_decode_same_with_fold() -> None:
     outputs, states = [], []
     for fold in (False, True):
-        storage, batch, rows = _setup("decodes")
-        storage.fold_decode_window = fold
+        storage, batch, rows = _setup("decodes", QuantStorage if fold else UnfoldedStorage)
         step_k = torch.cat([k[c - 1:c] for (k, _), (_, c, _) in zip(rows, CASES["decodes"],
                                                                     strict=True)])
         step_v = torch.cat([v[c - 1:c] for (_, v), (_, c, _) in zip(rows, CASES["decodes"],
@@ -99,16 +108,3 @@ def test_batch_offers_the_window_to_decode_only_steps() -> None:
     decodes.token_seq_slots = None
     assert decodes.decode_window is None
 
-
-def test_fold_option_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(FOLD_ENV, raising=False)
-    assert resolve_fold_window(None) is True  # on unless turned off
-    monkeypatch.setenv(FOLD_ENV, "0")
-    assert resolve_fold_window(None) is False
-    assert resolve_fold_window(True) is True
-    monkeypatch.setenv(FOLD_ENV, "1")
-    assert resolve_fold_window(None) is True
-    assert resolve_fold_window(False) is False
-    monkeypatch.setenv(FOLD_ENV, "yes")
-    with pytest.raises(ValueError, match=FOLD_ENV):
-        resolve_fold_window(None)

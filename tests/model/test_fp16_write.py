@@ -1,5 +1,5 @@
-"""Which write the unquantized storage uses (`storage.fp16_write`), and the torch write that is
-the CPU path and the oracle of the Triton one (tests/gpu/test_fp16_write_triton.py)."""
+"""Which write the unquantized storage uses (`fp16.storage`), and the torch write that is the
+CPU path and the oracle of the Triton one (tests/gpu/test_fp16_write_triton.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.kv.fp16.storage import FP16Storage
-from dyngen_core.kv.fp16.write import triton_write_default
+from dyngen_core.ops.triton_support import triton_by_default
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=48,
                      intermediate_size=64, num_layers=2, num_heads=3, num_kv_heads=3,
@@ -31,7 +31,7 @@ def test_torch_write_puts_each_row_at_its_page_and_offset() -> None:
 
 def test_cpu_storage_writes_with_torch_by_default() -> None:
     """The torch write raises on a slot outside the cache (the Triton one would skip it)."""
-    assert not triton_write_default(CPU)
+    assert not triton_by_default(CPU)
     storage = FP16Storage(CONFIG, 4, 8, torch.float32, [CPU] * 2)
     rows = torch.zeros(1, 3, 16)
     with pytest.raises(IndexError):

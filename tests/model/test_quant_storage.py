@@ -15,16 +15,19 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import PageCopy
 from dyngen_core.kv.cache import make_storage
-from dyngen_core.kv.quant.format import QuantFormat, dequantize, pack, quantize, unpack
-from dyngen_core.kv.quant.hadamard import (
+from dyngen_core.kv.quant.format import (
+    QuantFormat,
+    dequantize,
     hadamard_matrix,
     inv_sqrt,
+    pack,
+    quantize_rotated,
     rotate,
     rotation_signs,
+    unpack,
     unrotate,
     walsh_hadamard,
 )
-from dyngen_core.kv.quant.native import independent_runs, load_native
 from dyngen_core.kv.quant.storage import MODE_BITS, QuantStorage
 
 MODES = tuple(MODE_BITS)
@@ -48,6 +51,11 @@ def keys_with_outliers(tokens: int, heads: int, head_dim: int, seed: int = 0) ->
         channels = torch.randperm(head_dim, generator=gen)[:3]
         rows[:, head, channels] = rows[:, head, channels] * 4 + 15
     return rows
+
+
+def quantize(rows: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [..., head_dim] rotated, then quantized: the torch codec end to end."""
+    return quantize_rotated(rotate(rows, ROTATION), fmt)
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -81,7 +89,8 @@ def test_rotation_is_orthogonal_and_inverted_by_unrotate(n: int) -> None:
 
 def test_rotation_entries_are_signs_over_root_n() -> None:
     """Every entry of R is exactly +-inv_sqrt(n): the Triton kernels rotate 16-bit queries as a
-    tensor-core dot with sign(R) and scale by inv_sqrt(32) after (`triton_rotation`)."""
+    tensor-core dot with sign(R) and scale by inv_sqrt(32) after
+    (`attention.triton.key_loop.rotated_queries`)."""
     matrix = hadamard_matrix(32)
     assert torch.equal(matrix.abs(), torch.full_like(matrix, inv_sqrt(32)))
     assert torch.equal(torch.sign(matrix) * inv_sqrt(32), matrix)
@@ -119,7 +128,7 @@ def test_packed_bit_positions() -> None:
 def test_round_trip_error_within_bounds(bits: int) -> None:
     rows = keys_with_outliers(512, 4, 128)
     fmt = QuantFormat(bits)
-    packed, scales = quantize(rows, fmt, ROTATION)
+    packed, scales = quantize(rows, fmt)
     assert scales.shape == (512, 4, 4) and scales.dtype == torch.float16
     restored = dequantize(packed, scales, fmt, ROTATION, torch.float32)
     assert relative_error(restored, rows) < MAX_RELATIVE_ERROR[bits]
@@ -133,7 +142,7 @@ def test_round_trip_error_within_bounds(bits: int) -> None:
 def test_rotation_is_what_keeps_outliers_cheap() -> None:
     rows = keys_with_outliers(256, 2, 64, seed=3)
     fmt = QuantFormat(4)
-    restored = dequantize(*quantize(rows, fmt, ROTATION), fmt, ROTATION, torch.float32)
+    restored = dequantize(*quantize(rows, fmt), fmt, ROTATION, torch.float32)
     groups = rows.reshape(256, 2, 2, 32)  # the same 4-bit scheme without the rotation
     step = groups.abs().amax(-1, keepdim=True) / 8
     unrotated = (groups / step).round().clamp(-8, 7) * step
@@ -143,11 +152,11 @@ def test_rotation_is_what_keeps_outliers_cheap() -> None:
 def test_quantize_handles_zero_rows_and_low_precision_input() -> None:
     fmt = QuantFormat(4)
     zeros = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
-    packed, scales = quantize(zeros, fmt, ROTATION)
+    packed, scales = quantize(zeros, fmt)
     assert bool((scales == 0).all())
     assert bool((dequantize(packed, scales, fmt, ROTATION, torch.bfloat16) == 0).all())
     rows = keys_with_outliers(16, 2, 64).to(torch.float16)
-    restored = dequantize(*quantize(rows, QuantFormat(8), ROTATION), QuantFormat(8), ROTATION,
+    restored = dequantize(*quantize(rows, QuantFormat(8)), QuantFormat(8), ROTATION,
                           torch.float16)
     assert restored.dtype == torch.float16
     assert relative_error(restored, rows) < MAX_RELATIVE_ERROR[8]
@@ -168,9 +177,9 @@ def test_pages_written_through_slots_come_back_through_any_page_table(mode: str)
     assert got_keys.shape == (3, 48, 2, 64) and got_keys.dtype == torch.float32
     expected_keys = torch.zeros(6 * 16, 2, 64)
     expected_values = torch.zeros(6 * 16, 2, 64)
-    expected_keys[slots] = dequantize(*quantize(keys, storage.key_format, ROTATION),
+    expected_keys[slots] = dequantize(*quantize(keys, storage.key_format),
                                       storage.key_format, ROTATION, torch.float32)
-    expected_values[slots] = dequantize(*quantize(values, storage.value_format, ROTATION),
+    expected_values[slots] = dequantize(*quantize(values, storage.value_format),
                                         storage.value_format, ROTATION, torch.float32)
     heads = slots % 16 == 0  # the first slot of a page is kept unquantized
     expected_keys[slots[heads]] = keys[heads]
@@ -284,21 +293,14 @@ def test_bad_configurations_fail_clearly() -> None:
 
 
 def test_triton_write_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-launch write (`quant_write`) is never the default off CUDA, cannot be forced
-    onto the CPU outside Triton's interpreter, and the A/B variable must name a path."""
+    """The one-launch write (`write`) is never the default off CUDA and cannot be forced onto
+    the CPU outside Triton's interpreter."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("DYNGEN_QUANT_WRITE", raising=False)
     storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
     assert storage._triton == [False, False]
-    monkeypatch.setenv("DYNGEN_QUANT_WRITE", "triton")
-    storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
-    assert storage._triton == [False, False]  # the variable asks for it where it runs
     with pytest.raises(ValueError, match="triton_write=True"):
         QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4",
                      triton_write=True)
-    monkeypatch.setenv("DYNGEN_QUANT_WRITE", "fast")
-    with pytest.raises(ValueError, match="DYNGEN_QUANT_WRITE='fast'"):
-        QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
 
 
 def test_explicit_bits_override_the_mode_pair() -> None:
@@ -308,21 +310,3 @@ def test_explicit_bits_override_the_mode_pair() -> None:
     assert storage.nbytes() == QuantStorage(model_config(), 2, 8, torch.float32,
                                             ["cpu", "cpu"], "q6").nbytes()
 
-
-def test_independent_runs_keep_dependent_copies_apart() -> None:
-    a, b, c = PageCopy(0, 1, 4), PageCopy(2, 3, 4), PageCopy(1, 4, 4)
-    assert independent_runs([a, b]) == [[a, b]]
-    assert independent_runs([a, b, c]) == [[a, b], [c]]  # c reads page 1, which a writes
-    d = PageCopy(5, 0, 4)  # writes page 0, which a reads
-    assert independent_runs([a, d]) == [[a], [d]]
-    assert independent_runs([a, PageCopy(6, 1, 2)]) == [[a], [PageCopy(6, 1, 2)]]
-    assert independent_runs([]) == []
-
-
-def test_native_kernels_are_not_built_without_cuda() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; tests/gpu covers the native kernels")
-    load_native.cache_clear()
-    assert load_native() is None
-    storage = QuantStorage(model_config(), 2, 8, torch.float32, ["cpu", "cpu"], "q4")
-    assert storage._native is None

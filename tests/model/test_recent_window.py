@@ -1,8 +1,9 @@
 """The quantized caches' exact rows: page heads and each sequence's recent window.
 
-The sdpa backend's reading rule (`attention.sdpa_recent`) against a plain per-query oracle, the
-window's own bookkeeping, and model-level consequences: a window covering the whole context
-reproduces the unquantized cache, and decoding token by token sees what one prefill sees.
+The sdpa backend's reading rule (`attention.sdpa.extend_with_recent`) against a plain per-query
+oracle, the window's own bookkeeping, and model-level consequences: a window covering the whole
+context reproduces the unquantized cache, and decoding token by token sees what one prefill
+sees.
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def _exact_rows(ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(ctx, KV_HEADS, DIM, generator=gen))
 
 
-def _setup(case: str) -> tuple[QuantStorage, ForwardBatch, list[tuple[torch.Tensor, ...]]]:
+def _setup(case: str, kind: type[QuantStorage] = QuantStorage
+           ) -> tuple[QuantStorage, ForwardBatch, list[tuple[torch.Tensor, ...]]]:
     """Earlier context of every sequence written (pages, then window rows as a real run
-    would), and the step's batch; the exact keys/values of every position per sequence."""
-    storage = QuantStorage(_config(), 32, PAGE, torch.float32, ["cpu"], "q4",
-                           recent_window=WINDOW)
+    would) into a ``kind`` storage, and the step's batch; the exact keys/values of every
+    position per sequence."""
+    storage = kind(_config(), 32, PAGE, torch.float32, ["cpu"], "q4", recent_window=WINDOW)
     storage.reserve_sequences(8)
     order = list(range(32))
     random.Random(case).shuffle(order)
@@ -113,10 +115,18 @@ def test_sdpa_reads_the_window_by_the_rule(case: str) -> None:
         assert not torch.allclose(ours, without, atol=1e-3)  # the window rows did count
 
 
+def _write(window: RecentWindow, keys: torch.Tensor, values: torch.Tensor,
+           positions: torch.Tensor, slots: torch.Tensor) -> None:
+    """Layer 0 of ``window`` takes rows [T, kv_heads, head_dim] of tokens at ``positions`` of
+    the sequences in ``slots``, as the storage writes them."""
+    index = window.index(positions, slots, torch.device("cpu"))
+    window.write_rows(0, torch.stack((keys, values)), index)
+
+
 def test_window_rows_carry_their_positions() -> None:
     window = RecentWindow(4, 2, KV_HEADS, DIM, torch.float32, [torch.device("cpu")])
     keys, values = _exact_rows(10, seed=3)
-    window.write(0, keys, values, torch.arange(10), torch.tensor([1] * 9 + [-1]))
+    _write(window, keys, values, torch.arange(10), torch.tensor([1] * 9 + [-1]))
     got_k, got_v, positions = window.gather(0, torch.tensor([1, 0, -1]))
     assert positions.tolist() == [[8, 5, 6, 7], [-1] * 4, [-1] * 4]  # 9 had no slot
     torch.testing.assert_close(got_k[0, 0], keys[8])
@@ -191,7 +201,7 @@ def test_a_chunk_longer_than_the_window_keeps_its_last_rows() -> None:
     keys, values = _exact_rows(10, seed=9)
     slots = torch.tensor([0] * 7 + [1] * 3)
     positions = torch.tensor([*range(7), *range(3)])
-    window.write(0, keys, values, positions, slots)
+    _write(window, keys, values, positions, slots)
     layer = window.layers[0]
     assert layer.positions[:8].tolist() == [4, 5, 6, 3, 0, 1, 2, -1]
     # The dropped rows went to the spare row (the CPU keeps the last of them there).

@@ -147,8 +147,6 @@ def test_config_rejects_what_the_kernels_cannot_launch() -> None:
         sm.SkinnyConfig("reduce", block_n=8, block_k=384)
     with pytest.raises(ValueError, match="dot kernel needs block_n and block_k >= 16"):
         sm.SkinnyConfig("dot", block_n=8, block_k=256)
-    with pytest.raises(ValueError, match="prefetch=False"):
-        sm.SkinnyConfig("dot", block_n=16, block_k=256, prefetch=True)
     assert sm.SkinnyConfig("reduce", 8, 256).rows_per_program(3) == 4
     assert sm.SkinnyConfig("reduce", 8, 256).rows_per_program(9) == sm.REDUCE_MAX_BLOCK_M
     assert sm.SkinnyConfig("dot", 16, 256).rows_per_program(1) == 16

@@ -1,5 +1,5 @@
 """The quantized storage prepares a layer's rows once and its row indices once per forward
-(`storage.step_rows`), keeps the arithmetic of preparing them one by one, and never hands back
+(`quant.storage.StepMemo`), keeps the arithmetic of preparing them one by one, and never hands back
 a result whose inputs changed."""
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
-from dyngen_core.kv.attention.triton.exact import exact_operands
-from dyngen_core.kv.quant import step_rows
+from dyngen_core.kv.attention.triton.operands import exact_operands
 from dyngen_core.kv.quant import storage as quant
 from dyngen_core.kv.quant import window as recent
-from dyngen_core.kv.quant.hadamard import hadamard_matrix, rotate
-from dyngen_core.kv.quant.storage import QuantStorage
+from dyngen_core.kv.quant.format import hadamard_matrix, rotate
+from dyngen_core.kv.quant.storage import QuantStorage, StepMemo
 
 PAGE, KV_HEADS, DIM, LAYERS, WINDOW = 8, 2, 64, 3, 4
 ROTATION = hadamard_matrix(32)
@@ -155,7 +154,7 @@ def test_a_new_forward_recomputes_indices_of_reused_batch_tensors() -> None:
 
 
 def test_step_memo_matches_only_the_same_unwritten_tensors() -> None:
-    memo = step_rows.StepMemo()
+    memo = StepMemo()
     slots = torch.arange(4)
     computed: list[int] = []
 

@@ -51,7 +51,7 @@ def get_backend(name: str | AttentionBackend = "auto",
 
     name: "auto" (the fastest backend for ``device``) or a backend name: "sdpa" (reference,
         any device), plus GPU backends when installed; or a backend already built (e.g.
-        ``TritonPagedBackend(prefill_kernel="paged")`` with its options), returned as it is.
+        ``TritonPagedBackend(cascade_min_saved_keys=None)``), returned as it is.
     device: the model's device; "auto" uses it to choose (None means the CPU).
     """
     if not isinstance(name, str):

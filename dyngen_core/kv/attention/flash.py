@@ -11,7 +11,6 @@ storage (q8/q6/q4, float32, smaller pages) this backend hands the step to the Tr
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -21,11 +20,6 @@ from dyngen_core.kv.attention.base import ForwardBatch
 from dyngen_core.kv.storage import KVStorage
 
 FLASH_PAGE_MULTIPLE = 256
-
-
-def flash_available() -> bool:
-    """True when the flash_attn package can be imported (its kernels need CUDA)."""
-    return importlib.util.find_spec("flash_attn") is not None
 
 
 class FlashBackend:

@@ -1,5 +1,6 @@
 """The reference attention backend: read each sequence's cached keys/values, then PyTorch's
-``scaled_dot_product_attention`` with a per-sequence causal mask.
+``scaled_dot_product_attention`` with a per-sequence causal mask; and the reference semantics of
+reading a quantized cache with a recent-token window (`extend_with_recent`).
 
 Runs on any device. Sequences are padded into one batched call per group: decode tokens (one
 query each) form one group, prefill chunks another, so a long prefill does not pad every decode
@@ -9,8 +10,16 @@ every layer.
 Two ways to read the cache: unquantized storage is read slot by slot (only the slots a group
 attends over, into one scratch buffer reused by every layer), since copying whole 256-slot pages
 into a fresh tensor per layer cost more than the attention itself on the CPU; quantized storage
-is read page by page through ``KVStorage.gather``, which dequantizes only those pages. A quantized
-storage with a recent-token window adds the exact rows it defines (`sdpa_recent`).
+is read page by page through ``KVStorage.gather``, which dequantizes only those pages.
+
+The window rule: a query at position ``p`` reads key ``j`` (and its value) unquantized when
+``p - window < j <= p`` and an exact row of ``j`` is at hand: the step's own rows for positions
+written in this step, else the sequence's recent window (`quant.window`) when it still holds
+``j``. Every other visible key comes from the pages (whose head rows are exact as well). Each
+key is counted once. `extend_with_recent` builds that for one padded group: the page keys are
+followed by the exact rows (window rows, then the step's rows) and one mask says which copy each
+query sees. The Triton backend implements the same rule in its kernels and is tested against
+this.
 """
 
 from __future__ import annotations
@@ -22,10 +31,77 @@ import torch
 import torch.nn.functional as F
 
 from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.attention.sdpa_recent import GroupLayout, extend_with_recent
 from dyngen_core.kv.fp16.storage import FP16Storage
 from dyngen_core.kv.quant.storage import QuantStorage
 from dyngen_core.kv.storage import KVStorage
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """What the window rule needs of one padded group of G sequences, Q query rows each.
+
+    seq_index: [G] the sequences' indices in the batch.
+    first_pos: [G] position of each sequence's first query token (context - query length).
+    query_lens: [G] query tokens per sequence.
+    step_rows: [G, Q] row of the flattened batch of each query token (clamped for padding).
+    """
+
+    seq_index: torch.Tensor
+    first_pos: torch.Tensor
+    query_lens: torch.Tensor
+    step_rows: torch.Tensor
+
+
+def extend_with_recent(storage: QuantStorage, layer: int, seq_slots: torch.Tensor,
+                       step_keys: torch.Tensor, step_values: torch.Tensor, layout: GroupLayout,
+                       page_keys: torch.Tensor, page_values: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page keys/values [G, L, Hkv, D] extended by the exact rows, and the mask
+    [G, 1, Q, L + window + Q] of what each query reads.
+
+    seq_slots: [B] the batch's sequence slots; step_keys / step_values: [T, Hkv, D] the step's
+    rows as computed (this function applies the storage's key offsets).
+    """
+    window = storage.recent_window
+    recent = storage.gather_recent(layer, seq_slots.index_select(0, layout.seq_index))
+    assert recent is not None
+    ring_keys, ring_values, ring_pos = recent
+    device = page_keys.device
+    length = page_keys.shape[1]
+    queries = layout.step_rows.shape[1]
+    first = layout.first_pos[:, None]
+    query_pos = first + torch.arange(queries, device=device)[None, :]
+    # The window is written after attention, so it holds earlier steps' rows only; the guard
+    # keeps a row of a position at or past this step (a slot's stale future) out regardless.
+    ring_pos = torch.where(ring_pos < first, ring_pos, -1).to(torch.long)
+    step_pos = torch.where(torch.arange(queries, device=device)[None, :]
+                           < layout.query_lens[:, None], query_pos, -1)
+    exact_pos = torch.cat((ring_pos, step_pos), dim=1)
+    rows = layout.step_rows.flatten()
+    fresh_keys = storage.stored_keys(layer, step_keys).index_select(0, rows)
+    fresh_values = step_values.index_select(0, rows)
+    shape = (*layout.step_rows.shape, *step_keys.shape[1:])
+    keys = torch.cat((page_keys, ring_keys.to(page_keys.dtype),
+                      fresh_keys.view(shape).to(page_keys.dtype)), dim=1)
+    values = torch.cat((page_values, ring_values.to(page_values.dtype),
+                        fresh_values.view(shape).to(page_values.dtype)), dim=1)
+    qp = query_pos[:, :, None]
+    sees_exact = (exact_pos[:, None, :] >= 0) & (exact_pos[:, None, :] <= qp) & (
+        exact_pos[:, None, :] > qp - window)
+    held = _held_positions(ring_pos, first, length)
+    j = torch.arange(length, device=device)[None, None, :]
+    covered = (j > qp - window) & (j <= qp) & held[:, None, :]
+    sees_page = (j <= qp) & ~covered
+    return keys, values, torch.cat((sees_page, sees_exact), dim=2).unsqueeze(1)
+
+
+def _held_positions(ring_pos: torch.Tensor, first: torch.Tensor, length: int) -> torch.Tensor:
+    """[G, length]: True where an exact row exists: the step's positions and the window's."""
+    held = torch.zeros(ring_pos.shape[0], length + 1, dtype=torch.bool, device=ring_pos.device)
+    spare = torch.where((ring_pos >= 0) & (ring_pos < length), ring_pos, length)
+    held.scatter_(1, spare, True)
+    positions = torch.arange(length, device=ring_pos.device)[None, :]
+    return held[:, :length] | (positions >= first)
 
 
 @dataclass
@@ -57,17 +133,12 @@ class _Group:
 
 class SdpaBackend:
     """Reference backend over any KVStorage (the oracle other backends are tested against).
-
-    read_slots: read unquantized (`FP16Storage`) caches slot by slot into a reused scratch
-        buffer; False always reads whole pages through ``KVStorage.gather`` (the plain path, kept
-        as the oracle for the slot reader). The scratch buffer grows to the largest single
-        layer's read and is kept for the next forward.
-    """
+    Unquantized (`FP16Storage`) caches are read slot by slot into a scratch buffer that grows
+    to the largest single layer's read and is kept for the next forward."""
 
     name = "sdpa"
 
-    def __init__(self, *, read_slots: bool = True) -> None:
-        self.read_slots = read_slots
+    def __init__(self) -> None:
         # The layout of the batch being run, reused by every layer of the same forward.
         self._cached: tuple[ForwardBatch, torch.device, bool, list[_Group]] | None = None
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -115,7 +186,7 @@ class SdpaBackend:
     def _read(self, layer: int, storage: KVStorage,
               group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys and values, each [G, key_len, Hkv, D]."""
-        if self.read_slots and isinstance(storage, FP16Storage):
+        if isinstance(storage, FP16Storage):
             return self._read_slots(storage.keys[layer], storage.values[layer], group)
         keys, values = storage.gather(layer, group.page_table)
         return keys[:, :group.key_len], values[:, :group.key_len]

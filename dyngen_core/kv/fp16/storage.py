@@ -1,8 +1,17 @@
-"""Unquantized KV storage ("fp16" mode): pages kept in the model's own dtype.
+"""Unquantized KV storage ("fp16" mode): pages kept in the model's own dtype, and its write.
 
 Per layer, one key and one value tensor [num_pages, page_size, num_kv_heads, head_dim] on that
-layer's device. Writes scatter rows to flat slots (one Triton launch per layer on CUDA,
-`fp16_write`); gathers return whole pages.
+layer's device. Gathers return whole pages. A write scatters rows to flat slots: on CUDA one
+Triton launch per layer (`kv_write_kernel`: keys and values together, value rows read where the
+fused qkv projection left them, strided, with no copy first), elsewhere its torch twin, two
+``index_copy_`` (`write_rows_torch`).
+
+Slots outside the caches: the torch write raises (IndexError on the CPU, a device-side assert on
+CUDA); the kernel cannot raise without a host sync, so it writes nothing for such a row rather
+than outside the caches. No caller makes such slots: CUDA-graph padding rows repeat the last
+real row's slot, so they write the same data to the same slot. The launch reads its grid from
+the key's shape and its slots from the device, so it is captured in CUDA graphs and replayed
+with new slots.
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ import torch
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import PageCopy
-from dyngen_core.kv.fp16.write import (
-    check_triton_write,
-    triton_write_default,
-    write_rows_torch,
-    write_rows_triton,
+from dyngen_core.kv.storage import copy_page_slots
+from dyngen_core.ops.triton_support import (
+    launch_device,
+    require_triton,
+    tl,
+    triton,
+    triton_by_default,
 )
 
 # (keys cache, values cache, key rows, value rows, slots) -> None
@@ -31,12 +42,10 @@ class FP16Storage:
     num_pages, page_size: the cache's pages and slots per page.
     dtype: the storage dtype (the model's dtype).
     layer_devices: one device per layer; each layer's pages live there.
-    triton_write: write keys and values in one Triton launch per layer (`fp16_write`) instead
-        of two ``index_copy_``. None: on the CUDA layers when triton is installed; True: on
-        every layer (ValueError when it cannot run there; on the CPU only under
-        ``TRITON_INTERPRET=1``, for tests); False: never. The two differ only for slots
-        outside the cache, which no caller makes: the torch write raises, the kernel skips
-        the row.
+    triton_write: write keys and values in one Triton launch per layer (`kv_write_kernel`)
+        instead of two ``index_copy_`` (`write_rows_torch`). None: on the CUDA layers when
+        triton is installed; True: on every layer (ValueError when it cannot run there; on
+        the CPU only under ``TRITON_INTERPRET=1``, for tests); False: never.
 
     Tensors start zeroed: padded page-table entries and masked slots are read by batched
     attention, and garbage such as NaN in them would leak through a zero attention weight.
@@ -74,30 +83,15 @@ class FP16Storage:
         """Keys and values of ``page_table`` [B, P], as [B, P * page_size, Hkv, head_dim]."""
         keys, values = self.keys[layer], self.values[layer]
         pages = page_table.to(keys.device, dtype=torch.long, non_blocking=True).flatten()
-        # index_select is ~3x faster than advanced indexing for this gather on the CPU.
+        # index_select rather than advanced indexing: the faster gather on the CPU.
         shape = (page_table.shape[0], -1, *keys.shape[2:])
         return (keys.index_select(0, pages).view(shape),
                 values.index_select(0, pages).view(shape))
 
     @torch.inference_mode()
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
-        """Copy slot ranges between pages in every layer, in order.
-
-        When no copy reads a page an earlier copy writes, all of them run as one indexed copy per
-        tensor (the common case: partial-page reuse, defrag moves into free pages).
-        """
-        if not copies:
-            return
-        if _independent(copies):
-            src, dst = _slot_indices(copies, self.page_size)
-            for tensor in (*self.keys, *self.values):
-                flat = tensor.view(-1, *tensor.shape[2:])
-                index_src, index_dst = src.to(tensor.device), dst.to(tensor.device)
-                flat.index_copy_(0, index_dst, flat.index_select(0, index_src))
-            return
-        for copy in copies:
-            for tensor in (*self.keys, *self.values):
-                tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
+        """Copy slot ranges between pages in every layer, in order (`copy_page_slots`)."""
+        copy_page_slots([*self.keys, *self.values], copies, self.page_size)
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
@@ -115,24 +109,88 @@ class FP16Storage:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
+
 def _row_writer(device: torch.device, triton_write: bool | None) -> RowWriter:
     """The write a layer on ``device`` uses, as `FP16Storage`'s ``triton_write`` says."""
     if triton_write:
-        check_triton_write(device)
-    use_triton = triton_write_default(device) if triton_write is None else triton_write
+        require_triton(device, "triton_write")
+    use_triton = triton_by_default(device) if triton_write is None else triton_write
     return write_rows_triton if use_triton else write_rows_torch
 
 
-def _independent(copies: Sequence[PageCopy]) -> bool:
-    """True when no copy's source page is written by any copy (so order does not matter)."""
-    written = {c.dst for c in copies}
-    return not any(c.src in written for c in copies) and len(written) == len(copies)
+def write_rows_torch(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store key/value rows [T, H, D] into caches [pages, page_size, H, D] at flat ``slots``
+    [T] (int64, on the caches' device) with two ``index_copy_``; raises on slots outside the
+    caches."""
+    keys.view(-1, *keys.shape[2:]).index_copy_(0, slots, key.to(keys.dtype))
+    values.view(-1, *values.shape[2:]).index_copy_(0, slots, value.to(values.dtype))
 
 
-def _slot_indices(copies: Sequence[PageCopy], page_size: int) -> tuple[torch.Tensor, ...]:
-    src: list[int] = []
-    dst: list[int] = []
-    for c in copies:
-        src.extend(range(c.src * page_size, c.src * page_size + c.num_slots))
-        dst.extend(range(c.dst * page_size, c.dst * page_size + c.num_slots))
-    return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+def write_rows_triton(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, slots: torch.Tensor) -> None:
+    """`write_rows_torch` in one kernel launch; rows whose slot is outside the caches (e.g. -1)
+    are not written. ``key``/``value`` may be any strided views whose last dimension is
+    contiguous (others are copied first); ``slots`` is int32 or int64. Rows in another dtype
+    are converted by torch first, as `write_rows_torch` does (bit for bit the same rounding;
+    the model's rows come in the cache dtype, so no conversion runs)."""
+    tokens, heads, head_dim = key.shape
+    if tokens == 0:
+        return
+    key = _last_dim_contiguous(key.to(keys.dtype))
+    value = _last_dim_contiguous(value.to(values.dtype))
+    page_size = keys.shape[1]
+    with launch_device(keys.device):
+        kv_write_kernel[(tokens,)](
+            key, value, slots,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            keys, values, *keys.stride()[:3], *values.stride()[:3],
+            keys.shape[0] * page_size,
+            PAGE_SIZE=page_size, HEADS=heads, HEAD_DIM=head_dim,
+            HEADS_PAD=_next_pow2(heads), DIM_PAD=_next_pow2(head_dim),
+            num_warps=4,
+        )
+
+
+def _last_dim_contiguous(rows: torch.Tensor) -> torch.Tensor:
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+@triton.jit
+def kv_write_kernel(
+    key, value, slots,
+    key_token_stride, key_head_stride, value_token_stride, value_head_stride,
+    key_cache, value_cache,
+    key_page_stride, key_slot_stride, key_cache_head_stride,
+    value_page_stride, value_slot_stride, value_cache_head_stride,
+    num_slots,
+    PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    """Program ``t`` copies token t's key and value rows [HEADS, HEAD_DIM] (last dimension
+    contiguous, other strides as given) into the caches [pages, PAGE_SIZE, HEADS, HEAD_DIM] at
+    flat slot ``slots[t]``; the rows come in the caches' dtype (a pure copy). A slot outside
+    [0, num_slots) writes nothing (a launch cannot raise, and must never write outside the
+    caches)."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + token).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)  # keep even the masked addresses inside the caches
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < HEADS) & (dims < HEAD_DIM) & valid
+    key_row = tl.load(key + token * key_token_stride + heads * key_head_stride + dims,
+                      mask=mask)
+    value_row = tl.load(value + token * value_token_stride + heads * value_head_stride + dims,
+                        mask=mask)
+    key_at = page * key_page_stride + offset * key_slot_stride + heads * key_cache_head_stride
+    value_at = (page * value_page_stride + offset * value_slot_stride
+                + heads * value_cache_head_stride)
+    tl.store(key_cache + key_at + dims, key_row, mask=mask)
+    tl.store(value_cache + value_at + dims, value_row, mask=mask)

@@ -1,12 +1,11 @@
 """Key offsets for the quantized cache modes: the mean key of every (layer, kv head), measured
 once per cache on a fixed calibration input.
 
-Why: attention does not change when one fixed vector ``m`` is subtracted from every key, since
+Attention does not change when one fixed vector ``m`` is subtracted from every key, since
 each score of a query moves by the same ``q . m`` and softmax ignores a constant. Keys carry a
 large component common to all tokens (per channel, after rotary embedding), and a quantized row
-spends its range on it; storing ``k - m`` instead leaves only what differs between tokens. On
-the demo model (SmolLM2-135M, 4-bit keys) this cuts the mean next-token KL against the
-unquantized cache by about 30 % at no cost in memory or attention work (BENCHMARKS.md §8).
+spends its range on it; storing ``k - m`` instead leaves only what differs between tokens, at
+no cost in memory or attention work (figures: BENCHMARKS.md, section 8).
 
 The calibration input is deterministic (BOS, when the model has one, then pseudo-random token
 ids drawn from a fixed seed), so the same model always gets the same offsets and a job's output

@@ -1,21 +1,27 @@
-"""The quantized row format of the q8 / q6 / q4 caches, and its torch reference codec.
+"""The quantized row format of the q8 / q6 / q4 caches: the rotation applied before quantizing,
+the codes and scales, and the torch codec (the CPU path; the Triton write follows it operation
+for operation).
 
-One cached row (one token, one kv head) of ``head_dim`` values is split into groups of 32.
-Each group is rotated by `hadamard.rotate` (normalized Hadamard of size 32 with fixed signs),
-then quantized with one float16 scale per group:
+Rotation: ``R = H_32 · diag(s) / sqrt(32)`` (``H_32`` the Sylvester Hadamard matrix, ``s`` a
+fixed ±1 sign pattern from an integer hash) on each group of 32 values spreads an outlier channel
+over the group, so the group's scale is set by the typical magnitude rather than by one channel.
+``R`` is orthogonal (``R⁻¹ = Rᵀ``) and every entry is ±1/sqrt(32); attention needs only dot
+products, so a kernel may work in the rotated space (rotate q, un-rotate the output) without
+un-rotating each cached row. The torch path applies ``R`` as a float32 matrix product
+(`rotate`); the Triton write as the Walsh-Hadamard butterfly (`walsh_hadamard`: stage
+``h = 1, 2, 4, ...``, pairs at distance ``h`` become ``(a + b, a - b)``); the two agree to
+float32 rounding.
+
+Codes: one cached row (one token, one kv head) of ``head_dim`` values is split into groups of
+32, each rotated, then quantized with one float16 scale per group:
 
     m     = the rotated value of largest magnitude (the positive one on a tie)
     scale = fp16(m / -2**(bits-1))         # m itself lands exactly on the code -2**(bits-1)
     code  = clamp(round_half_even(v / scale), -2**(bits-1), 2**(bits-1) - 1)
             (0 when scale == 0)
 
-Why these choices (measured on the demo model's real keys, 4 bits, KL of the attention
-probabilities averaged over layers): rotating each group of 32 gives 2.2e-2, rotating the whole
-head_dim (64) 2.6e-2, no rotation 5.5e-2. Groups of 32 also work for any head_dim that is a
-multiple of 32, and are five warp shuffles in CUDA. The fixed signs cost nothing on these keys
-and stop a constant offset across a group from collapsing into one huge rotated value.
-Using the signed extreme (llama.cpp's Q4_0 trick) gives all 2**bits levels to a symmetric format
-at no extra storage: for 4 bits it cuts the round-trip error by ~11% against ``max|v| / 7``.
+The signed extreme (llama.cpp's Q4_0 trick) gives all 2**bits levels to a symmetric format at no
+extra storage. Why groups of 32 and the rotation: BENCHMARKS.md, section 8.
 
 Packing of the codes of one row (``packed_bytes = head_dim * bits / 8``):
 
@@ -26,18 +32,15 @@ Packing of the codes of one row (``packed_bytes = head_dim * bits / 8``):
   ``u[4i] | u[4i+1] << 6 | u[4i+2] << 12 | u[4i+3] << 18``.
 
 So value ``d`` of a row always starts at bit ``d * bits`` of the row's bytes (little-endian).
-Scales are stored as [..., head_dim / 32] float16. This module is the fallback path and the test
-oracle of the native kernels in csrc/, which follow it operation for operation (only the
-rotation's float32 rounding differs: a butterfly there, a matrix product here).
+Scales are stored as [..., head_dim / 32] float16.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-
-from dyngen_core.kv.quant.hadamard import rotate, unrotate
 
 GROUP_SIZE = 32
 FP16_MAX = 65504.0
@@ -83,19 +86,9 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
-def quantize(x: torch.Tensor, fmt: QuantFormat,
-             rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows ``x`` [..., head_dim] (any float dtype).
-
-    Returns packed codes [..., packed_bytes] in ``fmt.code_dtype`` and float16 scales
-    [..., head_dim / 32]. ``rotation`` is `hadamard.hadamard_matrix(32)`.
-    """
-    return quantize_rotated(rotate(x, rotation), fmt)
-
-
 def quantize_rotated(rotated: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize` of rows already rotated (``hadamard.rotate(x, rotation)``, float32): what
-    a caller that also needs the rotated rows (the storage's exact rows) quantizes."""
+    """Quantize rotated rows (``rotate(x, rotation)``, float32) [..., head_dim]: packed codes
+    [..., packed_bytes] in ``fmt.code_dtype`` and float16 scales [..., head_dim / 32]."""
     shape = rotated.shape
     groups = rotated.reshape(*shape[:-1], shape[-1] // GROUP_SIZE, GROUP_SIZE)
     amax = groups.abs().amax(dim=-1, keepdim=True)
@@ -110,8 +103,8 @@ def quantize_rotated(rotated: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Ten
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat,
                rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [..., head_dim] in ``dtype`` from packed codes and float16 scales (`quantize`'s
-    output): codes times scale in float32, un-rotated, then cast."""
+    """Rows [..., head_dim] in ``dtype`` from packed codes and float16 scales
+    (`quantize_rotated`'s output): codes times scale in float32, un-rotated, then cast."""
     codes = unpack(packed, fmt).to(torch.float32)
     groups = codes.reshape(*codes.shape[:-1], codes.shape[-1] // GROUP_SIZE, GROUP_SIZE)
     values = (groups * scales.to(torch.float32).unsqueeze(-1)).reshape(codes.shape)
@@ -144,3 +137,66 @@ def unpack(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         word = triple[..., 0] | (triple[..., 1] << 8) | (triple[..., 2] << 16)
         unsigned = torch.stack([(word >> shift) & 0x3F for shift in (0, 6, 12, 18)], dim=-1)
     return unsigned.reshape(*packed.shape[:-1], -1) + fmt.lowest
+
+
+# The sign pattern comes from a fixed integer hash, not from a random generator, so it is the
+# same on every machine, torch version and device. 256 covers every supported head_dim.
+MAX_ROTATION_SIZE = 256
+
+
+def rotation_signs(n: int) -> torch.Tensor:
+    """The fixed ±1 float32 sign pattern of length ``n`` (a power of two, at most 256)."""
+    if n <= 0 or n & (n - 1) or n > MAX_ROTATION_SIZE:
+        raise ValueError(f"rotation size {n} must be a power of two in 1..{MAX_ROTATION_SIZE}")
+    signs = [1.0 if _hash_bit(i) else -1.0 for i in range(n)]
+    return torch.tensor(signs, dtype=torch.float32)
+
+
+def _hash_bit(i: int) -> int:
+    # splitmix64 finalizer: a well-mixed bit per index, fixed forever.
+    z = (i + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 1
+
+
+def walsh_hadamard(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Unnormalized fast Walsh-Hadamard transform over consecutive blocks of ``n`` values of
+    the last dimension (``x.shape[-1]`` must be a multiple of ``n``, a power of two)."""
+    shape = x.shape
+    blocks = x.reshape(-1, shape[-1] // n, n)
+    h = 1
+    while h < n:
+        pairs = blocks.reshape(blocks.shape[0], blocks.shape[1], n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        blocks = torch.stack((a + b, a - b), dim=-2).reshape(blocks.shape)
+        h *= 2
+    return blocks.reshape(shape)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Apply ``R`` (`hadamard_matrix`) to each block of ``n`` values of the last dimension of
+    ``x``, in float32 (a matrix product, the fast form on CPUs)."""
+    n = rotation.shape[0]
+    blocks = x.to(torch.float32).reshape(-1, n)
+    return (blocks @ rotation.T.to(x.device)).reshape(x.shape)
+
+
+def unrotate(y: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Apply ``R⁻¹ = Rᵀ`` (the inverse of `rotate`) to float32 ``y``."""
+    n = rotation.shape[0]
+    return (y.reshape(-1, n) @ rotation.to(y.device)).reshape(y.shape)
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """The normalized rotation ``R = H_n · diag(s) / sqrt(n)`` as an [n, n] float32 matrix
+    (``rotate(x) = x @ Rᵀ``), computed with the butterfly."""
+    signs = rotation_signs(n)
+    rows = walsh_hadamard(torch.diag(signs), n) * inv_sqrt(n)  # row j: R applied to e_j
+    return rows.T.contiguous()
+
+
+def inv_sqrt(n: int) -> float:
+    """``1 / sqrt(n)`` rounded to float32 (exactly representable as a Python float): the
+    normalization of `hadamard_matrix`, the same value the Triton kernels use."""
+    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))

@@ -1,35 +1,27 @@
 """Quantized KV storage: the "q8", "q6" and "q4" cache modes.
 
-Per layer, on that layer's device, four tensors indexed by page (format in `qformat`):
+Per layer, on that layer's device, four tensors indexed by page (format in `format`):
 
     key_codes, value_codes    [num_pages, page_size, num_kv_heads, packed_bytes]  int8 / uint8
     key_scales, value_scales  [num_pages, page_size, num_kv_heads, head_dim / 32] float16
 
 Rows are quantized as they are written (`write`) and dequantized only for the pages a step
-references (`gather`). On CUDA, the native kernels of csrc/ do the work when they could be built
-(`native.load_native`); otherwise, and on CPU, the torch reference codec does.
-
-Bits per mode (keys, values): q8 = (8, 8), q6 = (6, 6), q4 = (4, 4): 1.88x, 2.46x and 3.56x the
-tokens of a 16-bit cache in the same memory. q6 packs 6-bit codes rather than keeping keys at 8
-bits and values at 4 (ExLlamaV2's choice, the same bytes): on the demo model (SmolLM2-135M, 4096
-tokens) 6/6 gives a mean next-token KL of 3.7e-3 against 7.1e-3 for 8/4, because the error of
-4-bit values costs more than 8-bit keys save (benchmarks/cache_quality.py --split-q6).
+references (`gather`, the torch codec of `format`). Bits per mode (keys, values): q8 = (8, 8),
+q6 = (6, 6), q4 = (4, 4) (why 6/6 rather than 8/4 for q6: BENCHMARKS.md, section 8).
 
 Two kinds of rows are kept unquantized beside the pages, because a query leans hardest on them:
 the first slot of every page (``key_heads`` / ``value_heads`` [num_pages + 1, kv_heads,
 head_dim], the halves of one ``head_rows`` tensor; slot 0 of a sequence's first page is its
-first token, the "attention sink" most heads attend to; one row per page costs 1.4 % of a q4
-page, so q4 still holds 3.5x the tokens of fp16) and, once `reserve_sequences` has made room,
-each running sequence's most recent positions (`recent.RecentWindow`). Both hold `exact_rows`:
-the compute dtype, rotated like the codes, so a kernel attending in the rotated space reads them
-as they are. `gather` returns the page heads (un-rotated) in place of their quantized rows;
-readers take the recent rows from `gather_recent`.
+first token, the "attention sink" most heads attend to) and, once `reserve_sequences` has made
+room, each running sequence's most recent positions (`window.RecentWindow`). Both hold
+`exact_rows`: the compute dtype, rotated like the codes, so a kernel attending in the rotated
+space reads them as they are. `gather` returns the page heads (un-rotated) in place of their
+quantized rows; readers take the recent rows from `gather_recent`.
 
 Per layer and step, the exact rows are made once by `write` and reused by the calls after it
-(`step_rows.StepMemo`). On CUDA with triton, `write` is one Triton launch and the window's
-write one more (`quant_write`), or none when `write` is given a decode-only step's
-``decode_window`` (``fold_decode_window``); otherwise the torch ops around the native kernel
-(`quant_write_native`; benchmarks/storage_ops.py counts them).
+(`StepMemo`). On CUDA with triton, `write` is one Triton launch (`write.launch_quant_write`),
+which stores a decode-only step's window rows as well; other steps' windows take one more
+launch in `write_recent`. Elsewhere the torch twin writes (`write.write_pages_torch`).
 
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
 from every key before it is quantized and never added back: attention scores of a query all move
@@ -39,41 +31,76 @@ longer spend their range on what all keys share. `Cache` sets them from `calibra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import PageCopy
-from dyngen_core.kv.quant import native
-from dyngen_core.kv.quant.copy import copy_quant_pages
-from dyngen_core.kv.quant.format import GROUP_SIZE, QuantFormat, check_head_dim, dequantize
-from dyngen_core.kv.quant.hadamard import hadamard_matrix, rotation_signs, unrotate
-from dyngen_core.kv.quant.layer import QuantLayer
-from dyngen_core.kv.quant.step_rows import (
-    ExactStepRows,
-    StepMemo,
-    head_index,
-    offset_keys,
-    prepare_rows,
+from dyngen_core.kv.quant.format import (
+    GROUP_SIZE,
+    QuantFormat,
+    check_head_dim,
+    dequantize,
+    hadamard_matrix,
+    rotation_signs,
+    unrotate,
 )
 from dyngen_core.kv.quant.window import RecentWindow, WindowIndex
 from dyngen_core.kv.quant.write import (
     DecodeWindowWrite,
+    ExactStepRows,
     StepQuantWrite,
     decode_window_write,
+    head_index,
     launch_quant_write,
-    resolve_fold_window,
+    offset_keys,
+    prepare_rows,
     resolve_triton_write,
     step_quant_write,
+    write_heads_torch,
+    write_pages_torch,
     write_window_triton,
 )
-from dyngen_core.kv.quant.write_native import write_heads, write_pages
+from dyngen_core.kv.storage import copies_independent, copy_page_slots
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
 # nothing for its cost: memory, and outputs that depend on whether a prefix came from the cache.
 DEFAULT_RECENT_WINDOW = {"q8": 0, "q6": 16, "q4": 16}
+Result = TypeVar("Result")
+
+
+@dataclass
+class QuantLayer:
+    """The page tensors of one layer (what a kernel reading quantized pages directly needs)."""
+
+    key_codes: torch.Tensor
+    key_scales: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
+    head_rows: torch.Tensor  # [2, num_pages + 1, kv_heads, head_dim]: key heads, value heads
+
+    @property
+    def key_heads(self) -> torch.Tensor:
+        """The unquantized first key row of every page, [num_pages + 1, kv_heads, head_dim]."""
+        return self.head_rows[0]
+
+    @property
+    def value_heads(self) -> torch.Tensor:
+        """The unquantized first value row of every page, like `key_heads`."""
+        return self.head_rows[1]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The [num_pages, page_size, ...] tensors (what page copies move slot by slot)."""
+        return (self.key_codes, self.key_scales, self.value_codes, self.value_scales)
+
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unquantized first rows of every page, [num_pages + 1, kv_heads, head_dim]."""
+        return (self.key_heads, self.value_heads)
 
 
 class QuantStorage:
@@ -88,31 +115,19 @@ class QuantStorage:
         layer_devices: the device of each layer, ``config.num_layers`` entries.
         mode: "q8", "q6" or "q4".
         bits: (key bits, value bits) overriding the mode's default pair; for measurements.
-        use_native: use the csrc/ CUDA kernels for layers on CUDA when they build (False forces
-            the torch reference everywhere).
         recent_window: positions of each running sequence kept unquantized once
             `reserve_sequences` has been called (0: none). Default: 16 for q6 and q4, 0 for q8
             (`DEFAULT_RECENT_WINDOW`).
-        triton_write: write a layer's rows in one Triton launch, its window in one more
-            (`quant_write`: the native kernel's codes; exact rows within one step of the
-            compute dtype) instead of the ops of `quant_write_native`. None: on CUDA layers
-            with triton installed, unless ``DYNGEN_QUANT_WRITE`` is "native" (or "triton");
-            True: every layer (ValueError where it cannot run: no triton, or the CPU without
+        triton_write: write a layer's rows in one Triton launch (`write.quant_write_kernel`)
+            instead of the torch twin. None: on CUDA layers with triton installed; True:
+            every layer (ValueError where it cannot run: no triton, or the CPU without
             ``TRITON_INTERPRET=1``); False: never.
-        fold_decode_window: `write` given a ``decode_window`` stores the window rows itself
-            (in the Triton write's launch) and the `write_recent` after it does nothing;
-            False: it ignores ``decode_window``. None: ``DYNGEN_QUANT_FOLD_WINDOW`` ("1"/"0"),
-            else on. An attribute: settable between steps (graphs keep what they captured).
-
-    Attribute ``write_head_block``: KV heads per program of the Triton write (default 1;
-    `quant_write.step_quant_write`), settable like the fold.
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: Sequence[torch.device | str], mode: str = "q4", *,
-                 bits: tuple[int, int] | None = None, use_native: bool = True,
-                 recent_window: int | None = None, triton_write: bool | None = None,
-                 fold_decode_window: bool | None = None) -> None:
+                 bits: tuple[int, int] | None = None,
+                 recent_window: int | None = None, triton_write: bool | None = None) -> None:
         if mode not in MODE_BITS:
             raise ValueError(f"quantized cache mode {mode!r} is unknown; use one of "
                              f"{tuple(MODE_BITS)} (or 'fp16' for the unquantized storage)")
@@ -131,14 +146,10 @@ class QuantStorage:
         self.value_format = QuantFormat(value_bits)
         self.devices = [torch.device(d) for d in layer_devices]
         self.layers = [self._allocate(device) for device in self.devices]
-        # The native kernels take the sign pattern (they run the butterfly); torch the matrix.
+        # The Triton write takes the sign pattern (it runs the butterfly); torch the matrix.
         self._signs = {d: rotation_signs(GROUP_SIZE).to(d) for d in set(self.devices)}
         self._rotation = {d: hadamard_matrix(GROUP_SIZE).to(d) for d in set(self.devices)}
-        wants_native = use_native and any(d.type == "cuda" for d in self.devices)
-        self._native = native.load_native() if wants_native else None
         self._triton = [resolve_triton_write(triton_write, d) for d in self.devices]
-        self.fold_decode_window = resolve_fold_window(fold_decode_window)
-        self.write_head_block = 1
         self.key_offsets: list[torch.Tensor] | None = None
         self._memo = StepMemo()
         self.recent: RecentWindow | None = None
@@ -203,9 +214,6 @@ class QuantStorage:
         return QuantLayer(codes(self.key_format), scales(), codes(self.value_format), scales(),
                           heads)
 
-    def _kernels(self, layer: int) -> native.NativeKernels | None:
-        return self._native if self.devices[layer].type == "cuda" else None
-
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor, *,
               decode_window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -213,27 +221,25 @@ class QuantStorage:
         slots ``slot_mapping`` [T] (page * page_size + offset); rows landing on slot 0 of a
         page also become that page's exact head row. Values are taken in the keys' dtype (the
         model gives both in its own). ``decode_window``: (positions, sequence slots) [T] of a
-        decode-only step (one token per sequence, never a prefill chunk): with
-        ``fold_decode_window`` and a reserved window, the rows enter the windows now and the
-        `write_recent` of these tensors after it does nothing (a decode query reads no window
-        row its step replaces); else ignored."""
+        decode-only step (one token per sequence, never a prefill chunk): with a reserved
+        window, the rows enter the windows now and the `write_recent` of these tensors after it
+        does nothing (a decode query reads no window row its step replaces)."""
         device, pages = self.devices[layer], self.layers[layer]
         fold = self._decode_fold(layer, decode_window)
         if self._triton[layer]:
-            write = self._step_write(layer, key, value, slot_mapping, fold,
-                                     self.write_head_block)
+            write = self._step_write(layer, key, value, slot_mapping, fold)
             launch_quant_write(write)
             self._memo.keep_rows(layer, key, value, ExactStepRows(exact=write.exact))
         else:
             rows = self._prepare_rows(layer, key, value)
             self._memo.keep_rows(layer, key, value, rows)
-            assert rows.stored is not None and rows.rotated is not None
-            write_pages(pages.tensors(), (self.key_format, self.value_format), rows.stored,
-                        rows.rotated, slot_mapping, self._kernels(layer), self._signs[device])
+            assert rows.rotated is not None
+            write_pages_torch(pages.tensors(), (self.key_format, self.value_format),
+                              rows.rotated, slot_mapping)
             index = self._memo.index("heads", layer, device, (slot_mapping,),
                                      lambda: head_index(slot_mapping, self.page_size,
                                                         self.num_pages, device))
-            write_heads(pages.head_rows, index, rows.exact)
+            write_heads_torch(pages.head_rows, index, rows.exact)
         if fold is not None and decode_window is not None:
             if not self._triton[layer]:  # its general rule gives the decode rule's rows
                 self.write_recent(layer, key, value, *decode_window)
@@ -243,34 +249,34 @@ class QuantStorage:
                        slot_mapping: torch.Tensor,
                        decode_window: tuple[torch.Tensor, torch.Tensor] | None
                        ) -> StepQuantWrite | None:
-        """`write`'s operands (a KV head a program) for a decode kernel to write with, in a
-        decode-only step (``decode_window``) on a layer whose Triton write folds a window.
+        """`write`'s operands for a decode kernel to write with, in a decode-only step
+        (``decode_window``) on a layer with a reserved window and the Triton write.
         Nothing runs: the rows count as written (`exact_rows`, `write_recent`), so that kernel
         must run before anything reads the layer. None (nothing done) elsewhere: `write`."""
         fold = self._decode_fold(layer, decode_window)
         if not self._triton[layer] or fold is None or decode_window is None:
             return None
-        write = self._step_write(layer, key, value, slot_mapping, fold, 1)
+        write = self._step_write(layer, key, value, slot_mapping, fold)
         self._memo.keep_rows(layer, key, value, ExactStepRows(exact=write.exact))
         self._memo.keep_window(layer, (key, value, *decode_window))
         return write
 
     def _decode_fold(self, layer: int, decode_window: tuple[torch.Tensor, torch.Tensor] | None
                      ) -> DecodeWindowWrite | None:
-        """The window write `write` folds into its launch (``fold_decode_window``), if any."""
-        return (decode_window_write(self.recent, layer, self.devices[layer], decode_window)
-                if self.fold_decode_window else None)
+        """The window write `write` does in its launch: a decode-only step's, with a reserved
+        window; else None."""
+        return decode_window_write(self.recent, layer, self.devices[layer], decode_window)
 
     def _step_write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-                    slot_mapping: torch.Tensor, fold: DecodeWindowWrite | None,
-                    head_block: int) -> StepQuantWrite:
+                    slot_mapping: torch.Tensor,
+                    fold: DecodeWindowWrite | None) -> StepQuantWrite:
         """The Triton write's operands for these rows of ``layer``, nothing launched."""
         device, pages = self.devices[layer], self.layers[layer]
         offsets = self.key_offsets[layer] if self.key_offsets is not None else None
         return step_quant_write(key, value, slot_mapping.to(device), offsets,
                                 self._signs[device], pages.tensors(),
                                 (self.key_format.bits, self.value_format.bits),
-                                pages.head_rows, self.dtype, fold, head_block)
+                                pages.head_rows, self.dtype, fold)
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
@@ -297,7 +303,7 @@ class QuantStorage:
                    value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key/value rows [T, num_kv_heads, head_dim] in the form the exact rows (page heads,
         recent windows) are stored: keys minus the key offsets, both rotated like the codes
-        (`hadamard.rotate`), in the compute dtype; contiguous. A kernel attending in the
+        (`format.rotate`), in the compute dtype; contiguous. A kernel attending in the
         rotated space reads them as they are."""
         exact = self.step_rows(layer, key, value).exact
         return exact[0], exact[1]
@@ -314,7 +320,7 @@ class QuantStorage:
 
     def step_rows(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> ExactStepRows:
         """``key``/``value`` [T, num_kv_heads, head_dim] of ``layer`` prepared as the storage
-        keeps them (`step_rows.prepare_rows`): those `write` prepared when given the same
+        keeps them (`write.prepare_rows`): those `write` prepared when given the same
         tensors (`exact_rows` and `write_recent` after it), else computed."""
         rows = self._memo.rows(layer, key, value)
         return rows if rows is not None else self._prepare_rows(layer, key, value)
@@ -330,27 +336,19 @@ class QuantStorage:
         [B, P * page_size, num_kv_heads, head_dim] in the compute dtype."""
         pages = self.layers[layer]
         device = self.devices[layer]
-        kernels = self._kernels(layer)
         out_shape = (page_table.shape[0], page_table.shape[1] * self.page_size,
                      self.num_kv_heads, self.head_dim)
+        index = page_table.to(device=device, dtype=torch.int64)
         results = []
         for codes, scales, fmt in (
             (pages.key_codes, pages.key_scales, self.key_format),
             (pages.value_codes, pages.value_scales, self.value_format),
         ):
-            if kernels is not None:
-                out = torch.empty(out_shape, dtype=self.dtype, device=codes.device)
-                kernels.dequantize_gather(codes, scales, page_table, self._signs[device],
-                                          fmt.bits, out)
-            else:
-                index = page_table.to(device=codes.device, dtype=torch.int64)
-                rows = dequantize(codes[index], scales[index], fmt, self._rotation[device],
-                                  self.dtype)
-                out = rows.reshape(out_shape)
-            results.append(out)
+            rows = dequantize(codes[index], scales[index], fmt, self._rotation[device],
+                              self.dtype)
+            results.append(rows.reshape(out_shape))
         rotation = self._rotation[device]
         for out, heads in zip(results, pages.heads(), strict=True):
-            index = page_table.to(device=heads.device, dtype=torch.int64)
             exact = unrotate(heads[index].to(torch.float32), rotation).to(self.dtype)
             out.view(*page_table.shape, self.page_size, *out.shape[2:])[:, :, 0] = exact
         return results[0], results[1]
@@ -358,7 +356,7 @@ class QuantStorage:
     def gather_recent(self, layer: int, seq_slots: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The recent windows of the sequences in ``seq_slots`` [G] (see
-        `recent.RecentWindow.gather`), un-rotated like `gather`'s rows, or None when no window
+        `window.RecentWindow.gather`), un-rotated like `gather`'s rows, or None when no window
         is kept."""
         if self.recent is None:
             return None
@@ -369,9 +367,23 @@ class QuantStorage:
 
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy the first ``num_slots`` slots of page ``src`` into page ``dst`` (codes and
-        scales, keys and values, head rows), in every layer, in the order given."""
-        copy_quant_pages(self.layers, copies, self.num_pages, self.page_size,
-                         [self._kernels(layer) for layer in range(len(self.layers))])
+        scales, keys and values, head rows), in every layer, in the order given. Raises
+        IndexError for a page outside the storage, ValueError for more slots than a page."""
+        copies = [c for c in copies if c.src != c.dst and c.num_slots > 0]
+        for c in copies:
+            self._check_copy(c)
+        for pages in self.layers:
+            copy_page_slots(pages.tensors(), copies, self.page_size)
+            _copy_head_rows(pages.head_rows, copies)
+
+    def _check_copy(self, copy: PageCopy) -> None:
+        for page in (copy.src, copy.dst):
+            if not 0 <= page < self.num_pages:
+                raise IndexError(f"page copy {copy} names page {page}; the storage holds pages "
+                                 f"0..{self.num_pages - 1}")
+        if copy.num_slots > self.page_size:
+            raise ValueError(f"page copy {copy} copies {copy.num_slots} slots; a page holds "
+                             f"{self.page_size}")
 
     def nbytes(self) -> int:
         """Bytes held: the pages (codes, scales, head rows) and the recent windows."""
@@ -393,3 +405,110 @@ class QuantStorage:
         """Bytes of one page's unquantized head rows (keys and values) over all layers."""
         element = torch.empty((), dtype=self.dtype).element_size()
         return len(self.layers) * 2 * self.num_kv_heads * self.head_dim * element
+
+
+def _copy_head_rows(head_rows: torch.Tensor, copies: Sequence[PageCopy]) -> None:
+    """Every copy starts at slot 0, so its destination takes the source's head rows (key and
+    value at once, ``head_rows`` [2, num_pages + 1, ...]); in order, as a later copy may read
+    what an earlier one wrote (at once when the copies are independent)."""
+    if not copies:
+        return
+    if copies_independent(copies):
+        src = torch.tensor([c.src for c in copies], device=head_rows.device)
+        dst = torch.tensor([c.dst for c in copies], device=head_rows.device)
+        head_rows.index_copy_(1, dst, head_rows.index_select(1, src))
+        return
+    for c in copies:
+        head_rows[:, c.dst].copy_(head_rows[:, c.src])
+
+# What `StepMemo` reuses, and when. A backend hands the storage the same tensors several times
+# per layer (`write`, the exact operands of attention, `write_recent`: the same keys and
+# values), and every layer of a forward the same slot mapping, positions and sequence slots.
+# - Exact rows: `write`, the first call of a layer, always computes them; the calls after it in
+#   the same layer reuse them for the very same key and value tensors (weak references: a freed
+#   tensor never matches, nor can its id be taken by another while held) that were not written
+#   in place since (version counters; tensors made under ``torch.inference_mode`` keep none, and
+#   nothing writes a layer's keys between its calls).
+# - Window written: `write` given a decode-only step's window marks it done for the very same
+#   key, value, position and sequence-slot tensors, so the `write_recent` after it skips; the
+#   next `keep_rows` (any layer's write) drops the mark. A missed mark costs only a second,
+#   identical window write.
+# - Row indices: derived from the batch tensors every layer shares; reused by a later layer of
+#   the same forward only (layers run in increasing order, so a call for a layer at or below the
+#   one that last used an entry belongs to a new forward, which recomputes it: a CUDA graph
+#   captured from a forward holds its own index kernels rather than an earlier forward's).
+
+
+class _Inputs:
+    """Tensors remembered by weak reference and version counter (where they keep one)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.versions = [_version(t) for t in tensors]
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """True for the very same tensor objects (a prefix of them may be given), none
+        written in place since (as far as their version counters tell)."""
+        return len(tensors) <= len(self.refs) and all(
+            ref() is t and _version(t) == version
+            for ref, version, t in zip(self.refs, self.versions, tensors, strict=False))
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
+
+
+class StepMemo:
+    """The exact rows of the layer last written (and whether its write stored the recent
+    window) and the row indices of the current forward."""
+
+    def __init__(self) -> None:
+        self._rows: tuple[int, _Inputs, ExactStepRows] | None = None
+        self._window: tuple[int, _Inputs] | None = None
+        self._indices: dict[tuple[str, torch.device], tuple[_Inputs, int, object]] = {}
+
+    def clear(self) -> None:
+        """Forget everything (what the rows are derived with changed, e.g. the key offsets)."""
+        self._rows = None
+        self._window = None
+        self._indices.clear()
+
+    def keep_rows(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                  rows: ExactStepRows) -> None:
+        """Remember ``rows``, prepared from ``key``/``value`` for ``layer``."""
+        self._rows = (layer, _Inputs((key, value)), rows)
+        self._window = None
+
+    def keep_window(self, layer: int, inputs: Sequence[torch.Tensor]) -> None:
+        """Remember that ``layer``'s recent window holds the rows of ``inputs`` (key, value,
+        positions, sequence slots): the write after `keep_rows` stored them."""
+        self._window = (layer, _Inputs(inputs))
+
+    def window_kept(self, layer: int, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether `keep_window` marked these very ``inputs`` of ``layer`` since the last
+        `keep_rows`."""
+        kept = self._window
+        return (kept is not None and kept[0] == layer and len(inputs) == len(kept[1].refs)
+                and kept[1].matches(inputs))
+
+    def rows(self, layer: int, key: torch.Tensor,
+             value: torch.Tensor | None = None) -> ExactStepRows | None:
+        """The rows kept for ``layer`` from these very ``key`` (and ``value``) tensors, or
+        None."""
+        cached = self._rows
+        given = (key,) if value is None else (key, value)
+        if cached is not None and cached[0] == layer and cached[1].matches(given):
+            return cached[2]
+        return None
+
+    def index(self, name: str, layer: int, device: torch.device,
+              inputs: Sequence[torch.Tensor], compute: Callable[[], Result]) -> Result:
+        """Row indices called ``name`` on ``device`` derived from ``inputs`` for ``layer``:
+        an earlier layer's of this forward, or ``compute()``d."""
+        cached = self._indices.get((name, device))
+        if cached is not None and layer > cached[1] and cached[0].matches(inputs):
+            self._indices[(name, device)] = (cached[0], layer, cached[2])
+            return cached[2]  # type: ignore[return-value]
+        result = compute()
+        self._indices[(name, device)] = (_Inputs(inputs), layer, result)
+        return result

@@ -1,11 +1,11 @@
 """The recent-token window of the quantized caches: each running sequence's last few keys and
 values kept unquantized, beside the quantized pages.
 
-Why: on the demo model (SmolLM2-135M, 4-bit cache) most of the error a quantized cache adds
-comes from the few keys a query attends to most, its own and its nearest predecessors' (and the
-first token's, which `quant.QuantStorage` keeps exact as a page head). Reading the last 16
-positions unquantized cuts q4's next-token KL about 3x (BENCHMARKS.md, cache quality); KIVI
-(Liu et al., 2024) keeps such a full-precision residual for the same reason.
+A query leans hardest on the keys it attends to most, its own and its nearest predecessors'
+(and the first token's, which `storage.QuantStorage` keeps exact as a page head), so reading
+the last few positions unquantized removes most of the error a quantized cache adds (figures:
+BENCHMARKS.md, section 8); KIVI (Liu et al., 2024) keeps such a full-precision residual for the
+same reason.
 
 Layout, per layer on the layer's device: ``rows`` [2, slots * window + 1, kv_heads, head_dim] in
 the compute dtype, whose halves are ``keys`` and ``values`` (one tensor, so a step's keys and
@@ -89,14 +89,6 @@ class RecentWindow:
             for device in devices
         ]
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-              positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
-        """Store rows [T, kv_heads, head_dim] of tokens at ``positions`` [T] of the sequences in
-        ``seq_slots`` [T] (-1 or out of range: not kept); of a sequence's tokens, those within
-        ``window`` of its newest one."""
-        device = self.layers[layer].rows.device
-        self.write_rows(layer, torch.stack((key, value)), self.index(positions, seq_slots, device))
-
     def write_rows(self, layer: int, rows: torch.Tensor, index: WindowIndex) -> None:
         """Store a step's keys and values ``rows`` [2, T, kv_heads, head_dim] where ``index``
         (`index`, the same for every layer of a forward) puts them."""
@@ -107,8 +99,9 @@ class RecentWindow:
 
     def index(self, positions: torch.Tensor, seq_slots: torch.Tensor,
               device: torch.device) -> WindowIndex:
-        """Where tokens at ``positions`` [T] of the sequences in ``seq_slots`` [T] go (see
-        `write`), on ``device``: the same in every layer."""
+        """Where tokens at ``positions`` [T] of the sequences in ``seq_slots`` [T] (-1 or out of
+        range: not kept) go, on ``device``: the same in every layer. Of a sequence's tokens,
+        those within ``window`` of its newest one are kept."""
         slots = seq_slots.to(device=device, dtype=torch.int64)
         pos = positions.to(device=device, dtype=torch.int64)
         spare = self.slots * self.window

@@ -22,18 +22,18 @@ rows are members x ``G`` query heads of one KV head.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
-from dyngen_core.kv.attention.triton.decode_merge import fold_partials
-from dyngen_core.kv.attention.triton.kernels import (
+from dyngen_core.kv.attention.triton.key_loop import (
     attend_key_range,
     initial_state,
     load_scaled_queries,
     log2_sum_exp,
     normalized_rows,
+    tile_page,
+    window_ids,
+    window_keys,
 )
-from dyngen_core.kv.attention.triton.page_window import tile_page, window_ids, window_keys
+from dyngen_core.kv.attention.triton.merge import fold_partials
+from dyngen_core.ops.triton_support import tl, triton
 
 
 # As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.

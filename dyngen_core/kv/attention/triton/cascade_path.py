@@ -41,11 +41,12 @@ from dyngen_core.kv.attention.triton.cascade_tables import (
     StaticCascadeLayout,
     cascade_tables,
 )
-from dyngen_core.kv.attention.triton.decode_merge import SplitCounters
+from dyngen_core.kv.attention.triton.decode import multiprocessors
+from dyngen_core.kv.attention.triton.merge import SplitCounters
 from dyngen_core.kv.storage import KVStorage
 
 if TYPE_CHECKING:
-    from dyngen_core.kv.attention.triton.page_operands import HeadShape, PageOperands
+    from dyngen_core.kv.attention.triton.operands import HeadShape, PageOperands
 
 LOG2_E = 1.4426950408889634
 UNKNOWN_KEYS = 1 << 30  # a graph's lengths: never the bound on its split count
@@ -318,14 +319,6 @@ def split_count(keys: int, programs: int, target_programs: int, max_splits: int,
     return max(1, min(max_splits, wanted, by_length))
 
 
-def multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 4 for the Triton interpreter on the CPU (a few
-    splits still exercise the merges)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
-
-
 def cascade_reads(storage: KVStorage) -> bool:
     """Whether the cascade serves this storage: unquantized pages only. Its general prefix
     kernel reads quantized pages too (same loaders and rotation as the plain kernel), but
@@ -339,4 +332,4 @@ def _or_unknown(keys: int | None) -> int:
 
 
 __all__ = ["CascadePath", "PrefixLaunch", "attend_own_keys", "attend_prefixes",
-           "cascade_reads", "multiprocessors", "split_count", "tile_keys", "tiles_fit"]
+           "cascade_reads", "split_count", "tile_keys", "tiles_fit"]

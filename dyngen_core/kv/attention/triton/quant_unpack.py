@@ -1,7 +1,8 @@
-"""Unpacking of 4- and 8-bit code words for `triton_quant_kernels`: loads, fields, joins.
+"""Unpacking of 4- and 8-bit code words for the q8/q4 decode kernel (`quant_decode`): loads,
+fields, joins.
 
 A page row of ``HEAD_DIM`` codes is ``WORDS`` int32 words of ``PER_WORD`` codes each (8 for 4
-bits, 4 for 8 bits; `storage.qformat`): dim ``d`` is field ``d % PER_WORD`` of word
+bits, 4 for 8 bits; `quant.format`): dim ``d`` is field ``d % PER_WORD`` of word
 ``d // PER_WORD``. Field ``i`` of every word of a block of keys is one tile [keys, W_PAD] whose
 column ``w`` is dim ``w * PER_WORD + i`` (`field_values`); `join_columns` puts such tiles back
 in dim order. Codes become floats with the exponent trick (a field OR-ed into the mantissa of a
@@ -11,12 +12,14 @@ power of two, minus that power and the code bias): no integer-to-float conversio
 fields of a word at once, as half2 (``lop3`` of the word, shifted, with 0x000F000F / 0x00FF00FF
 and 0x6400 in each half, then one ``sub.f16x2`` and one ``mul.f16x2``): about 2 instructions a
 code instead of about 5 (a shift, a mask, an or, packing, half a subtract and a multiply each).
+Joined 4-bit value rows take the fields in the unpack's pair order (`paired_fields`) and their
+middle column quarters swapped (`swapped_quarters`), which the kernel undoes once after its
+key loop (`unpaired_columns`, `swapped_quarters` again).
 """
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from dyngen_core.ops.triton_support import tl, triton
 
 # Fields (0, 4), (1, 5), (2, 6), (3, 7) of a word of 4-bit codes as half2, each 1024 + u where
 # u = code + 8; minus 1032, times the scale. $8: the word, $9: the scale (f16).
@@ -133,48 +136,29 @@ def load_tile(base, slots, stride_s, key_valid, cols, col_ok, TRANSPOSED: tl.con
 
 
 @triton.jit
-def load_scales(scales_ptr, offset, slots, stride_s, key_valid, groups, col_ok,
-                TRANSPOSED: tl.constexpr, PADDED: tl.constexpr, MODE: tl.constexpr,
-                PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """float16 scales at ``scales_ptr + offset`` (the page and KV head's; a tile as
-    `load_tile`'s; ``groups``: each column's group, ``col // PER_GROUP``).
-
-    MODE 0: a 2-byte gather per element, which cannot go through cp.async, so Triton leaves
-    it a synchronous load in the key loop (a global-load latency per step). MODE 1 (even group
-    counts, so the rows are 4-byte aligned): each element loads the int32 holding its group's
-    scale and the next one and shifts its half out; a 4-byte gather can go through cp.async
-    and pipeline with the code words, but it is one copy per element. MODE 2: each key's row
-    of scales (contiguous, 8 bytes at head_dim 128) as a [keys, groups] tile that goes
-    through cp.async in 4-byte pieces (sm_90 TTGIR), widened to the columns in registers
-    (`_widened`). When the columns hold no padding, ``offset`` and ``stride_s`` must be
-    multiples of the group count (`triton_quant.check_scale_rows`): the kernel tells Triton
-    so, which lets a row be a vector copy (Triton assumes nothing of a stride that is not a
-    multiple of 16, such as 4 scales between KV heads)."""
-    if MODE == 2:
-        G_PAD: tl.constexpr = groups.shape[0] // PER_GROUP
-        group = tl.arange(0, G_PAD)
-        mask = key_valid[:, None]
-        if G_PAD * 32 > HEAD_DIM:  # a mask that varies along the row stops its vector load
-            mask = mask & (group * 32 < HEAD_DIM)[None, :]
-            rows_at = offset + slots * stride_s
-        else:
-            rows_at = tl.multiple_of(offset + slots * stride_s, G_PAD)
-        rows = tl.load(scales_ptr + rows_at[:, None] + group[None, :], mask=mask, other=0)
-        scales = _widened(rows, slots.shape[0], G_PAD, PER_GROUP)
-        if TRANSPOSED:
-            scales = tl.trans(scales)
-    elif MODE == 1:
-        base = scales_ptr + offset
-        pairs = load_tile(base.to(tl.pointer_type(tl.int32), bitcast=True), slots,
-                          stride_s // 2, key_valid, groups // 2, col_ok, TRANSPOSED, PADDED)
-        if TRANSPOSED:
-            halves = pairs >> ((groups % 2) * 16)[:, None]
-        else:
-            halves = pairs >> ((groups % 2) * 16)[None, :]
-        scales = (halves & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+def load_scales(scales_ptr, offset, slots, stride_s, key_valid, TRANSPOSED: tl.constexpr,
+                G_PAD: tl.constexpr, PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """float16 scales at ``scales_ptr + offset`` (the page and KV head's) for the keys at
+    ``slots``, widened to the code-word columns: [G_PAD * PER_GROUP, BLOCK_N] when TRANSPOSED
+    else [BLOCK_N, G_PAD * PER_GROUP], column ``w`` holding the scale of group
+    ``w // PER_GROUP``. Each key's row of scales (contiguous, 8 bytes at head_dim 128) is one
+    [keys, groups] tile that goes through cp.async in 4-byte pieces (sm_90 TTGIR), pipelined
+    with the code words, and is widened in registers (`_widened`). When the columns hold no
+    padding, ``offset`` and ``stride_s`` must be multiples of the group count
+    (`quant_decode.check_scale_rows`): the kernel tells Triton so, which lets a row be a vector
+    copy (Triton assumes nothing of a stride that is not a multiple of 16, such as 4 scales
+    between KV heads). Invalid keys read 0."""
+    group = tl.arange(0, G_PAD)
+    mask = key_valid[:, None]
+    if G_PAD * 32 > HEAD_DIM:  # a mask that varies along the row stops its vector load
+        mask = mask & (group * 32 < HEAD_DIM)[None, :]
+        rows_at = offset + slots * stride_s
     else:
-        scales = load_tile(scales_ptr + offset, slots, stride_s, key_valid, groups, col_ok,
-                           TRANSPOSED, PADDED)
+        rows_at = tl.multiple_of(offset + slots * stride_s, G_PAD)
+    rows = tl.load(scales_ptr + rows_at[:, None] + group[None, :], mask=mask, other=0)
+    scales = _widened(rows, slots.shape[0], G_PAD, PER_GROUP)
+    if TRANSPOSED:
+        scales = tl.trans(scales)
     return scales
 
 
@@ -217,32 +201,25 @@ def dequantized_fields(words, scales, BITS: tl.constexpr, DT: tl.constexpr,
 
 @triton.jit
 def dequantized_rows(words, scales, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr,
-                     BITS: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
-                     PAIRED: tl.constexpr = False):
-    """Code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized to whole
-    rows [BLOCK_N, W_PAD * 32 / BITS] in dim order, for one dot per block: with N = DIM_PAD
-    (values) Triton spreads its warps over the dims instead of repeating a [BLOCK_M, W_PAD]
-    dot per field on every warp, and one layout conversion replaces one per field. PAIRED:
-    the columns of each word in `paired_fields` order instead (undo with `unpaired_columns`
-    on whatever the rows are multiplied into)."""
-    fields = dequantized_fields(words, scales, BITS, DT, FAST)
-    if PAIRED:
-        fields = paired_fields(fields, 32 // BITS)
-    return join_columns(fields, BLOCK_N, W_PAD, 32 // BITS)
+                     DT: tl.constexpr, FAST: tl.constexpr):
+    """4-bit code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized to
+    whole rows [BLOCK_N, W_PAD * 8] for one dot per block: with N = DIM_PAD Triton spreads its
+    warps over the dims instead of repeating a [BLOCK_M, W_PAD] dot per field on every warp,
+    and one layout conversion replaces one per field. The columns of each word come in
+    `paired_fields` order (undo with `unpaired_columns` on whatever the rows are multiplied
+    into)."""
+    fields = paired_fields(dequantized_fields(words, scales, 4, DT, FAST))
+    return join_columns(fields, BLOCK_N, W_PAD, 8)
 
 
 @triton.jit
-def paired_fields(fields, PER_WORD: tl.constexpr):
-    """The fields of a word in the order the inline-PTX unpack makes them as half2 pairs,
-    (0, 4), (1, 5), (2, 6), (3, 7) (8-bit: (0, 2), (1, 3)): joined in this order, each pair of
-    adjacent columns is one 32-bit register of the unpack, so the joined tile needs no byte
-    permutes (PRMT) to pack its halves for the shared-memory store of the dot operand."""
-    if PER_WORD == 8:
-        out = (fields[0], fields[4], fields[1], fields[5], fields[2], fields[6], fields[3],
-               fields[7])
-    else:
-        out = (fields[0], fields[2], fields[1], fields[3])  # type: ignore[assignment]
-    return out
+def paired_fields(fields):
+    """The 8 fields of a word of 4-bit codes in the order the inline-PTX unpack makes them as
+    half2 pairs, (0, 4), (1, 5), (2, 6), (3, 7): joined in this order, each pair of adjacent
+    columns is one 32-bit register of the unpack, so the joined tile needs no byte permutes
+    (PRMT) to pack its halves for the shared-memory store of the dot operand."""
+    return (fields[0], fields[4], fields[1], fields[5], fields[2], fields[6], fields[3],
+            fields[7])
 
 
 @triton.jit

@@ -1,33 +1,84 @@
-"""The split merge of decode attention inside the attention kernel, and the counters it needs.
+"""Merging the split partials of decode attention. A decode launch splits each sequence's context
+into ``NUM_SPLITS`` parts (flash-decoding), each writing a float32 partial output and its
+log2-sum-exp; the parts are merged either by a second kernel (`combine_splits_kernel`,
+`launch_combine`) or inside the attention kernel itself (`count_in_and_merge`), which saves a
+kernel boundary per layer (the backend's rule says when: `decode.merges_in_kernel`).
 
-A decode launch splits each sequence's context into ``NUM_SPLITS`` parts (flash-decoding); the
-parts used to be merged by a second kernel (`triton_kernels.combine_splits_kernel`). In a
-CUDA-graph decode step at batch 1 that second launch costs more than the merge's bytes: every
-kernel boundary adds one to three microseconds. Here each split program, once its partial
-result is stored, counts in at its (sequence, KV head) counter; the program that counts last
-merges every split's partial into the output (`count_in_and_merge`) and puts the counter back
-to 0, so the counters are zero between launches, also across replays of a captured graph.
-
-Ordering: the program's threads all store their partials before a barrier, then one thread's
-acquire-release atomic publishes them (release) and, in the last program, makes every other
-program's partials visible (acquire) before it reads them, from L2 (``.cg``: never a line
-an earlier launch left in this multiprocessor's L1).
+In-kernel merge: each split program, once its partial is stored, counts in at its (sequence, KV
+head) counter; the program that counts last merges every split's partial into the output and
+puts the counter back to 0, so the counters are zero between launches, also across replays of a
+captured graph. Ordering: the program's threads all store their partials before a barrier, then
+one thread's acquire-release atomic publishes them (release) and, in the last program, makes
+every other program's partials visible (acquire) before it reads them, from L2 (``.cg``: never
+a line an earlier launch left in this multiprocessor's L1).
 
 Counters (`SplitCounters`): one int32 per (sequence, KV head) of the largest decode batch seen,
 per device, zeroed when allocated. A captured graph holds their address, so a buffer is never
-freed or replaced in place: a larger batch adds a larger buffer, and all earlier ones stay.
-They must exist before a capture uses them (CUDA-graph runners warm up eagerly first, which
-allocates them). Launches sharing one device's counters must not run concurrently (one stream
-per device, as the runner does).
+freed or replaced in place: a larger batch adds a larger buffer, and all earlier ones stay. They
+must exist before a capture uses them (CUDA-graph runners warm up eagerly first, which allocates
+them). Launches sharing one device's counters must not run concurrently (one stream per device,
+as the runner does).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from dyngen_core.ops.triton_support import tl, triton
 
 MIN_COUNTERS = 256
+# Query rows x partials per load round of the in-kernel merge (`split_block`).
+MERGE_ROWS = 64
+
+
+def split_block(splits: int, group_pad: int) -> int:
+    """Partials the in-kernel merge loads per round for ``group_pad`` query rows: `MERGE_ROWS`
+    rows x partials, at most the splits' power of two."""
+    return min(1 << (max(1, splits) - 1).bit_length(), max(1, MERGE_ROWS // group_pad))
+
+
+def split_buffers(tokens: int, heads: int, splits: int, head_pad: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials [T, H, splits, head_pad] and log2-sum-exp [T, H, splits] (float32); with one
+    split, placeholders (the kernel writes the output directly)."""
+    if splits == 1:
+        empty = torch.empty(1, dtype=torch.float32, device=device)
+        return empty, empty
+    parts = torch.empty(tokens, heads, splits, head_pad, dtype=torch.float32, device=device)
+    lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
+    return parts, lse
+
+
+@triton.jit
+def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+                          num_heads, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Grid (tokens, heads): merge the split partials of one query row into the output."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    row = (token * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - top)
+    parts = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_PAD + dims[None, :],
+                    mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def launch_combine(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int,
+                   head_dim: int, head_pad: int) -> None:
+    """`combine_splits_kernel` over the partials ``parts`` [T, H, splits, head_pad] and ``lse``
+    [T, H, splits] of a decode launch, into ``out`` [T, H, head_dim]."""
+    num_tokens, num_heads = out.shape[0], out.shape[1]
+    combine_splits_kernel[(num_tokens, num_heads)](
+        parts, lse, out, out.stride(0), out.stride(1), num_heads,
+        NUM_SPLITS=splits, SPLITS_PAD=1 << (splits - 1).bit_length(), HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, num_warps=4,
+    )
 
 
 @triton.jit
@@ -125,6 +176,3 @@ class SplitCounters:
         """Every counter buffer allocated on ``device``, oldest first (all zero between
         launches)."""
         return list(self._buffers.get(device, []))
-
-
-__all__ = ["SplitCounters", "count_in_and_merge", "fold_partials"]

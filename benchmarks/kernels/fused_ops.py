@@ -1,7 +1,8 @@
-"""The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`models.fused_ops`) against the
-torch ops they replace, for Llama-3-8B shapes in bf16: a small launch sweep per shape, the
-element-wise set of one forward (32 layers), and end to end an 8,030-token prefill forward and
-decode CUDA-graph steps of the random 32-layer model with the kernels on and off.
+"""The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`ops.fused_ops`) against the
+torch ops they replace, for Llama-3-8B shapes in bf16: per shape, the element-wise set of one
+forward (32 layers), and end to end an 8,030-token prefill forward and decode CUDA-graph steps
+of the random 32-layer model with the kernels on and off. Other launch shapes: ``--set
+fused_ops.SILU_BLOCK=1024`` etc.
 
 Floors (H200 copy bandwidth 4.25 TB/s, bytes read + written once; no FLOP floor matters):
 
@@ -16,16 +17,15 @@ At T = 1 (decode) every op is a launch and a latency (~2-3 us), so the figure is
 not bandwidth. Each measurement replays a CUDA graph of one call per operand copy, rotating over
 copies that hold at least 4 x L2 (2 to 64 copies; at T <= 64 the copies fit in L2, as the
 decode step's hot residual stream does); the time per call is the median replay over the calls.
-Every kernel variant is checked against the torch ops first (BAD: relative error above 1e-2).
-At T = 1 the per-case line adds torch_host / default_host: host seconds per eager call (launch
-overhead, what an eager, uncaptured decode step pays).
+The kernels are checked against the torch ops first (BAD: relative error above 1e-2). At T = 1
+the per-case line adds torch_host / default_host: host seconds per eager call (launch overhead,
+what an eager, uncaptured decode step pays).
 
-    python benchmarks/fused_ops.py [--rows 1,64,256,8030] [--no-e2e] [--small]
+    python benchmarks/kernels/fused_ops.py [--rows 1,64,256,8030] [--no-e2e] [--small]
+                                           [--set MODULE.NAME=VALUE]
 
 ``--small`` runs tiny shapes without graphs (a smoke run, e.g. under TRITON_INTERPRET=1 on a
-CPU). Success: the kernels at or near the floor at T = 8030 (norm ~35 us, add_norm ~70 us,
-silu_mul ~180 us), at least 2x under the torch ops there, not slower at T = 1; the prefill
-forward 15-25 ms faster with them; the decode steps not slower. The compact table comes last.
+CPU). The compact table comes last.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import (  # noqa: E402
     LLAMA3_8B,
@@ -50,7 +50,8 @@ from benchmarks._common import (  # noqa: E402
     random_model,
     report,
 )
-from benchmarks.skinny_matmul import per_launch_seconds  # noqa: E402
+from benchmarks.kernels import constants  # noqa: E402
+from benchmarks.kernels.skinny_matmul import per_launch_seconds  # noqa: E402
 from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention import get_backend  # noqa: E402
 from dyngen_core.kv.attention.base import build_forward_batch  # noqa: E402
@@ -60,9 +61,6 @@ from dyngen_core.ops import fused_ops as fo  # noqa: E402
 BANDWIDTH = 4.25e12
 LAYERS = 32
 EPS = 1e-5
-# (block_m, warps) of the norm kernel; (block, warps) of SiLU-and-mul; (0, 0): the defaults.
-NORM_VARIANTS = [(0, 0), (1, 4), (1, 8), (1, 16), (2, 8), (4, 16)]
-SILU_VARIANTS = [(0, 0), (512, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
 
 
 @dataclass(frozen=True)
@@ -96,25 +94,16 @@ def torch_call(case: Case, weight: torch.Tensor, ops: tuple[torch.Tensor, ...]) 
     return fo.rms_norm_torch(x, weight, EPS)
 
 
-def kernel_call(case: Case, variant: tuple[int, int], weight: torch.Tensor,
-                ops: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    first, warps = variant
+def kernel_call(case: Case, weight: torch.Tensor, ops: tuple[torch.Tensor, ...]) -> torch.Tensor:
     if case.op == "silu_mul":
-        return fo.launch_silu_mul(ops[0], block=first, num_warps=warps)
+        return fo.launch_silu_mul(ops[0])
     residual = ops[1] if case.op == "add_norm" else None
-    return fo.launch_rms_norm(ops[0], weight, EPS, residual, block_m=first, num_warps=warps)[0]
-
-
-def label(case: Case, variant: tuple[int, int]) -> str:
-    if variant == (0, 0):
-        return "default"
-    return (f"b{variant[0]}w{variant[1]}" if case.op == "silu_mul"
-            else f"m{variant[0]}w{variant[1]}")
+    return fo.launch_rms_norm(ops[0], weight, EPS, residual)[0]
 
 
 def measure(case: Case, small: bool, device: torch.device,
             dtype: torch.dtype) -> dict[str, float]:
-    """Seconds per call: "torch" and each kernel variant (inf: wrong result)."""
+    """Seconds per call: "torch" and the kernel, "default" (inf: wrong result)."""
     copies = 1 if small else max(2, min(64, -(-(200 << 20) // case.nbytes)))
     all_ops = operands(case, copies, device, dtype)
     weight = 1.0 + 0.1 * torch.randn(case.width, device=device, dtype=dtype)
@@ -122,24 +111,14 @@ def measure(case: Case, small: bool, device: torch.device,
     replays = 5 if case.nbytes > (100 << 20) else 10
     seconds = {"torch": per_launch_seconds([partial(torch_call, case, weight, ops)
                                             for ops in all_ops], replays)}
-    variants = SILU_VARIANTS if case.op == "silu_mul" else NORM_VARIANTS
-    for variant in variants:
-        if case.op != "silu_mul" and variant[0] > max(1, case.rows):
-            continue
-        calls: list[Callable[[], object]] = [partial(kernel_call, case, variant, weight, ops)
-                                             for ops in all_ops]
-        try:
-            result = kernel_call(case, variant, weight, all_ops[0]).float()
-            error = ((result - reference).norm() / reference.norm()).item()
-            seconds[label(case, variant)] = (per_launch_seconds(calls, replays) if error < 1e-2
-                                             else float("inf"))
-        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is a result
-            print(f"{case} {label(case, variant)} failed: {exc!r:.200}", flush=True)
-            seconds[label(case, variant)] = float("inf")
+    calls: list[Callable[[], object]] = [partial(kernel_call, case, weight, ops)
+                                         for ops in all_ops]
+    result = kernel_call(case, weight, all_ops[0]).float()
+    error = ((result - reference).norm() / reference.norm()).item()
+    seconds["default"] = per_launch_seconds(calls, replays) if error < 1e-2 else float("inf")
     if device.type == "cuda" and case.rows == 1:  # eager decode: is the host the limit?
         seconds["torch_host"] = host_seconds(partial(torch_call, case, weight, all_ops[0]))
-        seconds["default_host"] = host_seconds(
-            partial(kernel_call, case, (0, 0), weight, all_ops[0]))
+        seconds["default_host"] = host_seconds(partial(kernel_call, case, weight, all_ops[0]))
     print(f"{case.op:8} T={case.rows:<5} floor={case.nbytes / BANDWIDTH * 1e6:.1f} " + " ".join(
         f"{key}={_us(value)}" for key, value in seconds.items()), flush=True)
     return seconds
@@ -161,11 +140,6 @@ def _us(seconds: float) -> str:
     return "BAD" if seconds == float("inf") else f"{seconds * 1e6:.1f}"
 
 
-def _best(seconds: dict[str, float]) -> str:
-    return min((key for key in seconds if key != "torch" and not key.endswith("_host")),
-               key=seconds.__getitem__)
-
-
 def layer_set(results: dict[Case, dict[str, float]], rows_list: list[int]) -> list[str]:
     """Per T: 32 x (2 add_norm + silu_mul), torch ops vs the kernels' defaults (table lines)."""
     lines = []
@@ -178,7 +152,7 @@ def layer_set(results: dict[Case, dict[str, float]], rows_list: list[int]) -> li
         report("fused_ops_layer_set", rows=rows, torch_ms=torch_s * 1e3,
                fused_ms=fused_s * 1e3, floor_ms=floor * 1e3, device=device_name())
         lines.append(f"{'32 layers':10} {rows:>5} {torch_s * 1e3:>9.3f}ms "
-                     f"{fused_s * 1e3:>9.3f}ms {'':>8} {'':>9} {floor * 1e3:>8.3f}ms "
+                     f"{fused_s * 1e3:>9.3f}ms {floor * 1e3:>8.3f}ms "
                      f"{torch_s / fused_s:>5.2f}")
     return lines
 
@@ -215,7 +189,7 @@ def end_to_end(layers: int, prefill: int, device: torch.device) -> list[str]:
         report("fused_ops_e2e", step=name, layers=layers, torch_ms=off * 1e3,
                fused_ms=on * 1e3, device=device_name())
         lines.append(f"{name:10} {prefill if name == 'prefill' else '':>5} {off * 1e3:>9.3f}ms "
-                     f"{on * 1e3:>9.3f}ms {'':>8} {'':>9} {'':>10} {off / on:>5.2f}")
+                     f"{on * 1e3:>9.3f}ms {'':>10} {off / on:>5.2f}")
     return lines
 
 
@@ -226,7 +200,9 @@ def main() -> None:
     parser.add_argument("--no-e2e", action="store_true", help="skip the whole-model timings")
     parser.add_argument("--layers", type=int, default=LAYERS, help="layers of the e2e model")
     parser.add_argument("--small", action="store_true", help="tiny shapes, no graphs (smoke)")
+    constants.add_argument(parser)
     args = parser.parse_args()
+    constants.apply(args.set)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     hidden, inter = (96, 160) if args.small else (4096, 14336)
@@ -240,15 +216,14 @@ def main() -> None:
             free_memory()
     lines = []
     for case, seconds in results.items():
-        best = _best(seconds)
         floor = case.nbytes / BANDWIDTH
         report("fused_ops", op=case.op, rows=case.rows, width=case.width,
                torch_us=seconds["torch"] * 1e6, default_us=seconds["default"] * 1e6,
-               best=best, best_us=seconds[best] * 1e6, floor_us=floor * 1e6,
+               floor_us=floor * 1e6,
                torch_host_us=seconds.get("torch_host", 0.0) * 1e6,
                default_host_us=seconds.get("default_host", 0.0) * 1e6, device=device_name())
         lines.append(f"{case.op:10} {case.rows:>5} {seconds['torch'] * 1e6:>9.1f}us "
-                     f"{_us(seconds['default']):>9}us {best:>8} {_us(seconds[best]):>9} "
+                     f"{_us(seconds['default']):>9}us "
                      f"{floor * 1e6:>8.1f}us {seconds['torch'] / seconds['default']:>5.2f}"
                      + (f"  host {seconds['torch_host'] * 1e6:.1f} vs "
                         f"{seconds['default_host'] * 1e6:.1f}us" if "torch_host" in seconds
@@ -256,8 +231,7 @@ def main() -> None:
     lines += layer_set(results, rows_list)
     if device.type == "cuda" and not args.no_e2e and not args.small:
         lines += end_to_end(args.layers, 8030, device)
-    print(f"\n{'what':10} {'T':>5} {'torch':>11} {'fused':>11} {'best':>8} {'best us':>9} "
-          f"{'floor':>10} {'x':>5}")
+    print(f"\n{'what':10} {'T':>5} {'torch':>11} {'fused':>11} {'floor':>10} {'x':>5}")
     print("\n".join(lines))
     print(f"total {time.perf_counter() - start:.1f} s on {device_name()}")
 

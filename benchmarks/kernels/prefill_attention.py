@@ -1,7 +1,8 @@
 """Prefill attention alone, one layer of Llama-3-8B shape (32 query heads, 8 KV heads,
-head_dim 128, bf16 pages of 256 tokens): the paged kernel (``prefill_kernel="paged"``) against
-the tiled prefill kernel (`triton_prefill`) in a few tile shapes, and torch's dense flash SDPA
-(causal, no pages, K/V expanded to every head) as the flash-class yardstick.
+head_dim 128, bf16 pages of 256 tokens): the tiled prefill kernel (`attention.triton.prefill`)
+the backend takes, against the paged kernel (what it takes for short queries,
+``prefill.MIN_QUERY``) and torch's dense flash SDPA (causal, no pages, K/V expanded to every
+head) as the flash-class yardstick. Other tile shapes: ``--set prefill.BLOCK_N=128`` etc.
 
 Shapes (query tokens x sequences, causal over each sequence's pages):
   1x8030     one 8,030-token document in one chunk
@@ -18,50 +19,51 @@ Floors (H200: 780 TFLOP/s bf16 matmul, 4.25 TB/s copy), one layer, FLOPs = 4 x H
   256x512    5.51e11 FLOP -> 706 us;  2.68 GB -> 630 us (q and out alone are 2.1 GB)
   64x30@8030 2.53e11 FLOP -> 324 us;  96 MB -> 23 us (shared pages once, own pages each)
   64x4@8030  3.37e10 FLOP ->  43 us;  63 MB -> 15 us
-Flash-attention-class kernels reach ~50-60 % of the FLOP floor on the long shapes.
 
-    python benchmarks/prefill_attention.py [--repeats 10] [--shapes 1x8030,4x2048,...]
-        [--variants paged,tiled,...]
+    python benchmarks/kernels/prefill_attention.py [--repeats 10] [--shapes 1x8030,...]
+        [--variants tiled,paged,torch-flash-dense] [--set MODULE.NAME=VALUE]
 
 Prints one BENCH line per (shape, variant): us, TFLOP/s and the relative error against the
-first variant (the paged kernel); then a table, variants as columns (us / TFLOP/s).
+first variant; then a table, variants as columns (us / TFLOP/s).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 
-from dyngen_core.config import ModelConfig
-from dyngen_core.engine.plan import SequenceSlice, StepPlan
-from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
-from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
-from dyngen_core.kv.attention.triton.prefill import TiledPrefillOptions
-from dyngen_core.kv.fp16.storage import FP16Storage
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    bench_config,
+    cuda_seconds,
+    device_name,
+    report,
+)
+from benchmarks.kernels import constants  # noqa: E402
+from dyngen_core.config import ModelConfig  # noqa: E402
+from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch  # noqa: E402
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E402
+from dyngen_core.kv.fp16.storage import FP16Storage  # noqa: E402
 
 PAGE = 256
 SHAPES = ("1x8030", "4x2048", "256x512", "64x30@8030", "64x4@8030")
-# (name, TritonPagedBackend options); the first is the reference of the error column.
-VARIANTS: list[tuple[str, dict[str, Any]]] = [
-    ("paged", {"prefill_kernel": "paged"}),
-    ("tiled", {}),
-    ("tiled-s3", {"prefill_options": TiledPrefillOptions(stages=3)}),
-    ("tiled-n128", {"prefill_options": TiledPrefillOptions(block_n=128)}),
-    ("tiled-n32s3", {"prefill_options": TiledPrefillOptions(block_n=32, stages=3)}),
-    ("tiled-h1", {"prefill_options": TiledPrefillOptions(heads_per_tile=1)}),
-    ("tiled-r64", {"prefill_options": TiledPrefillOptions(rows=64, warps=4)}),
-    ("tiled-r64w8", {"prefill_options": TiledPrefillOptions(rows=64, warps=8)}),
-]
-# Registers a thread (ptxas, sm_90, bf16, group 4, head_dim 128), hence programs per SM:
-# tiled 157 (1), s3 175 (1), n128 244 (1), n32s3 120 (2), r64 185 x 4 warps (2),
-# r64w8 128 (2); no spills in any.
+# Variant name -> kernel constants it sets (`constants.patched`); the first is the reference
+# of the error column.
+VARIANTS: dict[str, list[str]] = {
+    "tiled": [],
+    "paged": ["prefill.MIN_QUERY=1048576"],
+}
 
 
 def shape_lens(shape: str) -> tuple[list[tuple[int, int]], int]:
@@ -157,18 +159,20 @@ def run_shape(shape: str, config: dict[str, Any], device: torch.device, repeats:
     scale = config["head_dim"] ** -0.5
     results: dict[str, tuple[float, float]] = {}
     reference: torch.Tensor | None = None
-    for name, options in VARIANTS:
+    for name, settings in VARIANTS.items():
         if name not in variants:
             continue
-        backend = TritonPagedBackend(**options)
-        out = backend.attend_cached(0, queries[0], storage, batch, scale).float()
+        with constants.patched(settings):
+            backend = TritonPagedBackend()
+            out = backend.attend_cached(0, queries[0], storage, batch, scale).float()
         reference = out if reference is None else reference
         error = float((out - reference).norm() / reference.norm())
         report_name = "rel_error_vs_" + variants[0]
         del out
-        seconds = cuda_seconds(rotating([
-            partial(backend.attend_cached, layer, queries[layer], storage, batch, scale)
-            for layer in range(copies)]), repeats=repeats, warmup=2)
+        with constants.patched(settings):
+            seconds = cuda_seconds(rotating([
+                partial(backend.attend_cached, layer, queries[layer], storage, batch, scale)
+                for layer in range(copies)]), repeats=repeats, warmup=2)
         results[name] = (seconds * 1e6, flops / seconds / 1e12)
         report("prefill_attention", device=device_name(), shape=shape, variant=name,
                us=seconds * 1e6, tflops=flops / seconds / 1e12, **{report_name: error})
@@ -182,13 +186,14 @@ def run_shape(shape: str, config: dict[str, Any], device: torch.device, repeats:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--variants", default=",".join(
-        [name for name, _ in VARIANTS] + ["torch-flash-dense"]))
+    parser.add_argument("--variants", default=",".join([*VARIANTS, "torch-flash-dense"]))
+    constants.add_argument(parser)
     args = parser.parse_args()
+    constants.apply(args.set)
     device = torch.device(args.device)
     config = bench_config(args)
     columns = args.variants.split(",")

@@ -13,19 +13,23 @@ divides by 32:
 
 ``max_abs_diff`` compares every key and value the two writes stored (0 expected: a copy).
 
-    python benchmarks/fp16_write.py [--tokens 1 256 16384] [--repeats 20]
+    python benchmarks/kernels/fp16_write.py [--tokens 1 256 16384] [--repeats 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
-from _common import cuda_seconds, device_name, report
 
-from dyngen_core.config import ModelConfig
-from dyngen_core.kv.fp16.storage import FP16Storage
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks._common import cuda_seconds, device_name, report  # noqa: E402
+from dyngen_core.config import ModelConfig  # noqa: E402
+from dyngen_core.kv.fp16.storage import FP16Storage  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS, PAGE = 32, 8, 128, 32, 256
 

@@ -1,0 +1,586 @@
+"""Decode over 4- and 8-bit quantized pages: the q8/q4 decode kernel (`quant_decode_kernel`), its
+programs, and its host launch (`attend_word_decode`).
+
+`TritonPagedBackend` routes decode-only batches over q8/q4 pages here (`word_decode_fits`);
+prefill and mixed batches, q6 pages and pages the key block does not divide keep
+`decode.paged_attention_kernel`. The launch depends on the batch shape only (grid: sequences x
+KV heads x (splits + tail parts)), so it is captured in CUDA graphs; its partials are merged by
+`merge.combine_splits_kernel`.
+
+Unpacking (`quant_unpack`): a page row of ``HEAD_DIM`` codes is ``HEAD_DIM / PER_WORD`` int32
+words of ``PER_WORD`` codes each (8 for 4 bits, 4 for 8 bits): dim ``d`` is field
+``d % PER_WORD`` of word ``d // PER_WORD``. Field ``i`` of every word of a block of keys is one
+tile [keys, W_PAD] whose column ``w`` is dim ``w * PER_WORD + i``, so a block is ``PER_WORD``
+tiles taken from the same loaded words by a shift and a mask each: no reshape, no layout
+conversion per block. The query is split the same way once per program (`split_columns`),
+scores are ``sum_i q_i . k_i``. Codes become floats with the exponent trick in float16 (the
+page blocks' dots run in float16 for bfloat16 queries too; dequantized rows stay within float16
+range as their scales do), two fields per instruction in inline PTX on CUDA. 4-bit values are
+joined into whole rows for one [rows, head_dim] dot per block (Triton spreads it over the warps),
+in the unpack's pair order with the middle column quarters swapped (no byte permutes, no bank
+conflicts in the tile's shared-memory stores), put back in dim order once after the loop; 8-bit
+values keep one dot per field. Running softmax sums are kept per key and reduced once after the
+loop (no per-block sum across the warps that split the keys). Each key's row of scales is one
+vector copy that pipelines with the code words, and the page programs load their page ids
+`PAGE_WINDOW` pages ahead of their blocks.
+
+Exact rows (the rule of `attention.sdpa`'s window reader): the page programs mask slot 0 of
+every page and stop at ``bulk_hi``, the recent window's first block. What is left, the "tail",
+is (a) the last one or two blocks [bulk_hi, ctx) under the window rule, (b) every page's exact
+head row, (c) the window's exact rows and the step's fresh rows (windows of up to 16 positions in
+16-row tiles). `tail_program` attends them in one program, one after the other, or in three side
+by side (`tail_parts_for`); each part writes one more partial, merged like a split. So the page
+loop carries no exact-row work at all. With a recent window the tail program that reads the
+window's rows may first do the storage's write of its head's rows of this step
+(`quant.write.write_token_heads`, the ``write`` of `attend_word_decode`), so the layer runs no
+write launch: no other program of the launch reads what it stores (the page programs and the
+other tail parts stop before the window, whose replaced row held a position no query of the step
+reads).
+
+The launch shapes are module constants that production reads and the kernel benchmarks patch
+(benchmarks/kernels/quant_decode.py; figures in BENCHMARKS.md, section 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.key_loop import (
+    attend_exact_rows,
+    attend_page_heads,
+    log2_sum_exp,
+    rotated_back,
+    rotated_queries,
+    tile_page,
+    window_holds,
+    window_ids,
+    window_keys,
+)
+from dyngen_core.kv.attention.triton.merge import launch_combine
+from dyngen_core.kv.attention.triton.operands import ExactOperands, next_pow2
+from dyngen_core.kv.attention.triton.quant_unpack import (
+    dequantized_fields,
+    dequantized_rows,
+    join_columns,
+    load_scales,
+    load_tile,
+    split_columns,
+    swapped_quarters,
+    unpaired_columns,
+)
+from dyngen_core.kv.quant.storage import QuantStorage
+from dyngen_core.kv.quant.write import StepQuantWrite, write_token_heads
+from dyngen_core.kv.storage import KVStorage
+from dyngen_core.ops.triton_support import tl, triton
+
+WORD_BITS = (4, 8)
+# tl.dot needs 16 along every dimension: 16 words of codes per tile at least.
+MIN_TILE = 16
+# Keys per loop step (a divisor of the page size) and warps per program.
+BLOCK_N = 64
+WARPS = 4
+# Page ids the page programs load as one vector ahead of their blocks (a power of two).
+PAGE_WINDOW = 4
+# Decode batches of at most this many sequences run the page and tail programs in one launch
+# (the tail's exact rows then overlap the pages); larger ones in two (`launches_for`).
+ONE_LAUNCH_MAX_SEQS = 2
+
+
+def launches_for(num_seqs: int) -> int:
+    """Launches of a decode of ``num_seqs`` sequences: 1 (page and tail programs in one grid)
+    up to `ONE_LAUNCH_MAX_SEQS` sequences, else 2 (neither kind's code then takes registers
+    from the other)."""
+    return 1 if num_seqs <= ONE_LAUNCH_MAX_SEQS else 2
+
+
+def tail_parts_for(window: int, launches: int) -> int:
+    """Programs per (sequence, KV head) the tail runs in: 3 side by side when the cache has a
+    recent window and the tail has a launch of its own, else 1 (the three phases one after the
+    other; without a window (a) and (c) are empty)."""
+    return 3 if window > 0 and launches == 2 else 1
+
+
+def word_decode_fits(batch: ForwardBatch, key_bits: int, value_bits: int,
+                     exact: ExactOperands | None) -> bool:
+    """Whether `attend_word_decode` serves this attention call: a decode-only batch over q8/q4
+    pages (with their exact rows), whose pages hold whole blocks of `BLOCK_N` keys."""
+    return (batch.is_decode_only and exact is not None
+            and word_pages_fit(key_bits, value_bits, batch.page_size))
+
+
+def word_pages_fit(key_bits: int, value_bits: int, page_size: int) -> bool:
+    """Whether the kernel reads these pages: q8/q4 codes, whole blocks of `BLOCK_N` (at least
+    `MIN_TILE`) keys a page."""
+    return (key_bits in WORD_BITS and value_bits in WORD_BITS and BLOCK_N >= MIN_TILE
+            and page_size % BLOCK_N == 0)
+
+
+def deferred_word_write(storage: KVStorage, layer: int, key: torch.Tensor,
+                        value: torch.Tensor, batch: ForwardBatch) -> StepQuantWrite | None:
+    """The storage's write of this step's ``key``/``value`` rows, left to `attend_word_decode`
+    (its ``write``), where the batch will take that kernel with a recent window: a decode-only
+    batch with sequence slots over q8/q4 pages whose storage keeps a window and writes with
+    Triton (`QuantStorage.deferred_write`). The storage then counts the rows as written. None
+    (nothing done) elsewhere: the caller writes through the storage."""
+    if (not isinstance(storage, QuantStorage) or not batch.is_decode_only
+            or batch.seq_slots is None or storage.recent is None):
+        return None
+    if not word_pages_fit(storage.key_format.bits, storage.value_format.bits, batch.page_size):
+        return None  # `word_decode_fits` sends the batch elsewhere
+    return storage.deferred_write(layer, key, value, batch.slot_mapping, batch.decode_window)
+
+
+def word_dim_pad(head_dim: int, key_bits: int, value_bits: int) -> int:
+    """Columns the kernel works on: a power of two >= head_dim, with >= 16 words per row."""
+    return max(next_pow2(head_dim), MIN_TILE * 32 // min(key_bits, value_bits))
+
+
+def check_scale_rows(page_args: tuple[Any, ...], groups: int) -> None:
+    """Raise ValueError unless the scales (`operands.page_arguments`: tensors at 8 and 9,
+    strides at 10 to 15) put every row of ``groups`` scales at a multiple of ``groups``
+    elements, as the kernel tells Triton (for one vector copy a row)."""
+    tensors, strides = page_args[8:10], page_args[10:16]
+    aligned = (all(int(stride) % groups == 0 for stride in strides)
+               and all(t.data_ptr() % (2 * groups) == 0 for t in tensors))
+    if not aligned:
+        raise ValueError(f"the q8/q4 decode kernel reads scale rows aligned to {groups} scales; "
+                         f"these scales have strides {tuple(strides)} (allocate them as "
+                         f"QuantStorage does: contiguous [pages, page_size, kv_heads, groups])")
+
+
+def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: ForwardBatch,
+                       exact: ExactOperands, scale_log2: float, *, key_bits: int,
+                       value_bits: int, num_kv_heads: int, splits: int,
+                       write: StepQuantWrite | None = None) -> torch.Tensor:
+    """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
+
+    page_args: `operands.page_arguments` of the layer (codes as int32 words, scales, strides,
+        rotation).
+    scale_log2: softmax scale times log2(e).
+    splits: parts the keys before the window are split into (from the batch shape only, for
+        CUDA graphs).
+    write: the storage's write of this step's rows, left to this launch
+        (`QuantStorage.deferred_write`; one token per sequence, a recent window): the tail
+        program of each (sequence, KV head) that reads the window's rows stores its head's
+        codes, scales, head row, window row and fresh exact rows first. ``exact`` must then
+        name the write's exact rows as its fresh rows. None: the storage wrote them before.
+    """
+    if q.shape[0] != batch.num_seqs:
+        raise ValueError(f"a decode batch has one query row per sequence: {q.shape[0]} rows "
+                         f"for {batch.num_seqs} sequences (word_decode_fits tells which "
+                         f"batches this kernel serves)")
+    launches = launches_for(batch.num_seqs)
+    tail_parts = tail_parts_for(exact.window, launches)
+    write_args, write_shape = _write_operands(write, exact, q)
+    tokens, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    dim_pad = word_dim_pad(head_dim, key_bits, value_bits)
+    if dim_pad == head_dim:
+        check_scale_rows(page_args, head_dim // 32)
+    partials = splits + tail_parts
+    parts = torch.empty(tokens, num_heads, partials, dim_pad, dtype=torch.float32,
+                        device=q.device)
+    lse = torch.empty(tokens, num_heads, partials, dtype=torch.float32, device=q.device)
+    arguments = (q, q.stride(0), q.stride(1), *page_args,
+                 batch.page_table, batch.page_table.stride(0), batch.context_lens,
+                 *exact.arguments(), parts, lse, scale_log2, *write_args)
+    shape = {"G": group, "BLOCK_M": max(16, next_pow2(group)), "BLOCK_N": BLOCK_N,
+             "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "PAGE_SIZE": batch.page_size,
+             "K_BITS": key_bits, "V_BITS": value_bits, "NUM_SPLITS": splits,
+             "WINDOW": exact.window,
+             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+             "FAST_UNPACK": q.is_cuda,  # inline PTX: not in the interpreter
+             "PAGE_WINDOW": PAGE_WINDOW, "TAIL_PARTS": tail_parts, **write_shape}
+    # The tail alone (one or two blocks) keeps the per-block page id load: one compile of it
+    # serves every page window.
+    grids = [(partials, 0, shape)] if launches == 1 else [
+        (splits, 1, shape), (tail_parts, 2, shape | {"PAGE_WINDOW": 0})]
+    for programs, role, constants in grids:
+        quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
+            *arguments, **constants, PROGRAMS=role, num_warps=WARPS)
+    out = torch.empty_like(q)
+    launch_combine(parts, lse, out, partials, head_dim, dim_pad)
+    return out
+
+
+def _write_operands(write: StepQuantWrite | None, exact: ExactOperands, q: torch.Tensor
+                    ) -> tuple[tuple[object, ...], dict[str, Any]]:
+    """`quant_decode_kernel`'s ``w_*`` arguments and W_* constexprs for ``write`` (None:
+    placeholders it never reads)."""
+    if write is None:
+        return (q,) * 5 + (0,) * 4 + (q,) * 6 + (0, 0) + (q,) * 4 + (0, 0), {}
+    shape = write.constants
+    if exact.window == 0 or exact.window != shape["WINDOW"]:
+        raise ValueError("a write left to the decode kernel needs a recent window (the same "
+                         "as the exact rows'): take it from QuantStorage.deferred_write")
+    if exact.fresh_keys.data_ptr() != write.exact[0].data_ptr():
+        raise ValueError("the exact operands' fresh rows must be the write's exact rows: "
+                         "build them after QuantStorage.deferred_write")
+    return (*write.arguments(), write.num_tokens), {
+        "WRITE_STEP": True, "W_HEADS": shape["HEADS"], "W_HAS_OFFSETS": shape["HAS_OFFSETS"],
+        "W_ROWS": shape["ROWS"], "W_INV_SQRT": shape["INV_SQRT"]}
+
+
+# As `paged_attention_kernel`: the page table width follows the batch outside CUDA graphs.
+@triton.jit(do_not_specialize=["stride_pt"])
+def quant_decode_kernel(
+    q_ptr, stride_qt, stride_qh,
+    k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    rot_ptr,
+    page_table_ptr, stride_pt, context_lens_ptr,
+    head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, seq_slots_ptr,
+    fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh,
+    part_out_ptr, part_lse_ptr,
+    scale_log2,
+    w_key_ptr, w_value_ptr, w_slots_ptr, w_offsets_ptr, w_signs_ptr,
+    stride_wkt, stride_wkh, stride_wvt, stride_wvh,
+    w_key_codes_ptr, w_key_scales_ptr, w_value_codes_ptr, w_value_scales_ptr, w_head_rows_ptr,
+    w_exact_ptr, w_num_slots, w_num_pages, w_positions_ptr, w_seq_slots_ptr, w_ring_rows_ptr,
+    w_ring_positions_ptr, w_slots_held, w_tokens,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    PAGE_WINDOW: tl.constexpr, TAIL_PARTS: tl.constexpr,
+    WRITE_STEP: tl.constexpr = False, W_HEADS: tl.constexpr = 1,
+    W_HAS_OFFSETS: tl.constexpr = False, W_ROWS: tl.constexpr = 1,
+    W_INV_SQRT: tl.constexpr = 1.0,
+):
+    """Grid (sequences, KV heads, NUM_SPLITS + TAIL_PARTS) over a decode-only batch (one query
+    token per sequence: sequence i's is token i). Programs with split < NUM_SPLITS share the
+    keys before the window's first block; programs NUM_SPLITS + t are the tail's parts t
+    (module docstring). Each writes its partial [T, H, NUM_SPLITS + TAIL_PARTS, DIM_PAD] and
+    log2-sum-exp [T, H, NUM_SPLITS + TAIL_PARTS] in the float32 buffers. Exact-row operands
+    as `decode.paged_attention_kernel`'s (``seq_slots`` unread when WINDOW is 0). PROGRAMS: 0
+    runs both kinds in one grid; 1 only the page programs (grid z NUM_SPLITS), 2 only the tail
+    (grid z TAIL_PARTS). FAST_UNPACK: unpack in inline PTX (CUDA only). PAGE_WINDOW: the page
+    programs load page ids ahead, PAGE_WINDOW pages at a time (a power of two; 0: one id per
+    block in the loop); the tail's one or two blocks keep the per-block load.
+    WRITE_STEP (WINDOW > 0): the last tail part of each (sequence, KV head) first does the
+    storage's write of that head's rows of this step (the ``w_*`` / ``stride_w*`` operands and
+    W_* constexprs: `quant.write.StepQuantWrite`, token ``w_tokens`` of the rows)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if PROGRAMS == 2:
+        split = tl.program_id(2) + NUM_SPLITS
+    else:
+        split = tl.program_id(2)
+    # A decode-only batch has one query token per sequence, in order: no load of its index.
+    token = seq
+    if WRITE_STEP:
+        if split == NUM_SPLITS + TAIL_PARTS - 1:
+            write_token_heads(
+                token.to(tl.int64), w_tokens, kv_head, w_key_ptr, w_value_ptr, w_slots_ptr,
+                w_offsets_ptr, w_signs_ptr, stride_wkt, stride_wkh, stride_wvt, stride_wvh,
+                w_key_codes_ptr, w_key_scales_ptr, w_value_codes_ptr, w_value_scales_ptr,
+                w_head_rows_ptr, w_exact_ptr, w_num_slots, w_num_pages, w_positions_ptr,
+                w_seq_slots_ptr, w_ring_rows_ptr, w_ring_positions_ptr, w_slots_held, W_HEADS,
+                HEAD_DIM, PAGE_SIZE, K_BITS, V_BITS, W_HAS_OFFSETS, W_ROWS, W_INV_SQRT, WINDOW)
+            tl.debug_barrier()  # the fresh rows stored before this program's loads of them
+    ctx = tl.load(context_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < G
+    head = kv_head * G + rows
+    dims = tl.arange(0, DIM_PAD)
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + (head * stride_qh)[:, None]
+                + dims[None, :], mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    q_rotated = rotated_queries(q, rot_ptr, scale_log2, BLOCK_M, DIM_PAD)
+    q = q_rotated.to(q_ptr.dtype.element_ty)
+    if q_ptr.dtype.element_ty != tl.float32:
+        q_dot = q_rotated.to(tl.float16)  # the page blocks' dots run in float16
+    else:
+        q_dot = q
+    K_PER: tl.constexpr = 32 // K_BITS
+    qs = split_columns(q_dot, BLOCK_M, DIM_PAD // K_PER, K_PER)
+    near_lo = ctx - WINDOW
+    if WINDOW > 0:
+        seq_slot = tl.load(seq_slots_ptr + seq)
+        ring_base = tl.where(seq_slot >= 0, seq_slot * WINDOW, -1)
+        bulk_hi = (tl.maximum(near_lo, 0) // BLOCK_N) * BLOCK_N
+    else:
+        ring_base = ctx * 0 - 1
+        bulk_hi = ctx
+    table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    if PROGRAMS == 1:
+        m_i, l_i, acc = page_program(
+            qs, table_row, split, bulk_hi, kv_head,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+            stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
+            NUM_SPLITS, DOT_PRECISION, FAST_UNPACK, PAGE_WINDOW)
+    elif PROGRAMS == 2:
+        m_i, l_i, acc = tail_program(
+            split - NUM_SPLITS, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
+            k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+            stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
+            fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
+            BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
+            DOT_PRECISION, FAST_UNPACK, TAIL_PARTS)
+    else:
+        if split < NUM_SPLITS:
+            m_i, l_i, acc = page_program(
+                qs, table_row, split, bulk_hi, kv_head,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+                stride_vsh, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
+                NUM_SPLITS, DOT_PRECISION, FAST_UNPACK, PAGE_WINDOW)
+        else:
+            m_i, l_i, acc = tail_program(
+                split - NUM_SPLITS, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+                stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr,
+                fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
+                BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
+                DOT_PRECISION, FAST_UNPACK, TAIL_PARTS)
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    acc = rotated_back(acc, rot_ptr, BLOCK_M, DIM_PAD)
+    PARTIALS: tl.constexpr = NUM_SPLITS + TAIL_PARTS
+    part_row = (token.to(tl.int64) * tl.num_programs(1) * G + head) * PARTIALS + split
+    tl.store(part_out_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc,
+             mask=row_valid[:, None])
+    tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+
+
+@triton.jit
+def page_program(qs, table_row, split, bulk_hi, kv_head,
+                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                 stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
+                 stride_vss, stride_vsh,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, FAST_UNPACK: tl.constexpr,
+                 PAGE_WINDOW: tl.constexpr):
+    """Page program ``split``: (m, l, acc) of its share of the keys before ``bulk_hi`` (no
+    exact rows), page ids loaded ahead in windows of PAGE_WINDOW pages (0: per block)."""
+    chunk = tl.cdiv(tl.cdiv(bulk_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return _word_range(
+        qs, table_row, lo, tl.minimum(lo + chunk, bulk_hi), kv_head,
+        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+        table_row, -1, 0, 0, 0,
+        BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, 0, DOT_PRECISION,
+        FAST_UNPACK, PAGE_WINDOW)
+
+
+@triton.jit
+def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
+                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                 stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
+                 stride_vss, stride_vsh, head_k_ptr, head_v_ptr, ring_k_ptr, ring_v_ptr,
+                 ring_pos_ptr, fresh_k_ptr, fresh_v_ptr, stride_er, stride_eh, ring_base,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FAST_UNPACK: tl.constexpr, TAIL_PARTS: tl.constexpr):
+    """Tail part ``part`` of TAIL_PARTS (1 or 3; module docstring) for the decode query at
+    ``ctx - 1``: (m, l, acc) of its keys, ``q`` the query tile (exact rows), ``qs`` its
+    columns as the blocks take them."""
+    # A window of up to 16 positions is one 16-row tile of exact rows, not a key block.
+    ROWS_N: tl.constexpr = 16 if WINDOW <= 16 else BLOCK_N
+    position = ctx - 1
+    near_lo = ctx - WINDOW
+    positions = position + tl.zeros([BLOCK_M], tl.int32)
+    if TAIL_PARTS == 1:
+        m_i, l_i, acc = _word_range(
+            qs, table_row, bulk_hi, ctx, kv_head, k_ptr, v_ptr, stride_kp, stride_ks,
+            stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss,
+            stride_ksh, stride_vsp, stride_vss, stride_vsh, ring_pos_ptr, ring_base, position,
+            near_lo, position, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS,
+            WINDOW, DOT_PRECISION, FAST_UNPACK, 0)
+        m_i, l_i, acc = attend_page_heads(
+            q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head, dims,
+            head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base, position,
+            near_lo, PAGE_SIZE, BLOCK_N, HEAD_DIM, WINDOW, DOT_PRECISION)
+        if WINDOW > 0:
+            m_i, l_i, acc = attend_exact_rows(
+                q, m_i, l_i, acc, tl.maximum(near_lo, 0), ctx, positions, kv_head, dims,
+                fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, stride_er,
+                stride_eh, ring_base, position, token, ROWS_N, HEAD_DIM, WINDOW,
+                DOT_PRECISION)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        if part == 0:
+            m_i, l_i, acc = _word_range(
+                qs, table_row, bulk_hi, ctx, kv_head, k_ptr, v_ptr, stride_kp, stride_ks,
+                stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_ksp,
+                stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh, ring_pos_ptr,
+                ring_base, position, near_lo, position, BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM,
+                DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION, FAST_UNPACK, 0)
+        elif part == 1:
+            m_i, l_i, acc = attend_page_heads(
+                q, m_i, l_i, acc, table_row, tl.cdiv(ctx, PAGE_SIZE), positions, kv_head,
+                dims, head_k_ptr, head_v_ptr, stride_er, stride_eh, ring_pos_ptr, ring_base,
+                position, near_lo, PAGE_SIZE, BLOCK_N, HEAD_DIM, WINDOW, DOT_PRECISION)
+        elif WINDOW > 0:
+            m_i, l_i, acc = attend_exact_rows(
+                q, m_i, l_i, acc, tl.maximum(near_lo, 0), ctx, positions, kv_head, dims,
+                fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, stride_er,
+                stride_eh, ring_base, position, token, ROWS_N, HEAD_DIM, WINDOW,
+                DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _word_range(qs, table_row, lo, hi, kv_head,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp,
+                stride_vss, stride_vsh, ring_pos_ptr, ring_base, step_start, near_lo,
+                position,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr,
+                V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FAST_UNPACK: tl.constexpr, PAGE_WINDOW: tl.constexpr):
+    """`attend_word_blocks` over keys [lo, hi) from an empty state: (m, l, acc) with the running
+    sums reduced and the accumulators joined into one [BLOCK_M, DIM_PAD] tile in dim order."""
+    V_PER: tl.constexpr = 32 // V_BITS
+    m_i, l_i, accs = attend_word_blocks(
+        qs, tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+        _zero_accs(BLOCK_M, DIM_PAD, V_BITS), table_row, lo, hi, kv_head,
+        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+        ring_pos_ptr, ring_base, step_start, near_lo, position,
+        BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION,
+        FAST_UNPACK, PAGE_WINDOW)
+    l_i = tl.sum(l_i, 1)
+    if V_BITS == 4:  # joined values: undo the block's column order
+        acc = swapped_quarters(accs[0], BLOCK_M, DIM_PAD)
+        acc = unpaired_columns(acc, BLOCK_M, DIM_PAD // V_PER, V_PER)
+    else:
+        acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _zero_accs(BLOCK_M: tl.constexpr, DIM_PAD: tl.constexpr, V_BITS: tl.constexpr):
+    """The value accumulators `attend_word_blocks` starts from, all zero: one [BLOCK_M,
+    DIM_PAD] tile for joined (4-bit) values, one [BLOCK_M, DIM_PAD / 4] tile per field for
+    8-bit values."""
+    if V_BITS == 4:
+        accs = (tl.zeros([BLOCK_M, DIM_PAD], tl.float32),)
+    else:
+        accs = ()  # type: ignore[assignment]
+        for _ in tl.static_range(4):
+            accs = accs + (tl.zeros([BLOCK_M, DIM_PAD // 4], tl.float32),)  # type: ignore
+    return accs
+
+
+@triton.jit
+def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
+                       k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                       stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh,
+                       stride_vsp, stride_vss, stride_vsh,
+                       ring_pos_ptr, ring_base, step_start, near_lo, position,
+                       BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                       WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       FAST_UNPACK: tl.constexpr, PAGE_WINDOW: tl.constexpr):
+    """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
+    BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
+    ``position``, carrying (m_i, l_i, accs); one block is `_word_block`. PAGE_WINDOW 0: each
+    block loads its page id at the top of its step; PAGE_WINDOW > 0 (a power of two): the ids
+    of PAGE_WINDOW pages are loaded as one vector before the loop over those pages' blocks
+    (`key_loop.window_ids`), so no load of the loop feeds an address and the code words of
+    later blocks stay in flight."""
+    if PAGE_WINDOW > 0:
+        for first_page in range(lo // PAGE_SIZE, tl.cdiv(hi, PAGE_SIZE), PAGE_WINDOW):
+            ids = window_ids(table_row, first_page, hi, PAGE_SIZE, PAGE_WINDOW)
+            start, end = window_keys(first_page, lo, hi, PAGE_SIZE, PAGE_WINDOW)
+            for n0 in range(start, end, BLOCK_N):
+                page = tile_page(ids, first_page, n0, PAGE_SIZE, PAGE_WINDOW)
+                m_i, l_i, accs = _word_block(
+                    qs, m_i, l_i, accs, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
+                    stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr,
+                    stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+                    ring_pos_ptr, ring_base, step_start, near_lo, position,
+                    BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
+                    DOT_PRECISION, FAST_UNPACK)
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
+            m_i, l_i, accs = _word_block(
+                qs, m_i, l_i, accs, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
+                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr,
+                stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+                ring_pos_ptr, ring_base, step_start, near_lo, position,
+                BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
+                DOT_PRECISION, FAST_UNPACK)
+    return m_i, l_i, accs
+
+
+@triton.jit
+def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh,
+                stride_vsp, stride_vss, stride_vsh,
+                ring_pos_ptr, ring_base, step_start, near_lo, position,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FAST_UNPACK: tl.constexpr):
+    """One block of `attend_word_blocks`: keys [n0, n0 + BLOCK_N) (those below ``hi``) in page
+    ``page`` (int64). Slot 0 of every page is skipped (its exact head row is attended
+    elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from ``near_lo`` on)
+    are skipped too. Keys enter one dot per code field; 4-bit values one dot over whole rows
+    (paired, quarters swapped: `_word_range` undoes it), 8-bit values one dot per field.
+    ``l_i`` is a [BLOCK_M, BLOCK_N] tile of running sums, reduced after the loop."""
+    DT: tl.constexpr = qs[0].dtype
+    K_PER: tl.constexpr = 32 // K_BITS
+    V_PER: tl.constexpr = 32 // V_BITS
+    K_WPAD: tl.constexpr = DIM_PAD // K_PER
+    V_WPAD: tl.constexpr = DIM_PAD // V_PER
+    K_PADDED: tl.constexpr = HEAD_DIM // K_PER < K_WPAD
+    V_PADDED: tl.constexpr = HEAD_DIM // V_PER < V_WPAD
+    G_PAD: tl.constexpr = DIM_PAD // 32
+    kw = tl.arange(0, K_WPAD)
+    vw = tl.arange(0, V_WPAD)
+    kw_ok = kw < HEAD_DIM // K_PER
+    vw_ok = vw < HEAD_DIM // V_PER
+    slots = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    key_valid = keys < hi
+    kwords = load_tile(k_ptr + kv_head * stride_kh + page * stride_kp, slots, stride_ks,
+                       key_valid, kw, kw_ok, True, K_PADDED)
+    kscale = load_scales(ks_ptr, kv_head * stride_ksh + page * stride_ksp, slots, stride_kss,
+                         key_valid, True, G_PAD, 32 // K_PER, HEAD_DIM).to(DT)
+    kfields = dequantized_fields(kwords, kscale, K_BITS, DT, FAST_UNPACK)
+    scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
+    for i in tl.static_range(K_PER):
+        scores = tl.dot(qs[i], kfields[i], scores, input_precision=DOT_PRECISION)
+    visible = key_valid & (slots != 0)
+    if WINDOW > 0:
+        near = key_valid & (keys >= near_lo)
+        held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
+        visible = visible & ~(held & (keys > position - WINDOW))
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha[:, None] + p  # no per-block sum across the warps that split the keys
+    p = p.to(DT)
+    vwords = load_tile(v_ptr + kv_head * stride_vh + page * stride_vp, slots, stride_vs,
+                       key_valid, vw, vw_ok, False, V_PADDED)
+    vscale = load_scales(vs_ptr, kv_head * stride_vsh + page * stride_vsp, slots, stride_vss,
+                         key_valid, False, G_PAD, 32 // V_PER, HEAD_DIM).to(DT)
+    if V_BITS == 4:
+        vrows = swapped_quarters(dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, DT,
+                                                  FAST_UNPACK), BLOCK_N, DIM_PAD)
+        accs = (tl.dot(p, vrows, accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
+    else:
+        vfields = dequantized_fields(vwords, vscale, V_BITS, DT, FAST_UNPACK)
+        new_accs = ()
+        for i in tl.static_range(V_PER):
+            acc_i = tl.dot(p, vfields[i], accs[i] * alpha[:, None],
+                           input_precision=DOT_PRECISION)
+            new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
+        accs = new_accs
+    return m_new, l_i, accs
