@@ -64,10 +64,14 @@ def _drain(generator: DynamicGenerator, finals: dict[str, Any]) -> None:
         generator.check_invariant()
 
 
-def _waves(make: Callable[[], DynamicGenerator], first: list[Job], later: list[Job]
-           ) -> dict[str, Any]:
-    """Run ``first`` (during which a fault may fire), then ``later`` on the same generator."""
+def _waves(make: Callable[[], DynamicGenerator], first: list[Job], later: list[Job],
+           arm: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run ``first`` (during which a fault may fire), then ``later`` on the same generator;
+    ``arm`` installs the fault once the generator is built (graph capture runs its own
+    forwards)."""
     generator, finals = make(), {}
+    if arm is not None:
+        arm()
     generator.enqueue(first)
     _drain(generator, finals)
     generator.enqueue(later)
@@ -120,9 +124,9 @@ def test_a_fault_in_a_graph_replay_fails_only_its_step(gpu_parts, monkeypatch, f
     reference = _waves(lambda: _generator(gpu_parts), _jobs(first, "first"),
                        _jobs(later, "later"))
     hook = _once(fault, after=4)
-    _patch(monkeypatch, DecodeGraphs, "run", hook)
     finals = _waves(lambda: _generator(gpu_parts), _jobs(first, "first"),
-                    _jobs(later, "later"))
+                    _jobs(later, "later"),
+                    arm=lambda: _patch(monkeypatch, DecodeGraphs, "run", hook))
     assert hook.calls[0] > 5  # type: ignore[attr-defined]  # replays went on after the fault
     assert _check(finals, reference) == ["first0", "first1", "first2"]
 
@@ -137,8 +141,8 @@ def test_a_fault_in_the_quantized_write_fails_only_its_step(gpu_parts, monkeypat
 
     reference = _waves(make, _jobs(first, "first"), _jobs(later, "later"))
     hook = _once(torch.cuda.OutOfMemoryError("CUDA out of memory in the write"), after=1)
-    _patch(monkeypatch, QuantStorage, "write", hook)
-    finals = _waves(make, _jobs(first, "first"), _jobs(later, "later"))
+    finals = _waves(make, _jobs(first, "first"), _jobs(later, "later"),
+                    arm=lambda: _patch(monkeypatch, QuantStorage, "write", hook))
     assert hook.calls[0] > 2  # type: ignore[attr-defined]
     assert _check(finals, reference) == ["first0"]  # the first chunk's step held only it
 
@@ -155,8 +159,8 @@ def test_a_fault_in_a_cascade_step_fails_only_its_step(gpu_parts, monkeypatch) -
 
     reference = _waves(make, _jobs(first, "first"), _jobs(later, "later"))
     hook = _once(RuntimeError("a fault in the cascade"), after=2)
-    _patch(monkeypatch, CascadePath, "attend", hook)
-    finals = _waves(make, _jobs(first, "first"), _jobs(later, "later"))
+    finals = _waves(make, _jobs(first, "first"), _jobs(later, "later"),
+                    arm=lambda: _patch(monkeypatch, CascadePath, "attend", hook))
     assert hook.calls[0] > 3  # type: ignore[attr-defined]  # cascade steps ran after the fault
     assert [k for k in _check(finals, reference) if k.startswith("later")] == []
 
