@@ -22,7 +22,8 @@ bench() {  # bench LIMIT ARGS...: the same command in A then B, ROUNDS times
   for tree in "${trees[@]}"; do
     local name; name=$(basename "$tree")
     echo "=== $(date +%T) $name: $*" | tee -a "$OUT/ab.log"
-    (cd "$tree" && DYNGEN_BENCH_OUT="$OUT/ab_$name.jsonl" timeout "$limit" $PY "$@") 2>&1 \
+    (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+      DYNGEN_BENCH_OUT="$OUT/ab_$name.jsonl" timeout "$limit" $PY "$@") 2>&1 \
       | grep -v '^\[transformers\]' | tail -n 40 >> "$OUT/ab.log"
     echo "=== exit ${PIPESTATUS[0]}" >> "$OUT/ab.log"
   done
