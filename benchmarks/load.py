@@ -131,6 +131,9 @@ async def async_requests(engine: Any, specs: list[Spec], reference: dict[Spec, s
         except DynGenError:
             with tally.lock:
                 tally.refused += 1
+        else:
+            with tally.lock:
+                tally.mismatches.append("a token id outside the vocabulary was accepted")
 
     tasks = []
     for _ in range(args.requests):

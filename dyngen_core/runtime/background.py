@@ -41,9 +41,10 @@ class BackgroundGenerator:
 
     Contract:
         - `submit` and `submit_many` are thread-safe and never wait for a step: jobs are handed
-          to the engine thread, which enqueues them before its next step. A job that can never
-          fit in the cache raises JobTooLargeError there; one the engine refuses at enqueue
-          fails its handle.
+          to the engine thread, which enqueues them before its next step. A job whose own
+          values the engine refuses (`DynamicGenerator.validate`: too large, token ids outside
+          the vocabulary) raises there; one refused later at enqueue (bad settings or
+          constraint) fails its handle.
         - An exception raised by a step fails the jobs running in the engine (their handles
           raise it); the engine goes on serving later jobs.
         - Anything else that ends the engine thread (a BaseException such as SystemExit,
@@ -110,8 +111,9 @@ class BackgroundGenerator:
     def submit(self, job: Job) -> JobHandle:
         """Queue ``job``; returns the handle that streams its results (sync or async).
 
-        Raises JobTooLargeError for a job that can never fit in the cache, EngineStoppedError
-        when the engine is closed or stopped."""
+        Raises what `DynamicGenerator.validate` raises (JobTooLargeError for a job that can
+        never fit, JobError for a token id outside the vocabulary), EngineStoppedError when the
+        engine is closed or stopped."""
         return self._hand_over([job])[0]
 
     def submit_many(self, jobs: Sequence[Job]) -> list[JobHandle]:
@@ -147,7 +149,7 @@ class BackgroundGenerator:
         if not self.running:
             raise self._stopped_error()
         for job in jobs:
-            self.generator.check_fits(job)
+            self.generator.validate(job)
         handles = [JobHandle(job, partial(self.cancel, job)) for job in jobs]
         with self._lock:
             if not self.running:

@@ -138,8 +138,7 @@ class DynamicGenerator:
                 raise TypeError(f"enqueue takes Job objects; got {type(j).__name__}")
             if j.job_id is not None:
                 raise JobError(f"{j!r} was already enqueued; build a new Job to run it again")
-            self.check_fits(j)
-            self._check_token_ids(j)
+            self.validate(j)
         added: list[int] = []
         try:
             for j in jobs:
@@ -156,11 +155,15 @@ class DynamicGenerator:
                 j.job_id = None
             raise
 
-    def check_fits(self, job: Job) -> None:
-        """Raise `JobTooLargeError` if ``job`` could never run: its prompt plus
-        ``max_new_tokens`` exceed the whole cache or the model's context length.
+    def validate(self, job: Job) -> None:
+        """Raise what `enqueue` raises for ``job``'s own values: `JobTooLargeError` when it
+        could never run (its prompt plus ``max_new_tokens`` exceed the whole cache or the
+        model's context length), `JobError` for a prompt or stop token id outside the
+        vocabulary. Reads only fixed sizes, so any thread may call it."""
+        self._check_size(job)
+        self._check_token_ids(job)
 
-        Reads only fixed sizes, so any thread may call it."""
+    def _check_size(self, job: Job) -> None:
         total = len(job.input_ids) + job.max_new_tokens
         context = self.model.config.max_position_embeddings
         if total > context:

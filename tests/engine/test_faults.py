@@ -189,3 +189,15 @@ def test_a_wrong_abort_event_is_refused_before_anything_is_queued(make_generator
     event.set()
     assert generator.generate(prompt="one two", max_new_tokens=4, abort_event=event) is None
     assert generator.num_remaining_jobs() == 0
+
+
+def test_a_background_submit_refuses_bad_token_ids_at_once(make_generator) -> None:
+    from dyngen_core import BackgroundGenerator
+
+    engine = BackgroundGenerator(make_generator())
+    try:
+        with pytest.raises(JobError, match="outside the vocabulary"):
+            engine.submit(Job(input_ids=[5, 10**9], max_new_tokens=2))
+        assert engine.submit(Job(input_ids=[5, 6], max_new_tokens=2)).result(timeout=60)["eos"]
+    finally:
+        engine.close()
