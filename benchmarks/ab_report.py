@@ -9,9 +9,9 @@ the noise, else "B better" or "B worse".
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from typing import Any
 
@@ -55,7 +55,12 @@ def spread(values: list[float]) -> float:
 
 
 def main() -> None:
-    a, b = figures(sys.argv[1]), figures(sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("a", help="tree A's JSON lines (ab_trees.sh: $OUT/ab_<tree>.jsonl)")
+    parser.add_argument("b", help="tree B's JSON lines")
+    args = parser.parse_args()
+    a, b = figures(args.a), figures(args.b)
     print(f"{'figure':64s} {'A runs':>20s} {'B runs':>20s} {'B/A':>7s} {'noise':>6s}  verdict")
     for key in sorted(a.keys() & b.keys()):
         ratio = statistics.median(b[key]) / statistics.median(a[key])

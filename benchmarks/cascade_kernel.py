@@ -50,7 +50,7 @@ from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.attention.triton import cascade_path
 from dyngen_core.kv.attention.triton.operands import HeadShape, page_arguments, page_operands
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 
 PAGE = 256
 QUESTION = 40

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from _common import add_common_args, bench_config, device_name, random_model, report
 
-from dyngen_core.model.layout import checkpoint_layout
+from dyngen_core.model.loader import checkpoint_layout
 
 SHARDS = 4
 

@@ -27,7 +27,8 @@ import torch
 
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings
-from dyngen_core.sampling import compact, fused
+from dyngen_core.sampling import draw as compact
+from dyngen_core.sampling import fused
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.upload import Staging
 

@@ -48,7 +48,7 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch  # noqa: E402
 from dyngen_core.kv.attention.triton.decode import decode_splits  # noqa: E402
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E402
-from dyngen_core.kv.fp16.storage import FP16Storage  # noqa: E402
+from dyngen_core.kv.fp16 import FP16Storage  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 256
 CALLS = 32  # layer calls per captured graph

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import cuda_seconds, device_name, report  # noqa: E402
 from dyngen_core.config import ModelConfig  # noqa: E402
-from dyngen_core.kv.fp16.storage import FP16Storage  # noqa: E402
+from dyngen_core.kv.fp16 import FP16Storage  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS, PAGE = 32, 8, 128, 32, 256
 

@@ -54,7 +54,7 @@ from dyngen_core.config import ModelConfig  # noqa: E402
 from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch  # noqa: E402
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E402
-from dyngen_core.kv.fp16.storage import FP16Storage  # noqa: E402
+from dyngen_core.kv.fp16 import FP16Storage  # noqa: E402
 
 PAGE = 256
 SHAPES = ("1x8030", "4x2048", "256x512", "64x30@8030", "64x4@8030")

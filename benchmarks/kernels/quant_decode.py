@@ -68,7 +68,7 @@ from dyngen_core.kv.attention.triton.operands import (  # noqa: E402
 )
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E402
 from dyngen_core.kv.attention.triton.quant_decode import attend_word_decode  # noqa: E402
-from dyngen_core.kv.fp16.storage import FP16Storage  # noqa: E402
+from dyngen_core.kv.fp16 import FP16Storage  # noqa: E402
 from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
 
 COPIES_BATCH1 = 16

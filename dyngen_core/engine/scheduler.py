@@ -28,29 +28,28 @@ Python; the scheduler owns every job's `Sequence` and the `PagePool`, and knows 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from itertools import islice
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
-from dyngen_core.engine.bookkeeping import (
-    apply_decode_tokens,
-    check_fits,
-    check_sequences,
-    drop_generated,
-    record_partial_page,
-    register_full_pages,
-    release_pages,
-    resolve_pending,
-    sampled_tokens,
-)
 from dyngen_core.engine.defrag import plan_defrag
 from dyngen_core.engine.pages import PagePool
 from dyngen_core.engine.plan import PENDING_TOKEN, PageCopy, SequenceSlice, StepOutcome, StepPlan
 from dyngen_core.engine.prefix import InflightIndex, PrefixMatch, match_prefix, take_prefix_pages
 from dyngen_core.engine.results import GeneratorStats
-from dyngen_core.engine.sequence import Sequence, SequenceStatus, SequenceView
-from dyngen_core.errors import JobError
+from dyngen_core.engine.sequence import (
+    Sequence,
+    SequenceStatus,
+    SequenceView,
+    check_sequences,
+    drop_generated,
+    record_partial_page,
+    register_full_pages,
+    release_pages,
+)
+from dyngen_core.errors import JobError, JobTooLargeError
 
 DEFRAG_INTERVAL = 64
 ADMISSION_LOOKAHEAD = 64
@@ -202,13 +201,53 @@ class Scheduler:
     def apply_tokens(self, plan: StepPlan, tokens: SequenceOf[int]) -> None:
         """`apply` for a step that sampled exactly one token per sampling slice and no drafts:
         ``tokens[i]`` is the token of the ``i``-th slice with ``sample=True``, in plan order.
-        Saves building a `SampledTokens` per job; the result is the same as `apply`'s."""
-        apply_decode_tokens(self._running, plan, tokens, self.page_size, self._advance)
+        Saves building a `SampledTokens` per job; the result is the same as `apply`'s. A decode
+        of one token that fills no page is applied inline (all it changes is the computed count
+        and the new token); any other slice goes through `_advance`. Jobs no longer running are
+        skipped."""
+        slices = plan.slices
+        if len(tokens) == len(slices):  # every slice samples (steady decoding): pair directly
+            paired: Iterable[tuple[SequenceSlice, int | None]] = zip(slices, tokens, strict=True)
+        else:
+            next_token = iter(tokens).__next__
+            paired = [(sl, next_token() if sl.sample else None) for sl in slices]
+        get, page_size, advance = self._running.get, self.page_size, self._advance
+        for sl, token in paired:
+            seq = get(sl.job_id)
+            if seq is None:
+                continue
+            start = sl.start_pos
+            if sl.draft_ids:
+                raise ValueError(f"apply_tokens: the slice of job {sl.job_id} carries drafts; "
+                                 "use apply with the accepted draft count")
+            if token is None or len(sl.token_ids) != 1 or start != seq.num_computed \
+                    or start < seq.prefill_end or (start + 1) % page_size == 0:
+                advance(seq, sl, 0, () if token is None else (token,))
+            else:
+                seq.num_computed = start + 1
+                seq.token_ids.append(token)
 
     def resolve_tokens(self, plan: StepPlan, tokens: SequenceOf[int]) -> None:
         """Put the real tokens where ``apply_tokens(plan, [PENDING_TOKEN] * n)`` left
-        placeholders (overlapped steps; see `scheduling.bookkeeping.resolve_pending`)."""
-        resolve_pending(self._jobs, plan, tokens, PENDING_TOKEN)
+        placeholders (overlapped steps): ``tokens`` has one token per sampling slice, in plan
+        order. Jobs finished since are skipped; preempted ones are resolved too (they recompute
+        their tokens later). A page is registered only when its last position is computed, one
+        step after the token there was sampled: by then it was resolved, so no placeholder is
+        ever hashed."""
+        slices = plan.slices
+        if len(tokens) != len(slices):  # some slices sample nothing: pair the others
+            slices = [sl for sl in slices if sl.sample]
+        get = self._jobs.get
+        for sl, token in zip(slices, tokens, strict=True):
+            seq = get(sl.job_id)
+            if seq is None:
+                continue
+            index = sl.start_pos + len(sl.token_ids)  # `end_pos`, inlined: this runs per job
+            ids = seq.token_ids
+            if index >= len(ids) or ids[index] != PENDING_TOKEN:
+                raise RuntimeError(f"job {sl.job_id} has no pending token at position {index}; "
+                                   "resolve each overlapped step once, in order")
+            ids[index] = token
 
     def _advance(self, seq: Sequence, sl: SequenceSlice, accepted: int,
                  new_tokens: SequenceOf[int]) -> None:
@@ -403,3 +442,34 @@ class Scheduler:
             raise KeyError(f"job {job_id} is not queued or running (finished, cancelled or "
                            "never added)")
         return seq
+
+
+def check_fits(job_id: int, num_tokens: int, pool: PagePool, breakdown: str) -> None:
+    """Raise JobTooLargeError if ``num_tokens`` cache slots (described by ``breakdown``) need more
+    pages than the whole pool holds."""
+    ps, total = pool.page_size, pool.num_pages
+    pages = -(-num_tokens // ps)
+    if pages > total:
+        raise JobTooLargeError(
+            f"job {job_id} needs up to {pages} pages of {ps} tokens ({breakdown} tokens) but the "
+            f"whole cache holds {total} pages ({total * ps} tokens); build a larger cache "
+            f"(max_tokens >= {pages * ps}) or shorten the prompt or max_new_tokens")
+
+
+def sampled_tokens(sl: SequenceSlice, outcome: StepOutcome) -> tuple[int, list[int]]:
+    """(accepted draft count, tokens to append) for one slice of a plan, validated."""
+    if not sl.sample:
+        return 0, []
+    sampled = outcome.sampled.get(sl.job_id)
+    if sampled is not None and not sl.draft_ids and not sampled.num_draft_accepted \
+            and len(sampled.token_ids) == 1:
+        return 0, sampled.token_ids  # the common case: one decode token
+    if sampled is None:
+        raise ValueError(f"the outcome has no sampled tokens for job {sl.job_id}, whose slice "
+                         "asked for sampling")
+    accepted = sampled.num_draft_accepted
+    if not 0 <= accepted <= len(sl.draft_ids) or len(sampled.token_ids) != accepted + 1:
+        raise ValueError(
+            f"job {sl.job_id}: {len(sampled.token_ids)} sampled tokens with {accepted} of "
+            f"{len(sl.draft_ids)} drafts accepted; expected accepted drafts + 1 tokens")
+    return accepted, list(sampled.token_ids)

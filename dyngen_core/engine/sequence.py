@@ -1,4 +1,6 @@
-"""Per-job sequence state kept by the scheduler, its read-only view, and the scheduler's stats.
+"""Per-job sequence state kept by the scheduler, its read-only view, and the page bookkeeping
+between a sequence and the pool (registering filled pages, rewinds, releases, the sequences'
+invariant).
 
 A `Sequence` is the scheduler's bookkeeping for one job: its token ids (prompt then generated),
 how many of them have their keys and values in the cache (``num_computed``), its page table and
@@ -8,9 +10,10 @@ the chain hashes of its full pages. It holds no reference to the job object or t
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from dyngen_core.engine.pages import ROOT_HASH, chain_hash
+from dyngen_core.engine.pages import ROOT_HASH, PagePool, chain_hash
 
 
 class SequenceStatus(enum.Enum):
@@ -147,3 +150,126 @@ class SequenceView:
         s = self._seq
         return (f"SequenceView(job_id={s.job_id}, status={s.status.value}, tokens={s.num_tokens}, "
                 f"computed={s.num_computed}, pages={len(s.page_table)})")
+
+
+def register_full_pages(seq: Sequence, pool: PagePool, old_computed: int, new_computed: int, *,
+                        fold: bool) -> None:
+    """Register the pages that became fully computed between the two counts.
+
+    fold: when an identical page is already registered, switch ``seq`` to it and release its own
+        (dedup of generated pages); when False the own page stays, unregistered.
+    """
+    ps = pool.page_size
+    first, last = old_computed // ps, new_computed // ps
+    if first >= last:
+        return
+    hashes = seq.hashes_upto(last, ps)
+    for k in range(first, last):
+        page = seq.page_table[k]
+        if pool.page_hash(page) == hashes[k]:
+            continue
+        parent = hashes[k - 1] if k else ROOT_HASH
+        canonical = pool.register_full(page, parent, seq.page_tokens(k, ps), block_hash=hashes[k])
+        if fold and canonical is not None and canonical != page:
+            pool.ref(canonical)
+            seq.page_table[k] = canonical
+            pool.release(page)
+
+
+def drop_generated(seq: Sequence, pool: PagePool, n: int) -> None:
+    """Drop ``seq``'s last ``n`` tokens (at most its generated ones). A running sequence also
+    releases the pages past its new end, and the page its next decode writes is made writable
+    (`make_writable`)."""
+    del seq.token_ids[-n:]
+    ps = pool.page_size
+    del seq.page_hashes[seq.num_tokens // ps:]
+    seq.prefill_end = min(seq.prefill_end, seq.num_tokens)
+    if seq.status is not SequenceStatus.RUNNING:
+        return
+    seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+    keep = (seq.num_tokens - 1) // ps + 1
+    for page in reversed(seq.page_table[keep:]):
+        pool.release(page)
+    del seq.page_table[keep:]
+    if len(seq.page_table) == keep:
+        make_writable(seq, pool, keep - 1)
+
+
+def make_writable(seq: Sequence, pool: PagePool, k: int) -> None:
+    """After a rewind, page ``k`` is the one the next decode writes: nothing may be registered
+    beyond ``num_computed`` in it. Truncate its record if ``seq`` holds it alone; if it is
+    shared, give it up and recompute its tokens in a fresh page."""
+    page, start = seq.page_table[k], k * pool.page_size
+    kept = max(0, seq.num_computed - start)
+    if pool.record_len(page) <= kept:
+        return
+    if pool.ref_count(page) == 1:
+        pool.truncate(page, kept)
+    else:
+        pool.release(page)
+        del seq.page_table[k:]
+        seq.num_computed = min(seq.num_computed, start)
+
+
+def record_partial_page(seq: Sequence, pool: PagePool) -> None:
+    """Note the computed leading slots of ``seq``'s partly filled last page, when it holds that
+    page alone and unregistered, so a later job can copy them."""
+    ps, nc = pool.page_size, seq.num_computed
+    k = nc // ps
+    if nc % ps and k < len(seq.page_table):
+        page = seq.page_table[k]
+        if pool.ref_count(page) == 1 and pool.page_hash(page) is None:
+            pool.record_partial(page, seq.parent_hash(k, ps), seq.token_ids[k * ps:nc])
+
+
+def release_pages(seq: Sequence, pool: PagePool, *, record: bool) -> None:
+    """Release all of ``seq``'s pages, last page first (so the LRU evicts suffixes before the
+    prefixes other jobs may share), and empty its page table.
+
+    record: first note the computed leading slots of a partly filled last page, so a later job
+        (a preempted job's recompute, the next chat turn) can copy them.
+    """
+    if record:
+        record_partial_page(seq, pool)
+    for page in reversed(seq.page_table):
+        pool.release(page)
+    seq.page_table = []
+
+
+def check_sequences(jobs: Mapping[int, Sequence], waiting: Collection[Sequence],
+                    running: Mapping[int, Sequence], pool: PagePool) -> None:
+    """Raise AssertionError unless: every job is waiting xor running; waiting jobs hold no pages;
+    a running job's pages cover its computed tokens; its registered pages carry the hashes of
+    its own tokens; and every page it will still write is exclusive and unregistered."""
+    _require(len(jobs) == len(waiting) + len(running),
+             f"{len(jobs)} jobs but {len(waiting)} waiting + {len(running)} running")
+    for seq in waiting:
+        _require(seq.status is SequenceStatus.WAITING and not seq.page_table
+                 and seq.num_computed == 0, f"waiting job {seq.job_id} holds pages or progress")
+    for seq in running.values():
+        _check_running(seq, pool)
+
+
+def _check_running(seq: Sequence, pool: PagePool) -> None:
+    ps, nc, job = pool.page_size, seq.num_computed, seq.job_id
+    _require(seq.status is SequenceStatus.RUNNING, f"job {job} is listed running but {seq.status}")
+    _require(nc <= seq.num_tokens - 1, f"job {job}: {nc} tokens computed of {seq.num_tokens}")
+    _require(len(seq.page_table) * ps >= nc,
+             f"job {job}: {len(seq.page_table)} pages cannot hold {nc} computed tokens")
+    hashes = seq.hashes_upto(nc // ps, ps)
+    for k in range(nc // ps):
+        page_hash = pool.page_hash(seq.page_table[k])
+        _require(page_hash is None or page_hash == hashes[k],
+                 f"job {job}: page {seq.page_table[k]} at index {k} is registered with another "
+                 "prefix's hash")
+    for k in range(nc // ps, len(seq.page_table)):
+        page = seq.page_table[k]
+        _require(pool.ref_count(page) == 1 and pool.page_hash(page) is None,
+                 f"job {job} will write page {page} (index {k}) but it is shared or registered")
+        _require(pool.record_len(page) <= max(0, nc - k * ps),
+                 f"job {job}: page {page} records more tokens than the job has computed")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(f"sequence invariant violated: {message}")

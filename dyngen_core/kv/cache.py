@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dyngen_core.config import PAGE_SIZE, CacheConfig, ModelConfig
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 from dyngen_core.kv.quant.calibration import measure_key_means
 from dyngen_core.kv.quant.storage import MODE_BITS, QuantStorage
 from dyngen_core.kv.storage import KVStorage

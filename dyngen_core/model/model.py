@@ -2,7 +2,8 @@
 
 One forward computes a whole flattened batch (prefill chunks and decode tokens of many sequences
 together) described by a `ForwardBatch`; keys and values go to a `KVStorage` through an
-`AttentionBackend`. Logits are computed only for the rows the batch asks for.
+`AttentionBackend`. Logits are computed only for the rows the batch asks for. Where and in what
+precision a model lives (the ``device`` and ``dtype`` options) is resolved here too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model.layers import DecoderLayer, GatedMLP, Placement, RMSNorm, empty_parameter
 from dyngen_core.model.loader import checked_layout, find_weight_files, load_weights, read_inventory
-from dyngen_core.model.placement import resolve_device, resolve_dtype
 from dyngen_core.model.rope import RotaryEmbedding
 from dyngen_core.ops.fused_ops import DEFAULT_FUSED_OPS, fused_ops_for
 from dyngen_core.ops.skinny_matmul import DEFAULT_SKINNY_ROWS, linear, skinny_rows_for
@@ -178,3 +178,51 @@ class Model(nn.Module):
             # order. See BENCHMARKS.md, "CPU lm_head layout".
             return (self.lm_head_weight @ normed.t()).t().float().contiguous()
         return linear(normed, self.lm_head_weight, skinny_rows=self.skinny_rows).float()
+
+
+_DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None or "auto" gives the current CUDA device when CUDA is available, else the CPU.
+
+    A bare "cuda" is pinned to the current CUDA index so device comparisons stay exact.
+    """
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str,
+                  device: torch.device) -> torch.dtype:
+    """None or "auto" gives the checkpoint's ``torch_dtype`` on CUDA and float32 on the CPU.
+
+    float32 is the CPU default because CPUs have no fast half-precision matrix products, and
+    fp32 is the reference.
+    """
+    if dtype is None or dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPE_NAMES.get(config_dtype, torch.float32)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(
+                f"dtype {dtype!r} is unknown; use 'auto', 'bfloat16', 'float16' or 'float32'"
+            )
+        return _DTYPE_NAMES[dtype]
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use bfloat16, float16 or float32")
+    return dtype

@@ -1,7 +1,7 @@
 """`ModelRunner`: turns a `StepPlan` into tensors, runs the model, returns logits.
 
 It owns nothing of the scheduler's: it executes the plan's page copies, gives each job a
-sequence slot (`seq_slots`) when the storage keeps per-sequence state, builds the forward
+sequence slot (`SequenceSlots`, below) when the storage keeps per-sequence state, builds the forward
 metadata, runs one forward over every slice, and hands back float32 logits for the sample rows
 in slice order (``1 + len(draft_ids)`` rows per sampling slice). On CUDA with a capturable
 attention backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`, shared-prefix
@@ -9,6 +9,8 @@ attention included) instead of an eager forward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -18,7 +20,6 @@ from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.runtime.graphs import decode_graphs_for
 from dyngen_core.runtime.overlap import TokenFeed
-from dyngen_core.runtime.seq_slots import SequenceSlots
 
 
 class ModelRunner:
@@ -80,3 +81,50 @@ class ModelRunner:
             feed.apply(batch.input_ids, batch.num_tokens)
         logits = self.model.forward(batch, self.cache.storage, self.backend)
         return logits if logits.shape[0] else None
+
+
+class SequenceSlots:
+    """Job id -> slot in ``0 .. capacity - 1``, reassigned least-recently-used first.
+
+    capacity: the number of slots (the storage's `reserve_sequences` count).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, not {capacity}")
+        self.capacity = capacity
+        self._slot_of: dict[int, int] = {}
+        self._last_step: dict[int, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self._step = 0
+
+    def assign(self, job_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The slot of each job in ``job_ids`` (one step's slices, distinct ids), and the slots
+        newly given to a job this step (their old contents must be forgotten). A job gets -1
+        when every slot is held by a job of this same step."""
+        self._step += 1
+        step = self._step
+        slots: list[int] = []
+        fresh: list[int] = []
+        for job in job_ids:
+            slot = self._slot_of.get(job)
+            if slot is None:
+                slot = self._take(job_ids)
+                if slot >= 0:
+                    self._slot_of[job] = slot
+                    fresh.append(slot)
+            if slot >= 0:
+                self._last_step[job] = step
+            slots.append(slot)
+        return slots, fresh
+
+    def _take(self, job_ids: Sequence[int]) -> int:
+        if self._free:
+            return self._free.pop()
+        current = set(job_ids)
+        idle = [job for job in self._slot_of if job not in current]
+        if not idle:
+            return -1
+        victim = min(idle, key=self._last_step.__getitem__)
+        del self._last_step[victim]
+        return self._slot_of.pop(victim)

@@ -3,8 +3,7 @@ order, and `dyngen_core.engine.settings` for the settings and the per-job `Sampl
 
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings, SamplerState
-from dyngen_core.sampling.request import SampleResult, SamplingError
-from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.sampling.sampler import Sampler, SampleResult, SamplingError
 
 __all__ = [
     "SampleRequest",

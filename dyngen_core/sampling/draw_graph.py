@@ -1,4 +1,4 @@
-"""CUDA graphs of the fused draw: the top-k and `fused_kernel.compact_draw_kernel` replayed as
+"""CUDA graphs of the fused draw: the top-k and `fused.compact_draw_kernel` replayed as
 one graph launch (`DrawGraphs`).
 
 Why: on the H200 host each torch or Triton launch costs tens of microseconds of Python and

@@ -1,8 +1,8 @@
 """The fused compact draw: on CUDA with triton, everything the compact draw does after its one
 top-k (temperature, top_k, top_p, the counter-based Gumbel noise and the argmax, and the
-validity check) is one Triton kernel, `fused_kernel.compact_draw_kernel`.
+validity check) is one Triton kernel, `fused.compact_draw_kernel`.
 
-Why: the torch compact draw (`compact.draw_compact`) is about 45 small kernels per step (the
+Why: the torch compact draw (`draw.draw_compact`) is about 45 small kernels per step (the
 integer hash alone is 26), each a few microseconds of host time to launch; this is one launch.
 The torch draw stays the CPU path, the path for any other stage, and the oracle the kernel is
 tested against (the same integer hash, so the same uniforms bit for bit).
@@ -32,6 +32,9 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
 
 from dyngen_core.ops.triton_support import require_triton, triton_by_default
 from dyngen_core.sampling.rows import Row, RowList
@@ -150,7 +153,7 @@ def _host_columns_of(rows: RowList, bound: int) -> HostColumns:
 def carry_host_columns(host: HostColumns, rows: Sequence[Row], dropped: Sequence[int],
                        start: int, bound: int) -> HostColumns:
     """`host_columns(rows, bound)` from ``host``, those of a list that ``rows`` is without its
-    rows ``dropped`` (ascending) and with new rows from ``start`` on (`row_carry.carry_rows`):
+    rows ``dropped`` (ascending) and with new rows from ``start`` on (`row_cache.carry_rows`):
     the survivors' values cut out, the new rows' computed. Selecting rows of the old device
     columns instead would cost kernels of their own; sent with the step's keys, these are a
     few more bytes in a copy that happens anyway."""
@@ -182,7 +185,7 @@ def launch_fused_draw(x: torch.Tensor, keys: torch.Tensor, columns: FusedColumns
         `AUTO_TRITON_MAX_BOUND`, else torch): the same candidates either way, up to which
         of equal logits at the bound are kept (module docstring).
     """
-    from dyngen_core.sampling.fused_kernel import compact_draw_kernel
+    from dyngen_core.sampling.fused import compact_draw_kernel
 
     values, token_ids = candidates(x, bound, topk)
     block = max(16, 1 << (bound - 1).bit_length())
@@ -214,7 +217,7 @@ def hashed_uniforms(keys: torch.Tensor, token_ids: torch.Tensor, *,
     noise: False gives the uniforms ``u`` (`rng.open_uniform` of the hash); True gives
         ``log(-log(u))`` (`rng._log_neg_log_uniform`).
     """
-    from dyngen_core.sampling.fused_kernel import uniform_noise_kernel
+    from dyngen_core.sampling.fused import uniform_noise_kernel
 
     token_ids, keys = token_ids.contiguous(), keys.contiguous()
     rows, n = token_ids.shape
@@ -224,3 +227,107 @@ def hashed_uniforms(keys: torch.Tensor, token_ids: torch.Tensor, *,
         token_ids, keys, out, n, BLOCK=block, NOISE=noise,
         LIBDEVICE=token_ids.device.type == "cuda")
     return out
+
+
+@triton.jit
+def _mix32(x):
+    """`rng._mix32` on uint32 values (its two multipliers, `rng._M1` and `rng._M2`)."""
+    x ^= x >> 16
+    x = x * tl.full(x.shape, 0x21F0AAAD, tl.uint32)
+    x ^= x >> 15
+    x = x * tl.full(x.shape, 0x735A2D97, tl.uint32)
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@triton.jit
+def _uniform(token_ids, a, b):
+    """The hashed uniforms of ``token_ids`` under row key words ``a``, ``b`` (uint32):
+    `rng.open_uniform` of `rng._log_neg_log_uniform`'s hash, exact in float32."""
+    h = _mix32(_mix32(token_ids.to(tl.uint32) + a) ^ b)
+    return ((h >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _log_neg_log_uniform(token_ids, a, b, LIBDEVICE: tl.constexpr):
+    """``log(-log(u))``: `rng._log_neg_log_uniform`, minus the Gumbel noise."""
+    return _log(-_log(_uniform(token_ids, a, b), LIBDEVICE), LIBDEVICE)
+
+
+@triton.jit
+def uniform_noise_kernel(token_ids_ptr, keys_ptr, out_ptr, n, BLOCK: tl.constexpr,
+                         NOISE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``out[row, i]``: the uniform of token ``token_ids[row, i]`` under ``keys[row]`` (both
+    int64, contiguous; ``out`` float32 ``[rows, n]``), or with ``NOISE`` its
+    ``log(-log(u))``: the kernels' randomness, for tests."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < n
+    tokens = tl.load(token_ids_ptr + row * n + cols, mask=inside, other=0)
+    a = tl.load(keys_ptr + 2 * row).to(tl.uint32)
+    b = tl.load(keys_ptr + 2 * row + 1).to(tl.uint32)
+    if NOISE:
+        out = _log_neg_log_uniform(tokens, a, b, LIBDEVICE)
+    else:
+        out = _uniform(tokens, a, b)
+    tl.store(out_ptr + row * n + cols, out, mask=inside)
+
+
+@triton.jit
+def _top_p(v, inside, p_target, LIBDEVICE: tl.constexpr):
+    """`filters.top_p` on one row whose finite values come first, in descending order (so it
+    is its own sorted copy): keep tokens while the mass before them is below ``p_target``."""
+    e = _exp(v - tl.max(v, 0), LIBDEVICE)
+    p = tl.math.div_rn(e, tl.broadcast_to(tl.sum(e, 0), e.shape))
+    before = tl.cumsum(p, 0) - p
+    keep = tl.maximum(tl.sum(((before < p_target) & inside).to(tl.int32), 0), 1)
+    cut = tl.max(tl.where(tl.arange(0, v.shape[0]) == keep - 1, p, -1.0), 0)
+    return tl.where(p < cut, float("-inf"), v)
+
+
+@triton.jit
+def compact_draw_kernel(values_ptr, token_ids_ptr, keys_ptr, temps_ptr, top_k_ptr, top_p_ptr,
+                        out_ptr, bound, stride_values, stride_ids, BLOCK: tl.constexpr,
+                        LIBDEVICE: tl.constexpr):
+    """Row ``program_id(0)``: its top ``bound`` logits ``values`` (descending, as
+    ``torch.topk`` returns them; any float dtype) and their int64 ``token_ids``; its int64 key
+    words ``keys[row]``, float32 temperature (1.0: none), int32 top_k (``bound``: none) and
+    float32 top_p (>= 1.0: none). Writes the drawn token id to int64 ``out[row]``, or -1 when
+    the drawn logit is not finite (every candidate removed) or the row holds a NaN."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < bound
+    v = tl.load(values_ptr + row * stride_values + cols, mask=inside,
+                other=float("-inf")).to(tl.float32)
+    tokens = tl.load(token_ids_ptr + row * stride_ids + cols, mask=inside, other=0)
+    temp = tl.load(temps_ptr + row)
+    v = tl.math.div_rn(v, tl.broadcast_to(temp, v.shape))
+    k = tl.load(top_k_ptr + row)
+    kth = tl.max(tl.where(cols == k - 1, v, float("-inf")), 0)
+    v = tl.where(v < kth, float("-inf"), v)
+    p_target = tl.load(top_p_ptr + row)
+    if p_target < 1.0:
+        v = _top_p(v, inside, p_target, LIBDEVICE)
+    a = tl.load(keys_ptr + 2 * row).to(tl.uint32)
+    b = tl.load(keys_ptr + 2 * row + 1).to(tl.uint32)
+    perturbed = v - _log_neg_log_uniform(tokens, a, b, LIBDEVICE)
+    perturbed = tl.where(inside, perturbed, float("-inf"))
+    best = tl.max(perturbed, 0)
+    pick = tl.argmax(perturbed, 0)
+    chosen = tl.sum(tl.where(cols == pick, tokens, 0), 0)
+    has_nan = tl.sum((perturbed != perturbed).to(tl.int32), 0) > 0
+    valid = (tl.abs(best) < float("inf")) & ~has_nan
+    tl.store(out_ptr + row, tl.where(valid, chosen, -1))

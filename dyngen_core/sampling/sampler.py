@@ -1,4 +1,5 @@
-"""The batched sampler: logits rows in, one token per row out, all on the logits' device.
+"""The batched sampler: logits rows in, one token per row out, all on the logits' device; what
+it gives back per request (`SampleResult`) and `SamplingError`.
 
 Stage order (fixed; a stage runs only on the rows whose settings use it, and is skipped
 entirely when no row does; see `SamplerSettings.active_stages`):
@@ -34,13 +35,22 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from dyngen_core.engine.record import SampleRequest
-from dyngen_core.sampling.compact import compact_bound, draw_compact, fetch_compact, full_rows
-from dyngen_core.sampling.draw import choose, fetch_choices, fetch_top_k
+from dyngen_core.errors import DynGenError
+from dyngen_core.sampling.draw import (
+    choose,
+    compact_bound,
+    draw_compact,
+    fetch_choices,
+    fetch_compact,
+    fetch_top_k,
+    full_rows,
+)
 from dyngen_core.sampling.draw_graph import DrawGraphs, graphable
 from dyngen_core.sampling.edits import apply_edits
 from dyngen_core.sampling.fused import (
@@ -51,7 +61,6 @@ from dyngen_core.sampling.fused import (
     fusable,
     fused_draw_default,
 )
-from dyngen_core.sampling.request import SampleResult, SamplingError
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.rows import Row, RowList
 from dyngen_core.sampling.shaping import shape_distribution
@@ -345,3 +354,43 @@ def _fetch(drawn: _Drawn, rows: RowList) -> tuple[list[int], dict[int, float]]:
             f"requests {dead} have no allowed token left (token_bias, banned_tokens and the "
             "constraint mask removed every token); fail those jobs", dead)
     return ids, probs
+
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SamplingError(DynGenError, ValueError):
+    """A request cannot be sampled (e.g. every token is banned or masked out).
+
+    ``request_indices`` lists the offending requests, so the caller can fail those jobs and
+    sample the others again."""
+
+    def __init__(self, message: str, request_indices: Sequence[int]) -> None:
+        super().__init__(message)
+        self.request_indices = list(request_indices)
+
+
+@dataclass
+class SampleResult:
+    """What sampling produced for one request, one entry per row (tensors on the CPU).
+
+    token_ids: the chosen token of each row.
+    token_probs: ``[rows]`` float32, each chosen token's probability in the distribution it was
+        drawn from (greedy rows: the softmax of their edited logits at temperature 1), when
+        ``return_probs``.
+    top_k_tokens / top_k_probs: ``[rows, k]`` int64 / float32, the k most likely tokens of that
+        same distribution, most likely first, when ``return_top_tokens``.
+    logits: ``[rows, vocab]`` float32 raw logits, when ``return_logits``.
+    """
+
+    token_ids: list[int]
+    token_probs: torch.Tensor | None = None
+    top_k_tokens: torch.Tensor | None = None
+    top_k_probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def token_id(self) -> int:
+        """The token of row 0 (the only row without drafts)."""
+        return self.token_ids[0]

@@ -28,9 +28,8 @@ import torch
 
 from dyngen_core.engine.plan import SampledTokens
 from dyngen_core.engine.record import JobRecord
-from dyngen_core.sampling.request import SamplingError
-from dyngen_core.sampling.sampler import Sampler
-from dyngen_core.text.constraints.compiler import (
+from dyngen_core.sampling.sampler import Sampler, SamplingError
+from dyngen_core.text.constraints import (
     ConstraintCompiler,
     ConstraintMatcher,
     mask_words,

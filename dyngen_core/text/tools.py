@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dyngen_core.errors import JobError
-from dyngen_core.text.constraints.spec import Constraint
+from dyngen_core.text.constraints import Constraint
 from dyngen_core.text.tool_parser import (
     InvalidToolCall,
     ToolCall,

@@ -23,7 +23,7 @@ from dyngen_core import DynamicGenerator, Job, SamplerSettings
 from dyngen_core.engine.record import JobRecord
 from dyngen_core.sampling.sampler import Sampler
 from dyngen_core.sampling.step import StepSampler
-from dyngen_core.text.constraints.compiler import mask_words
+from dyngen_core.text.constraints import mask_words
 from tests.engine.step_helpers import mixed_prompts
 
 TOP_P = SamplerSettings(temperature=0.9, top_p=0.8, top_k=40)

@@ -17,8 +17,7 @@ import torch
 
 from dyngen_core import DynamicGenerator, Job, SamplerSettings
 from dyngen_core.engine.record import SampleRequest
-from dyngen_core.sampling.request import SamplingError
-from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.sampling.sampler import Sampler, SamplingError
 from dyngen_core.sampling.step import StepSampler
 from tests.engine.step_helpers import kill_row, mixed_prompts
 

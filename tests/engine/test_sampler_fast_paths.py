@@ -184,7 +184,7 @@ def test_compact_draw_equals_the_full_width_path(monkeypatch: pytest.MonkeyPatch
 
 
 def test_compact_draw_is_skipped_when_a_row_needs_the_whole_vocabulary() -> None:
-    from dyngen_core.sampling.compact import compact_bound
+    from dyngen_core.sampling.draw import compact_bound
 
     def bound(settings: list[SamplerSettings], width: int = 1024) -> int:
         rows = expand_rows([SampleRequest(settings=s, seed=1) for s in settings],

@@ -22,7 +22,7 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.attention.sdpa import SdpaBackend
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 from tests.gpu.conftest import interpreter_mode
 
 if TYPE_CHECKING:

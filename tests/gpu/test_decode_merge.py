@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 from tests.gpu.conftest import interpreter_mode
 
 pytestmark = pytest.mark.gpu

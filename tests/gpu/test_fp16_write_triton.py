@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 
 pytestmark = pytest.mark.gpu
 

@@ -20,7 +20,7 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
 from dyngen_core.kv.attention.sdpa import SdpaBackend
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,

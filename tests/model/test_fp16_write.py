@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dyngen_core.config import ModelConfig
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 from dyngen_core.ops.triton_support import triton_by_default
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=48,

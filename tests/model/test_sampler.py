@@ -217,7 +217,7 @@ def test_rows_without_a_stage_are_untouched() -> None:
 
 
 def test_unused_stages_are_never_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dyngen_core.sampling import filters
+    from dyngen_core.sampling import shaping as filters
 
     def fail(*args: object) -> None:
         raise AssertionError("a stage no row uses ran")

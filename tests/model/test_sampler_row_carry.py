@@ -15,7 +15,7 @@ import torch
 from dyngen_core import SamplerSettings
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling import fused
-from dyngen_core.sampling.compact import _columns, _keys_and_columns
+from dyngen_core.sampling.draw import _columns, _keys_and_columns
 from dyngen_core.sampling.row_cache import RowCache
 from dyngen_core.sampling.rows import RowList, expand_rows
 from dyngen_core.sampling.sampler import Sampler

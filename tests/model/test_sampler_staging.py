@@ -8,9 +8,8 @@ import torch
 
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings
-from dyngen_core.sampling.request import SamplingError
 from dyngen_core.sampling.rng import gumbel_noise, open_uniform, perturb, row_keys
-from dyngen_core.sampling.sampler import Sampler
+from dyngen_core.sampling.sampler import Sampler, SamplingError
 from dyngen_core.sampling.upload import Staging
 
 

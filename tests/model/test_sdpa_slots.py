@@ -19,7 +19,7 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
 from dyngen_core.kv.attention.sdpa import SdpaBackend
 from dyngen_core.kv.cache import make_storage
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 from dyngen_core.kv.storage import KVStorage
 
 PAGE_SIZE = 16

@@ -54,7 +54,7 @@ def test_kernel_modules_import_without_triton() -> None:
     code = ("import sys\n"
             "sys.modules['triton'] = None\n"
             "from dyngen_core.kv.attention import sdpa\n"
-            "from dyngen_core.kv.fp16 import storage\n"
+            "from dyngen_core.kv import fp16\n"
             "from dyngen_core.ops import fused_ops, skinny_matmul\n"
             "try:\n"
             "    fused_ops.silu_mul_kernel[(1,)]()\n"

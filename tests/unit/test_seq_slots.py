@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dyngen_core.runtime.seq_slots import SequenceSlots
+from dyngen_core.runtime.runner import SequenceSlots
 
 
 def test_jobs_keep_their_slots_across_steps() -> None:

@@ -169,6 +169,6 @@ def test_sampler_state_ignores_non_mirostat_settings() -> None:
 
 
 def test_settings_and_constraint_specs_do_not_import_torch() -> None:
-    code = ("import sys, dyngen_core.engine.settings, dyngen_core.text.constraints.spec; "
+    code = ("import sys, dyngen_core.engine.settings, dyngen_core.text.constraints; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

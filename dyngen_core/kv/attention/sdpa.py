@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 from dyngen_core.kv.quant.storage import QuantStorage
 from dyngen_core.kv.storage import KVStorage
 

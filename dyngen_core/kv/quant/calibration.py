@@ -23,7 +23,7 @@ import torch
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import get_backend
 from dyngen_core.kv.attention.base import build_forward_batch
-from dyngen_core.kv.fp16.storage import FP16Storage
+from dyngen_core.kv.fp16 import FP16Storage
 
 if TYPE_CHECKING:
     from dyngen_core.model import Model

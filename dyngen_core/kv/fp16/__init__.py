@@ -1,1 +1,0 @@
-"""Unquantized pages (the "fp16" cache mode: the model's own dtype)."""
