@@ -5,7 +5,7 @@
 # to $OUT/ab.log.
 # Usage: benchmarks/ab_trees.sh TREE_A TREE_B PHASE...
 #   phases: decode (batch 1, default options), compiled (batch 1, compile_decode), long
-#   (16k context, fp16/q8/q4, batch 1 and 32), throughput (256 x 512 -> 128), shared (shared
+#   (16k context, fp16/q8/q4, batch 1 and 32; long-q4: q4 only), throughput (256 x 512 -> 128), shared (shared
 #   document), host (host step, 256 jobs, CUDA)
 # Print the comparison with: python3 benchmarks/ab_report.py $OUT/ab_A.jsonl $OUT/ab_B.jsonl
 set -u
@@ -33,6 +33,7 @@ for phase in "$@"; do
     decode) bench 150 benchmarks/decode_batch1.py --no-hf --no-compile --new-tokens 128 ;;
     compiled) bench 200 benchmarks/decode_batch1.py --compiled-only --new-tokens 128 ;;
     long) bench 150 benchmarks/long_context.py --steps 10 ;;
+    long-q4) bench 100 benchmarks/long_context.py --steps 10 --modes q4 ;;
     throughput) bench 150 benchmarks/throughput.py --engines dyngen ;;
     shared) bench 150 benchmarks/shared_document.py --skip-off --no-hf ;;
     host) bench 90 benchmarks/host_overhead.py --devices cuda --steps 60 ;;
