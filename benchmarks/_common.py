@@ -80,13 +80,6 @@ def llama3_8b_config(**overrides: Any) -> dict[str, Any]:
     return {**LLAMA3_8B, **overrides}
 
 
-def write_config(folder: Path, config: dict[str, Any]) -> Path:
-    """Write config.json into ``folder`` (the model's description; no weights are written)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder / "config.json"
-
-
 def random_model(config: dict[str, Any], device: torch.device,
                  dtype: torch.dtype | None = None, seed: int = 0) -> Model:
     """dyngen's Model with random weights drawn on ``device`` (norm weights 1, others N(0, 0.02)).
@@ -319,29 +312,3 @@ def graph_step(model: Model, batch: int, context: int, compile_model: bool,
     del graphs, cache
     free_memory()
     return seconds, logits
-
-
-def add_decode_run_args(parser: argparse.ArgumentParser, new_tokens: int) -> None:
-    """The options of a decode run through the generator (the step diagnostics): --jobs,
-    --prompt, --new-tokens, --no-compile, --no-overlap."""
-    parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=new_tokens)
-    parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--no-overlap", action="store_true")
-
-
-def decode_run_generator(args: argparse.Namespace, why: str) -> tuple[DynamicGenerator, int]:
-    """(generator, vocabulary size) of the decode run ``args`` ask for (`add_decode_run_args`,
-    `add_common_args`): a random model on CUDA, ``--jobs`` sequences a step. Exits on a
-    machine without CUDA, saying ``why`` the run needs it."""
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        raise SystemExit(f"this benchmark needs CUDA ({why})")
-    config = bench_config(args)
-    vocab = config["vocab_size"]
-    model = random_model(config, device)
-    generator = make_generator(model, word_tokenizer(vocab), cache_tokens=args.jobs * 2048 + 4096,
-                               max_batch_size=args.jobs, compile_decode=not args.no_compile,
-                               overlap_steps=not args.no_overlap)
-    return generator, vocab

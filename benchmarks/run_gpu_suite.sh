@@ -2,9 +2,9 @@
 # The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
 # Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke kernels decode
 #        decode-compiled decode-fast long host load sampler throughput shared shared-fast
-#        profile breakdown idle gaps storage. Logs and JSON lines go to
-#        $OUT (default ./bench_out). `tests` runs in 6 processes when pytest-xdist is
-#        importable (carry its wheel and execnet's in .whl/: ~300 s for ~400 tests in 2026-12).
+#        reliability. Logs and JSON lines go to $OUT (default ./bench_out). `tests` runs in 6
+#        processes when pytest-xdist is importable (carry its wheel and execnet's in .whl/).
+# Old main against new main: benchmarks/ab_trees.sh (BENCHMARKS.md, "Restructuring A/B").
 # Every phase runs under its own time limit so one hang cannot eat the whole run.
 set -u
 OUT=${OUT:-./bench_out}
@@ -36,24 +36,20 @@ for phase in "$@"; do
       run 120 kernels.log $PY benchmarks/kernels/decode_attention.py
       run 100 kernels.log $PY benchmarks/kernels/prefill_attention.py
       run 100 kernels.log $PY benchmarks/kernels/quant_decode.py
-      run 100 kernels.log $PY benchmarks/cascade_kernel.py ;;
+      run 100 kernels.log $PY benchmarks/kernels/cascade.py
+      run 100 kernels.log $PY benchmarks/kernels/topk.py
+      run 60 kernels.log $PY benchmarks/kernels/draw_graph.py ;;
     shared-fast) run 200 bench.log $PY benchmarks/shared_document.py --skip-off --no-hf ;;
     decode) run 240 bench.log $PY benchmarks/decode_batch1.py ;;
     decode-compiled) run 240 bench.log $PY benchmarks/decode_batch1.py --no-hf ;;
     decode-fast) run 150 bench.log $PY benchmarks/decode_batch1.py --compiled-only ;;
-    gaps) run 150 bench.log $PY benchmarks/step_gaps.py --new-tokens 128 --sync-debug ;;
     long) run 150 bench.log $PY benchmarks/long_context.py ;;
     host) run 90 bench.log $PY benchmarks/host_overhead.py ;;
     load) run 240 bench.log $PY benchmarks/load_time.py ;;
     sampler) run 240 bench.log $PY benchmarks/sampler.py --repeats 7 ;;
-    profile) run 150 profile.log bash -c "$PY -m cProfile -s tottime benchmarks/shared_document.py --skip-off --no-hf | head -70" ;;
     throughput) run 300 bench.log $PY benchmarks/throughput.py ;;
-    breakdown)
-      run 240 bench.log $PY benchmarks/step_breakdown.py --workload throughput --compile-decode
-      run 150 bench.log $PY benchmarks/step_breakdown.py --workload shared-doc --repeat 2 ;;
-    idle) run 150 bench.log $PY benchmarks/device_idle.py --jobs 1 --new-tokens 64 --trace "$OUT/idle_trace.json" ;;
-    storage) run 120 bench.log $PY benchmarks/profile_step.py --mode q4 --batch 1 --context 16384 --graph --top 25 ;;
     shared) run 300 bench.log $PY benchmarks/shared_document.py ;;
+    reliability) run 500 reliability.log $PY benchmarks/load.py ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -5,25 +5,32 @@ launched eagerly (top-k, output, Triton kernel) or replayed from its CUDA graph
 the device is synchronized after each call, outside the clock: a call queued behind the last
 one's device work would wait for it, as the keys' pinned buffer is reused), and the device
 time per call from CUDA events. Each path runs with each fused top-k asked for (``--topk``:
-torch.topk, the Triton top-k of `sampling.topk_kernel`, or both).
+torch.topk, the Triton top-k of `sampling.topk_kernel`, or both). ``--set fused.NAME=VALUE``
+patches a constant of `sampling.fused` (`constants`). Figures: BENCHMARKS.md, "5. Host
+overhead".
 
-    python benchmarks/draw_graph.py [--rows 256] [--vocab 128256] [--calls 200]
-                                    [--topk torch|triton|both]
+    python benchmarks/kernels/draw_graph.py [--rows 256] [--vocab 128256] [--calls 200]
+        [--topk torch|triton|both] [--set MODULE.NAME=VALUE]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from _common import device_name, report
 
-from dyngen_core import SamplerSettings
-from dyngen_core.engine.record import SampleRequest
-from dyngen_core.sampling.sampler import Sampler
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks._common import device_name, report  # noqa: E402
+from benchmarks.kernels import constants  # noqa: E402
+from dyngen_core import SamplerSettings  # noqa: E402
+from dyngen_core.engine.record import SampleRequest  # noqa: E402
+from dyngen_core.sampling.sampler import Sampler  # noqa: E402
 
 SETTINGS = SamplerSettings(temperature=0.8, top_p=0.9, top_k=50)
 
@@ -55,7 +62,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--topk", choices=("torch", "triton", "both"), default="both",
                         help="the fused draw's top-k (Sampler's fused_topk)")
+    constants.add_argument(parser)
     args = parser.parse_args()
+    constants.apply(args.set)
     device = torch.device("cuda")
     logits = torch.randn(args.rows, args.vocab, device=device) * 3
     requests = [SampleRequest(settings=SETTINGS, seed=i, counter=0) for i in range(args.rows)]

@@ -1,5 +1,6 @@
 """Shared-prefix ("cascade") decode attention, one layer, inside CUDA graphs: plain paged decode
-against the cascade and variants of its launch settings (`cascade_path`'s module constants).
+against the cascade as production runs it, and variants of its launch settings (`cascade_path`'s
+module constants, patched as `constants` does).
 
 Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16 pages of 256 tokens). A case
 is ``members`` decodes whose page tables share a document's full pages (the prefix), each with
@@ -15,9 +16,10 @@ and a ~40-token question). Timed, per call, as median graph replays:
 - ``prefix:<variant>``: the prefix pass alone, same launch (once per distinct prefix pass:
   variants differing only in the own-keys pass share the first one's row).
 
-A variant patches the module constants it names (``VARIANTS``); ``default`` patches none. A
-variant that beats ``default`` in every column, at the same error (~1e-3 in bf16), is a new
-default. The goal is ``cascade`` near ``no_document``.
+A variant patches the constants it names (``VARIANTS``; ``default`` patches none), and
+``--set cascade_path.NAME=VALUE`` patches one for the whole run. A variant that beats
+``default`` in every column, at the same error (~1e-3 in bf16), is a new default. The goal is
+``cascade`` near ``no_document``.
 
 Each graph runs the call over ``copies`` disjoint copies of the pages and queries (more bytes
 than the 50 MB L2 in all) and the time is divided by the copies. The last lines are a table.
@@ -25,8 +27,8 @@ Floors: the prefix pass reads members' shared pages once (4,096 bytes of KV per 
 layer) and computes members x 32 heads x keys x 128 x 4 FLOPs; plain decode reads members x
 context x 4,096 bytes (see BENCHMARKS.md, "3. Shared document", for the figures).
 
-    python benchmarks/cascade_kernel.py [--cases 64x8030,16x8030,64x2048,16x2048]
-        [--variants default,own_1split,own_win4,own_n128]
+    python benchmarks/kernels/cascade.py [--cases 64x8030,16x8030,64x2048,16x2048]
+        [--variants default,own_1split,own_win4,own_n128] [--set cascade_path.NAME=VALUE]
 
 On the CPU (``TRITON_INTERPRET=1``, ``--small``) it runs each call once, without graphs, to
 check the script and that every variant agrees with the plain decode.
@@ -36,41 +38,57 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import sys
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
-from _common import add_common_args, bench_config, cuda_seconds, device_name, report
 
-from dyngen_core.config import ModelConfig
-from dyngen_core.engine.plan import SequenceSlice, StepPlan
-from dyngen_core.kv.attention.base import build_forward_batch
-from dyngen_core.kv.attention.triton import cascade_path
-from dyngen_core.kv.attention.triton.operands import HeadShape, page_arguments, page_operands
-from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
-from dyngen_core.kv.fp16 import FP16Storage
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    bench_config,
+    cuda_seconds,
+    device_name,
+    report,
+)
+from benchmarks.kernels import constants  # noqa: E402
+from dyngen_core.config import ModelConfig  # noqa: E402
+from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.kv.attention.base import build_forward_batch  # noqa: E402
+from dyngen_core.kv.attention.triton import cascade_path  # noqa: E402
+from dyngen_core.kv.attention.triton.operands import (  # noqa: E402
+    HeadShape,
+    page_arguments,
+    page_operands,
+)
+from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E402
+from dyngen_core.kv.fp16 import FP16Storage  # noqa: E402
 
 PAGE = 256
 QUESTION = 40
-# name: `cascade_path` constants replaced. "own_*" change the own-keys pass: never split, 4 page
-# ids loaded ahead of its tiles, 128-key tiles; "prefix_*" the prefix pass: 8 warps, 128 rows
-# x 8 warps x 1 program a multiprocessor, 32-key tiles x 4 stages.
-VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "own_1split": {"OWN_MAX_SPLITS": 1},
-    "own_win4": {"OWN_WINDOW": 4},
-    "own_n128": {"OWN_BLOCK_N": 128},
-    "prefix_w8": {"PREFIX_WARPS": 8},
-    "prefix_m128": {"PREFIX_ROWS": 128, "PREFIX_WARPS": 8, "PREFIX_PROGRAMS_PER_SM": 1},
-    "prefix_n32s4": {"PREFIX_BLOCK_N": 32, "PREFIX_STAGES": 4},
+# Variant name -> kernel constants it sets (`constants.patched`). "own_*" change the own-keys
+# pass: never split, 4 page ids loaded ahead of its tiles, 128-key tiles; "prefix_*" the prefix
+# pass: 8 warps, 128 rows x 8 warps x 1 program a multiprocessor, 32-key tiles x 4 stages.
+VARIANTS: dict[str, list[str]] = {
+    "default": [],
+    "own_1split": ["cascade_path.OWN_MAX_SPLITS=1"],
+    "own_win4": ["cascade_path.OWN_WINDOW=4"],
+    "own_n128": ["cascade_path.OWN_BLOCK_N=128"],
+    "prefix_w8": ["cascade_path.PREFIX_WARPS=8"],
+    "prefix_m128": ["cascade_path.PREFIX_ROWS=128", "cascade_path.PREFIX_WARPS=8",
+                    "cascade_path.PREFIX_PROGRAMS_PER_SM=1"],
+    "prefix_n32s4": ["cascade_path.PREFIX_BLOCK_N=32", "cascade_path.PREFIX_STAGES=4"],
 }
 DEFAULT_VARIANTS = "default,own_1split,own_win4,own_n128"
 # Constants that leave the prefix pass as it is: variants differing only in these share its
 # timing row.
-OWN_KEYS_ONLY = ("OWN_WARPS", "OWN_BLOCK_N", "OWN_MAX_SPLITS", "OWN_WINDOW",
-                 "MERGE_SPLIT_BLOCK")
+OWN_KEYS_ONLY = ("cascade_path.OWN_WARPS", "cascade_path.OWN_BLOCK_N",
+                 "cascade_path.OWN_MAX_SPLITS", "cascade_path.OWN_WINDOW",
+                 "cascade_path.MERGE_SPLIT_BLOCK")
 L2_BYTES = 50 << 20
 
 
@@ -116,19 +134,6 @@ def build_case(config: dict[str, Any], members: int, document: int, device: torc
                                 for i in range(members)]))
         queries.append(torch.randn(members, heads, head_dim, device=device, dtype=dtype))
     return Case(members, document, storage, plans, no_doc, queries)
-
-
-@contextmanager
-def patched(constants: dict[str, Any]) -> Iterator[None]:
-    """`cascade_path` with ``constants`` replaced, restored on leaving."""
-    saved = {name: getattr(cascade_path, name) for name in constants}
-    try:
-        for name, value in constants.items():
-            setattr(cascade_path, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(cascade_path, name, value)
 
 
 def graph_calls(case: Case, backend: TritonPagedBackend, device: torch.device
@@ -205,15 +210,15 @@ def run_case(case: Case, variants: list[str], device: torch.device, repeats: int
     rows.append(("plain", plain_s * 1e6, 0.0))
     no_doc_s, _ = time_calls(plain_calls(case, case.no_doc_plans, device), repeats)
     rows.append(("no_document", no_doc_s * 1e6, float("nan")))
-    prefix_timed: dict[tuple[tuple[str, Any], ...], str] = {}
+    prefix_timed: dict[tuple[str, ...], str] = {}
     for name in variants:
-        with patched(VARIANTS[name]):
+        with constants.patched(VARIANTS[name]):
             backend = TritonPagedBackend(cascade_min_saved_keys=0)  # cascades every prefix
             whole, prefix = graph_calls(case, backend, device)
             seconds, out = time_calls(whole, repeats)
             rows.append((f"cascade:{name}", seconds * 1e6, relative_error(out, plain_out)))
-            key = tuple(sorted((k, v) for k, v in VARIANTS[name].items()
-                               if k not in OWN_KEYS_ONLY))
+            key = tuple(sorted(setting for setting in VARIANTS[name]
+                               if setting.partition("=")[0] not in OWN_KEYS_ONLY))
             if key in prefix_timed:  # the same prefix pass as an earlier variant's
                 continue
             prefix_timed[key] = name
@@ -235,13 +240,18 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-copies", type=int, default=16)
+    constants.add_argument(parser)
     args = parser.parse_args()
+    constants.apply(args.set)
     device = torch.device(args.device)
     if device.type != "cuda":
         # The interpreter needs the GPU tests' patch for Triton 3.6 with numpy >= 2.4.
         import tests.gpu.conftest  # noqa: F401
     config = bench_config(args)
     variants = args.variants.split(",")
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     page = PAGE if not args.small else 16
     table: list[tuple[str, list[tuple[str, float, float]]]] = []
     for spec in args.cases.split(","):
