@@ -1,10 +1,10 @@
 """CUDA graphs of the fused draw: the top-k and `fused.compact_draw_kernel` replayed as
 one graph launch (`DrawGraphs`).
 
-Why: on the H200 host each torch or Triton launch costs tens of microseconds of Python and
-driver time, and the fused draw of a step launches the top-k, an output allocation and the
-Triton kernel (whose launcher binds a dozen arguments in Python) every step. A replay is one
-launch; the RNG keys still cross in one copy, into the graph's static input.
+Why: each torch or Triton launch costs host time in Python and the driver, and the fused draw
+of a step launches the top-k, an output allocation and the Triton kernel (whose launcher binds
+a dozen arguments in Python) every step. A replay is one launch; the RNG keys still cross in
+one copy, into the graph's static input (figures: BENCHMARKS.md, "5. Host overhead").
 
 What a graph holds: for one logits buffer (``x``'s storage, offset, strides and dtype), a row
 bucket, a candidate bound and a top-k (`fused.TOPK_CHOICES`), that top-k of the bucket's rows

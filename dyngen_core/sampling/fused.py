@@ -18,9 +18,8 @@ option). Both give the candidates descending with a NaN first (so a NaN row is s
 reported); equal logits come in column order from the Triton one and in an unspecified order
 from torch.topk, so where equal logits straddle the bound the two may keep different ones.
 torch.topk stays for bounds past `TRITON_TOPK_MAX_BOUND`. "auto" (the default) takes the
-Triton top-k up to `AUTO_TRITON_MAX_BOUND`, where the H200 measured it faster (256 rows of
-128256 logits, device us, torch.topk / Triton: bound 50 439.5 / 57.0, 128 447.2 / 86.9, 256
-464.5 / 144.7, 512 469.2 / 234.2, 1024 479.1 / 558.0; 32 rows at 1024: 113.9 / 240.3).
+Triton top-k up to `AUTO_TRITON_MAX_BOUND`, where it measured faster (BENCHMARKS.md,
+"9. Sampler").
 
 triton is imported only when the fused draw runs (CI has none).
 """
@@ -51,7 +50,7 @@ TOPK_CHOICES: tuple[TopkChoice, ...] = ("torch", "triton", "auto")
 DEFAULT_TOPK: TopkChoice = "auto"
 TRITON_TOPK_MAX_BOUND = 1024  # `topk_kernel.MAX_BOUND`, without importing triton here
 # "auto": the Triton top-k up to this bound (its sort grows with the bound; torch.topk's
-# radix select hardly does: at 512 Triton was 2x faster at 256 rows, at 1024 slower).
+# radix select hardly does; BENCHMARKS.md, "9. Sampler").
 AUTO_TRITON_MAX_BOUND = 256
 
 

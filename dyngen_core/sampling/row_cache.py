@@ -4,21 +4,17 @@ mask) are refreshed.
 
 Why: while decoding, the same jobs are sampled step after step with the same settings and only
 their counters move. Building a `Row` per request, the stage index and the per-row parameter
-columns costs about 0.5 ms of Python per step at 256 rows; checking that nothing else changed
-is a few passes over the requests, and a caller that promises never to change those fields of
-a request it passed (``kept``: the generator's requests, one per job) saves even that: its same
-request objects are checked by identity. The columns the stages derive from the rows
-(`RowList.memo`) are then reused as well. When a few of those requests are gone and new ones
-follow the rest (jobs ending and starting: most steps of a busy server), the list is carried
-over (`carry_rows`): only the new requests are expanded, and the draws' host columns in the
-memo are cut and extended rather than rebuilt (256 requests, 1-4 ended and 0-4 joined per
-call, on the dev CPU: the list 150 us instead of 325; with the fused draw's columns and keys
-346 instead of 529, or 758 when every job has its own settings object;
-`benchmarks/sampler_rows.py`).
+columns is Python per row and step; checking that nothing else changed is a few passes over
+the requests, and a caller that promises never to change those fields of a request it passed
+(``kept``: the generator's requests, one per job) saves even that: its same request objects
+are checked by identity. The columns the stages derive from the rows (`RowList.memo`) are then
+reused as well. When a few of those requests are gone and new ones follow the rest (jobs
+ending and starting: most steps of a busy server), the list is carried over (`carry_rows`):
+only the new requests are expanded, and the draws' host columns in the memo are cut and
+extended rather than rebuilt.
 
-The passes are list comprehensions and plain loops, not ``map(operator.attrgetter(...))``: on
-CPython 3.11 the comprehensions' specialized attribute loads are about twice as fast (256
-requests: a 5-field signature 35 vs 77 us, `_refresh` 37 vs 82 us on the dev CPU).
+The passes are list comprehensions and plain loops, not ``map(operator.attrgetter(...))``,
+whose attribute loads CPython does not specialize. Figures: BENCHMARKS.md, "5. Host overhead".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A two-stage Triton top-k of float rows (`topk_rows`) for the fused draw's candidates
 (`fused.launch_fused_draw`): what ``torch.topk(x, bound, dim=-1)`` returns (values widened to
-float32), reading each row once (and ``k * group`` columns again) where torch.topk takes
-~450 us at [256, 128256] on an H200.
+float32), reading each row once (and ``k * group`` columns again); figures against torch.topk:
+BENCHMARKS.md, "9. Sampler".
 
 Keys: every float becomes an order-preserving int32 (`_ordered`), and a candidate one int64
 key, that integer in the high word and ``0x7FFFFFFF - column`` in the low word: key order is

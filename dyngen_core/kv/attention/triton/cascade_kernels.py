@@ -14,8 +14,8 @@ rows are members x ``G`` query heads of one KV head.
    (all of them for a sequence in no group), folds its group member's prefix partials into its
    running softmax state and writes the output. Split along the context, each split writes its
    partial and the last split program of each (sequence, KV head) to count in merges them, as
-   the plain decode's in-kernel merge does (`decode_merge`: the barrier, the acquire-release
-   count and ``.cg`` loads are the same protocol).
+   the plain decode's in-kernel merge does (`merge.count_in_and_merge`: the barrier, the
+   acquire-release count and ``.cg`` loads are the same protocol).
 
 `cascade_path` launches them; `cascade_tables` documents the group tables they read.
 """

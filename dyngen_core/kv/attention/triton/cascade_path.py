@@ -13,7 +13,8 @@ each step by the `GraphCascade` that `graph_tables` gives the graphs): then ever
 count follows from the batch size alone, so one capture serves every plan of its bucket.
 
 The launch settings are the module constants below: production reads them at every launch and
-the kernel benchmarks (`benchmarks/cascade_kernel.py`) patch them.
+the kernel benchmarks (`benchmarks/kernels/cascade.py`) patch them (BENCHMARKS.md, "3. Shared
+document").
 """
 
 from __future__ import annotations
