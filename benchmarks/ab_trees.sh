@@ -12,6 +12,7 @@ set -u
 A=$1 B=$2; shift 2
 OUT=${OUT:-./bench_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: each run writes its JSON lines from inside its tree
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 ROUNDS=${ROUNDS:-2}
