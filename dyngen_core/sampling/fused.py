@@ -287,7 +287,7 @@ def uniform_noise_kernel(token_ids_ptr, keys_ptr, out_ptr, n, BLOCK: tl.constexp
 
 @triton.jit
 def _top_p(v, inside, p_target, LIBDEVICE: tl.constexpr):
-    """`filters.top_p` on one row whose finite values come first, in descending order (so it
+    """`shaping.top_p` on one row whose finite values come first, in descending order (so it
     is its own sorted copy): keep tokens while the mass before them is below ``p_target``."""
     e = _exp(v - tl.max(v, 0), LIBDEVICE)
     p = tl.math.div_rn(e, tl.broadcast_to(tl.sum(e, 0), e.shape))
