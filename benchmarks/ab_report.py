@@ -4,7 +4,8 @@
 
 One line per figure: each tree's runs, B over A (the medians), the noise (the larger relative
 spread between one tree's own runs) and a verdict: "same" when B and A differ by no more than
-the noise, else "B better" or "B worse".
+the noise, else "B better" or "B worse"; with a single run on either side there is no noise to
+compare with, and the verdict says so.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def main() -> None:
         ratio = statistics.median(b[key]) / statistics.median(a[key])
         noise = max(spread(a[key]), spread(b[key]))
         gain = ratio - 1 if better(key) == "higher" else 1 - ratio
-        verdict = "same" if abs(gain) <= noise else ("B better" if gain > 0 else "B worse")
+        if min(len(a[key]), len(b[key])) < 2:
+            verdict = "one run each: no noise measured"
+        else:
+            verdict = "same" if abs(gain) <= noise else ("B better" if gain > 0 else "B worse")
         runs = [" ".join(f"{v:.4g}" for v in values) for values in (a[key], b[key])]
         print(f"{key:64s} {runs[0]:>20s} {runs[1]:>20s} {ratio:7.3f} {noise:6.1%}  {verdict}")
     for key in sorted(a.keys() ^ b.keys()):

@@ -157,17 +157,6 @@ def thread_requests(engine: Any, specs: list[Spec], reference: dict[Spec, str],
         tally.record(spec, handle.result(timeout=600), cancelled, reference[spec])
 
 
-def wait_idle(engine: Any, limit_s: float = 600) -> Any:
-    deadline = time.monotonic() + limit_s
-    while True:
-        stats = engine.stats()
-        if stats.jobs_active + stats.jobs_pending == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the engine is still busy after {limit_s} s: {stats}")
-        time.sleep(0.05)
-
-
 def run_round(engine: Any, specs: list[Spec], reference: dict[Spec, str],
               args: argparse.Namespace, round_index: int) -> tuple[Tally, float]:
     tally, rng = Tally(), random.Random(args.seed + round_index)
@@ -215,7 +204,7 @@ def main() -> int:
     failures, rss = [], []
     for r in range(args.rounds):
         tally, seconds = run_round(engine, specs, reference, args, r)
-        stats = wait_idle(engine)
+        stats = engine.wait_idle(timeout=600)
         gc.collect()
         rss.append(rss_mb())
         total = tally.done + tally.cancelled

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -105,6 +106,20 @@ class BackgroundGenerator:
         """The engine's `GeneratorStats`, as published after the latest step (never waits for
         a step; safe from any thread)."""
         return self._stats
+
+    def wait_idle(self, timeout: float | None = None) -> GeneratorStats:
+        """Block until no job is handed over, queued or running (or the engine has stopped),
+        and return the stats then. Raises TimeoutError after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                handed_over = bool(self._incoming)
+            stats = self._stats
+            if not self.running or not handed_over and stats.jobs_active + stats.jobs_pending == 0:
+                return stats
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine is still busy after {timeout} s: {stats}")
+            time.sleep(0.01)
 
     # ---- what callers do -----------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Helpers shared by the engine tests that compare two ways of running the same jobs (the
-plain-greedy fast path, overlapped steps): prompts of mixed lengths, and a runner that kills
-one logits row at one step."""
+plain-greedy fast path, overlapped steps, mixed steps, faults): prompts of mixed lengths, a
+runner that kills one logits row at one step, and running jobs to their final results."""
 
 from __future__ import annotations
 
@@ -37,3 +37,18 @@ def kill_row(generator: DynamicGenerator, step: int, row: int, value: float) -> 
 
     generator._runner.run = run_with_a_dead_row  # type: ignore[method-assign]
     return generator
+
+
+def run_to_finals(generator: DynamicGenerator, jobs: list[Any], limit: int = 500
+                  ) -> dict[Any, Any]:
+    """Enqueue ``jobs`` and run the generator until nothing remains; the final result of every
+    job that ended, by identifier. At most ``limit`` steps: a hang fails the test."""
+    generator.enqueue(jobs)
+    finals = {}
+    for _ in range(limit):
+        if not generator.num_remaining_jobs():
+            return finals
+        for r in generator.iterate():
+            if r["eos"]:
+                finals[r["identifier"]] = r
+    raise AssertionError(f"jobs still running after {limit} steps: {generator.stats()}")

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-from dyngen_core import DynamicGenerator, Job, SamplerSettings
+from dyngen_core import Job, SamplerSettings
 from dyngen_core.engine import scheduler as scheduler_module
 from dyngen_core.engine.defrag import DefragPlan
 from dyngen_core.engine.plan import PageCopy
 from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.sampling.sampler import Sampler
+from tests.engine.step_helpers import run_to_finals
 
 GREEDY = SamplerSettings.greedy()
 SAMPLED = SamplerSettings(temperature=0.9, top_p=0.9)
@@ -25,19 +26,6 @@ SAMPLED = SamplerSettings(temperature=0.9, top_p=0.9)
 def _prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 500) for _ in range(length)]
-
-
-def _finals(generator: DynamicGenerator, jobs: list[Job], limit: int = 500) -> dict[Any, Any]:
-    """Run ``jobs`` to their final results (at most ``limit`` steps: a hang fails the test)."""
-    generator.enqueue(jobs)
-    finals = {}
-    for _ in range(limit):
-        if not generator.num_remaining_jobs():
-            return finals
-        for r in generator.iterate():
-            if r["eos"]:
-                finals[r["identifier"]] = r
-    raise AssertionError(f"jobs still running after {limit} steps: {generator.stats()}")
 
 
 def _jobs(n: int = 4) -> list[Job]:
@@ -69,7 +57,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_enqueue(make_generator,
     with pytest.raises(JobError, match=r"stop_conditions holds token ids outside"):
         generator.enqueue(stop)
     assert generator.num_remaining_jobs() == 0
-    assert _finals(generator, _jobs(2)).keys() == {0, 1}  # the generator goes on
+    assert run_to_finals(generator, _jobs(2)).keys() == {0, 1}  # the generator goes on
 
 
 def test_prompts_longer_than_the_model_context_are_refused(make_generator) -> None:
@@ -85,7 +73,7 @@ def test_prompts_longer_than_the_model_context_are_refused(make_generator) -> No
 # ---- §3: a fault of one job ends that job alone ------------------------------------------------
 
 def test_a_failing_text_stream_ends_its_job_alone(make_generator) -> None:
-    alone = _finals(make_generator(), _jobs())
+    alone = run_to_finals(make_generator(), _jobs())
     generator = make_generator()
     jobs = _jobs()
     generator.enqueue(jobs)
@@ -99,7 +87,7 @@ def test_a_failing_text_stream_ends_its_job_alone(make_generator) -> None:
         return advance(token_id)
 
     stream.advance = broken  # type: ignore[method-assign]
-    finals = _finals(generator, [])
+    finals = run_to_finals(generator, [])
     assert finals[2]["eos_reason"] == "error"
     assert isinstance(finals[2]["error"], UnicodeDecodeError)
     for i in (0, 1, 3):
@@ -108,7 +96,7 @@ def test_a_failing_text_stream_ends_its_job_alone(make_generator) -> None:
 
 
 def test_a_sampler_fault_of_one_job_fails_that_job_alone(make_generator, monkeypatch) -> None:
-    alone = _finals(make_generator(overlap_steps=False), _jobs())
+    alone = run_to_finals(make_generator(overlap_steps=False), _jobs())
     sample_tokens = Sampler.sample_tokens
 
     def broken(sampler: Sampler, logits: Any, requests: Any, **kw: Any) -> Any:
@@ -117,7 +105,7 @@ def test_a_sampler_fault_of_one_job_fails_that_job_alone(make_generator, monkeyp
         return sample_tokens(sampler, logits, requests, **kw)
 
     monkeypatch.setattr(Sampler, "sample_tokens", broken)
-    finals = _finals(make_generator(overlap_steps=False), _jobs())
+    finals = run_to_finals(make_generator(overlap_steps=False), _jobs())
     assert finals[3]["eos_reason"] == "error" and finals[3]["new_tokens"] == 2
     for i in (0, 1, 2):
         assert finals[i]["full_completion"] == alone[i]["full_completion"]
@@ -134,7 +122,7 @@ def test_a_failed_step_after_defragmentation_serves_no_lost_page(make_generator,
                    identifier="doc")
 
     generator = make_generator()
-    expected = _finals(generator, [job()])["doc"]["full_completion"]
+    expected = run_to_finals(generator, [job()])["doc"]["full_completion"]
     scheduler = generator._scheduler
     cached = scheduler.pool.cached_pages()
     assert len(cached) >= 2
@@ -152,10 +140,10 @@ def test_a_failed_step_after_defragmentation_serves_no_lost_page(make_generator,
         raise MemoryError("out of memory before the page copies ran")
 
     generator._runner.run = out_of_memory  # type: ignore[method-assign]
-    failed = _finals(generator, [Job(input_ids=[5, 6, 7], max_new_tokens=2, identifier="x")])
+    failed = run_to_finals(generator, [Job(input_ids=[5, 6, 7], max_new_tokens=2, identifier="x")])
     assert failed["x"]["eos_reason"] == "error"
     generator.check_invariant()
-    again = _finals(generator, [job()])["doc"]
+    again = run_to_finals(generator, [job()])["doc"]
     assert again["full_completion"] == expected
     assert again["cached_tokens"] < 512  # the lost pages were not served as cache hits
 
@@ -199,5 +187,6 @@ def test_a_background_submit_refuses_bad_token_ids_at_once(make_generator) -> No
         with pytest.raises(JobError, match="outside the vocabulary"):
             engine.submit(Job(input_ids=[5, 10**9], max_new_tokens=2))
         assert engine.submit(Job(input_ids=[5, 6], max_new_tokens=2)).result(timeout=60)["eos"]
+        assert engine.wait_idle(timeout=60).jobs_active == 0
     finally:
         engine.close()

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from dyngen_core import Job, SamplerSettings
+from tests.engine.step_helpers import run_to_finals
 
 SCHEMA = {
     "type": "object",
@@ -39,23 +40,13 @@ def _jobs(tokenizer: Any) -> list[Job]:
     ]
 
 
-def _run(generator: Any, jobs: list[Job]) -> dict[Any, Any]:
-    generator.enqueue(jobs)
-    finals = {}
-    while generator.num_remaining_jobs():
-        for r in generator.iterate():
-            if r["eos"]:
-                finals[r["identifier"]] = r
-    return finals
-
-
 @pytest.mark.parametrize("overlap_steps", [True, False])
 def test_constrained_job_beside_plain_jobs_leaves_them_unharmed(make_generator, overlap_steps):
     generator = make_generator(overlap_steps=overlap_steps)
     alone = {}
     for job in _jobs(generator.tokenizer):
-        alone.update(_run(generator, [job]))
-    together = _run(generator, _jobs(generator.tokenizer))
+        alone.update(run_to_finals(generator, [job]))
+    together = run_to_finals(generator, _jobs(generator.tokenizer))
     for name, final in together.items():
         assert final["eos_reason"] != "error", (name, final.get("error"))
         assert final["full_completion"] == alone[name]["full_completion"], name

@@ -26,6 +26,7 @@ from dyngen_core.text.stop import StopIndexes, StopMatcher
 from dyngen_core.text.stream import JobStream
 from dyngen_core.text.tokenizer import Tokenizer
 from tests.unit.test_detokenize import TOKENIZERS, byte_level
+from tests.unit.test_stream_banned_rewind import generate
 
 EXAMPLES = 150
 PIECES = {name: TokenPieces.for_tokenizer(make()) for name, make in TOKENIZERS.items()}
@@ -180,24 +181,8 @@ def test_banned_strings_never_appear_and_the_text_is_the_kept_tokens(
     job = Job(input_ids=tokenizer.encode("Hello"), max_new_tokens=len(proposals) + 4,
               stop_conditions=[], banned_strings=banned)
     stream = _stream(tokenizer, job, fast)
-    rng, forbidden = random.Random(seed), {}
-    shown, ended = "", False
-    for _ in range(300):
-        position = len(job.new_token_ids)
-        token = proposals[position] if position < len(proposals) else rng.randrange(420)
-        while token in forbidden.get(position, ()):
-            token = rng.randrange(420)
-        update = stream.push(token)
-        if update.rewind:
-            assert update.banned_token_id is not None
-            forbidden.setdefault(len(job.new_token_ids), set()).add(update.banned_token_id)
-            continue
-        shown += update.text
-        if update.eos_reason is not None:
-            ended = True
-            break
-    if not ended:
-        shown += stream.cancel_text()
+    rng = random.Random(seed)
+    shown = generate(stream, proposals, lambda position: rng.randrange(420))
     assert not any(_folded(b) in _folded(shown) for b in banned)
     # The text of the kept tokens, cut where a banned string starts: one can only complete in
     # the last text, where an unfinished character became U+FFFD (no rewind at the end).

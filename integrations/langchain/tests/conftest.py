@@ -30,14 +30,7 @@ def demo_model_path() -> Path:
 
 def wait_until_idle(engine: Any, limit_s: float = 300.0) -> Any:
     """Wait for the engine to hold no queued or running job; return its stats then."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        stats = engine.stats()
-        if stats.jobs_active + stats.jobs_pending == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the engine is still busy after {limit_s} s: {stats}")
-        time.sleep(0.01)
+    return engine.wait_idle(timeout=limit_s)
 
 
 class MaxJobsWatcher:

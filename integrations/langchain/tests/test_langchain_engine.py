@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from langchain_dyngen._engine import engine_for
 
 from dyngen_core import shared_generator
 from dyngen_core.errors import EngineStoppedError, JobTooLargeError
+from tests.hang_guard import NativePanic, in_thread, stuck
 
 pytestmark = pytest.mark.demo
 
@@ -181,54 +181,27 @@ def test_a_failing_batch_input_cancels_the_others_and_the_engine_keeps_running(
     assert chat.invoke("Say hi.", max_tokens=2).text  # the engine thread is still serving
 
 
-class NativePanic(BaseException):
-    """What a native library's panic surfaces as (pyo3's PanicException is a BaseException)."""
-
 
 # A private engine (other options than the shared one), so faults injected into it harm no
 # other test; it reuses the loaded weights.
 FAULT_ENGINE: dict[str, Any] = {"cache_tokens": 2048, "max_batch_size": 4}
 
 
-def _in_thread(call: Callable[[], Any], limit_s: float = 60.0) -> Any:
-    """Run ``call`` on a thread; its result, or what it raised. Fails the test when the call
-    is still waiting after ``limit_s`` (it would hang)."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    assert outcome, f"the call was still waiting after {limit_s} s"
-    return outcome[0]
 
 
 def test_timeout_raises_even_when_the_engine_is_stuck(
         demo_params: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     chat = ChatDynGen(**{**demo_params, **FAULT_ENGINE}, max_tokens=8, timeout=0.5)
     engine = engine_for(chat.model_dir, chat.engine_options)
-    released = threading.Event()
-    iterate = engine.generator.iterate
-
-    def stuck_iterate() -> Any:  # a step that hangs, as a native call may
-        released.wait(120)
-        return iterate()
-
-    monkeypatch.setattr(engine.generator, "iterate", stuck_iterate)
     try:
-        started = time.monotonic()
-        outcome = _in_thread(lambda: chat.invoke("Say hi."))
-        assert isinstance(outcome, TimeoutError) and "timeout=0.5" in str(outcome)
-        assert time.monotonic() - started < 30
-        outcome = _in_thread(lambda: asyncio.run(chat.ainvoke("Say hi.")))
-        assert isinstance(outcome, TimeoutError)
+        with stuck(engine, monkeypatch):
+            started = time.monotonic()
+            outcome = in_thread(lambda: chat.invoke("Say hi."))
+            assert isinstance(outcome, TimeoutError) and "timeout=0.5" in str(outcome)
+            assert time.monotonic() - started < 30
+            outcome = in_thread(lambda: asyncio.run(chat.ainvoke("Say hi.")))
+            assert isinstance(outcome, TimeoutError)
     finally:
-        released.set()
         engine.close()
 
 
@@ -241,10 +214,10 @@ def test_a_dead_engine_fails_the_call_and_the_next_call_gets_a_new_engine(
         raise NativePanic("the native library panicked")
 
     monkeypatch.setattr(engine.generator, "iterate", panicking_iterate)
-    outcome = _in_thread(lambda: chat.invoke("Say hi."))
+    outcome = in_thread(lambda: chat.invoke("Say hi."))
     assert isinstance(outcome, EngineStoppedError) and "NativePanic" in str(outcome)
     assert isinstance(outcome.__cause__, NativePanic)
-    assert _in_thread(lambda: chat.invoke("Say hi.")).content  # served by a fresh engine
+    assert in_thread(lambda: chat.invoke("Say hi.")).content  # served by a fresh engine
     replacement = engine_for(chat.model_dir, chat.engine_options)
     assert replacement is not engine and replacement.running
     replacement.close()

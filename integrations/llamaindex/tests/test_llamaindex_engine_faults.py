@@ -4,15 +4,14 @@ dead engine is replaced on the next call."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from llama_index.llms.dyngen import DynGenLLM
 
 from dyngen_core.errors import EngineStoppedError
+from tests.hang_guard import NativePanic, in_thread, stuck
 
 pytestmark = pytest.mark.demo
 
@@ -21,26 +20,7 @@ pytestmark = pytest.mark.demo
 FAULT_ENGINE: dict[str, Any] = {"cache_tokens": 2048, "max_batch_size": 4}
 
 
-class NativePanic(BaseException):
-    """What a native library's panic surfaces as (pyo3's PanicException is a BaseException)."""
 
-
-def _in_thread(call: Callable[[], Any], limit_s: float = 60.0) -> Any:
-    """Run ``call`` on a thread; its result, or what it raised. Fails the test when the call
-    is still waiting after ``limit_s`` (it would hang)."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    assert outcome, f"the call was still waiting after {limit_s} s"
-    return outcome[0]
 
 
 @pytest.fixture
@@ -57,31 +37,21 @@ def test_timeout_raises_even_when_the_engine_is_stuck(
                           engine_options=faulty.engine_options)
     engine = impatient.engine
     assert engine is faulty.engine
-    released = threading.Event()
-    iterate = engine.generator.iterate
-
-    def stuck_iterate() -> Any:  # a step that hangs, as a native call may
-        released.wait(120)
-        return iterate()
-
-    monkeypatch.setattr(engine.generator, "iterate", stuck_iterate)
-    try:
+    with stuck(engine, monkeypatch):
         started = time.monotonic()
-        outcome = _in_thread(lambda: impatient.complete("Say hi."))
+        outcome = in_thread(lambda: impatient.complete("Say hi."))
         assert isinstance(outcome, TimeoutError) and "timeout=0.5" in str(outcome)
-        outcome = _in_thread(lambda: asyncio.run(impatient.acomplete("Say hi.")))
+        outcome = in_thread(lambda: asyncio.run(impatient.acomplete("Say hi.")))
         assert isinstance(outcome, TimeoutError)
-        outcome = _in_thread(lambda: list(impatient.stream_complete("Say hi.")))
+        outcome = in_thread(lambda: list(impatient.stream_complete("Say hi.")))
         assert isinstance(outcome, TimeoutError)
         assert time.monotonic() - started < 30
-    finally:
-        released.set()
 
 
 def test_a_closed_engine_is_replaced_on_the_next_call(faulty: DynGenLLM) -> None:
     first = faulty.engine
     first.close()
-    assert _in_thread(lambda: faulty.complete("Say hi.")).text
+    assert in_thread(lambda: faulty.complete("Say hi.")).text
     assert faulty.engine is not first and faulty.engine.running
 
 
@@ -93,7 +63,7 @@ def test_a_dead_engine_fails_the_call_and_the_next_call_gets_a_new_engine(
         raise NativePanic("the native library panicked")
 
     monkeypatch.setattr(engine.generator, "iterate", panicking_iterate)
-    outcome = _in_thread(lambda: faulty.complete("Say hi."))
+    outcome = in_thread(lambda: faulty.complete("Say hi."))
     assert isinstance(outcome, EngineStoppedError) and "NativePanic" in str(outcome)
-    assert _in_thread(lambda: faulty.complete("Say hi.")).text
+    assert in_thread(lambda: faulty.complete("Say hi.")).text
     assert faulty.engine is not engine
