@@ -1,6 +1,7 @@
 """Where the optional Triton kernels run, decided in one place: whether a kernel with a torch twin
 runs on a device (`triton_by_default`, `require_triton`), the device context its launches run in
-(`launch_device`), and the ``triton`` / ``tl`` names every kernel module imports from here.
+(`launch_device`), and the ``triton`` / ``tl`` / ``libdevice`` names every kernel module imports
+from here.
 
 Triton is never required (CI has none): a kernel runs by default on CUDA when triton is
 installed, and on the CPU only under ``TRITON_INTERPRET=1`` (the interpreter tests use), when
@@ -49,8 +50,10 @@ class _NoTriton:
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:
     triton = tl = _NoTriton()
+    libdevice = None  # read only inside kernels, which never run without triton
 
 
 def triton_by_default(device: torch.device) -> bool:

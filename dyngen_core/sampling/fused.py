@@ -31,11 +31,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
-from dyngen_core.ops.triton_support import require_triton, triton_by_default
+from dyngen_core.ops.triton_support import libdevice, require_triton, tl, triton, triton_by_default
 from dyngen_core.sampling.rows import Row, RowList
 from dyngen_core.sampling.upload import Staging
 

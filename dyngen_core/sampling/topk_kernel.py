@@ -26,7 +26,8 @@ columns first); -0.0 orders just below +0.0. Columns past the row read as -inf p
 vocabulary, below every real column: never returned while ``bound <= vocab``.
 
 Graph-capturable: no host sync; grids and scratch depend on shapes only. This module imports
-triton at the top; `fused` imports it lazily, on CUDA (or under ``TRITON_INTERPRET=1``).
+triton through `ops.triton_support`; `fused` imports it lazily, on CUDA (or under
+``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
+
+from dyngen_core.ops.triton_support import tl, triton
 
 MAX_BOUND = 1024
 DEFAULT_CHUNK = 8192
