@@ -74,7 +74,7 @@ def split_stop_conditions(stop_conditions: Any) -> tuple[frozenset[int], tuple[s
                 raise JobError("an empty string cannot be a stop condition")
             strings.append(cond)
         elif isinstance(cond, int) and not isinstance(cond, bool):
-            ids.add(int(cond))
+            ids.add(cond)
         else:
             raise TypeError(f"stop condition {cond!r} is neither a token id (int) nor a string")
     return frozenset(ids), tuple(strings)

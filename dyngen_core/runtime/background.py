@@ -108,14 +108,18 @@ class BackgroundGenerator:
         return self._stats
 
     def wait_idle(self, timeout: float | None = None) -> GeneratorStats:
-        """Block until no job is handed over, queued or running (or the engine has stopped),
-        and return the stats then. Raises TimeoutError after ``timeout`` seconds."""
+        """Block until the engine owes no job a result (none handed over, being enqueued,
+        queued or running), or has stopped; return the stats then. Raises TimeoutError after
+        ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
-                handed_over = bool(self._incoming)
+                owed = bool(self._incoming or self._admitting)
+            # A job's handle is registered before it leaves `_admitting`, and dropped once its
+            # final result is delivered (after the step's stats are published).
+            owed = owed or bool(self._handles)
             stats = self._stats
-            if not self.running or not handed_over and stats.jobs_active + stats.jobs_pending == 0:
+            if not self.running or not owed:
                 return stats
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the engine is still busy after {timeout} s: {stats}")

@@ -88,19 +88,17 @@ class StepSampler:
     device: where the logits live.
     tokenizer: the model's tokenizer (token texts for DRY and XTC; constraints compile
         against its vocabulary).
-    eos_token_ids: the ids that end generation (XTC keeps them; constraints allow them at the
-        end).
+    eos_token_ids: the ids that end generation (XTC keeps them). Constraints allow the
+        tokenizer's own end-of-sequence ids at the end.
     """
 
     def __init__(self, vocab_size: int, device: torch.device, tokenizer: Tokenizer,
                  eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
-        self.device = device
         self.tokenizer = tokenizer
-        self.eos_token_ids = sorted(set(eos_token_ids))
         self.sampler = Sampler(vocab_size, device, token_pieces=_token_pieces(tokenizer,
                                                                                vocab_size),
-                               eos_token_ids=self.eos_token_ids)
+                               eos_token_ids=sorted(set(eos_token_ids)))
         self._compiler: ConstraintCompiler | None = None
         self._copies = _HostCopies(device)
         # The last record lists found all plain greedy, without a constraint, and launched:
@@ -113,8 +111,7 @@ class StepSampler:
     def matcher(self, constraint: Any) -> ConstraintMatcher:
         """A fresh constraint matcher for one job (raises `JobError` for a bad constraint)."""
         if self._compiler is None:  # indexes the whole vocabulary once, on first use
-            self._compiler = ConstraintCompiler(self.tokenizer.backend.to_str(),
-                                                self.eos_token_ids, self.vocab_size)
+            self._compiler = ConstraintCompiler.from_tokenizer(self.tokenizer, self.vocab_size)
         return self._compiler.matcher(constraint)
 
     def start(self, logits: torch.Tensor | None, records: Sequence[JobRecord], *,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -188,5 +189,27 @@ def test_a_background_submit_refuses_bad_token_ids_at_once(make_generator) -> No
             engine.submit(Job(input_ids=[5, 10**9], max_new_tokens=2))
         assert engine.submit(Job(input_ids=[5, 6], max_new_tokens=2)).result(timeout=60)["eos"]
         assert engine.wait_idle(timeout=60).jobs_active == 0
+    finally:
+        engine.close()
+
+
+def test_wait_idle_returns_only_once_every_submitted_job_has_its_result(make_generator) -> None:
+    from dyngen_core import BackgroundGenerator
+
+    generator = make_generator()
+    enqueue = generator.enqueue
+
+    def slow_enqueue(job: Any) -> None:  # widens the window between hand-over and the step
+        time.sleep(0.2)
+        enqueue(job)
+
+    generator.enqueue = slow_enqueue  # type: ignore[method-assign]
+    engine = BackgroundGenerator(generator)
+    try:
+        for _ in range(3):
+            handles = engine.submit_many(_jobs())
+            stats = engine.wait_idle(timeout=120)
+            assert all(h.done for h in handles)
+            assert stats.jobs_active == stats.jobs_pending == stats.pages_referenced == 0
     finally:
         engine.close()
