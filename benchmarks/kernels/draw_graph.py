@@ -5,7 +5,7 @@ launched eagerly (top-k, output, Triton kernel) or replayed from its CUDA graph
 the device is synchronized after each call, outside the clock: a call queued behind the last
 one's device work would wait for it, as the keys' pinned buffer is reused), and the device
 time per call from CUDA events. Each path runs with each fused top-k asked for (``--topk``:
-torch.topk, the Triton top-k of `sampling.topk_kernel`, or both). ``--set fused.NAME=VALUE``
+torch.topk, the Triton top-k of `sampling.fused`, or both). ``--set fused.NAME=VALUE``
 patches a constant of `sampling.fused` (`constants`). Figures: BENCHMARKS.md, "5. Host
 overhead".
 

@@ -90,7 +90,7 @@ class Sampler:
         CUDA and the fused draw; False launches it eagerly. The tokens a graph returns are a
         view of its output: valid until this sampler's next draw.
     fused_topk: the top-k that finds the fused draw's candidates: "torch" (``torch.topk``),
-        "triton" (`topk_kernel`: a two-stage Triton top-k that reads each row once; the
+        "triton" (`fused.topk_rows`: a two-stage Triton top-k that reads each row once; the
         same candidates, ties to the lower column; torch.topk past 1024 candidates) or
         "auto" (Triton up to `fused.AUTO_TRITON_MAX_BOUND` candidates, where it measured
         faster, else torch); None (default): `fused.DEFAULT_TOPK` ("auto"). "triton" needs
