@@ -43,6 +43,7 @@ import torch
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.errors import DynGenError
 from dyngen_core.sampling.draw import (
+    DrawGraphs,
     choose,
     compact_bound,
     draw_compact,
@@ -50,8 +51,8 @@ from dyngen_core.sampling.draw import (
     fetch_compact,
     fetch_top_k,
     full_rows,
+    graphable,
 )
-from dyngen_core.sampling.draw_graph import DrawGraphs, graphable
 from dyngen_core.sampling.edits import apply_edits
 from dyngen_core.sampling.fused import (
     DEFAULT_TOPK,
@@ -84,7 +85,7 @@ class Sampler:
         `dyngen_core.sampling.fused`); None (default): on CUDA when triton is installed. True
         needs triton and CUDA (or ``TRITON_INTERPRET=1``, for tests); False keeps the torch
         draw everywhere.
-    draw_graphs: replay the fused draw from CUDA graphs (`draw_graph`: one launch instead of
+    draw_graphs: replay the fused draw from CUDA graphs (`draw.DrawGraphs`: one launch instead of
         the top-k's, the output's and the kernel's) where the logits are drawn from in place
         (no logit edits). None (default): on CUDA whenever the fused draw runs; True needs
         CUDA and the fused draw; False launches it eagerly. The tokens a graph returns are a
