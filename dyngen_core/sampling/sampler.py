@@ -6,7 +6,7 @@ entirely when no row does; see `SamplerSettings.active_stages`):
 
  1. bias: token_bias added; banned_tokens and tokens the constraint mask (``allowed_tokens``)
     forbids set to ``-inf``; logit columns past ``vocab_size`` removed.
- 2. penalties: repetition / frequency / presence, with range and decay (`penalties`; only
+ 2. penalties: repetition / frequency / presence, with range and decay (`edits`; only
     the history windows are copied from the host).
  3. dry: DRY (match search batched over rows on the device, one scatter).
     Greedy rows (temperature 0 or top_k 1) stop here and take the argmax.
