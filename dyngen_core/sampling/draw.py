@@ -32,6 +32,7 @@ from dyngen_core.sampling.fused import (
     NO_TOP_P,
     FusedColumns,
     TopkChoice,
+    carry_host_columns,
     fused_columns,
     launch_fused_draw,
 )
@@ -247,7 +248,7 @@ def carry_columns(columns: _Columns, previous: RowList, rows: RowList, dropped: 
                   start: int, bound: int) -> _Columns:
     """`_columns(rows, bound)` from ``columns``, those of ``previous``, when ``rows`` is
     ``previous`` without its rows ``dropped`` (ascending), then new rows from ``start`` on
-    (`row_cache.carry_rows`): the survivors' entries are cut out of the old lists and arrays,
+    (`rows.carry_rows`): the survivors' entries are cut out of the old lists and arrays,
     only the new rows' are computed. The same lists and values as a fresh `_columns`."""
     new = list(rows[start:])
     fixed, temps_removed = without(columns.temperature.fixed, dropped)
@@ -281,6 +282,22 @@ def carry_columns(columns: _Columns, previous: RowList, rows: RowList, dropped: 
         floats.append(np.concatenate([kept_temps, np.array(added.temps, np.float32)])
                       .reshape(-1, 1))
     return _Columns(temperature, cut, int(cut_k.max()) if cut else 0, tail, ints, floats)
+
+
+def carry_memo(previous: RowList, rows: RowList, dropped: Sequence[int], start: int) -> None:
+    """The sampler's `rows.MemoCarry`: of ``previous.memo``, the draws' host columns cut and
+    extended for ``rows`` (`carry_columns`, `fused.carry_host_columns`; the arguments as
+    there): their Python is most of a memo's rebuild. Device copies are not carried: the first
+    draw sends them again with that step's keys (one copy either way). Other entries are cheap
+    to rebuild."""
+    memo = rows.memo
+    for key, value in previous.memo.items():
+        if not isinstance(key, tuple):
+            continue
+        if key[0] == "compact":
+            memo[key] = carry_columns(value, previous, rows, dropped, start, key[1])
+        elif key[0] == "fused-host":
+            memo[key] = carry_host_columns(value, rows, dropped, start, key[1])
 
 
 def _shifted(indices: list[int], start: int) -> list[int]:

@@ -24,7 +24,7 @@ host, in one transfer; top-k lists and raw logits cost one more transfer each, o
 On CUDA with triton, when every row has a top_k and only temperature, top_k and top_p shape
 its distribution, stages 4-14 after the top-k run as one fused kernel (`fused`). The rows of a
 call, and the per-row columns derived from them, are kept for the next call while the requests
-keep their settings (`row_cache`): only the RNG keys are computed and sent each step.
+keep their settings (`rows.RowCache`): only the RNG keys are computed and sent each step.
 
 `Sampler.greedy_ids` is the fast path for a batch of plain greedy requests (no stage, mask,
 draft or extra output): one max over the logits, a validity check and one small copy, with no
@@ -44,6 +44,7 @@ from dyngen_core.engine.record import SampleRequest
 from dyngen_core.errors import DynGenError
 from dyngen_core.sampling.draw import (
     DrawGraphs,
+    carry_memo,
     choose,
     compact_bound,
     draw_compact,
@@ -62,8 +63,7 @@ from dyngen_core.sampling.fused import (
     fusable,
     fused_draw_default,
 )
-from dyngen_core.sampling.row_cache import RowCache
-from dyngen_core.sampling.rows import Row, RowList
+from dyngen_core.sampling.rows import Row, RowCache, RowList
 from dyngen_core.sampling.shaping import shape_distribution
 from dyngen_core.sampling.upload import Staging
 from dyngen_core.sampling.vocab import VocabTables
@@ -123,7 +123,7 @@ class Sampler:
         if fused_topk == "triton" and not self.fused_draw:
             raise ValueError(f"fused_topk={fused_topk!r} needs the fused draw (fused_draw "
                              f"is {self.fused_draw} on {self.device})")
-        self._rows = RowCache()
+        self._rows = RowCache(carry_memo)
         self._vocab = VocabTables(vocab_size, token_pieces, eos_token_ids)
         self._seeds = random.Random()
         self._staging = Staging(self.device)
