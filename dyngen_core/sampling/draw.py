@@ -20,7 +20,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -47,7 +47,9 @@ from dyngen_core.sampling.shaping import (
     temperature_stage,
 )
 from dyngen_core.sampling.upload import Staging
-from dyngen_core.sampling.vocab import VocabTables
+
+if TYPE_CHECKING:
+    from dyngen_core.sampling.sampler import VocabTables
 
 # A draw graph's rows: a multiple of this (`DrawGraphs`).
 ROW_BUCKET = 32

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,7 +23,9 @@ import torch
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling.rows import Row, RowList, column, on_rows, rows_using
-from dyngen_core.sampling.vocab import VocabTables
+
+if TYPE_CHECKING:
+    from dyngen_core.sampling.sampler import VocabTables
 
 _NEG_INF = float("-inf")
 # DRY extension steps compared at once (a [rows, width, block] comparison); between blocks one
