@@ -25,7 +25,7 @@ measured steps out of the cyclic collector's reach, as a long-running server may
 loading: full collections then no longer walk the model's and libraries' objects.
 ``--torch-draw`` keeps the sampler's torch draw on CUDA (by default the compact draw is one
 fused Triton kernel there when triton is installed), to compare the two; ``--no-draw-graphs``
-launches the fused draw eagerly instead of replaying it from a CUDA graph (`draw_graph`).
+launches the fused draw eagerly instead of replaying it from a CUDA graph (`draw.DrawGraphs`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Host time of one sampled step's draw on the GPU: `Sampler.launch_tokens` for 256 top-p rows
 (temperature 0.8, top_p 0.9, top_k 50) over [256, 128256] float32 logits, with the fused draw
 launched eagerly (top-k, output, Triton kernel) or replayed from its CUDA graph
-(`sampling.draw_graph`), and the bare replay of that graph. Host microseconds per call (median;
+(`sampling.draw.DrawGraphs`), and the bare replay of that graph. Host microseconds per call (median;
 the device is synchronized after each call, outside the clock: a call queued behind the last
 one's device work would wait for it, as the keys' pinned buffer is reused), and the device
 time per call from CUDA events. Each path runs with each fused top-k asked for (``--topk``:
-torch.topk, the Triton top-k of `sampling.topk_kernel`, or both). ``--set fused.NAME=VALUE``
+torch.topk, the Triton top-k of `sampling.fused`, or both). ``--set fused.NAME=VALUE``
 patches a constant of `sampling.fused` (`constants`). Figures: BENCHMARKS.md, "5. Host
 overhead".
 

@@ -1,8 +1,8 @@
 """Device time of the fused draw's top-k: ``torch.topk(x, bound, dim=-1)`` against the
-two-stage Triton top-k (`dyngen_core.sampling.topk_kernel.topk_rows`, its default plan) over
+two-stage Triton top-k (`dyngen_core.sampling.fused.topk_rows`, its default plan) over
 float32 logits, at bounds on both sides of the sampler's rule (`sampling.fused`: the Triton
 top-k up to ``AUTO_TRITON_MAX_BOUND`` candidates, torch.topk above). Other plans: ``--set
-topk_kernel.DEFAULT_CHUNK=4096``.
+fused.DEFAULT_CHUNK=4096``.
 
 Floors (H200: 4.25 TB/s copy bandwidth, bytes read + written; no FLOPs to speak of):
   [256, 128256] fp32: 131.3 MB read -> 30.9 us (+ 8.9 MB of group maxima written and
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import device_name, report  # noqa: E402
 from benchmarks.kernels import constants  # noqa: E402
-from dyngen_core.sampling.topk_kernel import topk_plan, topk_rows  # noqa: E402
+from dyngen_core.sampling.fused import topk_plan, topk_rows  # noqa: E402
 
 L2_BYTES = 50 << 20
 # (label, rows, vocab, bound)

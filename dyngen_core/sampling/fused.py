@@ -1,19 +1,16 @@
-"""The fused compact draw: on CUDA with triton, everything the compact draw does after its one
-top-k (temperature, top_k, top_p, the counter-based Gumbel noise and the argmax, and the
-validity check) is one Triton kernel, `fused.compact_draw_kernel`.
+"""The fused compact draw: on CUDA with triton, the compact draw's candidates come from one
+top-k, and everything after it (temperature, top_k, top_p, the counter-based Gumbel noise, the
+argmax and the validity check) is one Triton kernel, `compact_draw_kernel`. The top-k is
+``torch.topk`` or this module's two-stage Triton top-k, `topk_rows` (which reads each row once).
 
-Why: the torch compact draw (`draw.draw_compact`) is about 45 small kernels per step (the
-integer hash alone is 26), each a few microseconds of host time to launch; this is one launch.
-The torch draw stays the CPU path, the path for any other stage, and the oracle the kernel is
-tested against (the same integer hash, so the same uniforms bit for bit).
+The torch compact draw (`draw.draw_compact`) stays the CPU path, the path for any other stage,
+and the oracle the kernel is tested against (the same integer hash, so the same uniforms bit for
+bit). Where the two can differ: top_p sums probabilities (softmax, cumulative sum) in a
+different order than torch's kernels, so a token whose preceding mass is within float rounding
+of top_p may be kept by one and cut by the other. The compact and full-width torch draws
+already differ in the same way (their softmax sums run over different widths).
 
-Where the two can differ: top_p sums probabilities (softmax, cumulative sum) in a different
-order than torch's kernels, so a token whose preceding mass is within float rounding of top_p
-may be kept by one and cut by the other. The compact and full-width torch draws already differ
-in the same way (their softmax sums run over different widths).
-
-The top-k itself is ``torch.topk`` or a two-stage Triton top-k (`topk_kernel.topk_rows`,
-which reads each row once), chosen by ``topk`` (`TOPK_CHOICES`; the sampler's ``fused_topk``
+Which top-k finds the candidates is ``topk`` (`TOPK_CHOICES`; the sampler's ``fused_topk``
 option). Both give the candidates descending with a NaN first (so a NaN row is still
 reported); equal logits come in column order from the Triton one and in an unspecified order
 from torch.topk, so where equal logits straddle the bound the two may keep different ones.
@@ -21,9 +18,9 @@ torch.topk stays for bounds past `TRITON_TOPK_MAX_BOUND`. "auto" (the default) t
 Triton top-k up to `AUTO_TRITON_MAX_BOUND`, where it measured faster (BENCHMARKS.md,
 "9. Sampler").
 
-triton is imported only when the fused draw runs (CI has none).
+The kernels take triton from `ops.triton_support`: this module imports without it (CI has
+none), and the kernels launch only on CUDA or under ``TRITON_INTERPRET=1``.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -45,10 +42,14 @@ TopkChoice = Literal["torch", "triton", "auto"]
 TOPK_CHOICES: tuple[TopkChoice, ...] = ("torch", "triton", "auto")
 # The fused draw's top-k when the sampler is not told.
 DEFAULT_TOPK: TopkChoice = "auto"
-TRITON_TOPK_MAX_BOUND = 1024  # `topk_kernel.MAX_BOUND`, without importing triton here
+# The most candidates the Triton top-k takes (one program sorts a row's candidates).
+TRITON_TOPK_MAX_BOUND = 1024
 # "auto": the Triton top-k up to this bound (its sort grows with the bound; torch.topk's
 # radix select hardly does; BENCHMARKS.md, "9. Sampler").
 AUTO_TRITON_MAX_BOUND = 256
+# Columns per program of the Triton top-k's first stage (`topk_plan`).
+DEFAULT_CHUNK = 8192
+INT32_MIN = tl.constexpr(-(2**31))
 
 
 def fused_draw_default(device: torch.device) -> bool:
@@ -149,7 +150,7 @@ def _host_columns_of(rows: RowList, bound: int) -> HostColumns:
 def carry_host_columns(host: HostColumns, rows: Sequence[Row], dropped: Sequence[int],
                        start: int, bound: int) -> HostColumns:
     """`host_columns(rows, bound)` from ``host``, those of a list that ``rows`` is without its
-    rows ``dropped`` (ascending) and with new rows from ``start`` on (`row_cache.carry_rows`):
+    rows ``dropped`` (ascending) and with new rows from ``start`` on (`rows.carry_rows`):
     the survivors' values cut out, the new rows' computed. Selecting rows of the old device
     columns instead would cost kernels of their own; sent with the step's keys, these are a
     few more bytes in a copy that happens anyway."""
@@ -174,15 +175,13 @@ def draw_fused(x: torch.Tensor, rows: RowList, staging: Staging, bound: int,
 def launch_fused_draw(x: torch.Tensor, keys: torch.Tensor, columns: FusedColumns, bound: int,
                       out: torch.Tensor, *, topk: TopkChoice = DEFAULT_TOPK) -> None:
     """The top-k of ``x`` and the kernel over it, each row's token into ``out`` [rows]
-    (``keys`` int64 [rows, 2]); what `draw_graph` captures.
+    (``keys`` int64 [rows, 2]); what `draw.DrawGraphs` captures.
 
-    topk: "torch" (``torch.topk``), "triton" (`topk_kernel.topk_rows`; torch.topk for
+    topk: "torch" (``torch.topk``), "triton" (`topk_rows`; torch.topk for
         bounds past `TRITON_TOPK_MAX_BOUND`) or "auto" (Triton up to
         `AUTO_TRITON_MAX_BOUND`, else torch): the same candidates either way, up to which
         of equal logits at the bound are kept (module docstring).
     """
-    from dyngen_core.sampling.fused import compact_draw_kernel
-
     values, token_ids = candidates(x, bound, topk)
     block = max(16, 1 << (bound - 1).bit_length())
     compact_draw_kernel[(x.shape[0],)](
@@ -198,8 +197,6 @@ def candidates(x: torch.Tensor, bound: int,
     "torch")."""
     most = AUTO_TRITON_MAX_BOUND if topk == "auto" else TRITON_TOPK_MAX_BOUND
     if topk != "torch" and bound <= min(most, x.shape[1]):
-        from dyngen_core.sampling.topk_kernel import topk_rows
-
         return topk_rows(x, bound)
     values, token_ids = torch.topk(x, bound, dim=-1)
     return values, token_ids
@@ -213,8 +210,6 @@ def hashed_uniforms(keys: torch.Tensor, token_ids: torch.Tensor, *,
     noise: False gives the uniforms ``u`` (`rng.open_uniform` of the hash); True gives
         ``log(-log(u))`` (`rng._log_neg_log_uniform`).
     """
-    from dyngen_core.sampling.fused import uniform_noise_kernel
-
     token_ids, keys = token_ids.contiguous(), keys.contiguous()
     rows, n = token_ids.shape
     out = torch.empty(rows, n, dtype=torch.float32, device=token_ids.device)
@@ -327,3 +322,204 @@ def compact_draw_kernel(values_ptr, token_ids_ptr, keys_ptr, temps_ptr, top_k_pt
     has_nan = tl.sum((perturbed != perturbed).to(tl.int32), 0) > 0
     valid = (tl.abs(best) < float("inf")) & ~has_nan
     tl.store(out_ptr + row, tl.where(valid, chosen, -1))
+
+
+# The Triton top-k: `topk_rows`, its two kernels and its launch plan.
+
+
+@triton.jit
+def _ordered(v):
+    """float32 -> int32 in the same order; every NaN -> 0x7FFFFFFF, above +inf."""
+    bits = v.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(v != v, 0x7FFFFFFF, ordered)
+
+
+@triton.jit
+def _key(ordered, index):
+    """One int64 key per (ordered value, index): the value first, then the lower index."""
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+
+
+@triton.jit
+def _index(keys):
+    """The index `_key` put in ``keys``, int32."""
+    return (0x7FFFFFFF - (keys & 0x7FFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def group_max_kernel(x_ptr, group_ptr, super_ptr, vocab, stride_row, stride_col,
+                     CHUNK: tl.constexpr, GROUP: tl.constexpr, SUPER: tl.constexpr):
+    """Row ``program_id(0)``, chunk ``program_id(1)`` of ``x`` (any float dtype): the int32
+    maxima (`_ordered`) of its groups into ``group_ptr`` and of its super-groups into
+    ``super_ptr`` (contiguous rows of ``grid[1] * CHUNK // GROUP`` and ``// SUPER``)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    groups: tl.constexpr = CHUNK // GROUP
+    group = chunk * groups + tl.arange(0, groups)
+    cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    pointers = x_ptr + row.to(tl.int64) * stride_row + cols * stride_col
+    if (chunk + 1) * CHUNK <= vocab:  # unmasked: wide loads whatever the vocabulary
+        v = tl.load(pointers)
+    else:
+        v = tl.load(pointers, mask=cols < vocab, other=float("-inf"))
+    best = tl.max(_ordered(v.to(tl.float32)), axis=1)
+    tl.store(group_ptr + row.to(tl.int64) * tl.num_programs(1) * groups + group, best)
+    supers: tl.constexpr = groups // SUPER
+    top = tl.max(tl.reshape(best, (supers, SUPER)), axis=1)
+    tl.store(super_ptr + (row.to(tl.int64) * tl.num_programs(1) + chunk) * supers
+             + tl.arange(0, supers), top)
+
+
+@triton.jit(do_not_specialize=["bound", "stride_values", "stride_ids"])  # vary with top_k
+def select_topk_kernel(x_ptr, group_ptr, super_ptr, values_ptr, ids_ptr, vocab, bound,
+                       groups_per_row, supers_per_row, stride_row, stride_col, stride_values,
+                       stride_ids, SUPERS: tl.constexpr, GROUP: tl.constexpr,
+                       SUPER: tl.constexpr, K: tl.constexpr):
+    """Row ``program_id(0)``: its top ``K`` columns from the scratch of `group_max_kernel`
+    (``SUPERS``: ``supers_per_row`` rounded up to a power of two), the first ``bound``
+    written to float32 ``values`` and int64 ``ids``, descending."""
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.arange(0, SUPERS)
+    maxima = tl.load(super_ptr + row * supers_per_row + index, mask=index < supers_per_row,
+                     other=INT32_MIN)
+    chosen = _index(tl.topk(_key(maxima, index), K))
+    group = chosen[:, None] * SUPER + tl.arange(0, SUPER)[None, :]
+    maxima = tl.load(group_ptr + row * groups_per_row + group, mask=group < groups_per_row,
+                     other=INT32_MIN)
+    chosen = _index(tl.topk(tl.reshape(_key(maxima, group), (K * SUPER,)), K))
+    cols = chosen[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    v = tl.load(x_ptr + row * stride_row + cols * stride_col, mask=cols < vocab,
+                other=float("-inf"))
+    top = tl.topk(tl.reshape(_key(_ordered(v.to(tl.float32)), cols), (K * GROUP,)), K)
+    ordered = (top >> 32).to(tl.int32)
+    bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    rank = tl.arange(0, K)
+    inside = rank < bound
+    tl.store(values_ptr + row * stride_values + rank, bits.to(tl.float32, bitcast=True),
+             mask=inside)
+    tl.store(ids_ptr + row * stride_ids + rank, _index(top).to(tl.int64), mask=inside)
+
+
+class TopkPlan(NamedTuple):
+    """Launch parameters of `topk_rows`: ``k`` (the power of two >= bound
+    sorted for), ``chunk`` columns per stage-1 program, ``group`` columns per group,
+    ``super_group`` groups per super-group, ``chunks`` per row, and each stage's warps."""
+
+    k: int
+    chunk: int
+    group: int
+    super_group: int
+    chunks: int
+    warps: int
+    select_warps: int
+
+    @property
+    def supers_per_row(self) -> int:
+        return self.chunks * (self.chunk // (self.group * self.super_group))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def topk_plan(vocab: int, bound: int, *, chunk: int | None = None, group: int | None = None,
+              super_group: int | None = None, warps: int | None = None,
+              select_warps: int | None = None) -> TopkPlan:
+    """The launch of `topk_rows` for rows of ``vocab`` columns and ``bound`` candidates
+    (1 <= bound <= min(vocab, `TRITON_TOPK_MAX_BOUND`)); every option a power of two.
+
+    chunk: columns per stage-1 program (None: `DEFAULT_CHUNK`, at most the vocabulary
+        rounded up).
+    group: columns per group (None: 16 for k <= 128, else 4).
+    super_group: groups per super-group (None: 16 for k <= 128, else 8); halved (then
+        ``group``) until a row has at least ``k`` super-groups.
+    warps: stage-1 warps (None: one per 2048 columns, at least 4).
+    select_warps: stage-2 warps (None: 8 while the largest sort is at most 4096 keys, else
+        16).
+    """
+    if not 1 <= bound <= min(vocab, TRITON_TOPK_MAX_BOUND):
+        raise ValueError(f"the Triton top-k takes 1 <= bound <= min(vocab, "
+                         f"{TRITON_TOPK_MAX_BOUND}); "
+                         f"got bound {bound} for {vocab} columns (use torch.topk)")
+    k = max(2, _pow2_at_least(bound))
+    chunk = chunk or min(DEFAULT_CHUNK, max(_pow2_at_least(vocab), k))
+    group = group or (16 if k <= 128 else 4)
+    super_group = super_group or (16 if k <= 128 else 8)
+    for name, value in (("chunk", chunk), ("group", group), ("super_group", super_group)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two; got {value}")
+    chunks = -(-vocab // chunk)
+    while (super_group > 1 or group > 1) and (
+            group * super_group > chunk
+            or _pow2_at_least(chunks * (chunk // (group * super_group))) < k):
+        if super_group > 1:
+            super_group //= 2
+        else:
+            group //= 2
+    if _pow2_at_least(chunks * chunk // (group * super_group)) < k:
+        raise ValueError(f"chunk {chunk} leaves fewer than k={k} super-groups")
+    largest = max(_pow2_at_least(chunks * chunk // (group * super_group)), k * super_group,
+                  k * group)
+    return TopkPlan(k, chunk, group, super_group, chunks, warps or max(4, chunk // 2048),
+                    select_warps or (8 if largest <= 4096 else 16))
+
+
+def topk_rows(x: torch.Tensor, bound: int, *, values: torch.Tensor | None = None,
+              ids: torch.Tensor | None = None, plan: TopkPlan | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, bound, dim=-1)`` of ``x`` [rows, vocab] (float32, bfloat16 or float16,
+    any strides): (float32 values, int64 ids) [rows, bound], descending, ties to the lower
+    column, NaN first. Written into ``values`` / ``ids`` when given ([rows, >= bound],
+    contiguous columns); ``plan``: `topk_plan`'s (None: its defaults). Two launches and two
+    scratch allocations; nothing waits for the device, and grids and scratch depend on shapes
+    only (graph-capturable). Each row is read once, and ``k * group`` of its columns again
+    (figures against torch.topk: BENCHMARKS.md, "9. Sampler").
+
+    Keys: every float becomes an order-preserving int32 (`_ordered`), and a candidate one
+    int64 key, that integer in the high word and ``0x7FFFFFFF - column`` in the low word: key
+    order is value order with ties to the lower column, and the column travels with the value
+    (decoded exactly: the values returned are the input's, bit for bit once widened).
+
+    Stage 1 (`group_max_kernel`, one program per row and chunk of ``chunk`` columns,
+    streaming): the largest ordered value of every group of ``group`` consecutive columns, and
+    of every super-group of ``super_group`` consecutive groups, into int32 scratch rows.
+    Stage 2 (`select_topk_kernel`, one program per row): the top ``k`` super-groups by
+    (maximum, lower index first) hold the top ``k`` groups, which hold the top ``k`` columns
+    (an item outside the top ``k`` of its level has ``k`` larger keys above it, one in each of
+    the top ``k``), so the program sorts (``tl.topk``, bitonic) the super-group maxima, then
+    the ``k * super_group`` maxima of the chosen super-groups' groups, then the ``k * group``
+    keys of the chosen groups' columns, and writes the first ``bound`` values and token ids,
+    descending. ``k`` is the next power of two >= bound (tl.topk's k must be one).
+
+    Semantics: NaN (any sign) is the largest key, so a row with a NaN puts one first as
+    torch.topk does (and the fused draw reports that row: its NaN check sees it); -inf values
+    are ordinary keys (a row with fewer than ``bound`` finite values gets -inf candidates,
+    lower columns first); -0.0 orders just below +0.0. Columns past the row read as -inf past
+    the vocabulary, below every real column: never returned while ``bound <= vocab``.
+    """
+    if x.ndim != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"topk_rows takes 2-D float32/bfloat16/float16 rows; got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    rows, vocab = x.shape
+    plan = plan or topk_plan(vocab, bound)
+    if values is None:
+        values = torch.empty(rows, bound, dtype=torch.float32, device=x.device)
+    if ids is None:
+        ids = torch.empty(rows, bound, dtype=torch.int64, device=x.device)
+    if values.stride(-1) != 1 or ids.stride(-1) != 1:
+        raise ValueError("topk_rows writes rows with contiguous columns")
+    if rows == 0:
+        return values, ids
+    groups_per_row = plan.chunks * (plan.chunk // plan.group)
+    group_max = torch.empty(rows, groups_per_row, dtype=torch.int32, device=x.device)
+    super_max = torch.empty(rows, plan.supers_per_row, dtype=torch.int32, device=x.device)
+    group_max_kernel[(rows, plan.chunks)](
+        x, group_max, super_max, vocab, x.stride(0), x.stride(1), CHUNK=plan.chunk,
+        GROUP=plan.group, SUPER=plan.super_group, num_warps=plan.warps)
+    select_topk_kernel[(rows,)](
+        x, group_max, super_max, values, ids, vocab, bound, groups_per_row,
+        plan.supers_per_row, x.stride(0), x.stride(1), values.stride(0), ids.stride(0),
+        SUPERS=_pow2_at_least(plan.supers_per_row), GROUP=plan.group, SUPER=plan.super_group,
+        K=plan.k, num_warps=plan.select_warps)
+    return values, ids

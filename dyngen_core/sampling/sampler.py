@@ -1,12 +1,13 @@
 """The batched sampler: logits rows in, one token per row out, all on the logits' device; what
-it gives back per request (`SampleResult`) and `SamplingError`.
+it gives back per request (`SampleResult`), `SamplingError`, and the token tables it keeps for
+its stages (`VocabTables`: DRY's sequence breakers, the tokens XTC never removes).
 
 Stage order (fixed; a stage runs only on the rows whose settings use it, and is skipped
 entirely when no row does; see `SamplerSettings.active_stages`):
 
  1. bias: token_bias added; banned_tokens and tokens the constraint mask (``allowed_tokens``)
     forbids set to ``-inf``; logit columns past ``vocab_size`` removed.
- 2. penalties: repetition / frequency / presence, with range and decay (`penalties`; only
+ 2. penalties: repetition / frequency / presence, with range and decay (`edits`; only
     the history windows are copied from the host).
  3. dry: DRY (match search batched over rows on the device, one scatter).
     Greedy rows (temperature 0 or top_k 1) stop here and take the argmax.
@@ -24,7 +25,7 @@ host, in one transfer; top-k lists and raw logits cost one more transfer each, o
 On CUDA with triton, when every row has a top_k and only temperature, top_k and top_p shape
 its distribution, stages 4-14 after the top-k run as one fused kernel (`fused`). The rows of a
 call, and the per-row columns derived from them, are kept for the next call while the requests
-keep their settings (`row_cache`): only the RNG keys are computed and sent each step.
+keep their settings (`rows.RowCache`): only the RNG keys are computed and sent each step.
 
 `Sampler.greedy_ids` is the fast path for a batch of plain greedy requests (no stage, mask,
 draft or extra output): one max over the logits, a validity check and one small copy, with no
@@ -36,13 +37,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.errors import DynGenError
 from dyngen_core.sampling.draw import (
+    DrawGraphs,
+    carry_memo,
     choose,
     compact_bound,
     draw_compact,
@@ -50,8 +54,8 @@ from dyngen_core.sampling.draw import (
     fetch_compact,
     fetch_top_k,
     full_rows,
+    graphable,
 )
-from dyngen_core.sampling.draw_graph import DrawGraphs, graphable
 from dyngen_core.sampling.edits import apply_edits
 from dyngen_core.sampling.fused import (
     DEFAULT_TOPK,
@@ -61,11 +65,9 @@ from dyngen_core.sampling.fused import (
     fusable,
     fused_draw_default,
 )
-from dyngen_core.sampling.row_cache import RowCache
-from dyngen_core.sampling.rows import Row, RowList
+from dyngen_core.sampling.rows import Row, RowCache, RowList
 from dyngen_core.sampling.shaping import shape_distribution
 from dyngen_core.sampling.upload import Staging
-from dyngen_core.sampling.vocab import VocabTables
 
 # Stages 1-3: they edit whole logits rows, so x must be a float32 copy.
 _EDITS = frozenset({"bias", "penalties", "dry"})
@@ -84,13 +86,13 @@ class Sampler:
         `dyngen_core.sampling.fused`); None (default): on CUDA when triton is installed. True
         needs triton and CUDA (or ``TRITON_INTERPRET=1``, for tests); False keeps the torch
         draw everywhere.
-    draw_graphs: replay the fused draw from CUDA graphs (`draw_graph`: one launch instead of
+    draw_graphs: replay the fused draw from CUDA graphs (`draw.DrawGraphs`: one launch instead of
         the top-k's, the output's and the kernel's) where the logits are drawn from in place
         (no logit edits). None (default): on CUDA whenever the fused draw runs; True needs
         CUDA and the fused draw; False launches it eagerly. The tokens a graph returns are a
         view of its output: valid until this sampler's next draw.
     fused_topk: the top-k that finds the fused draw's candidates: "torch" (``torch.topk``),
-        "triton" (`topk_kernel`: a two-stage Triton top-k that reads each row once; the
+        "triton" (`fused.topk_rows`: a two-stage Triton top-k that reads each row once; the
         same candidates, ties to the lower column; torch.topk past 1024 candidates) or
         "auto" (Triton up to `fused.AUTO_TRITON_MAX_BOUND` candidates, where it measured
         faster, else torch); None (default): `fused.DEFAULT_TOPK` ("auto"). "triton" needs
@@ -122,7 +124,7 @@ class Sampler:
         if fused_topk == "triton" and not self.fused_draw:
             raise ValueError(f"fused_topk={fused_topk!r} needs the fused draw (fused_draw "
                              f"is {self.fused_draw} on {self.device})")
-        self._rows = RowCache()
+        self._rows = RowCache(carry_memo)
         self._vocab = VocabTables(vocab_size, token_pieces, eos_token_ids)
         self._seeds = random.Random()
         self._staging = Staging(self.device)
@@ -356,10 +358,6 @@ def _fetch(drawn: _Drawn, rows: RowList) -> tuple[list[int], dict[int, float]]:
     return ids, probs
 
 
-if TYPE_CHECKING:
-    import torch
-
-
 class SamplingError(DynGenError, ValueError):
     """A request cannot be sampled (e.g. every token is banned or masked out).
 
@@ -394,3 +392,74 @@ class SampleResult:
     def token_id(self) -> int:
         """The token of row 0 (the only row without drafts)."""
         return self.token_ids[0]
+
+
+class VocabTables:
+    """The token tables a `Sampler`'s stages need that depend on the token texts: DRY's
+    sequence breakers and the tokens XTC never removes. Built lazily, once per distinct
+    setting (and device), and kept by the sampler.
+
+    vocab_size: number of real tokens.
+    token_pieces: the text of every token id, or None (then only integer breakers work).
+    eos_token_ids: tokens XTC never removes.
+    """
+
+    def __init__(
+        self, vocab_size: int, token_pieces: Sequence[str] | None, eos_token_ids: Sequence[int]
+    ) -> None:
+        self.vocab_size = vocab_size
+        self._pieces = list(token_pieces)[:vocab_size] if token_pieces is not None else None
+        self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self._breakers: dict[tuple[str | int, ...], np.ndarray] = {}
+        self._breakers_on: dict[tuple[tuple[str | int, ...], torch.device], torch.Tensor] = {}
+        self._protected: dict[torch.device, torch.Tensor] = {}
+
+    def breakers(self, breakers: tuple[str | int, ...]) -> np.ndarray:
+        """Bool ``[vocab]``: True for tokens that are DRY sequence breakers. A string breaker
+        matches every token whose text contains it; an int is a token id."""
+        table = self._breakers.get(breakers)
+        if table is None:
+            table = np.zeros(self.vocab_size, dtype=bool)
+            table[[b for b in breakers if isinstance(b, int) and b < self.vocab_size]] = True
+            texts = [b for b in breakers if isinstance(b, str)]
+            if texts:
+                pieces = self._need_pieces("DRY string sequence breakers")
+                table |= np.array([any(t in p for t in texts) for p in pieces] +
+                                  [False] * (self.vocab_size - len(pieces)), dtype=bool)
+            self._breakers[breakers] = table
+        return table
+
+    def breaker_tables(
+        self, per_row: Sequence[tuple[str | int, ...]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For rows with the given breaker settings: bool ``[distinct settings, vocab]`` tables
+        on ``device`` and the int64 ``[rows]`` index of each row's table."""
+        distinct = list(dict.fromkeys(per_row))
+        tables = []
+        for breakers in distinct:
+            table = self._breakers_on.get((breakers, device))
+            if table is None:
+                table = torch.from_numpy(self.breakers(breakers)).to(device)
+                self._breakers_on[(breakers, device)] = table
+            tables.append(table)
+        which = [distinct.index(b) for b in per_row]
+        return torch.stack(tables), torch.tensor(which, dtype=torch.int64, device=device)
+
+    def xtc_protected(self, device: torch.device) -> torch.Tensor:
+        """Bool ``[vocab]`` on ``device``: newline tokens (when token texts are known) and EOS."""
+        table = self._protected.get(device)
+        if table is None:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            if self._pieces is not None:
+                mask[[t for t, p in enumerate(self._pieces) if "\n" in p]] = True
+            mask[self._eos] = True
+            table = self._protected[device] = mask.to(device)
+        return table
+
+    def _need_pieces(self, what: str) -> list[str]:
+        if self._pieces is None:
+            raise ValueError(
+                f"{what} need the token texts: build the Sampler with token_pieces=..., or give "
+                "dry_sequence_breakers as token ids"
+            )
+        return self._pieces

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -16,7 +16,9 @@ from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.sampling import shaping as filters
 from dyngen_core.sampling.rng import host_uniform
 from dyngen_core.sampling.rows import Row, RowList, column, on_rows, rows_using, rows_using_any
-from dyngen_core.sampling.vocab import VocabTables
+
+if TYPE_CHECKING:
+    from dyngen_core.sampling.sampler import VocabTables
 
 _XTC_STREAM = 0xFFFFFFFF  # host-uniform stream of XTC's coin; never a token id
 

@@ -1,4 +1,4 @@
-"""The fused draw replayed from CUDA graphs (`sampling.draw_graph`) against the eager fused
+"""The fused draw replayed from CUDA graphs (`sampling.draw.DrawGraphs`) against the eager fused
 draw: the same tokens step after step while the batch shrinks and grows inside a buffer,
 settings change, buffers differ and graphs are evicted; rows with logit edits keep the eager
 draw. CUDA only (graphs)."""
@@ -10,7 +10,7 @@ import torch
 
 from dyngen_core import SamplerSettings
 from dyngen_core.engine.record import SampleRequest
-from dyngen_core.sampling.draw_graph import ROW_BUCKET
+from dyngen_core.sampling.draw import ROW_BUCKET
 from dyngen_core.sampling.sampler import Sampler
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]

@@ -18,7 +18,7 @@ import torch
 from dyngen_core import SamplerSettings
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling import sampler as sampler_module
-from dyngen_core.sampling.draw_graph import DrawGraphs
+from dyngen_core.sampling.draw import DrawGraphs
 from dyngen_core.sampling.rng import _log_neg_log_uniform, _mix32, open_uniform, row_keys
 from dyngen_core.sampling.sampler import Sampler, SamplingError
 

@@ -1,4 +1,4 @@
-"""The Triton top-k (`sampling.topk_kernel.topk_rows`) against torch: the values of
+"""The Triton top-k (`sampling.fused.topk_rows`) against torch: the values of
 ``torch.topk`` exactly, and the ids of a stable descending ``torch.sort`` (ties to the lower
 column, NaN first) exactly; -inf and NaN rows; float32, bfloat16 and float16 rows; vocabularies
 that are not a multiple of the chunk; the fused draw with it drawing what it draws with
@@ -31,8 +31,8 @@ INTERPRETER_CASES: list[tuple[int, int, int, dict[str, int]]] = [
 
 
 def _topk_rows() -> tuple[Any, Any]:
-    """(`topk_plan`, `topk_rows`), imported here: the module imports triton."""
-    from dyngen_core.sampling.topk_kernel import topk_plan, topk_rows
+    """(`fused.topk_plan`, `fused.topk_rows`), imported here: the module imports triton."""
+    from dyngen_core.sampling.fused import topk_plan, topk_rows
 
     return topk_plan, topk_rows
 

@@ -1,12 +1,9 @@
 """Which top-k the fused draw's candidates come from (`fused.candidates`): "torch" always
 torch.topk; "triton" the Triton top-k up to `fused.TRITON_TOPK_MAX_BOUND`; "auto" (the
 sampler's default) the Triton one up to `fused.AUTO_TRITON_MAX_BOUND`, where it measured
-faster. The Triton module is replaced by a recorder, so this runs without triton."""
+faster. The Triton top-k is replaced by a recorder, so this runs without triton."""
 
 from __future__ import annotations
-
-import sys
-import types
 
 import pytest
 import torch
@@ -25,9 +22,7 @@ def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         values, ids = torch.topk(x, bound, dim=-1)
         return values.float(), ids
 
-    stand_in = types.ModuleType("dyngen_core.sampling.topk_kernel")
-    stand_in.topk_rows = topk_rows  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dyngen_core.sampling.topk_kernel", stand_in)
+    monkeypatch.setattr(fused, "topk_rows", topk_rows)
     return calls
 
 

@@ -1,4 +1,4 @@
-"""`sampling.draw_graph` parts that need no GPU: the row buckets a graph reads (never past the
+"""`sampling.draw.DrawGraphs` parts that need no GPU: the row buckets a graph reads (never past the
 logits' storage) and the sampler's refusal of graphs where they cannot run."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dyngen_core.sampling.draw_graph import ROW_BUCKET, _bucket, _rows_held
+from dyngen_core.sampling.draw import ROW_BUCKET, _bucket, _rows_held
 from dyngen_core.sampling.sampler import Sampler
 
 

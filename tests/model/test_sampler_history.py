@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dyngen_core.engine.settings import DEFAULT_DRY_SEQUENCE_BREAKERS
-from dyngen_core.sampling import Sampler, SampleRequest, SamplerSettings, SamplerState, penalties
+from dyngen_core.sampling import Sampler, SampleRequest, SamplerSettings, SamplerState, edits
 
 
 def edited_logits(settings: SamplerSettings, logits: torch.Tensor, history: list[int],
@@ -86,7 +86,7 @@ def dry_penalties(history: list[int], breakers: np.ndarray,
     """The batched DRY edit on one zero row, read back as (tokens, penalties)."""
     x = torch.zeros(1, len(breakers))
     tables = torch.from_numpy(breakers)[None]
-    penalties.apply_dry(x, [history], [settings], tables, torch.zeros(1, dtype=torch.int64))
+    edits.apply_dry(x, [history], [settings], tables, torch.zeros(1, dtype=torch.int64))
     tokens = np.flatnonzero(x[0].numpy())
     return tokens, -x[0].numpy()[tokens].astype(np.float64)
 

@@ -1,6 +1,7 @@
 """The batched (device) penalties and DRY against a per-row reference: many rows with different
 histories, windows and settings in one call must equal running each row alone with the plain
-algorithm (numpy, one row at a time, as written in the module docstring)."""
+algorithm (numpy, one row at a time, as `edits.apply_penalties` and `edits.apply_dry` describe
+it)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import pytest
 import torch
 
 from dyngen_core.engine.settings import SamplerSettings
-from dyngen_core.sampling import penalties
+from dyngen_core.sampling import edits
 
 VOCAB = 24
 
 
 def reference_penalties(x: np.ndarray, history: list[int], s: SamplerSettings) -> np.ndarray:
-    window = penalties.penalty_window(s)
+    window = edits.penalty_window(s)
     ids = history if window is None else history[max(len(history) - window, 0):]
     sustain = s.token_repetition_range if s.token_repetition_range > 0 else np.inf
     per_step = 1.0 / s.token_repetition_decay if s.token_repetition_decay else 0.0
@@ -99,7 +100,7 @@ def test_batched_penalties_equal_the_per_row_reference(device: str, seed: int) -
     histories = [random_history(rng) for _ in range(rows)]
     settings = [random_penalty_settings(rng) for _ in range(rows)]
     x = torch.from_numpy(logits.copy()).to(device)
-    penalties.apply_penalties(x, histories, settings)
+    edits.apply_penalties(x, histories, settings)
     expected = np.stack([reference_penalties(logits[i], histories[i], settings[i])
                          for i in range(rows)])
     np.testing.assert_allclose(x.cpu().numpy(), expected, rtol=1e-5, atol=1e-5)
@@ -119,7 +120,7 @@ def test_batched_dry_equals_the_per_row_reference(device: str, seed: int) -> Non
     for t, ids in enumerate(breaker_sets):
         tables[t, sorted(ids)] = True
     x = torch.from_numpy(logits.copy()).to(device)
-    penalties.apply_dry(x, histories, settings, tables.to(device),
+    edits.apply_dry(x, histories, settings, tables.to(device),
                         torch.tensor(which, device=device))
     expected = np.stack([reference_dry(logits[i], histories[i], breaker_sets[which[i]],
                                        settings[i]) for i in range(rows)])
@@ -130,10 +131,10 @@ def test_batched_dry_equals_the_per_row_reference(device: str, seed: int) -> Non
 def test_out_of_vocab_history_ids_are_ignored_and_count_as_breakers() -> None:
     x = torch.zeros(1, 8)
     settings = SamplerSettings(token_presence_penalty=1.0)
-    penalties.apply_penalties(x, [[3, 50, -1 + 8, 3]], [settings])
+    edits.apply_penalties(x, [[3, 50, -1 + 8, 3]], [settings])
     assert x[0].tolist() == [0, 0, 0, -1, 0, 0, 0, -1]
     dry = SamplerSettings(dry_multiplier=1.0, dry_allowed_length=1, dry_sequence_breakers=(0,))
     x = torch.zeros(1, 8)
     tables = torch.zeros(1, 8, dtype=torch.bool)
-    penalties.apply_dry(x, [[2, 50, 2, 5, 2]], [dry], tables, torch.zeros(1, dtype=torch.int64))
+    edits.apply_dry(x, [[2, 50, 2, 5, 2]], [dry], tables, torch.zeros(1, dtype=torch.int64))
     assert x[0].tolist() == [0, 0, 0, 0, 0, -1.0, 0, 0]  # 50 is no follower: a breaker

@@ -14,7 +14,8 @@ import torch
 
 from dyngen_core import SamplerSettings
 from dyngen_core.engine.record import SampleRequest
-from dyngen_core.sampling.row_cache import RowCache
+from dyngen_core.sampling.draw import carry_memo
+from dyngen_core.sampling.rows import RowCache
 from dyngen_core.sampling.sampler import Sampler
 
 VOCAB = 512
@@ -70,7 +71,7 @@ def test_kept_rows_sample_like_a_fresh_sampler_every_step(settings: list[Sampler
 
 
 def test_same_settings_reuse_the_rows_and_refresh_counters_and_masks() -> None:
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     requests = _requests(SETTINGS[:3], 6, seed=1)
     rows = cache.rows(requests, seeds)
     rows.memo["probe"] = 1
@@ -89,7 +90,7 @@ def test_same_settings_reuse_the_rows_and_refresh_counters_and_masks() -> None:
 
 
 def test_kept_promise_reuses_the_same_request_objects_without_reading_their_settings() -> None:
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     requests = _requests(SETTINGS[:3], 6, seed=1)
     rows = cache.rows(requests, seeds, kept=True)
     for i, request in enumerate(requests):
@@ -115,7 +116,7 @@ def test_kept_promise_reuses_the_same_request_objects_without_reading_their_sett
 @pytest.mark.parametrize("change", ["settings", "equal_settings", "seed", "return_probs",
                                     "top_tokens", "logits", "drafts", "count"])
 def test_anything_but_counters_and_masks_rebuilds_the_rows(change: str) -> None:
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     requests = _requests(SETTINGS[:3], 6, seed=2)
     rows = cache.rows(requests, seeds)
     target = requests[3]
@@ -142,7 +143,7 @@ def test_anything_but_counters_and_masks_rebuilds_the_rows(change: str) -> None:
 
 
 def test_requests_without_a_seed_are_never_kept() -> None:
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     requests = [SampleRequest(settings=SETTINGS[0], seed=None) for _ in range(3)]
     first = cache.rows(requests, seeds)
     second = cache.rows(requests, seeds)
@@ -151,7 +152,7 @@ def test_requests_without_a_seed_are_never_kept() -> None:
 
 
 def test_a_kept_list_is_dropped_after_rows_that_cannot_be_kept() -> None:
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     requests = _requests(SETTINGS[:2], 4, seed=3)
     rows = cache.rows(requests, seeds)
     with_drafts = copy.copy(requests)

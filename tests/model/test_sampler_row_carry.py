@@ -1,5 +1,5 @@
 """A kept `RowList` is carried over when some requests end and new ones join at the end
-(`row_carry.carry_rows`): the carried list holds exactly what `expand_rows` builds for the new
+(`rows.carry_rows`): the carried list holds exactly what `expand_rows` builds for the new
 requests, samples the same tokens as a fresh sampler, and any other change of the request list
 (a reorder, an old request after a new one, drafts or no seed among the new ones) builds the
 list afresh."""
@@ -15,9 +15,8 @@ import torch
 from dyngen_core import SamplerSettings
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.sampling import fused
-from dyngen_core.sampling.draw import _columns, _keys_and_columns
-from dyngen_core.sampling.row_cache import RowCache
-from dyngen_core.sampling.rows import RowList, expand_rows
+from dyngen_core.sampling.draw import _columns, _keys_and_columns, carry_memo
+from dyngen_core.sampling.rows import RowCache, RowList, expand_rows
 from dyngen_core.sampling.sampler import Sampler
 from dyngen_core.sampling.upload import Staging
 
@@ -77,7 +76,7 @@ def _churn(rng: random.Random, requests: list[SampleRequest],
                          ids=["top_p", "two", "mixed"])
 def test_carried_rows_hold_what_a_fresh_build_holds(settings: list[SamplerSettings]) -> None:
     rng = random.Random(len(settings))
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     staging = Staging(torch.device("cpu"))
     requests = [_request(rng, settings, i) for i in range(20)]
     cache.rows(requests, seeds, kept=True)
@@ -115,7 +114,7 @@ def test_carried_rows_hold_what_a_fresh_build_holds(settings: list[SamplerSettin
 
 def test_a_carried_list_reuses_the_survivors_rows_and_expands_only_the_new_requests() -> None:
     rng = random.Random(5)
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     requests = [_request(rng, SETTINGS, i) for i in range(8)]
     rows = cache.rows(requests, seeds, kept=True)
     survivors = [rows[i] for i in (0, 2, 3, 6, 7)]
@@ -131,7 +130,7 @@ def test_a_carried_list_reuses_the_survivors_rows_and_expands_only_the_new_reque
                                     "no_seed", "all_new", "unkept"])
 def test_other_changes_build_the_rows_afresh(change: str) -> None:
     rng = random.Random(7)
-    cache, seeds = RowCache(), random.Random(0)
+    cache, seeds = RowCache(carry_memo), random.Random(0)
     requests = [_request(rng, SETTINGS[:3], i) for i in range(6)]
     rows = cache.rows(requests, seeds, kept=True)
     new = _request(rng, SETTINGS[:3], 9)
