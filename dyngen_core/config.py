@@ -418,6 +418,11 @@ class EngineOptions(BaseModel):
         prompt_cache: keep finished jobs' pages for reuse by later prompts.
         cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
         compile_decode: torch.compile the captured decode step (CUDA only; slower start).
+        draft_model_dir: a smaller model folder with the same tokenizer that drafts tokens
+            for speculative decoding (loaded with the same device and dtype; its cache has the
+            main cache's pages, in fp16). None: no draft model.
+        use_ngram_draft: draft by prompt lookup instead (no second model).
+        num_draft_tokens: the most drafts a job offers per step.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -433,3 +438,6 @@ class EngineOptions(BaseModel):
     prompt_cache: bool = True
     cuda_graphs: bool = True
     compile_decode: bool = False
+    draft_model_dir: str | None = None
+    use_ngram_draft: bool = False
+    num_draft_tokens: int = Field(default=4, ge=1, le=16)

@@ -101,6 +101,8 @@ class Job:
             match the job rewinds and samples again.
         constraint: a JSON schema (dict or pydantic model class), a regex, a grammar or a list
             of choices; see `dyngen_core.text.constraints`.
+        speculative: let the generator draft tokens for this job when it was built with a
+            drafter (n-gram or draft model); False opts out. Output is the same either way.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Job:
         decode_special_tokens: bool = False,
         banned_strings: Sequence[str] | None = None,
         constraint: Any = None,
+        speculative: bool = True,
     ) -> None:
         self.input_ids = as_token_list(input_ids)
         max_new_tokens = _integer("max_new_tokens", max_new_tokens, 1)
@@ -148,6 +151,9 @@ class Job:
         self.decode_special_tokens = decode_special_tokens
         self.banned_strings = tuple(banned_strings or ())
         self.constraint = constraint
+        if not isinstance(speculative, bool):
+            raise JobError(f"speculative must be True or False; got {speculative!r}")
+        self.speculative = speculative
         self.job_id: int | None = None  # assigned by the generator at enqueue
         self.new_token_ids: list[int] = []
         self.finished = False

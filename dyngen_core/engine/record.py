@@ -123,6 +123,9 @@ class JobRecord(SampleRequest):
     job: the user's `Job` (its ``job_id`` is set).
     stream: the job's text pipeline (detokenizer, stop and banned strings).
     matcher: the job's constraint matcher (`dyngen_core.text.constraints`), or None.
+    speculative: the generator has a drafter and the job did not opt out; the job then drafts
+        (``drafting``) unless it uses mirostat (its state moves with every token) or asks for
+        extra outputs.
     The sampling fields are `SampleRequest`'s; ``history`` starts as the prompt when a stage
     reads it, and the extra outputs follow the job's ``return_*`` options.
     """
@@ -130,6 +133,7 @@ class JobRecord(SampleRequest):
     job: Job
     stream: TextStream
     matcher: Any = None
+    speculative: bool = False
     banned_at: dict[int, set[int]] = field(default_factory=dict)
     time_enqueued: float = field(default_factory=time.perf_counter)
     time_started: float | None = None
@@ -149,9 +153,12 @@ class JobRecord(SampleRequest):
         # Settings are frozen: decide once whether the sampler must see the token history
         # (only penalties and DRY read it). Then ``history`` holds the prompt and the accepted
         # tokens; else it stays empty (nothing reads it), saving an append per token.
-        self.needs_history = bool(stages & {"penalties", "dry"})
-        self.history: list[int] = list(job.input_ids) if self.needs_history else []
         self.wants_extras = bool(job.return_probs or job.return_top_tokens or job.return_logits)
+        self.drafting = bool(self.speculative and not self.settings.mirostat
+                             and not self.wants_extras)
+        # Drafters read the history too (an n-gram index, a draft model's catch-up).
+        self.needs_history = bool(stages & {"penalties", "dry"}) or self.drafting
+        self.history: list[int] = list(job.input_ids) if self.needs_history else []
         # Only banned strings (their rewinds) and min_new_tokens (stop tokens before it) ever
         # ban a token at a position.
         self.may_ban = bool(job.banned_strings
@@ -163,9 +170,10 @@ class JobRecord(SampleRequest):
         # Its token is always the argmax of its logits row: no stage, mask or extra output.
         self.plain_greedy = bool(self.settings.is_greedy and not stages and self.launchable)
 
-    def banned_now(self) -> AbstractSet[int]:
-        """Token ids forbidden at the next position (banned-string rewinds, min_new_tokens)."""
-        generated = len(self.job.new_token_ids)
+    def banned_now(self, ahead: int = 0) -> AbstractSet[int]:
+        """Token ids forbidden at the next position, or ``ahead`` positions after it (a
+        verify step's draft rows): banned-string rewinds, min_new_tokens."""
+        generated = len(self.job.new_token_ids) + ahead
         if not self.banned_at and generated >= self.job.min_new_tokens:
             return _NONE
         banned = set(self.banned_at.get(generated, ()))

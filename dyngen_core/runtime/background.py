@@ -309,6 +309,7 @@ class _SharedGenerators:
 
     def _generator(self, folder: str, options: EngineOptions) -> DynamicGenerator:
         model = self._model(folder, options)
+        draft = options.draft_model_dir
         return DynamicGenerator(
             model=model,
             cache=Cache(model, max_tokens=options.cache_tokens, mode=options.cache_mode),
@@ -320,6 +321,10 @@ class _SharedGenerators:
             attention_backend=options.attention_backend,
             cuda_graphs=options.cuda_graphs,
             compile_decode=options.compile_decode,
+            draft_model=None if draft is None else self._model(str(Path(draft).resolve()),
+                                                               options),
+            use_ngram_draft=options.use_ngram_draft,
+            num_draft_tokens=options.num_draft_tokens,
         )
 
     def _model(self, folder: str, options: EngineOptions) -> Model:
@@ -343,8 +348,9 @@ def shared_generator(model_dir: str | Path, **options: Any) -> BackgroundGenerat
 
     model_dir: the model folder (any spelling of the same path gives the same engine).
     options: `EngineOptions` fields (cache_tokens, cache_mode, device, dtype, max_batch_size,
-        max_chunk_size, attention_backend, dedup, prompt_cache, cuda_graphs, compile_decode),
-        or ``engine_options=EngineOptions(...)``.
+        max_chunk_size, attention_backend, dedup, prompt_cache, cuda_graphs, compile_decode,
+        draft_model_dir, use_ngram_draft, num_draft_tokens), or
+        ``engine_options=EngineOptions(...)``.
 
     The same folder with the same options gives the same engine, whichever adapter asks, so the
     weights load once and every caller shares one job queue. An engine that was closed or

@@ -1,14 +1,16 @@
 """`DynamicGenerator`: the one module that wires scheduler, runner, sampler and text streams.
 
-A step is ``schedule -> run -> sample -> apply -> emit`` (`iterate`). The generator keeps one
-`JobRecord` per job, keyed by job id; page and sequence state belong to the scheduler, tensors
-to the cache and runner, the draw to the `StepSampler`. A fault inside a step fails the jobs of
-that step and nothing else (`_step_faults`); a fault of one job's text pipeline ends that job
-alone.
+A step is ``schedule -> run -> sample -> apply -> emit`` (`iterate`); with a drafter, the
+schedule's decode slices get drafts first and the sample step verifies them (`Speculator`).
+The generator keeps one `JobRecord` per job, keyed by job id; page and sequence state belong
+to the scheduler, tensors to the cache and runner, the draw to the `StepSampler`. A fault
+inside a step fails the jobs of that step and nothing else (`_step_faults`); a fault of one
+job's text pipeline ends that job alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -19,7 +21,7 @@ from typing import Any
 
 from dyngen_core.config import SchedulerConfig
 from dyngen_core.engine.job import Job
-from dyngen_core.engine.plan import PENDING_TOKEN, SampledTokens, StepPlan
+from dyngen_core.engine.plan import PENDING_TOKEN, SampledTokens, StepOutcome, StepPlan
 from dyngen_core.engine.record import JobRecord
 from dyngen_core.engine.results import EosReason, GeneratorStats, Result, streaming_result
 from dyngen_core.engine.scheduler import Scheduler
@@ -31,6 +33,7 @@ from dyngen_core.model import Model
 from dyngen_core.runtime.generate import run_generate
 from dyngen_core.runtime.overlap import InFlight, TokenFeed, token_feed
 from dyngen_core.runtime.runner import ModelRunner
+from dyngen_core.runtime.speculator import ModelDrafter, NgramDrafter, Speculator
 from dyngen_core.sampling.step import SampledStep, StepSampler
 from dyngen_core.text.detokenize import TokenPieces
 from dyngen_core.text.stop import StopIndexes
@@ -71,6 +74,19 @@ class DynamicGenerator:
             output: its tokens are chosen on the device, the next step reads them there, and
             they are emitted by the next `iterate` (one step later). Other steps run as
             before. Outputs are the same either way.
+        draft_model: a smaller model with the target's vocabulary that drafts
+            ``num_draft_tokens`` tokens greedily for the target to verify in one forward
+            (speculative decoding; output is the same as without). Its cache is ``draft_cache``
+            (None: one built like the target cache, in fp16, with the same pages).
+        draft_cache: the draft model's `Cache`: the target cache's page size and page count.
+        num_draft_tokens: the most drafts a job offers per step; each job's draft length
+            follows its acceptance and the step's measured cost, down to none where drafting
+            does not pay.
+        use_ngram_draft: draft by prompt lookup (the continuation of the last few tokens'
+            previous occurrence in the job's prompt and output) instead of a draft model.
+        Speculative decoding needs a target cache without a recent window (fp16, q8, or
+        q6/q4 built with ``recent_window=0``). Jobs opt out with ``Job(speculative=False)``;
+        jobs with mirostat or extra outputs never draft.
     """
 
     def __init__(
@@ -88,6 +104,10 @@ class DynamicGenerator:
         compile_decode: bool = False,
         overlap_steps: bool = True,
         skinny_matmul_rows: int | None = None,
+        draft_model: Model | None = None,
+        draft_cache: Cache | None = None,
+        num_draft_tokens: int = 4,
+        use_ngram_draft: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -110,6 +130,9 @@ class DynamicGenerator:
         self._pieces = TokenPieces.for_tokenizer(tokenizer)
         self._stop_indexes = StopIndexes()
         self._overlap = overlap_steps
+        self._speculator = _speculator(
+            model, cache, draft_model, draft_cache, num_draft_tokens, use_ngram_draft,
+            attention_backend, cuda_graphs, max_batch_size)
         self._in_flight: InFlight | None = None
         self._records: dict[int, JobRecord] = {}
         self._finished_results: list[Result] = []
@@ -118,11 +141,16 @@ class DynamicGenerator:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, *, cache_tokens: int = 32768,
                        cache_mode: str = "fp16", device: Any = None, dtype: Any = None,
-                       progress: bool = False, **options: Any) -> DynamicGenerator:
+                       progress: bool = False, draft_model_dir: str | Path | None = None,
+                       **options: Any) -> DynamicGenerator:
         """Load model, tokenizer and a cache of ``cache_tokens`` tokens in ``cache_mode``;
-        ``options`` are the constructor's keyword arguments."""
+        ``draft_model_dir``: also load a draft model from that folder (same device and dtype)
+        for speculative decoding. ``options`` are the constructor's keyword arguments."""
         model = Model.load(model_dir, device=device, dtype=dtype, progress=progress)
         cache = Cache(model, max_tokens=cache_tokens, mode=cache_mode)
+        if draft_model_dir is not None:
+            options["draft_model"] = Model.load(draft_model_dir, device=model.device,
+                                                dtype=model.dtype, progress=progress)
         return cls(model=model, cache=cache, tokenizer=Tokenizer.from_model_dir(model_dir),
                    **options)
 
@@ -144,9 +172,13 @@ class DynamicGenerator:
             for j in jobs:
                 j.job_id = self._next_job_id
                 self._next_job_id += 1
-                self._scheduler.add(j.job_id, j.input_ids, j.max_new_tokens)
+                record = self._record(j)
+                speculator = self._speculator
+                drafts = speculator.max_draft_tokens if speculator and record.drafting else 0
+                self._scheduler.add(j.job_id, j.input_ids, j.max_new_tokens,
+                                    num_draft_tokens=drafts)
                 added.append(j.job_id)
-                self._records[j.job_id] = self._record(j)
+                self._records[j.job_id] = record
         except BaseException:
             for job_id in added:
                 self._scheduler.cancel(job_id)
@@ -205,6 +237,7 @@ class DynamicGenerator:
             job=job, stream=stream, settings=settings,
             seed=job.seed if job.seed is not None else random.getrandbits(63),
             matcher=None if job.constraint is None else self._sampler.matcher(job.constraint),
+            speculative=job.speculative and self._speculator is not None,
         )
 
     def num_remaining_jobs(self) -> int:
@@ -230,11 +263,24 @@ class DynamicGenerator:
             self._scheduler.cancel(job_id)
             record = self._records.pop(job_id)
             record.ended = record.job.finished = True
+            if self._speculator is not None:
+                self._speculator.forget(job_id)
         self._finished_results.clear()
 
+    @property
+    def speculator(self) -> Speculator | None:
+        """The generator's `Speculator` (its drafter, cost model and draft counts), or None
+        without a drafter."""
+        return self._speculator
+
     def stats(self) -> GeneratorStats:
-        """Pages by state, prefill tokens computed and reused, jobs running and waiting."""
-        return self._scheduler.stats()
+        """Pages by state, prefill tokens computed and reused, jobs running and waiting,
+        drafts accepted and rejected."""
+        stats = self._scheduler.stats()
+        if self._speculator is None:
+            return stats
+        return dataclasses.replace(stats, draft_tokens_accepted=self._speculator.accepted,
+                                   draft_tokens_rejected=self._speculator.rejected)
 
     def check_invariant(self) -> None:
         """Raise AssertionError if the page invariant (DESIGN.md §4) does not hold."""
@@ -253,10 +299,12 @@ class DynamicGenerator:
             with self._step_faults(out) as step:
                 plan = step.plan = self._scheduler.schedule()
                 feed = token_feed(plan, self._in_flight)
+                verify = self._draft(plan)
                 records = self._sampling_records(plan, feed)
                 logits = self._runner.run(plan, feed)
                 self._land(out)  # the previous step's tokens: wait, apply, emit
-                sampled = self._sampler.start(logits, records, overlap=self._overlap)
+                sampled = self._sampler.start(logits, records, overlap=self._may_overlap(),
+                                              verify=verify)
                 self._apply(plan, sampled, out)
         return out + self._take_finished()
 
@@ -275,6 +323,20 @@ class DynamicGenerator:
                 pass
             if step.plan is not None:
                 self._fail(step.plan, exc)
+
+    def _draft(self, plan: StepPlan) -> bool:
+        """With a drafter: let it see the plan (a draft cache follows its copies and
+        prefills), then give the decode slices drafts. True when any slice has drafts."""
+        speculator = self._speculator
+        if speculator is None:
+            return False
+        speculator.follow(plan)
+        return speculator.propose(plan, self._records) > 0
+
+    def _may_overlap(self) -> bool:
+        """Overlap this step with the next unless the next may draft (drafts are made from
+        tokens on the host)."""
+        return self._overlap and (self._speculator is None or not self._speculator.wants_tokens())
 
     def _sampling_records(self, plan: StepPlan, feed: TokenFeed | None) -> Sequence[JobRecord]:
         """The records of ``plan``'s sampling slices, in order (taken before the step in flight
@@ -316,7 +378,11 @@ class DynamicGenerator:
         for job_id, error in sampled.failed.items():
             if job_id in self._records:
                 self._end_job(job_id, EosReason.ERROR, error=error)
-        if pending:
+        if sampled.runs is not None:
+            self._scheduler.apply(plan, StepOutcome(sampled={
+                r.job_id: SampledTokens(r.job_id, run, num_draft_accepted=len(run) - 1)
+                for r, run in zip(sampled.records, sampled.runs, strict=True) if run}))
+        elif pending:
             self._scheduler.resolve_tokens(plan, tokens)
         else:
             self._scheduler.apply_tokens(plan, tokens)
@@ -334,14 +400,18 @@ class DynamicGenerator:
                    out: list[Result]) -> None:
         """Append every job's results of this step to ``out``."""
         records, extras, now = self._records, sampled.extras, time.perf_counter()
-        if len(tokens) == len(plan.slices):  # every slice sampled: no prefill
+        if sampled.runs is not None:
+            for verified, run in zip(sampled.records, sampled.runs, strict=True):
+                self._emit_run(verified, run, extras, out, now)
+        elif len(tokens) == len(plan.slices):  # every slice sampled: no prefill
             self._emit_rows(sampled.records, tokens, extras, out, now)
             return
         next_token = iter(tokens).__next__
         for s in plan.slices:
             record = records.get(s.job_id)
             if s.sample:
-                self._emit_rows([record], [next_token()], extras, out, now)
+                if sampled.runs is None:
+                    self._emit_rows([record], [next_token()], extras, out, now)
             elif record is not None:
                 self._emit_start(record, out, now, prefill=True)
 
@@ -376,6 +446,33 @@ class DynamicGenerator:
                 if not record.ended:
                     self._end_job(record.job_id, EosReason.ERROR, error=exc)
 
+    def _emit_run(self, record: JobRecord, run: Sequence[int],
+                  extras: dict[int, SampledTokens], out: list[Result], now: float) -> None:
+        """Append the results of a verify step's run of tokens for one job, token by token
+        (each advances its RNG counter, as a plain step's would): a stop ends the run there,
+        and a banned-string rewind takes back the rest of the run with what it rewinds. Then
+        the drafter learns what was accepted."""
+        if record.ended or not run:
+            return
+        try:
+            if record.time_first_token is None:
+                self._emit_start(record, out, now, prefill=False)
+                record.time_first_token = now
+            for i, token in enumerate(run):
+                record.counter += 1
+                update = record.stream.advance(token)
+                result = self._stream_update(record, token, extras.get(record.job_id), update,
+                                             unread=len(run) - 1 - i)
+                if result is not None:
+                    out.append(result)
+                if record.ended or (not isinstance(update, str) and update.rewind):
+                    break
+        except Exception as exc:  # noqa: BLE001 - one job's fault ends that job alone
+            if not record.ended:
+                self._end_job(record.job_id, EosReason.ERROR, error=exc)
+        if not record.ended and self._speculator is not None:
+            self._speculator.settle(record, len(run))
+
     def _emit_start(self, record: JobRecord, out: list[Result], now: float, *,
                     prefill: bool) -> None:
         """A job's "started" result the first time it is seen, then with ``prefill`` its
@@ -390,11 +487,13 @@ class DynamicGenerator:
                                      prefill_total=seq.num_tokens))
 
     def _stream_update(self, record: JobRecord, token_id: int, tokens: SampledTokens | None,
-                       update: str | StreamUpdate) -> Result | None:
+                       update: str | StreamUpdate, unread: int = 0) -> Result | None:
+        """Apply one token's stream update; ``unread``: tokens of the same run after this one
+        (in the scheduler already, not yet in the stream), taken back with a rewind."""
         if isinstance(update, str):
             update = StreamUpdate(update, token_ids=[token_id])
         if update.rewind:
-            self._scheduler.rewind(record.job_id, update.rewind)
+            self._scheduler.rewind(record.job_id, update.rewind + unread)
             record.on_rewind(update.rewind, update.banned_token_id)
             return None
         error = record.on_token(token_id)
@@ -417,9 +516,14 @@ class DynamicGenerator:
         cached_tokens = seq.num_cached_tokens if seq is not None else 0
         self._scheduler.finish(job_id)
         record.job.finished = True
+        accepted = rejected = 0
+        if self._speculator is not None:
+            accepted, rejected = self._speculator.job_totals(job_id)
+            self._speculator.forget(job_id)
         self._finished_results.append(
             record.final_result(reason, chunk=chunk or {"text": ""}, error=error,
-                                cached_tokens=cached_tokens, page_size=self.cache.page_size))
+                                cached_tokens=cached_tokens, page_size=self.cache.page_size,
+                                accepted=accepted, rejected=rejected))
 
     def _take_finished(self) -> list[Result]:
         finished, self._finished_results = self._finished_results, []
@@ -431,3 +535,36 @@ class DynamicGenerator:
         """Generate completions for one prompt (returns a str) or a list (returns a list in
         order). See `dyngen_core.runtime.generate.run_generate` for every keyword argument."""
         return run_generate(self, prompt, max_new_tokens, **kwargs)
+
+
+def _speculator(model: Model, cache: Cache, draft_model: Model | None,
+                draft_cache: Cache | None, num_draft_tokens: int, use_ngram_draft: bool,
+                backend: str | AttentionBackend, cuda_graphs: bool, max_batch_size: int
+                ) -> Speculator | None:
+    """The generator's `Speculator` for its draft options, or None without one."""
+    if draft_model is None and not use_ngram_draft:
+        if draft_cache is not None:
+            raise ValueError("draft_cache was given without a draft_model; pass both")
+        return None
+    if draft_model is not None and use_ngram_draft:
+        raise ValueError("use_ngram_draft=True and a draft_model were both given; choose one "
+                         "drafter")
+    window = getattr(cache.storage, "recent_window", 0)
+    if window:
+        raise ValueError(
+            f"speculative decoding needs a target cache without a recent window (this "
+            f"{cache.mode} cache keeps {window} positions unquantized, "
+            "and rejected drafts would push verified ones out of it): use cache_mode 'fp16' "
+            "or 'q8', or build the Cache with recent_window=0")
+    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1, not {num_draft_tokens!r}")
+    if draft_model is None:
+        return Speculator(NgramDrafter(), num_draft_tokens)
+    if draft_cache is None:
+        draft_cache = Cache(draft_model, max_tokens=cache.max_tokens, page_size=cache.page_size)
+    drafter = ModelDrafter(
+        draft_model, draft_cache, target_cache=cache,
+        target_vocab_size=model.config.vocab_size,
+        backend=backend if isinstance(backend, str) else "auto", cuda_graphs=cuda_graphs,
+        max_batch_size=max_batch_size, target_model=model)
+    return Speculator(drafter, num_draft_tokens)

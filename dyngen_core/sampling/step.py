@@ -10,6 +10,12 @@ them (synchronous sampling is ``start(...).tokens()``). A step is sampled one of
 - otherwise on the host: each constrained record's mask (llguidance, with the GIL released),
   the tokens banned at its position, then `Sampler.sample_tokens`.
 
+A step whose records carry drafts (``draft_ids``: a verify step of speculative decoding) is
+sampled on the host, every row of every record (row ``j`` of a record sees its drafts before
+``j``: its mask, its banned tokens and its RNG counter are those of that position), and each
+record's run is the drafts that equal the draws plus the first draw that does not
+(`engine.speculation.accept_run`): ``SampledStep.runs``.
+
 With ``overlap``, the first two leave the tokens on the device (``SampledStep.ids``, which the
 next step's forward may read before they reach the host) while they are copied to a pinned host
 buffer. A row that cannot be sampled (no allowed token, or a NaN/inf row) fails its job alone
@@ -28,7 +34,8 @@ import torch
 
 from dyngen_core.engine.plan import SampledTokens
 from dyngen_core.engine.record import JobRecord
-from dyngen_core.sampling.sampler import Sampler, SamplingError
+from dyngen_core.engine.speculation import accept_run
+from dyngen_core.sampling.sampler import Sampler, SampleResult, SamplingError
 from dyngen_core.text.constraints import (
     ConstraintCompiler,
     ConstraintMatcher,
@@ -47,16 +54,20 @@ class SampledStep:
     extras: job id -> `SampledTokens` with the probabilities, top tokens or logits of the jobs
         that asked for them.
     failed: job id -> why its row could not be sampled (complete once `tokens` returned).
+    runs: for a verify step, each record's tokens (accepted drafts and one more; empty for a
+        failed record); None otherwise (one token per record).
     """
 
-    __slots__ = ("records", "ids", "extras", "failed", "_tokens", "_host", "_ready")
+    __slots__ = ("records", "ids", "extras", "failed", "runs", "_tokens", "_host", "_ready")
 
     def __init__(self, records: Sequence[JobRecord], *, tokens: list[int] | None = None,
                  ids: torch.Tensor | None = None, host: torch.Tensor | None = None,
                  ready: torch.cuda.Event | None = None,
                  extras: dict[int, SampledTokens] | None = None,
-                 failed: dict[int, Exception] | None = None) -> None:
+                 failed: dict[int, Exception] | None = None,
+                 runs: list[list[int]] | None = None) -> None:
         self.records = records
+        self.runs = runs
         self.ids = ids
         self.extras = extras if extras is not None else {}
         self.failed = failed if failed is not None else {}
@@ -115,11 +126,15 @@ class StepSampler:
         return self._compiler.matcher(constraint)
 
     def start(self, logits: torch.Tensor | None, records: Sequence[JobRecord], *,
-              overlap: bool = False) -> SampledStep:
+              overlap: bool = False, verify: bool = False) -> SampledStep:
         """Sample one token per record (logits row ``i`` is ``records[i]``'s). ``overlap``:
-        leave the tokens on the device when the step allows it (``SampledStep.ids``)."""
+        leave the tokens on the device when the step allows it (``SampledStep.ids``).
+        ``verify``: some records carry drafts, with ``1 + len(draft_ids)`` rows each, in
+        order; their runs come back in ``SampledStep.runs``."""
         if not records:
             return SampledStep(records, tokens=[])
+        if verify:
+            return self._verify(logits, records)
         if logits is None or logits.shape[0] != len(records):
             rows = None if logits is None else logits.shape[0]
             raise RuntimeError(f"{rows} logits rows for {len(records)} sampling jobs")
@@ -175,6 +190,105 @@ class StepSampler:
         rows = self._set_allowed(records, failed)
         tokens = self._sample_rows(logits, records, rows, extras, failed)
         return SampledStep(records, tokens=tokens, extras=extras, failed=failed)
+
+    def _verify(self, logits: torch.Tensor | None, records: Sequence[JobRecord]) -> SampledStep:
+        """Sample every row of a verify step on the host and cut each record's run. A record
+        whose mask or draw fails, fails alone."""
+        counts = [r.num_rows for r in records]
+        if logits is None or logits.shape[0] != sum(counts):
+            rows = None if logits is None else logits.shape[0]
+            raise RuntimeError(f"{rows} logits rows for a verify step of {sum(counts)} rows")
+        self._launched = None  # allowed tokens change here
+        failed: dict[int, Exception] = {}
+        live = []
+        for i, r in enumerate(records):
+            try:
+                r.allowed_tokens = self._row_masks(r)
+            except Exception as exc:  # noqa: BLE001 - one job's fault fails that job alone
+                failed[r.job_id] = exc
+                continue
+            live.append(i)
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        results = self._sample_blocks(logits, records, live, starts, failed)
+        runs: list[list[int]] = [[] for _ in records]
+        extras: dict[int, SampledTokens] = {}
+        for i, result in results.items():
+            r = records[i]
+            runs[i] = accept_run(r.draft_ids, result.token_ids) if r.draft_ids \
+                else result.token_ids[:1]
+            if r.wants_extras:
+                extras[r.job_id] = SampledTokens(
+                    job_id=r.job_id, token_ids=result.token_ids, probs=result.token_probs,
+                    top_k_tokens=result.top_k_tokens, top_k_probs=result.top_k_probs,
+                    logits=result.logits)
+        return SampledStep(records, tokens=[run[0] if run else -1 for run in runs],
+                           extras=extras, failed=failed, runs=runs)
+
+    def _sample_blocks(self, logits: torch.Tensor, records: Sequence[JobRecord],
+                       live: list[int], starts: list[int], failed: dict[int, Exception]
+                       ) -> dict[int, SampleResult]:
+        """`Sampler.sample` over the row blocks of the ``live`` records (record ``i`` owns
+        rows ``starts[i] ... starts[i + 1] - 1``); failures narrowed down as `_sample_rows`
+        does. Returns each sampled record's result by record index."""
+        while live:
+            whole = len(live) == len(records)
+            index = None if whole else torch.tensor(
+                [row for i in live for row in range(starts[i], starts[i + 1])],
+                dtype=torch.int64, device=logits.device)
+            try:
+                results = self.sampler.sample(
+                    logits if index is None else logits.index_select(0, index),
+                    [records[i] for i in live])
+            except SamplingError as exc:
+                bad = {live[j] for j in exc.request_indices}
+                failed.update({records[i].job_id: exc for i in bad})
+                live = [i for i in live if i not in bad]
+                continue
+            except Exception as exc:  # noqa: BLE001 - one job's fault fails that job alone
+                if len(live) == 1:
+                    failed[records[live[0]].job_id] = exc
+                    return {}
+                out: dict[int, SampleResult] = {}
+                for i in live:
+                    out.update(self._sample_blocks(logits, records, [i], starts, failed))
+                return out
+            return dict(zip(live, results, strict=True))
+        return {}
+
+    def _row_masks(self, r: JobRecord) -> np.ndarray | None:
+        """A record's allowed tokens for each of its rows: row ``j`` with the constraint
+        advanced by the drafts before it and the bans of its position; None when nothing is
+        masked. A draft the constraint forbids cannot be accepted, so the rows after it keep
+        the last mask."""
+        if r.matcher is None and not r.may_ban:
+            return None
+        drafts, matcher = r.draft_ids, r.matcher
+        if not drafts:
+            return self._allowed(r, None if matcher is None else matcher.bitmask())
+        masks: list[np.ndarray] = []
+        advanced = 0
+        try:
+            for j in range(len(drafts) + 1):
+                mask = self._allowed(r, None if matcher is None else matcher.bitmask(), ahead=j)
+                masks.append(mask if mask is not None else self._full_mask())
+                if j == len(drafts) or matcher is None:
+                    continue
+                token = drafts[j]
+                if not (int(masks[-1].view(np.uint32)[token >> 5]) >> (token & 31)) & 1 \
+                        or not matcher.accept(token):
+                    break
+                advanced += 1
+        finally:
+            if matcher is not None and advanced:
+                matcher.rollback(advanced)
+        while len(masks) < len(drafts) + 1:
+            masks.append(masks[-1])
+        return np.stack(masks)
+
+    def _full_mask(self) -> np.ndarray:
+        return np.full(mask_words(self.vocab_size), -1, dtype=np.int32)
 
     def _sample_rows(self, logits: torch.Tensor, records: Sequence[JobRecord], rows: list[int],
                      extras: dict[int, SampledTokens], failed: dict[int, Exception]
@@ -262,13 +376,16 @@ class StepSampler:
             return None
         return bitmask
 
-    def _allowed(self, r: JobRecord, constraint_mask: np.ndarray | None) -> np.ndarray | None:
-        banned = r.banned_now()
+    def _allowed(self, r: JobRecord, constraint_mask: np.ndarray | None, ahead: int = 0
+                 ) -> np.ndarray | None:
+        """The constraint's mask minus the tokens banned ``ahead`` positions after the job's
+        next one; None when nothing is masked."""
+        banned = r.banned_now(ahead)
         if constraint_mask is None and not banned:
             return None
         if constraint_mask is None:
             # Bits past vocab_size may stay set: the sampler never samples those columns.
-            mask = np.full(mask_words(self.vocab_size), -1, dtype=np.int32)
+            mask = self._full_mask()
         else:
             mask = constraint_mask.copy()
         words = mask.view(np.uint32)

@@ -1,0 +1,208 @@
+"""Speculative decoding's control plane: where drafts come from without a model (n-gram
+lookup), how long each job's draft is, and when drafting pays for the step it makes longer.
+
+A verify step feeds a job its last token plus ``k`` drafts and samples all ``k + 1`` rows; the
+drafts accepted (see `accept_run`) and one more token come out of one forward. Whether a draft
+token pays depends on two things this module measures as the engine runs:
+
+- the job's acceptance rate ``alpha`` (`DraftStats`): draft position ``j`` survives with about
+  ``alpha ** j``;
+- the step's cost by tokens fed (`StepCostModel`, a least-squares line ``seconds = fixed +
+  per_token * tokens`` over the steps measured on this device): a draft token adds
+  ``per_token``, and a step of ``B`` jobs makes ``B`` tokens in ``fixed + per_token * B``.
+
+Draft position ``j`` is worth its cost when ``alpha ** j`` exceeds `StepCostModel.threshold`,
+the extra cost of one draft token (plus the drafter's own cost per token) over the time the
+batch takes per token it makes. Small batches of a memory-bound model draft long; large
+batches, where a forward's cost grows with its tokens, draft little or nothing. A job whose
+drafts keep failing stops drafting and only probes one token now and then
+(`DraftStats.PROBE_INTERVAL`), so a drafter that is always wrong costs almost nothing.
+
+Pure Python: the generator feeds it token histories and step timings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def accept_run(drafts: Sequence[int], drawn: Sequence[int]) -> list[int]:
+    """The tokens a verify step yields: ``drawn[j]`` is the token drawn from the target's row
+    ``j`` (the distribution after ``drafts[:j]``); drafts are accepted while they equal the
+    draw, and the first draw that differs (or the one after the last draft) ends the run.
+
+    Every yielded token is a draw from the target's own distribution at its position, with the
+    RNG counter the job would use there without drafts, so output is the same as plain
+    decoding: greedy and seeded sampled jobs alike ("draw from p; accept if equal", exact for
+    deterministic drafts)."""
+    if len(drawn) != len(drafts) + 1:
+        raise ValueError(f"{len(drawn)} drawn tokens for {len(drafts)} drafts; a verify step "
+                         "draws one token per draft plus one")
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == drawn[accepted]:
+        accepted += 1
+    return list(drawn[: accepted + 1])
+
+
+class NgramIndex:
+    """Prompt-lookup drafts for one job: the continuation of the most recent earlier occurrence
+    of the job's last ``n`` tokens, longest ``n`` first (``max_n`` down to ``min_n``).
+
+    The index is built incrementally from the job's history (prompt and accepted tokens,
+    `sync`), so proposing costs a few dictionary lookups per job and step whatever the
+    context length. A continuation that runs into the end of the history goes on with its
+    own proposed tokens (a repeating pattern keeps repeating)."""
+
+    TAIL = 16
+
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n; got min_n={min_n}, "
+                             f"max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
+        self._tail: list[int] = []  # the last tokens indexed, to notice a rewind
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Index the tokens appended since the last call. A history that no longer ends in
+        what was indexed (a rewind, perhaps followed by new tokens) is indexed afresh."""
+        done = self._indexed
+        if len(history) < done or list(history[done - len(self._tail):done]) != self._tail:
+            self._next.clear()
+            self._indexed = done = 0
+        table, max_n, min_n = self._next, self.max_n, self.min_n
+        for end in range(max(done, 1), len(history)):
+            # The n-grams ending just before ``end`` are followed by history[end].
+            for n in range(min_n, min(max_n, end) + 1):
+                table[tuple(history[end - n:end])] = end
+        self._indexed = len(history)
+        self._tail = list(history[-self.TAIL:])
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens after ``history`` (which `sync` has indexed); empty when
+        no suffix of it occurred before."""
+        length = len(history)
+        if k <= 0 or length < self.min_n:
+            return []
+        table = self._next
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            start = table.get(tuple(history[length - n:]))
+            if start is not None:
+                out: list[int] = []
+                for j in range(start, start + k):
+                    out.append(history[j] if j < length else out[j - length])
+                return out
+        return []
+
+
+@dataclass
+class DraftStats:
+    """One job's acceptance, decayed so that it follows the text (code, prose, a quote).
+
+    Each verify step counts the drafts tried and accepted: positions up to the first rejection
+    are trials, the rejected one included. ``alpha`` is the decayed acceptance rate; it starts
+    from ``PRIOR_TRIALS`` trials at ``prior``, which decay like the rest.
+    """
+
+    prior: float = 0.6
+    accepted: float = -1.0
+    trials: float = -1.0
+    steps_since_draft: int = 0
+    total_accepted: int = 0
+    total_rejected: int = 0
+
+    DECAY = 0.8
+    PRIOR_TRIALS = 2.0
+    # A job whose drafts do not pay tries a one-token draft every this many steps.
+    PROBE_INTERVAL = 16
+
+    def __post_init__(self) -> None:
+        if self.trials < 0:
+            self.accepted, self.trials = self.prior * self.PRIOR_TRIALS, self.PRIOR_TRIALS
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials if self.trials > 0 else 0.0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Count one verify step that offered ``proposed`` drafts and accepted ``accepted``."""
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.trials = self.trials * self.DECAY + accepted + (accepted < proposed)
+        self.total_accepted += accepted
+        self.total_rejected += proposed - accepted
+        self.steps_since_draft = 0
+
+    def length(self, max_tokens: int, threshold: float) -> int:
+        """How many drafts to offer: positions ``j`` while ``alpha ** j > threshold``, at most
+        ``max_tokens``; one probe token every `PROBE_INTERVAL` steps when none would pay."""
+        alpha, k, survive = self.alpha, 0, 1.0
+        while k < max_tokens:
+            survive *= alpha
+            if survive <= threshold:
+                break
+            k += 1
+        if k == 0:
+            self.steps_since_draft += 1
+            if self.steps_since_draft >= self.PROBE_INTERVAL and max_tokens > 0:
+                self.steps_since_draft = 0
+                return 1
+        return k
+
+
+@dataclass
+class StepCostModel:
+    """The step's cost by tokens fed, fitted on the steps this engine ran: ``seconds = fixed +
+    per_token * tokens`` (decayed least squares, so it follows the device's state).
+
+    prior_ratio: ``fixed / per_token`` assumed until steps of different sizes were measured
+        (a memory-bound forward: one token costs a small part of a step).
+    """
+
+    prior_ratio: float = 64.0
+    decay: float = 0.98
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+    _sizes: set[int] = field(default_factory=set)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """Add one measured step of ``tokens`` fed tokens."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        d = self.decay
+        self._n = self._n * d + 1
+        self._sx = self._sx * d + tokens
+        self._sy = self._sy * d + seconds
+        self._sxx = self._sxx * d + tokens * tokens
+        self._sxy = self._sxy * d + tokens * seconds
+        if len(self._sizes) < 2:
+            self._sizes.add(tokens)
+
+    def ratio(self) -> float:
+        """``fixed / per_token``: how many tokens a step's fixed cost is worth."""
+        if len(self._sizes) < 2 or self._n < 4:
+            return self.prior_ratio
+        var = self._sxx - self._sx * self._sx / self._n
+        if var <= 1e-12:
+            return self.prior_ratio
+        slope = (self._sxy - self._sx * self._sy / self._n) / var
+        intercept = (self._sy - slope * self._sx) / self._n
+        if slope <= 0:
+            return 1e6  # more tokens cost nothing measurable: drafting is free
+        return max(0.0, intercept / slope)
+
+    def threshold(self, batch: int, drafter_ratio: float = 0.0) -> float:
+        """The survival probability a draft token must beat in a step of ``batch`` jobs: its
+        cost (one more token of the forward, plus ``drafter_ratio`` steps of the drafter per
+        draft position, shared by the batch) over what the batch pays per token it makes."""
+        ratio = self.ratio()
+        per_token_of_batch = (ratio + batch) / batch  # a step's cost per job, in token costs
+        draft_cost = 1.0 + drafter_ratio * (ratio + batch) / batch
+        return min(1.0, draft_cost / (per_token_of_batch + 1e-12) if ratio > 0 else 1.0)
+
+
+__all__ = ["DraftStats", "NgramIndex", "StepCostModel", "accept_run"]

@@ -1,0 +1,288 @@
+"""`Speculator`: drafts for a step's decode slices, from an n-gram index or a draft model, and
+what each job's verify step accepted.
+
+The generator asks `Speculator.propose` to fill the ``draft_ids`` of the decode slices of a
+plan before running it; the target's forward then yields ``1 + k`` logits rows per drafting job,
+the `StepSampler` draws every row, and `engine.speculation.accept_run` keeps the drafts that
+equal the draws. The draft length of each job follows its acceptance and the step's measured
+cost (`engine.speculation`).
+
+Drafters:
+
+- `NgramDrafter`: prompt lookup over the job's own history (prompt and output); no model.
+- `ModelDrafter`: a smaller model of the same vocabulary drafting greedily. Its cache has the
+  target cache's page ids (the same page size and count): a page holds the same positions in
+  both, so prefix dedup, prompt-cache hits, preemption and defragmentation stay valid for both.
+  It follows every plan's page copies and prefill chunks (`follow`), and catches up on the
+  tokens a job accepted since it last drafted in its first draft forward.
+
+Jobs draft only when `JobRecord.drafting` (the job did not opt out; no mirostat, whose state
+moves with each token; no extra outputs) and their decode slice's inputs are known on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
+from dyngen_core.engine.record import JobRecord
+from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel
+from dyngen_core.kv.attention import AttentionBackend, get_backend
+from dyngen_core.kv.cache import Cache
+from dyngen_core.model import Model
+from dyngen_core.runtime.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One job's draft: ``length`` tokens after ``history`` (prompt and accepted tokens; its
+    last token sits at position ``len(history) - 1`` and is fed by this step), written, for a
+    draft model, through ``page_table``."""
+
+    job_id: int
+    history: Sequence[int]
+    page_table: Sequence[int]
+    length: int
+
+
+class Drafter(Protocol):
+    """Where drafts come from (see the module docstring)."""
+
+    @property
+    def cost_ratio(self) -> float:
+        """One draft position's cost as a fraction of a target step (0 for lookups)."""
+        ...
+
+    def follow(self, plan: StepPlan) -> None:
+        """See the target's plan before it runs (a draft cache copies pages and prefills)."""
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Up to ``request.length`` tokens per request (fewer, or none, when it has none)."""
+        ...
+
+    def settle(self, job_id: int, valid: int) -> None:
+        """The job's first ``valid`` positions are verified; anything drafted past them is not."""
+
+    def forget(self, job_id: int) -> None:
+        """The job ended."""
+
+
+class NgramDrafter:
+    """Prompt-lookup drafts (`engine.speculation.NgramIndex`), one index per job.
+
+    max_n / min_n: the longest and shortest suffix looked up.
+    """
+
+    cost_ratio = 0.0
+
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        NgramIndex(max_n, min_n)  # checks the sizes
+        self.max_n, self.min_n = max_n, min_n
+        self._indexes: dict[int, NgramIndex] = {}
+
+    def follow(self, plan: StepPlan) -> None:
+        return None
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out = []
+        for request in requests:
+            index = self._indexes.get(request.job_id)
+            if index is None:
+                index = self._indexes[request.job_id] = NgramIndex(self.max_n, self.min_n)
+            index.sync(request.history)
+            out.append(index.propose(request.history, request.length))
+        return out
+
+    def settle(self, job_id: int, valid: int) -> None:
+        return None
+
+    def forget(self, job_id: int) -> None:
+        self._indexes.pop(job_id, None)
+
+
+class ModelDrafter:
+    """Greedy drafts from a draft model over its own paged cache (same page ids as the
+    target's; see the module docstring).
+
+    model / cache: the draft model and its cache; the cache must have the target cache's page
+        size and page count, and the model the target's vocabulary size.
+    backend: the draft's attention backend ("auto" as for the generator).
+    cuda_graphs / max_batch_size: as for `ModelRunner` (one-token draft forwards replay graphs).
+    cost_ratio: a draft forward's cost over a target step's, for the draft-length rule; None
+        takes the ratio of the two models' weight bytes (decoding reads every weight once).
+        Kept as the ``cost_ratio`` attribute, which may be set later (e.g. from a measurement).
+    """
+
+    def __init__(self, model: Model, cache: Cache, *, target_cache: Cache,
+                 target_vocab_size: int, backend: str | AttentionBackend = "auto",
+                 cuda_graphs: bool = True, max_batch_size: int = 256,
+                 cost_ratio: float | None = None, target_model: Model | None = None) -> None:
+        if cache.page_size != target_cache.page_size or cache.num_pages != target_cache.num_pages:
+            raise ValueError(
+                f"the draft cache must have the target cache's pages: {cache.num_pages} pages of "
+                f"{cache.page_size} tokens against {target_cache.num_pages} of "
+                f"{target_cache.page_size}; build it with Cache(draft_model, "
+                f"max_tokens={target_cache.max_tokens})")
+        if model.config.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({model.config.vocab_size} tokens) differs from the "
+                f"target's ({target_vocab_size}); a draft model must share the target's tokenizer")
+        self.model = model
+        self.cache = cache
+        self.runner = ModelRunner(model, cache, get_backend(backend, model.device),
+                                  cuda_graphs=cuda_graphs, max_batch_size=max_batch_size)
+        if cost_ratio is None:
+            cost_ratio = (_weight_bytes(model) / _weight_bytes(target_model)
+                          if target_model is not None else 0.5)
+        self.cost_ratio = cost_ratio
+        self._valid: dict[int, int] = {}  # job -> leading positions whose draft keys are right
+
+    def follow(self, plan: StepPlan) -> None:
+        """Run the plan's page copies and prefill chunks through the draft model (a chunk's
+        keys and values then sit in the same slots of both caches)."""
+        chunks = [SequenceSlice(s.job_id, s.token_ids, s.start_pos, s.page_table, False)
+                  for s in plan.slices if s.is_prefill]
+        if not chunks and not plan.copies:
+            return
+        self.runner.run(StepPlan(slices=chunks, copies=plan.copies))
+        for chunk in chunks:
+            self._valid[chunk.job_id] = chunk.end_pos
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Greedy drafts: the first forward feeds each job what its draft cache lacks up to its
+        last token, each later one the previous draft token."""
+        out: list[list[int]] = [[] for _ in requests]
+        live = [i for i, r in enumerate(requests) if r.length > 0]
+        first = True
+        while live:
+            slices = []
+            for i in live:
+                r = requests[i]
+                last = len(r.history) - 1
+                if first:
+                    start = min(self._valid.get(r.job_id, last), last)
+                    tokens = list(r.history[start:])
+                else:
+                    start, tokens = last + len(out[i]), [out[i][-1]]
+                slices.append(SequenceSlice(r.job_id, tokens, start, list(r.page_table), True))
+            logits = self.runner.run(StepPlan(slices=slices))
+            assert logits is not None
+            vocab = self.model.config.vocab_size
+            drawn = logits[:, :vocab].argmax(-1).tolist()
+            for i, token, piece in zip(live, drawn, slices, strict=True):
+                out[i].append(int(token))
+                self._valid[requests[i].job_id] = piece.end_pos
+            first = False
+            live = [i for i in live if len(out[i]) < requests[i].length]
+        return out
+
+    def settle(self, job_id: int, valid: int) -> None:
+        if job_id in self._valid:
+            self._valid[job_id] = min(self._valid[job_id], valid)
+
+    def forget(self, job_id: int) -> None:
+        self._valid.pop(job_id, None)
+
+
+def _weight_bytes(model: Model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Speculator:
+    """Drafts for plans and the bookkeeping of what was accepted (see the module docstring).
+
+    drafter: an `NgramDrafter` or `ModelDrafter`.
+    max_draft_tokens: the most drafts a job offers in one step (pages are reserved for them).
+    """
+
+    def __init__(self, drafter: Drafter, max_draft_tokens: int) -> None:
+        if max_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, not {max_draft_tokens}")
+        self.drafter = drafter
+        self.max_draft_tokens = max_draft_tokens
+        self.costs = StepCostModel()
+        self._stats: dict[int, DraftStats] = {}
+        self.accepted = self.rejected = 0
+        self._steps = 0
+        self._eligible = False  # the last `propose` saw a job that may draft
+        # Jobs whose drafts pay (or that are new): their steps do not overlap the next.
+        self._on: set[int] = set()
+
+    def wants_tokens(self) -> bool:
+        """Whether the next step should have this step's tokens on the host (drafts are made
+        there): some job drafts, or may probe in the next step."""
+        return bool(self._on) or (self._eligible
+                                  and self._steps % DraftStats.PROBE_INTERVAL == 0)
+
+    def follow(self, plan: StepPlan) -> None:
+        self.drafter.follow(plan)
+
+    def propose(self, plan: StepPlan, records: Mapping[int, JobRecord]) -> int:
+        """Set the ``draft_ids`` of ``plan``'s drafting decode slices (and their records');
+        returns how many drafts were set."""
+        self._steps += 1
+        decodes = [s for s in plan.slices if s.sample and len(s.token_ids) == 1]
+        self._eligible = False
+        if not decodes:
+            return 0
+        threshold = self.costs.threshold(len(decodes), self.drafter.cost_ratio)
+        requests: list[DraftRequest] = []
+        targets: list[tuple[SequenceSlice, JobRecord]] = []
+        for sl in decodes:
+            record = records.get(sl.job_id)
+            if record is None or not record.drafting:
+                continue
+            self._eligible = True
+            stats = self._stats_of(sl.job_id)
+            if sl.token_ids[0] == PENDING_TOKEN or sl.start_pos != len(record.history) - 1:
+                continue
+            room = record.job.max_new_tokens - len(record.job.new_token_ids) - 1
+            length = stats.length(min(self.max_draft_tokens, room), threshold)
+            if length == 0:
+                self._on.discard(sl.job_id)
+            else:
+                self._on.add(sl.job_id)
+                requests.append(DraftRequest(sl.job_id, record.history, sl.page_table, length))
+                targets.append((sl, record))
+        if not requests:
+            return 0
+        total = 0
+        for (sl, record), drafts in zip(targets, self.drafter.draft(requests), strict=True):
+            if drafts:
+                sl.draft_ids = drafts
+                record.draft_ids = drafts
+                total += len(drafts)
+        return total
+
+    def settle(self, record: JobRecord, run_length: int) -> None:
+        """Count a verify step of ``record`` that yielded ``run_length`` tokens (call after
+        they reached its history), and clear its drafts."""
+        proposed = len(record.draft_ids)
+        accepted = run_length - 1
+        self._stats_of(record.job_id).record(proposed, accepted)
+        self.accepted += accepted
+        self.rejected += proposed - accepted
+        self.drafter.settle(record.job_id, len(record.history) - 1)
+        record.draft_ids = ()
+
+    def forget(self, job_id: int) -> None:
+        self._stats.pop(job_id, None)
+        self._on.discard(job_id)
+        self.drafter.forget(job_id)
+
+    def job_totals(self, job_id: int) -> tuple[int, int]:
+        """(accepted, rejected) drafts of a job so far."""
+        stats = self._stats.get(job_id)
+        return (0, 0) if stats is None else (stats.total_accepted, stats.total_rejected)
+
+    def _stats_of(self, job_id: int) -> DraftStats:
+        stats = self._stats.get(job_id)
+        if stats is None:
+            stats = self._stats[job_id] = DraftStats()
+            self._on.add(job_id)
+        return stats
+
+
+__all__ = ["DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "Speculator"]

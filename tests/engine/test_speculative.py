@@ -1,0 +1,277 @@
+"""Speculative decoding through the generator: drafts from an n-gram index, a draft model that
+is the target itself (always right), or a different small model (mostly wrong), never change
+what a job outputs: greedy and seeded sampled jobs give the tokens of plain decoding, in mixed
+batches with constraints, banned and stop strings, dedup, prompt-cache hits, preemption and
+cancellation. Every generator's page invariant is checked when its test ends."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
+from dyngen_core.engine.record import SampleRequest
+from dyngen_core.engine.speculation import accept_run
+from dyngen_core.errors import JobError
+from dyngen_core.sampling.sampler import Sampler
+from tests.engine.test_mixed_steps import _jobs
+from tests.tiny_models import write_tiny_model
+
+DRAFTERS = ["ngram", "oracle", "small_model"]
+# Logits of plain and verify forwards are summed in different orders: a greedy token may
+# differ only where the two best logits are closer than this.
+NEAR_TIE = 1e-4
+REPEAT = "one two three four five six seven eight one two three four five six seven eight one"
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """A one-layer random model of the target's vocabulary: its drafts are mostly wrong."""
+    folder = write_tiny_model(tmp_path_factory.mktemp("draft"), arch="llama", seed=11,
+                              num_hidden_layers=1)
+    return Model.load(folder, device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def speculative(make_generator: Callable[..., DynamicGenerator],
+                engine_parts: tuple[Model, Tokenizer], small_draft: Model
+                ) -> Callable[..., DynamicGenerator]:
+    """``speculative(drafter, **options)``: a generator drafting the given way; drafts are
+    made to pay (a draft model's cost is set to zero) so that every path is exercised."""
+
+    def make(drafter: str, **options: Any) -> DynamicGenerator:
+        if drafter == "ngram":
+            return make_generator(use_ngram_draft=True, **options)
+        draft = engine_parts[0] if drafter == "oracle" else small_draft
+        generator = make_generator(draft_model=draft, **options)
+        assert generator.speculator is not None
+        generator.speculator.drafter.cost_ratio = 0.0  # type: ignore[attr-defined]
+        return generator
+
+    return make
+
+
+def run_tokens(generator: DynamicGenerator, jobs: list[Job], limit: int = 800,
+               cancel: tuple[Any, int] | None = None) -> dict[Any, dict[str, Any]]:
+    """Run ``jobs`` to their ends: per identifier, every token id and the final result.
+    ``cancel``: (identifier, step) cancels that job at that step."""
+    generator.enqueue(jobs)
+    by_id = {job.identifier: job for job in jobs}
+    out: dict[Any, dict[str, Any]] = {job.identifier: {"tokens": []} for job in jobs}
+    for step in range(limit):
+        if not generator.num_remaining_jobs():
+            return out
+        if cancel is not None and step == cancel[1]:
+            generator.cancel(by_id[cancel[0]])
+        for r in generator.iterate():
+            out[r["identifier"]]["tokens"].extend(r.get("token_ids", []))
+            if r["eos"]:
+                out[r["identifier"]]["final"] = r
+    raise AssertionError(f"jobs still running after {limit} steps")
+
+
+def assert_same_output(plain: dict[str, Any], drafted: dict[str, Any],
+                       model: Model, prompt: list[int], name: Any) -> None:
+    """The same tokens, or a first difference at a near-tie of the target's logits."""
+    a, b = plain["tokens"], drafted["tokens"]
+    if a == b:
+        assert plain["final"]["full_completion"] == drafted["final"]["full_completion"], name
+        return
+    at = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    logits = _logits_after(model, prompt + a[:at])
+    top2 = torch.topk(logits, 2).values
+    assert float(top2[0] - top2[1]) < NEAR_TIE, (name, at, a, b)
+
+
+def _logits_after(model: Model, tokens: list[int]) -> torch.Tensor:
+    """The target's next-token logits after ``tokens`` (one plain prefill)."""
+    from dyngen_core.engine.plan import SequenceSlice, StepPlan
+    from dyngen_core.kv.attention import get_backend
+    from dyngen_core.kv.attention.base import build_forward_batch
+
+    cache = Cache(model, max_tokens=len(tokens) + 256)
+    pages = list(range(-(-len(tokens) // cache.page_size)))
+    plan = StepPlan(slices=[SequenceSlice(0, tokens, 0, pages, True)])
+    batch = build_forward_batch(plan, cache.page_size, model.device)
+    return model.forward(batch, cache.storage, get_backend("sdpa", model.device))[0]
+
+
+def _mix(tokenizer: Tokenizer) -> list[Job]:
+    """The mixed-step jobs (constrained, plain, sampled, banned, choice, min_new_tokens) and
+    jobs whose prompts repeat (n-gram drafts hit)."""
+    repeat = tokenizer.encode(REPEAT)
+    return [*_jobs(tokenizer),
+            Job(input_ids=repeat, max_new_tokens=16, stop_conditions=[],
+                gen_settings=SamplerSettings.greedy(), identifier="repeat-greedy"),
+            Job(input_ids=repeat, max_new_tokens=16, stop_conditions=[],
+                gen_settings=SamplerSettings(temperature=0.8, top_k=20), seed=2,
+                identifier="repeat-sampled"),
+            Job(input_ids=repeat, max_new_tokens=12, stop_conditions=[],
+                gen_settings=SamplerSettings(temperature=0.8, token_repetition_penalty=1.2,
+                                             dry_multiplier=0.8), seed=9,
+                identifier="repeat-penalty")]
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_mixed_batch_output_is_unchanged(make_generator, speculative, engine_parts, drafter):
+    model, tokenizer = engine_parts
+    plain = run_tokens(make_generator(), _mix(tokenizer))
+    generator = speculative(drafter)
+    jobs = _mix(tokenizer)
+    drafted = run_tokens(generator, jobs)
+    for job in jobs:
+        name = job.identifier
+        assert drafted[name]["final"]["eos_reason"] != "error", drafted[name]["final"]
+        assert_same_output(plain[name], drafted[name], model, job.input_ids, name)
+    stats = generator.stats()
+    finals = [d["final"] for d in drafted.values()]
+    assert stats.draft_tokens_accepted == sum(f["accepted_draft_tokens"] for f in finals)
+    assert stats.draft_tokens_rejected == sum(f["rejected_draft_tokens"] for f in finals)
+    assert stats.draft_tokens_accepted + stats.draft_tokens_rejected > 0
+    if drafter == "oracle":
+        assert drafted["repeat-greedy"]["final"]["accepted_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_dedup_prompt_cache_and_preemption_keep_output(make_generator, speculative,
+                                                       engine_parts, drafter):
+    """Six jobs of 240-252 tokens sharing a 200-token prefix in a 4-page cache: their decodes
+    cross a page boundary, so jobs wait and running ones are preempted and recomputed; then
+    the same jobs again (prompt-cache hits)."""
+    model, tokenizer = engine_parts
+    prefix = tokenizer.encode(REPEAT * 30)[:200]
+    rng = random.Random(5)
+    prompts = [prefix + [rng.randrange(10, 500) for _ in range(rng.randrange(40, 52))]
+               for _ in range(6)]
+
+    def jobs(round_: int) -> list[Job]:
+        return [Job(input_ids=prompt, max_new_tokens=16, stop_conditions=[],
+                    gen_settings=SamplerSettings.greedy() if i % 2 else
+                    SamplerSettings(temperature=0.9, top_p=0.95), seed=i,
+                    identifier=(round_, i)) for i, prompt in enumerate(prompts)]
+
+    plain = make_generator(cache_tokens=1024)
+    generator = speculative(drafter, cache_tokens=1024)
+    for round_ in range(2):
+        expected = run_tokens(plain, jobs(round_))
+        batch = jobs(round_)
+        got = run_tokens(generator, batch)
+        for job in batch:
+            assert_same_output(expected[job.identifier], got[job.identifier], model,
+                               job.input_ids, job.identifier)
+    stats = generator.stats()
+    assert stats.preemptions > 0 and stats.prefill_tokens_reused > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_stop_strings_and_cancellation_inside_runs(make_generator, speculative, engine_parts,
+                                                   drafter):
+    model, tokenizer = engine_parts
+    prompt = tokenizer.encode(REPEAT)
+    probe = run_tokens(make_generator(), [Job(input_ids=prompt, max_new_tokens=20,
+                                              stop_conditions=[], identifier="probe",
+                                              gen_settings=SamplerSettings.greedy())])
+    text = probe["probe"]["final"]["full_completion"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # reached mid-output, maybe mid-run
+
+    def jobs() -> list[Job]:
+        return [Job(input_ids=prompt, max_new_tokens=20, stop_conditions=[stop],
+                    gen_settings=SamplerSettings.greedy(), identifier="stop"),
+                Job(input_ids=prompt, max_new_tokens=20, stop_conditions=[],
+                    gen_settings=SamplerSettings.greedy(), identifier="cancelled"),
+                Job(input_ids=prompt[3:], max_new_tokens=20, stop_conditions=[],
+                    gen_settings=SamplerSettings.greedy(), identifier="other")]
+
+    plain = run_tokens(make_generator(), jobs())
+    got = run_tokens(speculative(drafter), jobs(), cancel=("cancelled", 4))
+    assert got["stop"]["final"]["eos_reason"] == "stop_string"
+    assert got["stop"]["final"]["full_completion"] == plain["stop"]["final"]["full_completion"]
+    assert got["cancelled"]["final"]["eos_reason"] == "cancelled"
+    assert_same_output(plain["other"], got["other"], model, prompt[3:], "other")
+
+
+def test_opted_out_jobs_never_draft(speculative, engine_parts):
+    tokenizer = engine_parts[1]
+    prompt = tokenizer.encode(REPEAT)
+    jobs = [Job(input_ids=prompt, max_new_tokens=16, stop_conditions=[],
+                gen_settings=SamplerSettings.greedy(), identifier=i, speculative=i == 0)
+            for i in range(2)]
+    got = run_tokens(speculative("oracle"), jobs)
+    assert got[0]["final"]["accepted_draft_tokens"] > 0
+    assert got[1]["final"]["accepted_draft_tokens"] == 0
+    assert got[1]["final"]["rejected_draft_tokens"] == 0
+    assert got[0]["tokens"] == got[1]["tokens"]
+    with pytest.raises(JobError, match="speculative"):
+        Job(input_ids=prompt, max_new_tokens=4, speculative=1)  # type: ignore[arg-type]
+
+
+def test_bad_speculative_options_are_refused(engine_parts, small_draft, tmp_path: Path):
+    model, tokenizer = engine_parts
+
+    def build(cache: Cache | None = None, **options: Any) -> DynamicGenerator:
+        return DynamicGenerator(model=model, cache=cache or Cache(model, max_tokens=1024),
+                                tokenizer=tokenizer, **options)
+
+    wide = Model.load(write_tiny_model(tmp_path / "wide", arch="llama", hidden_size=128),
+                      device="cpu", dtype="float32")  # head_dim 32: quantized caches take it
+    with pytest.raises(ValueError, match="recent window"):
+        DynamicGenerator(model=wide, cache=Cache(wide, max_tokens=1024, mode="q4"),
+                         tokenizer=tokenizer, use_ngram_draft=True)
+    DynamicGenerator(model=wide, cache=Cache(wide, max_tokens=1024, mode="q4", recent_window=0),
+                     tokenizer=tokenizer, use_ngram_draft=True)
+    with pytest.raises(ValueError, match="choose one"):
+        build(draft_model=small_draft, use_ngram_draft=True)
+    with pytest.raises(ValueError, match="without a draft_model"):
+        build(draft_cache=Cache(small_draft, max_tokens=1024))
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        build(use_ngram_draft=True, num_draft_tokens=0)
+    with pytest.raises(ValueError, match="pages"):
+        build(draft_model=small_draft, draft_cache=Cache(small_draft, max_tokens=512))
+    other = Model.load(write_tiny_model(tmp_path / "other", arch="llama", vocab_size=384),
+                       device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="vocabulary"):
+        build(draft_model=other)
+
+
+# A chi-square statistic over 8 tokens (7 degrees of freedom) exceeds this with probability
+# 0.001 when the draws follow the expected distribution.
+CHI2_CRITICAL_7DF = 24.32
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("rule", ["exact", "broken"])
+def test_sampled_verify_draws_the_target_distribution(rule):
+    """4,000 seeded requests, each with one draft, over an 8-token vocabulary: the first token
+    of each run follows the target's first distribution, and the token after an accepted
+    draft its second one (chi-square at p = 0.001). A rule that accepts every draft fails."""
+    torch.manual_seed(0)
+    p0 = torch.softmax(torch.randn(8) * 1.5, 0)
+    p1 = torch.softmax(torch.randn(8) * 1.5, 0)
+    draft = int(torch.argmax(p0))  # a deterministic drafter's guess
+    n = 4000
+    logits = torch.stack([p0.log(), p1.log()] * n)
+    settings = SamplerSettings(temperature=1.0)
+    requests = [SampleRequest(settings=settings, seed=i, draft_ids=[draft]) for i in range(n)]
+    results = Sampler(8).sample(logits, requests)
+
+    def accept(drafts: list[int], drawn: list[int]) -> list[int]:
+        return accept_run(drafts, drawn) if rule == "exact" else [*drafts, drawn[-1]]
+
+    runs = [accept([draft], r.token_ids) for r in results]
+    first = torch.bincount(torch.tensor([run[0] for run in runs]), minlength=8).float()
+    second = torch.bincount(torch.tensor([run[1] for run in runs if len(run) > 1]),
+                            minlength=8).float()
+    statistics = (_chi_square(first, p0), _chi_square(second, p1))
+    if rule == "exact":
+        assert max(statistics) < CHI2_CRITICAL_7DF, statistics
+    else:
+        assert statistics[0] > CHI2_CRITICAL_7DF, statistics

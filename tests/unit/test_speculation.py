@@ -1,0 +1,78 @@
+"""The torch-free parts of speculative decoding: the accept rule, the n-gram index, each job's
+draft length and the step cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel, accept_run
+
+
+def test_accept_run_keeps_drafts_while_they_equal_the_draws():
+    assert accept_run([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accept_run([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accept_run([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accept_run([], [3]) == [3]
+    with pytest.raises(ValueError, match="one token per draft plus one"):
+        accept_run([1, 2], [1, 2])
+
+
+def test_ngram_index_proposes_the_latest_continuation_of_the_longest_suffix():
+    index = NgramIndex(max_n=3, min_n=1)
+    history = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
+    index.sync(history)
+    # "1 2 3" occurred at the start, followed by 4 9 2 ...
+    assert index.propose(history, 3) == [4, 9, 2]
+    # A continuation reaching the end of the history repeats its own proposal.
+    loop = [7, 8, 7, 8, 7]
+    index = NgramIndex(max_n=2, min_n=1)
+    index.sync(loop)
+    assert index.propose(loop, 5) == [8, 7, 8, 7, 8]
+    assert NgramIndex().propose([1, 2, 3], 4) == []  # nothing repeats
+
+
+def test_ngram_index_follows_appends_and_rewinds():
+    index = NgramIndex(max_n=2, min_n=2)
+    history = [1, 2, 3]
+    index.sync(history)
+    assert index.propose(history, 2) == []
+    history += [1, 2]
+    index.sync(history)
+    assert index.propose(history, 2) == [3, 1]
+    del history[-2:]  # a rewind, then new tokens: the index starts over
+    history += [5, 3, 1]
+    index.sync(history)
+    assert index.propose(history, 1) == []  # "3 1" (stale: followed by 2) never occurred
+    with pytest.raises(ValueError, match="min_n"):
+        NgramIndex(max_n=1, min_n=2)
+
+
+def test_draft_length_follows_acceptance_and_probes_when_drafts_fail():
+    good = DraftStats()
+    assert good.length(8, threshold=0.05) > 0
+    for _ in range(12):
+        good.record(proposed=4, accepted=4)
+    assert good.length(8, threshold=0.05) == 8
+    before = good.alpha
+    good.record(proposed=8, accepted=1)
+    assert good.alpha < before
+    stats = DraftStats()  # a drafter that is always wrong
+    for _ in range(12):
+        stats.record(proposed=2, accepted=0)
+    assert stats.alpha < 0.05
+    lengths = [stats.length(8, threshold=0.05) for _ in range(3 * DraftStats.PROBE_INTERVAL)]
+    assert lengths.count(1) == 3 and lengths.count(0) == len(lengths) - 3
+    assert stats.length(0, threshold=0.0) == 0  # no room: nothing, not even a probe
+
+
+def test_step_cost_model_fits_fixed_and_per_token_costs():
+    model = StepCostModel(decay=1.0)
+    assert model.ratio() == model.prior_ratio
+    for tokens in (1, 2, 8, 32, 64) * 3:
+        model.record(tokens, 0.010 + 0.0005 * tokens)  # fixed cost = 20 tokens' worth
+    assert model.ratio() == pytest.approx(20.0, rel=1e-6)
+    # A draft token pays when it survives more often than batch / (ratio + batch).
+    assert model.threshold(1) == pytest.approx(1 / 21)
+    assert model.threshold(60) == pytest.approx(60 / 80)
+    assert model.threshold(1, drafter_ratio=0.5) == pytest.approx(1 / 21 + 0.5)
+    assert model.threshold(1000, drafter_ratio=0.5) == 1.0
