@@ -301,11 +301,12 @@ class DynamicGenerator:
                 feed = token_feed(plan, self._in_flight)
                 verify = self._draft(plan)
                 records = self._sampling_records(plan, feed)
+                started = time.perf_counter()
                 logits = self._runner.run(plan, feed)
                 self._land(out)  # the previous step's tokens: wait, apply, emit
                 sampled = self._sampler.start(logits, records, overlap=self._may_overlap(),
                                               verify=verify)
-                self._apply(plan, sampled, out)
+                self._apply(plan, sampled, out, started)
         return out + self._take_finished()
 
     @contextmanager
@@ -350,9 +351,14 @@ class DynamicGenerator:
         records = self._records
         return [records[s.job_id] for s in plan.slices if s.sample]
 
-    def _apply(self, plan: StepPlan, sampled: SampledStep, out: list[Result]) -> None:
+    def _apply(self, plan: StepPlan, sampled: SampledStep, out: list[Result],
+               started: float) -> None:
         """Apply a sampled step: with its tokens still on the device, as placeholders (the step
-        is then in flight until the next `iterate` lands it); else at once, with its results."""
+        is then in flight until the next `iterate` lands it); else at once, with its results.
+        A drafter's cost model learns from the steps whose tokens are on the host (forward
+        and sampling timed from ``started``)."""
+        if self._speculator is not None and sampled.ids is None:
+            self._speculator.costs.record(plan.num_tokens, time.perf_counter() - started)
         if sampled.ids is not None and sampled.records:
             self._scheduler.apply_tokens(plan, [PENDING_TOKEN] * len(sampled.records))
             self._in_flight = InFlight(plan, sampled)
