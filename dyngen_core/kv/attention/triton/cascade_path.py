@@ -20,7 +20,6 @@ document").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,14 +41,15 @@ from dyngen_core.kv.attention.triton.cascade_tables import (
     StaticCascadeLayout,
     cascade_tables,
 )
-from dyngen_core.kv.attention.triton.decode import multiprocessors
+from dyngen_core.kv.attention.triton.decode import (
+    LOG2_E,
+    HeadShape,
+    PageOperands,
+    multiprocessors,
+)
 from dyngen_core.kv.attention.triton.merge import SplitCounters
 from dyngen_core.kv.storage import KVStorage
 
-if TYPE_CHECKING:
-    from dyngen_core.kv.attention.triton.operands import HeadShape, PageOperands
-
-LOG2_E = 1.4426950408889634
 UNKNOWN_KEYS = 1 << 30  # a graph's lengths: never the bound on its split count
 
 # Prefix pass: query rows (members x heads of a KV group, a power of two >= 16) and warps per
@@ -216,7 +216,7 @@ def attend_prefixes(q: torch.Tensor, ops: PageOperands, page_args: tuple[object,
     [M, H, splits, head_pad] and their log2-sum-exp [M, H, splits].
 
     page_args: the page tensors, scales, their strides and the rotation, in the kernels' order
-    (`page_operands.page_arguments`)."""
+    (`decode.page_arguments`)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = ops.keys.shape[2]
     parts = torch.empty(tables.member_rows, num_heads, launch.splits, launch.head_pad,
