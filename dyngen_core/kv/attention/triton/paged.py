@@ -148,7 +148,7 @@ class TritonPagedBackend:
     def graph_tables(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
                      capacity: int) -> GraphTables | None:
         """The shared-prefix tables of one set of CUDA graphs (`base.GraphTablesBackend`;
-        `cascade_tables.GraphCascade`)."""
+        `cascade_path.GraphCascade`)."""
         return self.cascade.graph_tables(storage, num_heads, num_kv_heads, capacity)
 
     def _query_blocks(self, batch: ForwardBatch, block_q: int,
