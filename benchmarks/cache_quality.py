@@ -14,7 +14,7 @@ Quantized modes keep the first slot of every page unquantized, q6 and q4 also ea
 last 16 positions (see `dyngen_core.kv.quant.window`); ``--windows 0,8`` adds q4 with other windows.
 ``--split-q6`` adds the alternative q6 layout (keys at 8 bits, values at 4: the same bytes as
 6/6) to show why q6 packs 6-bit codes; ``--no-offsets`` adds q4 without the calibrated key
-offsets every `Cache` sets (see `dyngen_core.kv.quant.calibration`).
+offsets every `Cache` sets (see `dyngen_core.kv.cache.measure_key_means`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import get_backend
 from dyngen_core.kv.attention.base import AttentionBackend, build_forward_batch
-from dyngen_core.kv.cache import make_storage
-from dyngen_core.kv.quant.calibration import measure_key_means
+from dyngen_core.kv.cache import make_storage, measure_key_means
 from dyngen_core.kv.quant.storage import DEFAULT_RECENT_WINDOW, QuantStorage
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model import Model

@@ -26,7 +26,7 @@ _PUBLIC = {
     "FRAMEWORK_SAMPLING_FIELDS": "dyngen_core.engine.settings",
     "BackgroundGenerator": "dyngen_core.runtime.background",
     "JobHandle": "dyngen_core.runtime.handle",
-    "SubmissionCoalescer": "dyngen_core.runtime.coalescer",
+    "SubmissionCoalescer": "dyngen_core.runtime.handle",
     "shared_generator": "dyngen_core.runtime.background",
     "EngineOptions": "dyngen_core.config",
     "TemplateLimits": "dyngen_core.text.template_sandbox",

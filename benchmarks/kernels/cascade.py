@@ -60,7 +60,7 @@ from dyngen_core.config import ModelConfig  # noqa: E402
 from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention.base import build_forward_batch  # noqa: E402
 from dyngen_core.kv.attention.triton import cascade_path  # noqa: E402
-from dyngen_core.kv.attention.triton.operands import (  # noqa: E402
+from dyngen_core.kv.attention.triton.decode import (  # noqa: E402
     HeadShape,
     page_arguments,
     page_operands,

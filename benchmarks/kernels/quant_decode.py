@@ -59,9 +59,9 @@ from benchmarks.kernels import constants  # noqa: E402
 from dyngen_core.config import ModelConfig  # noqa: E402
 from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch  # noqa: E402
-from dyngen_core.kv.attention.triton.decode import decode_splits  # noqa: E402
-from dyngen_core.kv.attention.triton.operands import (  # noqa: E402
+from dyngen_core.kv.attention.triton.decode import (  # noqa: E402
     LOG2_E,
+    decode_splits,
     exact_operands,
     page_arguments,
     page_operands,

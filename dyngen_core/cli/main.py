@@ -1,5 +1,10 @@
 """The ``dyngen`` command line: one subcommand per entry in `COMMANDS`.
 
+``convert-gguf`` and ``fetch-demo-model`` make model folders (`cli.convert`); ``generate``,
+``chat`` and ``bench`` run the engine on a model folder (the demo model when none is given)
+through the public API only: `DynamicGenerator`, `Job`, `SamplerSettings`. Each command imports
+what it runs when it starts, so building the parser loads neither torch nor the engine.
+
 Each subcommand is a `Command` (help text, a function adding its arguments to an argparse
 parser, a function running it). Modules that own other subcommands add theirs to `COMMANDS`,
 and `build_parser` picks up whatever is registered, in order.
@@ -9,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dyngen_core.errors import DynGenError
 
@@ -66,7 +73,147 @@ def _run_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-# Subcommand name -> Command. generate, chat and bench live in cli_run (they need the engine).
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the demo model, fetched on first use)")
+    parser.add_argument("--device", default=None, help="torch device (default: auto)")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32")
+    parser.add_argument("--cache-tokens", type=int, default=16384, help="KV cache size")
+    parser.add_argument("--cache-mode", default="fp16", choices=("fp16", "q8", "q6", "q4"))
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy (default: the model's generation_config.json)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _generator(args: argparse.Namespace) -> Any:
+    from dyngen_core.cli.convert.demo import fetch_demo_model
+    from dyngen_core.runtime.generator import DynamicGenerator
+
+    model_dir = args.model or fetch_demo_model()
+    return DynamicGenerator.from_model_dir(
+        model_dir, cache_tokens=args.cache_tokens, cache_mode=args.cache_mode,
+        device=args.device, dtype=args.dtype, progress=True,
+    )
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from dyngen_core.engine.settings import SamplerSettings
+
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                               ("top_k", args.top_k)) if v is not None}
+    if not given:
+        return None
+    return SamplerSettings(**given)
+
+
+def _stream(generator: Any, input_ids: list[int], args: argparse.Namespace) -> Any:
+    """Run one job, printing text as it streams; returns the final result."""
+    from dyngen_core.engine.job import Job
+
+    generator.enqueue(Job(input_ids=input_ids, max_new_tokens=args.max_new_tokens,
+                          gen_settings=_settings(args), seed=args.seed))
+    final = None
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            print(result.get("text", ""), end="", flush=True)
+            if result["eos"]:
+                final = result
+    print()
+    return final
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="+", help="one or more prompts")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap each prompt as a user message in the chat template")
+    _add_engine_arguments(parser)
+    _add_sampling_arguments(parser)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    generator = _generator(args)
+    tokenizer = generator.tokenizer
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
+        for p in args.prompt
+    ]
+    if len(prompts) == 1:
+        _stream(generator, tokenizer.encode(prompts[0], encode_special_tokens=args.chat), args)
+        return 0
+    texts = generator.generate(prompts, max_new_tokens=args.max_new_tokens,
+                               gen_settings=_settings(args), seed=args.seed,
+                               encode_special_tokens=args.chat)
+    for prompt, text in zip(args.prompt, texts):
+        print(f"### {prompt}\n{text}\n")
+    return 0
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default=None, help="system message")
+    _add_engine_arguments(parser)
+    _add_sampling_arguments(parser)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    generator = _generator(args)
+    tokenizer = generator.tokenizer
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("dyngen chat: type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        prompt = tokenizer.apply_chat_template(messages)
+        # Each turn's prompt extends the last one, so it starts from the prompt cache.
+        final = _stream(generator, tokenizer.encode(prompt, encode_special_tokens=True), args)
+        messages.append({"role": "assistant", "content": final["full_completion"]})
+        print(f"[{final['new_tokens']} tokens, {final['cached_tokens']} prompt tokens cached]",
+              file=sys.stderr)
+    return 0
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated job counts")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    _add_engine_arguments(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from dyngen_core.engine.job import Job
+    from dyngen_core.engine.settings import SamplerSettings
+
+    generator = _generator(args)
+    vocab = generator.model.config.vocab_size
+    print(f"{'jobs':>6} {'prefill s':>10} {'decode tok/s':>13} {'total tok/s':>12}")
+    for n in (int(x) for x in args.batch_sizes.split(",")):
+        jobs = [Job(input_ids=[(7 * i + 13 * j) % vocab for j in range(args.prompt_tokens)],
+                    max_new_tokens=args.new_tokens, stop_conditions=[],
+                    gen_settings=SamplerSettings.greedy()) for i in range(n)]
+        generator.enqueue(jobs)
+        start = time.perf_counter()
+        first_token: float | None = None
+        while generator.num_remaining_jobs():
+            for r in generator.iterate():
+                if first_token is None and r.get("token_ids"):
+                    first_token = time.perf_counter()
+        end = time.perf_counter()
+        first_token = first_token or end
+        decode_rate = n * (args.new_tokens - 1) / max(end - first_token, 1e-9)
+        print(f"{n:>6} {first_token - start:>10.2f} {decode_rate:>13.1f} "
+              f"{n * args.new_tokens / (end - start):>12.1f}")
+    return 0
+
+
+# Subcommand name -> Command.
 COMMANDS: dict[str, Command] = {
     "convert-gguf": Command(
         "convert a llama-architecture GGUF file to a Hugging Face folder",
@@ -76,6 +223,12 @@ COMMANDS: dict[str, Command] = {
         "download and convert the demo model (SmolLM2-135M-Instruct); prints its folder",
         _add_fetch_arguments, _run_fetch,
     ),
+    "generate": Command("generate text for one or more prompts (streams a single prompt)",
+                        _add_generate_arguments, _run_generate),
+    "chat": Command("chat with a model in the terminal (streams; reuses the prompt cache)",
+                    _add_chat_arguments, _run_chat),
+    "bench": Command("measure prefill and decode throughput at several batch sizes",
+                     _add_bench_arguments, _run_bench),
 }
 
 
@@ -85,11 +238,7 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
         prog="dyngen", description="dyngen: a dynamic-batching LLM inference engine"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    if commands is None:
-        from dyngen_core.cli.run import RUN_COMMANDS
-
-        commands = {**COMMANDS, **RUN_COMMANDS}
-    for name, command in commands.items():
+    for name, command in (COMMANDS if commands is None else commands).items():
         sub = subparsers.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub)
         sub.set_defaults(_run=command.run)

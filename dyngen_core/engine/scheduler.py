@@ -12,7 +12,7 @@ Python; the scheduler owns every job's `Sequence` and the `PagePool`, and knows 
   a step that preempted.
 - Admission is FIFO up to ``max_batch_size`` running jobs. A job is admitted when the pages its
   whole prefill still needs fit (keeping a small watermark while others run); prefix pages come
-  from the cache or running jobs (see `dyngen_core.engine.prefix`, which also explains how
+  from the cache or running jobs (see `dyngen_core.engine.sequence`, which also explains how
   jobs sharing a prefix with a job still prefilling wait for it instead of recomputing it). A
   waiting job passed over ``max_skips`` times blocks later jobs until it fits.
 - When pages fill they are registered (hashed); an identical page already held is used instead
@@ -37,17 +37,20 @@ from dyngen_core.config import CacheConfig, SchedulerConfig
 from dyngen_core.engine.defrag import plan_defrag
 from dyngen_core.engine.pages import PagePool
 from dyngen_core.engine.plan import PENDING_TOKEN, PageCopy, SequenceSlice, StepOutcome, StepPlan
-from dyngen_core.engine.prefix import InflightIndex, PrefixMatch, match_prefix, take_prefix_pages
 from dyngen_core.engine.results import GeneratorStats
 from dyngen_core.engine.sequence import (
+    InflightIndex,
+    PrefixMatch,
     Sequence,
     SequenceStatus,
     SequenceView,
     check_sequences,
     drop_generated,
+    match_prefix,
     record_partial_page,
     register_full_pages,
     release_pages,
+    take_prefix_pages,
 )
 from dyngen_core.errors import JobError, JobTooLargeError
 

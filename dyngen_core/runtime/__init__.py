@@ -1,2 +1,2 @@
-"""The runtime: `DynamicGenerator` (the only place that wires components), the step runner,
-CUDA graphs, overlapped steps, `generate`, and the background engine."""
+"""The runtime: `DynamicGenerator` (the only place that wires components) and its blocking
+`generate`, the step runner, CUDA graphs, overlapped steps, and the background engine."""

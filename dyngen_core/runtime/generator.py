@@ -33,7 +33,7 @@ from dyngen_core.model import Model
 from dyngen_core.runtime.generate import run_generate
 from dyngen_core.runtime.overlap import InFlight, TokenFeed, token_feed
 from dyngen_core.runtime.runner import ModelRunner
-from dyngen_core.runtime.speculator import ModelDrafter, NgramDrafter, Speculator
+from dyngen_core.runtime.speculator import Speculator, build_speculator
 from dyngen_core.sampling.step import SampledStep, StepSampler
 from dyngen_core.text.detokenize import TokenPieces
 from dyngen_core.text.stop import StopIndexes
@@ -130,7 +130,7 @@ class DynamicGenerator:
         self._pieces = TokenPieces.for_tokenizer(tokenizer)
         self._stop_indexes = StopIndexes()
         self._overlap = overlap_steps
-        self._speculator = _speculator(
+        self._speculator = build_speculator(
             model, cache, draft_model, draft_cache, num_draft_tokens, use_ngram_draft,
             attention_backend, cuda_graphs, max_batch_size)
         self._in_flight: InFlight | None = None
@@ -542,35 +542,3 @@ class DynamicGenerator:
         order). See `dyngen_core.runtime.generate.run_generate` for every keyword argument."""
         return run_generate(self, prompt, max_new_tokens, **kwargs)
 
-
-def _speculator(model: Model, cache: Cache, draft_model: Model | None,
-                draft_cache: Cache | None, num_draft_tokens: int, use_ngram_draft: bool,
-                backend: str | AttentionBackend, cuda_graphs: bool, max_batch_size: int
-                ) -> Speculator | None:
-    """The generator's `Speculator` for its draft options, or None without one."""
-    if draft_model is None and not use_ngram_draft:
-        if draft_cache is not None:
-            raise ValueError("draft_cache was given without a draft_model; pass both")
-        return None
-    if draft_model is not None and use_ngram_draft:
-        raise ValueError("use_ngram_draft=True and a draft_model were both given; choose one "
-                         "drafter")
-    window = getattr(cache.storage, "recent_window", 0)
-    if window:
-        raise ValueError(
-            f"speculative decoding needs a target cache without a recent window (this "
-            f"{cache.mode} cache keeps {window} positions unquantized, "
-            "and rejected drafts would push verified ones out of it): use cache_mode 'fp16' "
-            "or 'q8', or build the Cache with recent_window=0")
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, not {num_draft_tokens!r}")
-    if draft_model is None:
-        return Speculator(NgramDrafter(), num_draft_tokens)
-    if draft_cache is None:
-        draft_cache = Cache(draft_model, max_tokens=cache.max_tokens, page_size=cache.page_size)
-    drafter = ModelDrafter(
-        draft_model, draft_cache, target_cache=cache,
-        target_vocab_size=model.config.vocab_size,
-        backend=backend if isinstance(backend, str) else "auto", cuda_graphs=cuda_graphs,
-        max_batch_size=max_batch_size, target_model=model)
-    return Speculator(drafter, num_draft_tokens)

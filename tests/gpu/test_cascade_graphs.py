@@ -63,7 +63,7 @@ def _triton(cascade: bool) -> TritonPagedBackend:
 
 def _spy_graph_plans(monkeypatch: pytest.MonkeyPatch) -> list[CascadePlan | None]:
     """Every shared-prefix plan the decode graphs stage, in order."""
-    from dyngen_core.kv.attention.triton.cascade_tables import GraphCascade
+    from dyngen_core.kv.attention.triton.cascade_path import GraphCascade
 
     plans: list[CascadePlan | None] = []
     original = GraphCascade.plan

@@ -112,7 +112,7 @@ def test_no_window_keeps_the_storage_write(device: torch.device,
 def test_write_needs_the_window_and_its_rows(device: torch.device) -> None:
     """A write whose fresh rows are not the exact operands' is refused before any launch."""
     pytest.importorskip("triton")
-    from dyngen_core.kv.attention.triton.operands import exact_operands
+    from dyngen_core.kv.attention.triton.decode import exact_operands
     from dyngen_core.kv.attention.triton.quant_decode import attend_word_decode
 
     storage, batch, k, v = decode_step("q4", WINDOW, DECODES[1], heads=HEADS,

@@ -24,7 +24,7 @@ from dyngen_core.engine.cascade import (
 )
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import GraphTables
-from dyngen_core.kv.attention.triton.cascade_tables import (
+from dyngen_core.kv.attention.triton.cascade_path import (
     CascadeTables,
     GraphCascade,
     StaticCascadeLayout,

@@ -13,7 +13,7 @@ from dyngen_core import Cache, Model
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.attention.sdpa import SdpaBackend
-from dyngen_core.kv.quant.calibration import calibration_ids, measure_key_means
+from dyngen_core.kv.cache import calibration_ids, measure_key_means
 from dyngen_core.kv.quant.storage import QuantStorage
 from tests.tiny_models import write_tiny_model
 

@@ -176,7 +176,7 @@ def _first_page_grouping(tables: list[list[int]], contexts: list[int],
 def test_device_tables_of_a_plan() -> None:
     import torch
 
-    from dyngen_core.kv.attention.triton.cascade_tables import cascade_tables
+    from dyngen_core.kv.attention.triton.cascade_path import cascade_tables
 
     plan = CascadePlan((PrefixGroup((0, 2, 3), 2), PrefixGroup((4, 5), 1)), page_size=16)
     contexts = [40, 7, 32, 50, 17, 30]

@@ -14,7 +14,7 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
-from dyngen_core.kv.attention.triton.operands import exact_operands
+from dyngen_core.kv.attention.triton.decode import exact_operands
 from dyngen_core.kv.quant import storage as quant
 from dyngen_core.kv.quant import window as recent
 from dyngen_core.kv.quant.format import hadamard_matrix, rotate

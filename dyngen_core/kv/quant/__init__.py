@@ -1,2 +1,2 @@
 """Quantized pages (the "q8", "q6" and "q4" cache modes): format, storage, recent window,
-write, calibration."""
+write."""

@@ -26,7 +26,7 @@ launch in `write_recent`. Elsewhere the torch twin writes (`write.write_pages_to
 Key offsets (`set_key_offsets`): when set, a fixed vector per (layer, kv head) is subtracted
 from every key before it is quantized and never added back: attention scores of a query all move
 by the same amount, which softmax ignores, so outputs are unchanged while the quantized rows no
-longer spend their range on what all keys share. `Cache` sets them from `calibration`.
+longer spend their range on what all keys share. `Cache` sets them (`cache.measure_key_means`).
 """
 
 from __future__ import annotations

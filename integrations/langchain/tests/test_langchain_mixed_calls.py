@@ -48,3 +48,28 @@ async def test_tools_and_structured_output_gathered_beside_plain_calls(
             continue
         assert mixed.response_metadata["eos_reason"] != "error", mixed.response_metadata
         assert (mixed.text, mixed.tool_calls) == (solo.text, solo.tool_calls)
+
+
+async def test_ngram_drafts_keep_gathered_outputs(demo_params: dict[str, Any]) -> None:
+    """The same gathered calls through an engine that drafts by n-gram lookup (its own engine
+    over the same weights) give the same replies, tool calls and structured objects."""
+    plain = ChatDynGen(**demo_params, temperature=0, max_tokens=16)
+    drafted = ChatDynGen(**demo_params, use_ngram_draft=True, temperature=0, max_tokens=16)
+    copy = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat."
+
+    def calls(chat: ChatDynGen) -> list[Any]:
+        return [chat.ainvoke(copy), chat.bind_tools([GetWeather], max_tokens=24).ainvoke(WEATHER),
+                chat.with_structured_output(Person).ainvoke(PERSON, max_tokens=24),
+                chat.ainvoke(QUESTION)]
+
+    expected = await asyncio.gather(*calls(plain))
+    got = await asyncio.gather(*calls(drafted))
+    for solo, mixed in zip(expected, got):
+        if isinstance(solo, Person):
+            assert mixed == solo
+            continue
+        assert (mixed.text, mixed.tool_calls) == (solo.text, solo.tool_calls)
+    from dyngen_core import shared_generator
+
+    engine = shared_generator(**demo_params, use_ngram_draft=True)  # the drafting engine
+    assert engine.wait_idle(timeout=300).draft_tokens_accepted > 0

@@ -17,7 +17,7 @@ rows are members x ``G`` query heads of one KV head.
    the plain decode's in-kernel merge does (`merge.count_in_and_merge`: the barrier, the
    acquire-release count and ``.cg`` loads are the same protocol).
 
-`cascade_path` launches them; `cascade_tables` documents the group tables they read.
+`cascade_path` launches them and documents the group tables they read.
 """
 
 from __future__ import annotations

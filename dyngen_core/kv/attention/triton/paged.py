@@ -27,20 +27,18 @@ from dyngen_core.kv.attention.base import ForwardBatch, GraphTables
 from dyngen_core.kv.attention.triton import decode
 from dyngen_core.kv.attention.triton.cascade_path import CascadePath
 from dyngen_core.kv.attention.triton.decode import (
+    LOG2_E,
+    HeadShape,
     QueryBlocks,
     decode_splits,
+    exact_operands,
     launch_paged,
     merges_in_kernel,
+    page_arguments,
+    page_operands,
     step_write_for,
 )
 from dyngen_core.kv.attention.triton.merge import SplitCounters, launch_combine, split_buffers
-from dyngen_core.kv.attention.triton.operands import (
-    LOG2_E,
-    HeadShape,
-    exact_operands,
-    page_arguments,
-    page_operands,
-)
 from dyngen_core.kv.attention.triton.prefill import TiledPrefill
 from dyngen_core.kv.attention.triton.quant_decode import (
     attend_word_decode,
@@ -99,7 +97,7 @@ class TritonPagedBackend:
                       quant_write: StepQuantWrite | None = None) -> torch.Tensor:
         """Attention of q [T, H, D] over the pages already in storage (keys written).
         ``step_rows``: this step's keys and values, which quantized storage with a recent window
-        reads exactly (`operands.exact_operands`); without them only page heads are exact.
+        reads exactly (`decode.exact_operands`); without them only page heads are exact.
         ``write_step``: ``step_rows`` are not written yet: the attention kernel stores them
         where it can (`decode.StepWrite`), else the storage writes them first.
         ``quant_write``: the quantized storage's write of ``step_rows`` left to the word
@@ -150,7 +148,7 @@ class TritonPagedBackend:
     def graph_tables(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
                      capacity: int) -> GraphTables | None:
         """The shared-prefix tables of one set of CUDA graphs (`base.GraphTablesBackend`;
-        `cascade_tables.GraphCascade`)."""
+        `cascade_path.GraphCascade`)."""
         return self.cascade.graph_tables(storage, num_heads, num_kv_heads, capacity)
 
     def _query_blocks(self, batch: ForwardBatch, block_q: int,

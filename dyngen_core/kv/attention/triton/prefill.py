@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.attention.triton.operands import LOG2_E
+from dyngen_core.kv.attention.triton.decode import LOG2_E
 from dyngen_core.ops.triton_support import tl, triton
 
 # Query rows (heads x tokens) per program over 16-bit pages; 128 fills two warpgroups'

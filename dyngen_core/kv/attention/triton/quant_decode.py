@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from dyngen_core.kv.attention.base import ForwardBatch
+from dyngen_core.kv.attention.triton.decode import ExactOperands, next_pow2
 from dyngen_core.kv.attention.triton.key_loop import (
     attend_exact_rows,
     attend_page_heads,
@@ -60,7 +61,6 @@ from dyngen_core.kv.attention.triton.key_loop import (
     window_keys,
 )
 from dyngen_core.kv.attention.triton.merge import launch_combine
-from dyngen_core.kv.attention.triton.operands import ExactOperands, next_pow2
 from dyngen_core.kv.attention.triton.quant_unpack import (
     dequantized_fields,
     dequantized_rows,
@@ -139,7 +139,7 @@ def word_dim_pad(head_dim: int, key_bits: int, value_bits: int) -> int:
 
 
 def check_scale_rows(page_args: tuple[Any, ...], groups: int) -> None:
-    """Raise ValueError unless the scales (`operands.page_arguments`: tensors at 8 and 9,
+    """Raise ValueError unless the scales (`decode.page_arguments`: tensors at 8 and 9,
     strides at 10 to 15) put every row of ``groups`` scales at a multiple of ``groups``
     elements, as the kernel tells Triton (for one vector copy a row)."""
     tensors, strides = page_args[8:10], page_args[10:16]
@@ -157,7 +157,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
                        write: StepQuantWrite | None = None) -> torch.Tensor:
     """Attention of the decode queries q [B, H, D] over their q8/q4 pages and exact rows.
 
-    page_args: `operands.page_arguments` of the layer (codes as int32 words, scales, strides,
+    page_args: `decode.page_arguments` of the layer (codes as int32 words, scales, strides,
         rotation).
     scale_log2: softmax scale times log2(e).
     splits: parts the keys before the window are split into (from the batch shape only, for

@@ -78,7 +78,9 @@ class DynGenLLM(FunctionCallingLLM):
             then cancelled and TimeoutError raised. None (default): no limit.
         engine_options: an `EngineOptions` (or dict); or give its fields directly
             (cache_tokens, cache_mode, device, dtype, max_batch_size, max_chunk_size,
-            attention_backend, dedup, prompt_cache), which win over ``engine_options``.
+            attention_backend, dedup, prompt_cache; for speculative decoding
+            draft_model_dir, use_ngram_draft, num_draft_tokens), which win over
+            ``engine_options``.
             LLMs on the same folder with the same engine options share one engine — with
             each other and with dyngen's LangChain classes.
 
