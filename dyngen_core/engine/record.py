@@ -57,6 +57,9 @@ class SampleRequest:
         ``[words]`` or ``[num_rows, words]``) or a bool array/tensor ``[vocab]`` /
         ``[num_rows, vocab]``. Tokens beyond the mask's width are not allowed.
     draft_ids: speculative tokens; the request then owns ``1 + len(draft_ids)`` rows.
+    draft_probs: when the drafts were sampled from a draft distribution, that distribution at
+        each draft (a ``[len(draft_ids), vocab]`` probability tensor) for the verify step's
+        accept rule; None for deterministic drafts (accepted when they equal the draw).
     return_probs: also return each chosen token's probability.
     return_top_tokens: also return this many most likely tokens and their probabilities.
     return_logits: also return the raw logits rows (as given to the sampler).
@@ -69,6 +72,7 @@ class SampleRequest:
     state: SamplerState = field(default_factory=SamplerState)
     allowed_tokens: Any = None
     draft_ids: Sequence[int] = ()
+    draft_probs: Any = None
     return_probs: bool = False
     return_top_tokens: int = 0
     return_logits: bool = False

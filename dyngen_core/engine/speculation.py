@@ -45,6 +45,25 @@ def accept_run(drafts: Sequence[int], drawn: Sequence[int]) -> list[int]:
     return list(drawn[: accepted + 1])
 
 
+def accept_sampled(drafts: Sequence[int], accepted: Sequence[bool],
+                   replacements: Sequence[int]) -> list[int]:
+    """The tokens a verify step yields for drafts sampled from a draft distribution ``q``
+    (Leviathan et al. 2023; Chen et al. 2023): draft ``j`` is kept when ``accepted[j]`` (drawn
+    with probability ``min(1, p(d) / q(d))``); the first rejected one is replaced by
+    ``replacements[j]``, a draw from ``norm(max(0, p - q))``, and ends the run; when every
+    draft is kept, ``replacements[-1]`` (a draw from the last row's ``p``) follows. The tokens
+    then follow the target's distribution ``p`` exactly."""
+    if len(accepted) != len(drafts) or len(replacements) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need as many accept flags and one replacement "
+                         f"more; got {len(accepted)} and {len(replacements)}")
+    run: list[int] = []
+    for draft, keep, replacement in zip(drafts, accepted, replacements):
+        if not keep:
+            return [*run, replacement]
+        run.append(draft)
+    return [*run, replacements[-1]]
+
+
 class NgramIndex:
     """Prompt-lookup drafts for one job: the continuation of the most recent earlier occurrence
     of the job's last ``n`` tokens, longest ``n`` first (``max_n`` down to ``min_n``).
@@ -205,4 +224,4 @@ class StepCostModel:
         return min(1.0, draft_cost / (per_token_of_batch + 1e-12) if ratio > 0 else 1.0)
 
 
-__all__ = ["DraftStats", "NgramIndex", "StepCostModel", "accept_run"]
+__all__ = ["DraftStats", "NgramIndex", "StepCostModel", "accept_run", "accept_sampled"]

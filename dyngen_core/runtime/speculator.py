@@ -10,11 +10,14 @@ cost (`engine.speculation`).
 Drafters:
 
 - `NgramDrafter`: prompt lookup over the job's own history (prompt and output); no model.
-- `ModelDrafter`: a smaller model of the same vocabulary drafting greedily. Its cache has the
-  target cache's page ids (the same page size and count): a page holds the same positions in
-  both, so prefix dedup, prompt-cache hits, preemption and defragmentation stay valid for both.
-  It follows every plan's page copies and prefill chunks (`follow`), and catches up on the
-  tokens a job accepted since it last drafted in its first draft forward.
+- `ModelDrafter`: a smaller model of the same vocabulary. It drafts greedily for greedy and
+  seeded jobs (whose output is then plain decoding's), and samples for unseeded sampled jobs
+  from its own distribution ``q`` (the job's temperature and top-k), which the verify step's
+  accept rule weighs against the target's (the same distribution, more drafts kept). Its
+  cache has the target cache's page ids (the same page size and count): a page holds the same
+  positions in both, so prefix dedup, prompt-cache hits, preemption and defragmentation stay
+  valid for both. It follows every plan's page copies and prefill chunks (`follow`), and
+  catches up on the tokens a job accepted since it last drafted in its first draft forward.
 
 Jobs draft only when `JobRecord.drafting` (the job did not opt out; no mirostat, whose state
 moves with each token; no extra outputs) and their decode slice's inputs are known on the host.
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
+
+import torch
 
 from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
 from dyngen_core.engine.record import JobRecord
@@ -33,18 +38,44 @@ from dyngen_core.kv.attention import AttentionBackend, get_backend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.runtime.runner import ModelRunner
+from dyngen_core.sampling.rng import perturb, row_keys, seed_key
+
+# Drafts of a seeded job are drawn with the job's seed mixed with this, so that they are
+# independent of the target's draws at the same counters.
+_DRAFT_SEED_SALT = 0x9E3779B97F4A7C15
+
+
+class DraftSampling(NamedTuple):
+    """How a sampled job's drafts are drawn: its temperature and top-k (0: off), and the seed
+    and counter of its next token."""
+
+    temperature: float
+    top_k: int
+    seed: int
+    counter: int
+
+
+class Draft(NamedTuple):
+    """A drafter's answer for one job: the tokens, and for sampled drafts the distribution
+    each was drawn from (``[len(tokens), vocab]`` probabilities; None for deterministic
+    drafts)."""
+
+    tokens: list[int]
+    probs: Any = None
 
 
 @dataclass(frozen=True)
 class DraftRequest:
     """One job's draft: ``length`` tokens after ``history`` (prompt and accepted tokens; its
     last token sits at position ``len(history) - 1`` and is fed by this step), written, for a
-    draft model, through ``page_table``."""
+    draft model, through ``page_table``; ``sampling`` for a job whose drafts may be sampled
+    (None: draft deterministically)."""
 
     job_id: int
     history: Sequence[int]
     page_table: Sequence[int]
     length: int
+    sampling: DraftSampling | None = None
 
 
 class Drafter(Protocol):
@@ -58,7 +89,12 @@ class Drafter(Protocol):
     def follow(self, plan: StepPlan) -> None:
         """See the target's plan before it runs (a draft cache copies pages and prefills)."""
 
-    def draft(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+    @property
+    def samples(self) -> bool:
+        """Whether it can sample drafts (and so wants `DraftRequest.sampling`)."""
+        ...
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """Up to ``request.length`` tokens per request (fewer, or none, when it has none)."""
         ...
 
@@ -76,6 +112,7 @@ class NgramDrafter:
     """
 
     cost_ratio = 0.0
+    samples = False
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         NgramIndex(max_n, min_n)  # checks the sizes
@@ -85,14 +122,14 @@ class NgramDrafter:
     def follow(self, plan: StepPlan) -> None:
         return None
 
-    def draft(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         out = []
         for request in requests:
             index = self._indexes.get(request.job_id)
             if index is None:
                 index = self._indexes[request.job_id] = NgramIndex(self.max_n, self.min_n)
             index.sync(request.history)
-            out.append(index.propose(request.history, request.length))
+            out.append(Draft(index.propose(request.history, request.length)))
         return out
 
     def settle(self, job_id: int, valid: int) -> None:
@@ -103,7 +140,7 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """Greedy drafts from a draft model over its own paged cache (same page ids as the
+    """Drafts from a draft model over its own paged cache (same page ids as the
     target's; see the module docstring).
 
     model / cache: the draft model and its cache; the cache must have the target cache's page
@@ -137,6 +174,7 @@ class ModelDrafter:
             cost_ratio = (_weight_bytes(model) / _weight_bytes(target_model)
                           if target_model is not None else 0.5)
         self.cost_ratio = cost_ratio
+        self.samples = True
         self._valid: dict[int, int] = {}  # job -> leading positions whose draft keys are right
 
     def follow(self, plan: StepPlan) -> None:
@@ -150,10 +188,12 @@ class ModelDrafter:
         for chunk in chunks:
             self._valid[chunk.job_id] = chunk.end_pos
 
-    def draft(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        """Greedy drafts: the first forward feeds each job what its draft cache lacks up to its
-        last token, each later one the previous draft token."""
-        out: list[list[int]] = [[] for _ in requests]
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Drafts (greedy, or sampled for requests with ``sampling``): the first forward feeds
+        each job what its draft cache lacks up to its last token, each later one the previous
+        draft token."""
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
         live = [i for i, r in enumerate(requests) if r.length > 0]
         first = True
         while live:
@@ -163,19 +203,47 @@ class ModelDrafter:
                 last = len(r.history) - 1
                 if first:
                     start = min(self._valid.get(r.job_id, last), last)
-                    tokens = list(r.history[start:])
+                    fed = list(r.history[start:])
                 else:
-                    start, tokens = last + len(out[i]), [out[i][-1]]
-                slices.append(SequenceSlice(r.job_id, tokens, start, list(r.page_table), True))
+                    start, fed = last + len(tokens[i]), [tokens[i][-1]]
+                slices.append(SequenceSlice(r.job_id, fed, start, list(r.page_table), True))
             logits = self.runner.run(StepPlan(slices=slices))
             assert logits is not None
-            vocab = self.model.config.vocab_size
-            drawn = logits[:, :vocab].argmax(-1).tolist()
-            for i, token, piece in zip(live, drawn, slices, strict=True):
-                out[i].append(int(token))
+            drawn = self._draw(logits[:, : self.model.config.vocab_size],
+                               [requests[i] for i in live], [len(tokens[i]) for i in live])
+            for i, (token, q), piece in zip(live, drawn, slices, strict=True):
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
                 self._valid[requests[i].job_id] = piece.end_pos
             first = False
-            live = [i for i in live if len(out[i]) < requests[i].length]
+            live = [i for i in live if len(tokens[i]) < requests[i].length]
+        return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, probs)]
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, requests: Sequence[DraftRequest], offsets: Sequence[int]
+              ) -> list[tuple[int, torch.Tensor | None]]:
+        """Each row's draft token: the argmax, or for a sampled request a Gumbel-max draw
+        from ``q`` (its temperature and top-k over the row), keyed by its salted seed and the
+        counter of the position drafted; with ``q`` for the sampled ones."""
+        greedy = logits.argmax(-1).tolist()
+        out: list[tuple[int, torch.Tensor | None]] = [(int(t), None) for t in greedy]
+        sampled = [n for n, r in enumerate(requests) if r.sampling is not None]
+        if not sampled:
+            return out
+        rows = logits.index_select(0, torch.tensor(sampled, device=logits.device)).float()
+        for n, row in zip(sampled, rows):
+            setting = requests[n].sampling
+            assert setting is not None
+            if 0 < setting.top_k < row.shape[0]:
+                cut = torch.topk(row, setting.top_k).values[-1]
+                row = row.masked_fill(row < cut, float("-inf"))
+            q = torch.softmax(row / max(setting.temperature, 1e-5), -1)
+            keys = torch.from_numpy(row_keys([seed_key(setting.seed ^ _DRAFT_SEED_SALT)],
+                                             [setting.counter + offsets[n]])).to(q.device)
+            columns = torch.arange(q.shape[0], device=q.device)
+            token = int(perturb(q.log().unsqueeze(0), keys, columns).argmax())
+            out[n] = (token, q)
         return out
 
     def settle(self, job_id: int, valid: int) -> None:
@@ -242,19 +310,32 @@ class Speculator:
             length = stats.length(min(self.max_draft_tokens, room), threshold)
             if length == 0:
                 self._on.discard(sl.job_id)
-            else:
-                self._on.add(sl.job_id)
-                requests.append(DraftRequest(sl.job_id, record.history, sl.page_table, length))
-                targets.append((sl, record))
+                continue
+            self._on.add(sl.job_id)
+            requests.append(DraftRequest(sl.job_id, record.history, sl.page_table, length,
+                                         self._sampling(record)))
+            targets.append((sl, record))
         if not requests:
             return 0
         total = 0
-        for (sl, record), drafts in zip(targets, self.drafter.draft(requests), strict=True):
-            if drafts:
-                sl.draft_ids = drafts
-                record.draft_ids = drafts
-                total += len(drafts)
+        for (sl, record), draft in zip(targets, self.drafter.draft(requests), strict=True):
+            if draft.tokens:
+                sl.draft_ids = draft.tokens
+                record.draft_ids = draft.tokens
+                record.draft_probs = draft.probs
+                total += len(draft.tokens)
         return total
+
+    def _sampling(self, record: JobRecord) -> DraftSampling | None:
+        """How a drafter that samples draws this job's drafts; None (draft greedily) for a
+        greedy job, and for a job the user seeded: its output must be plain decoding's, which
+        only deterministic drafts keep (sampled drafts follow the same distribution with other
+        draws, and how many a step takes depends on the batch)."""
+        settings = record.settings
+        if not self.drafter.samples or settings.is_greedy or record.job.seed is not None \
+                or record.seed is None:
+            return None
+        return DraftSampling(settings.temperature, settings.top_k, record.seed, record.counter)
 
     def settle(self, record: JobRecord, run_length: int) -> None:
         """Count a verify step of ``record`` that yielded ``run_length`` tokens (call after
@@ -266,6 +347,7 @@ class Speculator:
         self.rejected += proposed - accepted
         self.drafter.settle(record.job_id, len(record.history) - 1)
         record.draft_ids = ()
+        record.draft_probs = None
 
     def forget(self, job_id: int) -> None:
         self._stats.pop(job_id, None)
@@ -319,5 +401,5 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
     return Speculator(drafter, num_draft_tokens)
 
 
-__all__ = ["DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "Speculator",
-           "build_speculator"]
+__all__ = ["Draft", "DraftRequest", "DraftSampling", "Drafter", "ModelDrafter", "NgramDrafter",
+           "Speculator", "build_speculator"]

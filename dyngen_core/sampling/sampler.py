@@ -236,6 +236,38 @@ class Sampler:
         bound = min(rows.top_k_bound, vocab_size) if rows.top_k_bound else vocab_size
         return _Drawn(x, choose(x, rows.sampled, keys, bound))
 
+    def distributions(self, logits: torch.Tensor,
+                      requests: Sequence[SampleRequest]) -> torch.Tensor:
+        """The distribution each row's token is drawn from, after every stage up to the draw:
+        float32 ``[rows, vocab_size]`` on the logits' device (greedy rows: all mass on their
+        argmax). What a verify step of sampled drafts compares the draft distribution with.
+        Rows and errors as for `sample`; a mirostat row is refused, as its distribution moves
+        with each token drawn."""
+        rows = self._rows.rows(requests, self._seeds)
+        if any(r.settings.mirostat for r in requests):
+            raise ValueError("distributions() does not serve mirostat rows (their target moves "
+                             "with every token); sample them instead")
+        if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits must be [{len(rows)}, >= {self.vocab_size}]; got "
+                             f"{tuple(logits.shape)}")
+        x = logits[:, : self.vocab_size].to(torch.float32, copy=True)
+        apply_edits(x, rows, requests, self._vocab)
+        shape_distribution(x, rows, requests, self._vocab)
+        dead = ~torch.isfinite(x).any(-1)
+        if bool(dead.any()):
+            bad = sorted({rows[i].request for i in dead.nonzero().flatten().tolist()})
+            raise SamplingError(f"requests {bad} have no allowed token left; fail those jobs",
+                                bad)
+        probs = torch.softmax(x, -1)
+        sampled = set(rows.sampled)
+        greedy = [i for i in range(len(rows)) if i not in sampled]
+        if greedy:
+            index = torch.tensor(greedy, dtype=torch.int64, device=x.device)
+            peak = x.index_select(0, index).argmax(-1, keepdim=True)
+            probs.index_copy_(0, index, torch.zeros_like(probs[: len(greedy)]).scatter_(
+                1, peak, 1.0))
+        return probs
+
     def greedy_ids(self, logits: torch.Tensor) -> list[int]:
         """The argmax token of every row: what `sample` returns for requests whose settings are
         greedy and switch on no stage, with no ``allowed_tokens``, drafts or extra outputs (the

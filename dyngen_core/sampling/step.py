@@ -34,7 +34,8 @@ import torch
 
 from dyngen_core.engine.plan import SampledTokens
 from dyngen_core.engine.record import JobRecord
-from dyngen_core.engine.speculation import accept_run
+from dyngen_core.engine.speculation import accept_run, accept_sampled
+from dyngen_core.sampling.rng import host_uniform, perturb, row_keys, seed_key
 from dyngen_core.sampling.sampler import Sampler, SampleResult, SamplingError
 from dyngen_core.text.constraints import (
     ConstraintCompiler,
@@ -211,8 +212,14 @@ class StepSampler:
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        results = self._sample_blocks(logits, records, live, starts, failed)
         runs: list[list[int]] = [[] for _ in records]
+        sampled_drafts = [i for i in live if records[i].draft_probs is not None]
+        if sampled_drafts:
+            live = [i for i in live if records[i].draft_probs is None]
+            for i, run in self._verify_sampled(logits, records, sampled_drafts, starts,
+                                               failed).items():
+                runs[i] = run
+        results = self._sample_blocks(logits, records, live, starts, failed)
         extras: dict[int, SampledTokens] = {}
         for i, result in results.items():
             r = records[i]
@@ -225,6 +232,49 @@ class StepSampler:
                     logits=result.logits)
         return SampledStep(records, tokens=[run[0] if run else -1 for run in runs],
                            extras=extras, failed=failed, runs=runs)
+
+    def _verify_sampled(self, logits: torch.Tensor, records: Sequence[JobRecord],
+                        picked: list[int], starts: list[int], failed: dict[int, Exception]
+                        ) -> dict[int, list[int]]:
+        """Runs of the records whose drafts were sampled from ``draft_probs`` (``q``): the
+        target's distributions ``p`` of their rows, then per draft row a uniform against
+        ``p(d) / q(d)`` and a replacement drawn from ``max(0, p - q)`` (from ``p`` on each
+        record's last row), all keyed by the job's seed and the row's counter as plain draws
+        are (`engine.speculation.accept_sampled`). A record whose rows fail, fails alone."""
+        try:
+            index = torch.tensor([row for i in picked for row in range(starts[i], starts[i + 1])],
+                                 dtype=torch.int64, device=logits.device)
+            p = self.sampler.distributions(logits.index_select(0, index),
+                                           [records[i] for i in picked])
+        except Exception as exc:  # noqa: BLE001 - narrowed down to the failing records
+            if len(picked) == 1:
+                failed[records[picked[0]].job_id] = exc
+                return {}
+            out: dict[int, list[int]] = {}
+            for i in picked:
+                out.update(self._verify_sampled(logits, records, [i], starts, failed))
+            return out
+        q = torch.cat([torch.cat([records[i].draft_probs.to(p.device, torch.float32),
+                                  p.new_zeros(1, p.shape[1])]) for i in picked])
+        drafts = [d for i in picked for d in (*records[i].draft_ids, 0)]
+        seeds = [records[i].seed or 0 for i in picked for _ in range(records[i].num_rows)]
+        counters = [records[i].counter + j for i in picked for j in range(records[i].num_rows)]
+        tokens = torch.tensor(drafts, dtype=torch.int64, device=p.device).unsqueeze(1)
+        chances = torch.stack([p.gather(1, tokens).squeeze(1), q.gather(1, tokens).squeeze(1)])
+        residual = (p - q).clamp_(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+        keys = torch.from_numpy(row_keys([seed_key(s) for s in seeds], counters)).to(p.device)
+        columns = torch.arange(p.shape[1], device=p.device)
+        replacements = perturb(residual.log(), keys, columns).argmax(-1).tolist()
+        p_draft, q_draft = chances.tolist()
+        out, row = {}, 0
+        for i in picked:
+            r, k = records[i], len(records[i].draft_ids)
+            accepted = [host_uniform(seeds[row + j], counters[row + j], _ACCEPT_STREAM)
+                        * q_draft[row + j] <= p_draft[row + j] for j in range(k)]
+            out[i] = accept_sampled(r.draft_ids, accepted, replacements[row:row + k + 1])
+            row += k + 1
+        return out
 
     def _sample_blocks(self, logits: torch.Tensor, records: Sequence[JobRecord],
                        live: list[int], starts: list[int], failed: dict[int, Exception]
@@ -395,6 +445,9 @@ class StepSampler:
 
 
 _NO_MASKS = np.zeros((0, 0), dtype=np.int32)
+# `rng.host_uniform`'s stream of the accept decisions of sampled drafts: never a token id (a
+# token's Gumbel noise hashes the same way) and not XTC's.
+_ACCEPT_STREAM = 0xFFFFFFFE
 
 
 class _HostCopies:

@@ -275,3 +275,77 @@ def test_sampled_verify_draws_the_target_distribution(rule):
         assert max(statistics) < CHI2_CRITICAL_7DF, statistics
     else:
         assert statistics[0] > CHI2_CRITICAL_7DF, statistics
+
+
+class _Stream:
+    """The little of a text stream the sampler reads."""
+
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@pytest.mark.parametrize("rule", ["exact", "broken"])
+def test_sampled_drafts_verify_to_the_target_distribution(engine_parts, monkeypatch, rule):
+    """3,000 jobs, each with two drafts drawn from a draft distribution q that differs from
+    the target's p, verified in one step over 8 live tokens: the first token of each run
+    follows p's first row and the token after an accepted draft p's second (chi-square at
+    p = 0.001). A rule that keeps every draft follows q instead, and fails."""
+    from dyngen_core.engine.record import JobRecord
+    from dyngen_core.sampling import step as step_module
+    from dyngen_core.sampling.step import StepSampler
+
+    tokenizer = engine_parts[1]
+    vocab = 512
+    torch.manual_seed(1)
+    p = torch.softmax(torch.randn(3, 8) * 1.5, -1)
+    q = torch.softmax(torch.randn(2, 8) * 1.5, -1)
+    wide_p = torch.zeros(3, vocab)
+    wide_p[:, :8] = p
+    wide_q = torch.zeros(2, vocab)
+    wide_q[:, :8] = q
+    if rule == "broken":
+        monkeypatch.setattr(step_module, "accept_sampled",
+                            lambda drafts, accepted, replacements: [*drafts, replacements[-1]])
+    n = 3000
+    draws = torch.Generator().manual_seed(2)
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=draws)
+                          for j in range(2)], 1).tolist()
+    settings = SamplerSettings(temperature=1.0)
+    records = []
+    for i in range(n):
+        job = Job(input_ids=[1, 2], max_new_tokens=8)
+        job.job_id = i
+        records.append(JobRecord(job=job, stream=_Stream(), settings=settings, seed=i,
+                                 draft_ids=drafts[i], draft_probs=wide_q))
+    logits = wide_p.log().repeat(n, 1)
+    sampler = StepSampler(vocab, torch.device("cpu"), tokenizer, [])
+    runs = sampler.start(logits, records, verify=True).runs
+    assert runs is not None and all(runs)
+    first = torch.bincount(torch.tensor([run[0] for run in runs]), minlength=8).float()
+    second = torch.bincount(torch.tensor([run[1] for run in runs if len(run) > 1]),
+                            minlength=8).float()
+    statistics = (_chi_square(first, p[0]), _chi_square(second, p[1]))
+    if rule == "exact":
+        assert max(statistics) < CHI2_CRITICAL_7DF, statistics
+    else:
+        assert statistics[0] > CHI2_CRITICAL_7DF, statistics
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "small_model"])
+def test_unseeded_sampled_jobs_draft_by_sampling(speculative, engine_parts, drafter):
+    """Unseeded sampled jobs take sampled drafts (seeded ones keep plain decoding's output):
+    with the target as its own draft nearly every draft is kept; with a different model many
+    are rejected; every job ends normally either way."""
+    tokenizer = engine_parts[1]
+    generator = speculative(drafter)
+    jobs = [Job(input_ids=tokenizer.encode(REPEAT), max_new_tokens=20, stop_conditions=[],
+                gen_settings=SamplerSettings(temperature=0.9, top_k=50), identifier=i)
+            for i in range(4)]
+    got = run_tokens(generator, jobs)
+    finals = [got[i]["final"] for i in range(4)]
+    assert all(f["eos_reason"] == "max_new_tokens" and f["new_tokens"] == 20 for f in finals)
+    accepted = sum(f["accepted_draft_tokens"] for f in finals)
+    rejected = sum(f["rejected_draft_tokens"] for f in finals)
+    if drafter == "oracle":
+        assert accepted > 3 * rejected, (accepted, rejected)
+    else:
+        assert rejected > 0

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel, accept_run
+from dyngen_core.engine.speculation import (
+    DraftStats,
+    NgramIndex,
+    StepCostModel,
+    accept_run,
+    accept_sampled,
+)
 
 
 def test_accept_run_keeps_drafts_while_they_equal_the_draws():
@@ -76,3 +82,11 @@ def test_step_cost_model_fits_fixed_and_per_token_costs():
     assert model.threshold(60) == pytest.approx(60 / 80)
     assert model.threshold(1, drafter_ratio=0.5) == pytest.approx(1 / 21 + 0.5)
     assert model.threshold(1000, drafter_ratio=0.5) == 1.0
+
+
+def test_accept_sampled_keeps_accepted_drafts_then_one_replacement():
+    assert accept_sampled([5, 6], [True, True], [1, 2, 3]) == [5, 6, 3]
+    assert accept_sampled([5, 6], [True, False], [1, 2, 3]) == [5, 2]
+    assert accept_sampled([5, 6], [False, True], [1, 2, 3]) == [1]
+    with pytest.raises(ValueError, match="one replacement"):
+        accept_sampled([5], [True], [1])
