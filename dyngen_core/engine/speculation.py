@@ -73,7 +73,7 @@ class NgramIndex:
     context length. A continuation that runs into the end of the history goes on with its
     own proposed tokens (a repeating pattern keeps repeating)."""
 
-    TAIL = 16
+    TAIL = 4
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
@@ -82,13 +82,13 @@ class NgramIndex:
         self.max_n, self.min_n = max_n, min_n
         self._next: dict[tuple[int, ...], int] = {}
         self._indexed = 0
-        self._tail: list[int] = []  # the last tokens indexed, to notice a rewind
+        self._tail: Sequence[int] = []  # the last tokens indexed, to notice a rewind
 
     def sync(self, history: Sequence[int]) -> None:
         """Index the tokens appended since the last call. A history that no longer ends in
         what was indexed (a rewind, perhaps followed by new tokens) is indexed afresh."""
         done = self._indexed
-        if len(history) < done or list(history[done - len(self._tail):done]) != self._tail:
+        if len(history) < done or history[done - len(self._tail):done] != self._tail:
             self._next.clear()
             self._indexed = done = 0
         table, max_n, min_n = self._next, self.max_n, self.min_n
@@ -97,7 +97,7 @@ class NgramIndex:
             for n in range(min_n, min(max_n, end) + 1):
                 table[tuple(history[end - n:end])] = end
         self._indexed = len(history)
-        self._tail = list(history[-self.TAIL:])
+        self._tail = history[-self.TAIL:]
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` draft tokens after ``history`` (which `sync` has indexed); empty when
@@ -128,13 +128,14 @@ class DraftStats:
     prior: float = 0.6
     accepted: float = -1.0
     trials: float = -1.0
-    steps_since_draft: int = 0
+    last_offer: int = 0
     total_accepted: int = 0
     total_rejected: int = 0
 
     DECAY = 0.8
     PRIOR_TRIALS = 2.0
-    # A job whose drafts do not pay tries a one-token draft every this many steps.
+    # A job whose drafts do not pay tries a one-token draft once this many steps have passed
+    # since its last draft.
     PROBE_INTERVAL = 16
 
     def __post_init__(self) -> None:
@@ -151,22 +152,21 @@ class DraftStats:
         self.trials = self.trials * self.DECAY + accepted + (accepted < proposed)
         self.total_accepted += accepted
         self.total_rejected += proposed - accepted
-        self.steps_since_draft = 0
 
-    def length(self, max_tokens: int, threshold: float) -> int:
-        """How many drafts to offer: positions ``j`` while ``alpha ** j > threshold``, at most
-        ``max_tokens``; one probe token every `PROBE_INTERVAL` steps when none would pay."""
+    def length(self, max_tokens: int, threshold: float, step: int) -> int:
+        """How many drafts to offer at engine step ``step``: positions ``j`` while
+        ``alpha ** j > threshold``, at most ``max_tokens``; when none would pay, one probe
+        token once `PROBE_INTERVAL` steps passed since the last offer."""
         alpha, k, survive = self.alpha, 0, 1.0
         while k < max_tokens:
             survive *= alpha
             if survive <= threshold:
                 break
             k += 1
-        if k == 0:
-            self.steps_since_draft += 1
-            if self.steps_since_draft >= self.PROBE_INTERVAL and max_tokens > 0:
-                self.steps_since_draft = 0
-                return 1
+        if k == 0 and max_tokens > 0 and step - self.last_offer >= self.PROBE_INTERVAL:
+            k = 1
+        if k:
+            self.last_offer = step
         return k
 
 

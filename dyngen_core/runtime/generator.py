@@ -355,9 +355,11 @@ class DynamicGenerator:
                started: float) -> None:
         """Apply a sampled step: with its tokens still on the device, as placeholders (the step
         is then in flight until the next `iterate` lands it); else at once, with its results.
-        A drafter's cost model learns from the steps whose tokens are on the host (forward
-        and sampling timed from ``started``)."""
-        if self._speculator is not None and sampled.ids is None:
+        A drafter's cost model learns from the decode and verify steps whose tokens are on
+        the host (forward and sampling timed from ``started``; prefill chunks would fit the
+        cost of prompts, not of drafts)."""
+        if self._speculator is not None and sampled.ids is None \
+                and not any(s.is_prefill for s in plan.slices):
             self._speculator.costs.record(plan.num_tokens, time.perf_counter() - started)
         if sampled.ids is not None and sampled.records:
             self._scheduler.apply_tokens(plan, [PENDING_TOKEN] * len(sampled.records))

@@ -26,7 +26,6 @@ moves with each token; no extra outputs) and their decode slice's inputs are kno
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -64,8 +63,7 @@ class Draft(NamedTuple):
     probs: Any = None
 
 
-@dataclass(frozen=True)
-class DraftRequest:
+class DraftRequest(NamedTuple):
     """One job's draft: ``length`` tokens after ``history`` (prompt and accepted tokens; its
     last token sits at position ``len(history) - 1`` and is fed by this step), written, for a
     draft model, through ``page_table``; ``sampling`` for a job whose drafts may be sampled
@@ -263,13 +261,15 @@ class Speculator:
 
     drafter: an `NgramDrafter` or `ModelDrafter`.
     max_draft_tokens: the most drafts a job offers in one step (pages are reserved for them).
+    page_size: the cache's page size (a slice drafts no further than its pages reach).
     """
 
-    def __init__(self, drafter: Drafter, max_draft_tokens: int) -> None:
+    def __init__(self, drafter: Drafter, max_draft_tokens: int, page_size: int) -> None:
         if max_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, not {max_draft_tokens}")
         self.drafter = drafter
         self.max_draft_tokens = max_draft_tokens
+        self.page_size = page_size
         self.costs = StepCostModel()
         self._stats: dict[int, DraftStats] = {}
         self.accepted = self.rejected = 0
@@ -280,7 +280,8 @@ class Speculator:
 
     def wants_tokens(self) -> bool:
         """Whether the next step should have this step's tokens on the host (drafts are made
-        there): some job drafts, or may probe in the next step."""
+        there): some job drafts, or may probe in the next step (every `PROBE_INTERVAL` steps
+        a step lets every job's probe come due)."""
         return bool(self._on) or (self._eligible
                                   and self._steps % DraftStats.PROBE_INTERVAL == 0)
 
@@ -306,8 +307,11 @@ class Speculator:
             stats = self._stats_of(sl.job_id)
             if sl.token_ids[0] == PENDING_TOKEN or sl.start_pos != len(record.history) - 1:
                 continue
-            room = record.job.max_new_tokens - len(record.job.new_token_ids) - 1
-            length = stats.length(min(self.max_draft_tokens, room), threshold)
+            # Drafts stop before max_new_tokens and inside the slice's pages (a prompt's last
+            # token, fed alone after a prompt-cache hit, has no page reserved past it).
+            room = min(record.job.max_new_tokens - len(record.job.new_token_ids) - 1,
+                       len(sl.page_table) * self.page_size - sl.start_pos - 1)
+            length = stats.length(min(self.max_draft_tokens, room), threshold, self._steps)
             if length == 0:
                 self._on.discard(sl.job_id)
                 continue
@@ -390,7 +394,7 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, not {num_draft_tokens!r}")
     if draft_model is None:
-        return Speculator(NgramDrafter(), num_draft_tokens)
+        return Speculator(NgramDrafter(), num_draft_tokens, cache.page_size)
     if draft_cache is None:
         draft_cache = Cache(draft_model, max_tokens=cache.max_tokens, page_size=cache.page_size)
     drafter = ModelDrafter(
@@ -398,7 +402,7 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
         target_vocab_size=model.config.vocab_size,
         backend=backend if isinstance(backend, str) else "auto", cuda_graphs=cuda_graphs,
         max_batch_size=max_batch_size, target_model=model)
-    return Speculator(drafter, num_draft_tokens)
+    return Speculator(drafter, num_draft_tokens, cache.page_size)
 
 
 __all__ = ["Draft", "DraftRequest", "DraftSampling", "Drafter", "ModelDrafter", "NgramDrafter",

@@ -349,3 +349,26 @@ def test_unseeded_sampled_jobs_draft_by_sampling(speculative, engine_parts, draf
         assert accepted > 3 * rejected, (accepted, rejected)
     else:
         assert rejected > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_a_prompt_cached_to_its_page_end_drafts_within_its_pages(make_generator, speculative,
+                                                                 engine_parts, drafter):
+    """A 512-token prompt run twice: the second time its two full pages are prompt-cache
+    hits and its last token is fed alone, at the end of its last page; drafts must not run
+    past the pages that slice holds."""
+    model, tokenizer = engine_parts
+    prompt = (tokenizer.encode(REPEAT) * 40)[:512]
+
+    def job(name: str) -> Job:
+        return Job(input_ids=prompt, max_new_tokens=12, stop_conditions=[],
+                   gen_settings=SamplerSettings.greedy(), identifier=name)
+
+    plain = run_tokens(make_generator(), [job("first")])
+    generator = speculative(drafter)
+    first = run_tokens(generator, [job("first")])
+    again = run_tokens(generator, [job("again")])
+    assert again["again"]["final"]["eos_reason"] == "max_new_tokens", again["again"]["final"]
+    assert again["again"]["final"]["cached_tokens"] > 0
+    for got in (first["first"], again["again"]):
+        assert_same_output(plain["first"], got, model, prompt, drafter)

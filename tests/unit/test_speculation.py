@@ -55,10 +55,10 @@ def test_ngram_index_follows_appends_and_rewinds():
 
 def test_draft_length_follows_acceptance_and_probes_when_drafts_fail():
     good = DraftStats()
-    assert good.length(8, threshold=0.05) > 0
+    assert good.length(8, threshold=0.05, step=0) > 0
     for _ in range(12):
         good.record(proposed=4, accepted=4)
-    assert good.length(8, threshold=0.05) == 8
+    assert good.length(8, threshold=0.05, step=1) == 8
     before = good.alpha
     good.record(proposed=8, accepted=1)
     assert good.alpha < before
@@ -66,9 +66,12 @@ def test_draft_length_follows_acceptance_and_probes_when_drafts_fail():
     for _ in range(12):
         stats.record(proposed=2, accepted=0)
     assert stats.alpha < 0.05
-    lengths = [stats.length(8, threshold=0.05) for _ in range(3 * DraftStats.PROBE_INTERVAL)]
+    interval = DraftStats.PROBE_INTERVAL
+    lengths = [stats.length(8, threshold=0.05, step=s) for s in range(1, 3 * interval + 1)]
     assert lengths.count(1) == 3 and lengths.count(0) == len(lengths) - 3
-    assert stats.length(0, threshold=0.0) == 0  # no room: nothing, not even a probe
+    # Steps it was not asked about count too: a probe is due at the first ask after 16 steps.
+    assert stats.length(8, threshold=0.05, step=10 * DraftStats.PROBE_INTERVAL) == 1
+    assert stats.length(0, threshold=0.0, step=100 * DraftStats.PROBE_INTERVAL) == 0
 
 
 def test_step_cost_model_fits_fixed_and_per_token_costs():

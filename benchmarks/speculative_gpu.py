@@ -1,0 +1,267 @@
+"""Speculative decoding on the GPU, random Llama-3-8B-shape weights (issue 23's device figures).
+
+(a) ``verify``: the cost of a verify step (each of ``batch`` jobs feeds its last token plus ``k``
+    drafts) against a plain decode step of the same jobs, k = 1..8 at batch 1, 8, 32, 128, at
+    a 512-token context; eager forwards of the runner, CUDA-event medians.
+(b) ``oracle``: batch 1, k = 4, a drafter that proposes the target's own recorded greedy
+    continuation (every draft is right): tok/s against plain decoding; the ceiling of the
+    verify path. Output is checked equal to the recorded one.
+(c) ``wrong``: a drafter that is always wrong, batch 1 to 256: tok/s with speculation on
+    against off (target >= 0.97: the draft length falls to zero and steps overlap again).
+(d) ``pair``: the Qwen2.5-Coder pair's shapes (28-layer 1.5B target, 24-layer 0.5B draft), random
+    weights: the draft step's cost over the target's (plain decodes of each), and the speedup
+    at an acceptance rate ``--alpha`` (the CPU-measured one) as the oracle drafter with
+    random rejections at that rate, the draft model's forwards run for their cost.
+
+    python benchmarks/speculative_gpu.py [--parts verify,oracle,wrong,pair] [--small]
+        [--layers N] [--new-tokens 128] [--alpha 0.89]
+
+``--small`` runs every part on a small model (a smoke run; on the CPU too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from _common import (
+    GREEDY,
+    add_common_args,
+    bench_config,
+    cuda_seconds,
+    device_name,
+    free_memory,
+    make_generator,
+    random_model,
+    random_prompts,
+    report,
+    synchronize,
+    word_tokenizer,
+)
+
+from dyngen_core import DynamicGenerator, Job, Model
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
+from dyngen_core.kv.attention import get_backend
+from dyngen_core.kv.cache import Cache
+from dyngen_core.runtime.runner import ModelRunner
+from dyngen_core.runtime.speculator import Draft, DraftRequest, ModelDrafter
+
+CONTEXT = 512
+QWEN_TARGET = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+               "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
+               "vocab_size": 151936, "rope_theta": 1000000.0}
+QWEN_DRAFT = {**QWEN_TARGET, "hidden_size": 896, "intermediate_size": 4864,
+              "num_hidden_layers": 24, "num_attention_heads": 14, "head_dim": 64}
+
+
+class OracleDrafter:
+    """Proposes each job's recorded continuation (``recorded[job_id]``, the plain run's
+    output), each token replaced by a wrong one with probability ``1 - alpha``; ``inner``: a
+    drafter run first for its cost only (its tokens are dropped)."""
+
+    def __init__(self, recorded: dict[int, list[int]], prompt_lens: dict[int, int],
+                 alpha: float = 1.0, inner: ModelDrafter | None = None, seed: int = 0) -> None:
+        self.recorded, self.prompt_lens = recorded, prompt_lens
+        self.alpha, self.inner = alpha, inner
+        self.cost_ratio = 0.0 if inner is None else inner.cost_ratio
+        self.samples = False
+        self._rng = random.Random(seed)
+
+    def follow(self, plan: StepPlan) -> None:
+        if self.inner is not None:
+            self.inner.follow(plan)
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        if self.inner is not None:
+            self.inner.draft(requests)
+        out = []
+        for r in requests:
+            done = len(r.history) - self.prompt_lens[r.job_id]
+            truth = self.recorded[r.job_id][done:done + r.length]
+            out.append(Draft([t if self._rng.random() < self.alpha else (t + 1) % 1000 + 1
+                              for t in truth]))
+        return out
+
+    def settle(self, job_id: int, valid: int) -> None:
+        if self.inner is not None:
+            self.inner.settle(job_id, valid)
+
+    def forget(self, job_id: int) -> None:
+        if self.inner is not None:
+            self.inner.forget(job_id)
+
+
+class WrongDrafter(OracleDrafter):
+    """Proposes tokens the target never picks (``alpha`` 0)."""
+
+    def __init__(self, recorded: dict[int, list[int]], prompt_lens: dict[int, int]) -> None:
+        super().__init__(recorded, prompt_lens, alpha=0.0)
+
+
+def generate(generator: DynamicGenerator, prompts: list[list[int]], new_tokens: int
+             ) -> tuple[float, dict[int, list[int]], dict[str, int]]:
+    """Greedy jobs of exactly ``new_tokens`` tokens: (seconds, tokens by job id, draft counts).
+    The seconds are the decode phase's for one job (its ``time_generate``, over the tokens
+    after the first), else enqueue to end."""
+    jobs = [Job(input_ids=p, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                stop_conditions=[], gen_settings=GREEDY) for p in prompts]
+    synchronize()
+    start = time.perf_counter()
+    generator.enqueue(jobs)
+    finals = []
+    while generator.num_remaining_jobs():
+        finals += [r for r in generator.iterate() if r["eos"]]
+    synchronize()
+    seconds = time.perf_counter() - start
+    if len(jobs) == 1 and new_tokens > 1:
+        seconds = float(finals[0]["time_generate"]) * new_tokens / (new_tokens - 1)
+    stats = generator.stats()
+    return seconds, {j.job_id: list(j.new_token_ids) for j in jobs if j.job_id is not None}, {
+        "accepted": stats.draft_tokens_accepted, "rejected": stats.draft_tokens_rejected}
+
+
+def verify_costs(model: Model, batches: Sequence[int], max_k: int) -> None:
+    """(a): verify-step forwards against plain decode forwards."""
+    cache = Cache(model, max_tokens=max(batches) * (CONTEXT + 256))
+    runner = ModelRunner(model, cache, get_backend("auto", model.device), cuda_graphs=False,
+                         max_batch_size=max(batches))
+    pages_per_job = -(-(CONTEXT + max_k + 1) // cache.page_size)
+    for batch in batches:
+        def plan(k: int, batch: int = batch) -> StepPlan:
+            return StepPlan(slices=[SequenceSlice(
+                j, [5], CONTEXT, list(range(j * pages_per_job, (j + 1) * pages_per_job)), True,
+                list(range(7, 7 + k))) for j in range(batch)])
+        plain = cuda_seconds(lambda: runner.run(plan(0)))
+        for k in range(1, max_k + 1):
+            seconds = cuda_seconds(lambda k=k: runner.run(plan(k)))
+            report("speculative_gpu.verify", batch=batch, k=k, plain_ms=plain * 1e3,
+                   verify_ms=seconds * 1e3, ratio=seconds / plain)
+
+
+def with_drafter(model: Model, tokenizer: Any, prompts: list[list[int]], new_tokens: int,
+                 drafter: Any, k: int) -> DynamicGenerator:
+    """A speculative generator whose drafter is ``drafter`` (a benchmark-only drafter)."""
+    generator = make_generator(model, tokenizer, cache_tokens=len(prompts) * 4096,
+                               use_ngram_draft=True, num_draft_tokens=k,
+                               max_batch_size=max(len(prompts), 1))
+    assert generator.speculator is not None
+    generator.speculator.drafter = drafter
+    return generator
+
+
+def oracle(model: Model, tokenizer: Any, new_tokens: int, k: int) -> None:
+    """(b): the recorded continuation as drafts, batch 1."""
+    prompts = random_prompts(1, CONTEXT, model.config.vocab_size)
+    plain = make_generator(model, tokenizer, cache_tokens=4096)
+    generate(plain, prompts, 8)
+    seconds, recorded, _ = generate(plain, prompts, new_tokens)
+    base = new_tokens / seconds
+    del plain
+    free_memory()
+    # Both generators number their jobs from 0: the warm-up is job 0, the measured run job 1.
+    drafter = OracleDrafter({0: recorded[1][:8], 1: recorded[1]}, {0: CONTEXT, 1: CONTEXT})
+    spec = with_drafter(model, tokenizer, prompts, new_tokens, drafter, k)
+    generate(spec, prompts, 8)
+    seconds, got, counts = generate(spec, prompts, new_tokens)
+    rate = new_tokens / seconds
+    report("speculative_gpu.oracle", k=k, plain_tok_s=base, speculative_tok_s=rate,
+           speedup=rate / base, same_output=got[1] == recorded[1], **counts)
+    del spec
+    free_memory()
+
+
+def always_wrong(model: Model, tokenizer: Any, batches: Sequence[int], new_tokens: int) -> None:
+    """(c): speculation on with an always-wrong drafter against off, by batch size."""
+    for batch in batches:
+        prompts = random_prompts(batch, 128, model.config.vocab_size, seed=batch)
+        plain = make_generator(model, tokenizer, cache_tokens=batch * 512,
+                               max_batch_size=batch)
+        generate(plain, prompts, 4)
+        off, _, _ = generate(plain, prompts, new_tokens)
+        del plain
+        free_memory()
+        ids = {j: [] for j in range(2 * batch)}
+        drafter = WrongDrafter(ids, {j: 128 for j in ids})
+        spec = with_drafter(model, tokenizer, prompts, new_tokens, drafter, 4)
+        generate(spec, prompts, 4)
+        drafter.recorded = {j: [0] * (new_tokens + 8) for j in range(2 * batch)}
+        on, _, counts = generate(spec, prompts, new_tokens)
+        report("speculative_gpu.always_wrong", batch=batch, off_tok_s=batch * new_tokens / off,
+               on_tok_s=batch * new_tokens / on, on_over_off=off / on, **counts)
+        del spec
+        free_memory()
+
+
+def pair(device: torch.device, new_tokens: int, alpha: float, k: int, small: bool) -> None:
+    """(d): the Qwen pair's shapes, random weights."""
+    base = bench_config(argparse.Namespace(small=small, layers=None))
+    target_config = {**base, **({} if small else QWEN_TARGET)}
+    draft_config = {**target_config, **({"num_hidden_layers": 1} if small else QWEN_DRAFT)}
+    target = random_model(target_config, device)
+    draft = random_model(draft_config, device, seed=1)
+    tokenizer = word_tokenizer(target.config.vocab_size)
+    prompts = random_prompts(1, CONTEXT, target.config.vocab_size)
+    costs = {}
+    for name, model in (("target", target), ("draft", draft)):
+        plain = make_generator(model, tokenizer, cache_tokens=4096)
+        generate(plain, prompts, 8)
+        seconds, recorded, _ = generate(plain, prompts, new_tokens)
+        costs[name] = seconds / new_tokens
+        if name == "target":
+            truth = recorded[1]
+        del plain
+        free_memory()
+    plain = make_generator(target, tokenizer, cache_tokens=4096)
+    generate(plain, prompts, 8)
+    base_seconds, _, _ = generate(plain, prompts, new_tokens)
+    del plain
+    free_memory()
+    spec = make_generator(target, tokenizer, cache_tokens=4096, draft_model=draft,
+                          num_draft_tokens=k)
+    assert spec.speculator is not None
+    inner = spec.speculator.drafter
+    assert isinstance(inner, ModelDrafter)
+    spec.speculator.drafter = OracleDrafter({0: truth[:8], 1: truth}, {0: CONTEXT, 1: CONTEXT},
+                                            alpha=alpha, inner=inner)
+    generate(spec, prompts, 8)
+    seconds, got, counts = generate(spec, prompts, new_tokens)
+    report("speculative_gpu.pair", alpha=alpha, k=k, draft_over_target=costs["draft"] /
+           costs["target"], plain_tok_s=new_tokens / base_seconds,
+           speculative_tok_s=new_tokens / seconds, speedup=base_seconds / seconds,
+           same_output=got[1] == truth, **counts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--parts", default="verify,oracle,wrong,pair")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--alpha", type=float, default=0.89)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    parts = args.parts.split(",")
+    report("speculative_gpu.setup", device=device_name(), parts=parts)
+    small_batches = [1, 2, 4] if args.small else None
+    if {"verify", "oracle", "wrong"} & set(parts):
+        model = random_model(bench_config(args), device)
+        tokenizer = word_tokenizer(model.config.vocab_size)
+        if "verify" in parts:
+            verify_costs(model, small_batches or [1, 8, 32, 128], 8)
+        if "oracle" in parts:
+            oracle(model, tokenizer, args.new_tokens, args.k)
+        if "wrong" in parts:
+            always_wrong(model, tokenizer, small_batches or [1, 8, 32, 128, 256],
+                         args.new_tokens)
+        del model
+        free_memory()
+    if "pair" in parts:
+        pair(device, args.new_tokens, args.alpha, args.k, args.small)
+
+
+if __name__ == "__main__":
+    main()
