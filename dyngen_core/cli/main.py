@@ -86,9 +86,10 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     if commands is None:
+        from dyngen_core.cli.convert.pair_command import PAIR_COMMANDS
         from dyngen_core.cli.run import RUN_COMMANDS
 
-        commands = {**COMMANDS, **RUN_COMMANDS}
+        commands = {**COMMANDS, **PAIR_COMMANDS, **RUN_COMMANDS}
     for name, command in commands.items():
         sub = subparsers.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub)
