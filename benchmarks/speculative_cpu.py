@@ -71,19 +71,17 @@ class Run:
     accepted: int = 0
     rejected: int = 0
     verify_steps: int = 0  # decode steps in which the job offered drafts
-    decode_steps: int = 0  # every decode step of the job
 
 
 class StepCounter:
-    """Counts a speculator's settled decode steps (all, and those with drafts) by wrapping
-    its ``settle`` on the instance; benchmark instrumentation only."""
+    """Counts a speculator's verify steps (decode steps with drafts) by wrapping its
+    ``settle`` on the instance; benchmark instrumentation only."""
 
     def __init__(self, speculator: Speculator) -> None:
-        self.steps = self.verify_steps = 0
+        self.verify_steps = 0
         settle: Callable[[Any, int], None] = speculator.settle
 
         def counting(record: Any, run_length: int) -> None:
-            self.steps += 1
             self.verify_steps += bool(record.draft_ids)
             settle(record, run_length)
 
@@ -109,7 +107,7 @@ def run_job(generator: DynamicGenerator, prompt: list[int], new_tokens: int,
     if counter is not None:
         assert speculator is not None
         speculator.settle = Speculator.settle.__get__(speculator)  # type: ignore[method-assign]
-        run.verify_steps, run.decode_steps = counter.verify_steps, counter.steps
+        run.verify_steps = counter.verify_steps
     return run
 
 
@@ -125,11 +123,13 @@ def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 def speculative_fields(run: Run) -> dict[str, Any]:
-    """Acceptance figures of a speculative run."""
+    """Acceptance figures of a speculative run. Each target forward yields one token plus
+    the drafts it accepted, so the forwards number ``tokens - accepted``."""
     return {
         "accepted": run.accepted, "rejected": run.rejected, "verify_steps": run.verify_steps,
         "mean_accepted_per_verify": round(run.accepted / max(run.verify_steps, 1), 3),
-        "tokens_per_target_step": round(len(run.tokens) / max(run.decode_steps + 1, 1), 3),
+        "tokens_per_target_step": round(len(run.tokens) / max(len(run.tokens) - run.accepted, 1),
+                                        3),
     }
 
 
