@@ -238,7 +238,11 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
         prog="dyngen", description="dyngen: a dynamic-batching LLM inference engine"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, command in (COMMANDS if commands is None else commands).items():
+    if commands is None:
+        from dyngen_core.cli.convert.pair_command import PAIR_COMMANDS
+
+        commands = {**COMMANDS, **PAIR_COMMANDS}
+    for name, command in commands.items():
         sub = subparsers.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub)
         sub.set_defaults(_run=command.run)

@@ -1,8 +1,9 @@
-"""`convert_gguf`: a llama-architecture GGUF file to a Hugging Face model folder.
+"""`convert_gguf`: a llama- or qwen2-architecture GGUF file to a Hugging Face model folder.
 
-The folder gets ``config.json`` (LlamaForCausalLM, from the GGUF metadata), ``model.safetensors``
-(dequantized, HF names, q/k permutation undone), ``tokenizer.json`` and ``tokenizer_config.json``
-(with the chat template) and ``generation_config.json``. Reading and dequantizing use the `gguf`
+The folder gets ``config.json`` (LlamaForCausalLM or Qwen2ForCausalLM, from the GGUF metadata),
+``model.safetensors`` (dequantized, HF names, llama's q/k permutation undone; see
+`architectures`), ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) and
+``generation_config.json``. Reading and dequantizing use the `gguf`
 package and numpy; no torch, so converting stays light.
 
 A GGUF file is untrusted input. Every metadata value is read with its expected type and range,
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dyngen_core.cli.convert.architectures import AttentionBiases, GgufArchitecture, architecture
 from dyngen_core.cli.convert.gguf_tokenizer import (
     GgufVocab,
     build_tokenizer,
@@ -38,7 +40,6 @@ from dyngen_core.cli.convert.weights import (
 from dyngen_core.config import ModelConfig
 from dyngen_core.errors import ConversionError, DynGenError
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 _ABSENT: Any = object()
 
 
@@ -87,12 +88,12 @@ class GgufModel:
                 "it is truncated, damaged or not GGUF: download it again"
             ) from exc
         self.arch = self.value("general.architecture", TEXT)
-        if self.arch not in SUPPORTED_GGUF_ARCHITECTURES:
-            raise ConversionError(
-                f"GGUF architecture {self.arch!r} is not supported; dyngen converts "
-                f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} files"
-            )
+        self.architecture: GgufArchitecture = architecture(self.arch)
         self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def biases(self) -> AttentionBiases:
+        """The attention bias tensors the converted checkpoint holds."""
+        return self.architecture.biases("blk.0.attn_q.bias" in self.tensors)
 
     def value(self, key: str, kind: Kind, default: Any = _ABSENT) -> Any:
         """The metadata value ``key``, which must be of ``kind``; ``default`` when the file
@@ -201,7 +202,7 @@ def _head_dim(model: GgufModel, hidden: int, heads: int) -> int:
     if value_dim != head_dim:
         raise ConversionError(
             f"{model.arch}.attention.value_length={value_dim} differs from the key length "
-            f"{head_dim}; dyngen's Llama needs equal key and value head sizes"
+            f"{head_dim}; dyngen needs equal key and value head sizes"
         )
     return int(head_dim)
 
@@ -217,7 +218,7 @@ def model_config(model: GgufModel, vocab: GgufVocab, dtype: str) -> dict[str, An
     if embed is None or len(embed.shape) != 2:
         raise ConversionError(
             f"{str(model.path)!r} has no 2-D token_embd.weight tensor (the token embeddings); "
-            "the file is damaged or not a llama model"
+            "the file is damaged or not a llama or qwen2 model"
         )
     hidden = model.arch_value("embedding_length", POSITIVE_INT)
     heads = model.arch_value("attention.head_count", POSITIVE_INT)
@@ -227,14 +228,16 @@ def model_config(model: GgufModel, vocab: GgufVocab, dtype: str) -> dict[str, An
             f"{model.arch}.attention.head_count={heads} is not a multiple of "
             f"{model.arch}.attention.head_count_kv={kv_heads}; the file's metadata is damaged"
         )
+    arch = model.architecture
+    layers = model.arch_value("block_count", POSITIVE_INT)
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
         "hidden_act": "silu",
         "vocab_size": int(embed.shape[-1]),
         "hidden_size": hidden,
         "intermediate_size": model.arch_value("feed_forward_length", POSITIVE_INT),
-        "num_hidden_layers": model.arch_value("block_count", POSITIVE_INT),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": _head_dim(model, hidden, heads),
@@ -243,8 +246,7 @@ def model_config(model: GgufModel, vocab: GgufVocab, dtype: str) -> dict[str, An
             model.arch_value("attention.layer_norm_rms_epsilon", NUMBER, 1e-5)),
         "rope_theta": _float32_value(model.arch_value("rope.freq_base", NUMBER, 10000.0)),
         "rope_scaling": _rope_scaling(model),
-        "attention_bias": "blk.0.attn_q.bias" in model.tensors,
-        "mlp_bias": False,
+        **arch.config_fields(model.biases(), layers),
         "tie_word_embeddings": "output.weight" not in model.tensors,
         "torch_dtype": dtype,
         "use_cache": True,
@@ -271,11 +273,14 @@ def _generation_config(vocab: GgufVocab) -> dict[str, Any]:
 
 
 def tensor_sources(model: GgufModel, config: dict[str, Any]) -> list[TensorSource]:
-    """Every output tensor in HF order, each dequantized (and un-permuted) when written."""
+    """Every output tensor in HF order, each dequantized (and, for llama, its q/k rows
+    un-permuted) when written."""
     from gguf.quants import dequantize
 
     heads = {"self_attn.q_proj": config["num_attention_heads"],
              "self_attn.k_proj": config["num_key_value_heads"]}
+    if not model.architecture.rotary_rows_permuted:
+        heads = {}
 
     def loader(tensor: Any, rotary_heads: int | None) -> Callable[[], np.ndarray]:
         def load() -> np.ndarray:
@@ -312,7 +317,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def convert_gguf(
     gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "float32", progress: bool = False
 ) -> Path:
-    """Convert a llama-architecture GGUF file into a Hugging Face folder at ``out_dir``.
+    """Convert a llama- or qwen2-architecture GGUF file into a Hugging Face folder at
+    ``out_dir``.
 
     dtype: weights dtype in model.safetensors: "float32" (default; dequantized 4- and 8-bit
         values are exact in float32), "bfloat16" or "float16" (half the size, rounded).
@@ -333,7 +339,7 @@ def convert_gguf(
     config = model_config(model, vocab, dtype)
     tokenizer = build_tokenizer(vocab)
     sources = tensor_sources(model, config)
-    check_tensors(sources, config)
+    check_tensors(sources, config, model.biases())
     with _output_folder(out) as written:
         write_safetensors(written(out / "model.safetensors"), sources, dtype,
                           _progress_bar(progress))

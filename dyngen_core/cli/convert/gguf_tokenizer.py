@@ -3,9 +3,10 @@
 A GGUF keeps the vocabulary, the BPE merges, each token's type and the special token ids as
 metadata, and names its pre-tokenizer (how text is split before merging) with
 ``tokenizer.ggml.pre``. This module turns byte-level BPE vocabularies (``tokenizer.ggml.model ==
-"gpt2"``) back into the `tokenizers` pipeline the original model shipped: the split regex that
-llama.cpp uses for that pre-tokenizer name, ByteLevel encoding, control tokens as special added
-tokens. No torch.
+"gpt2"``) back into the `tokenizers` pipeline the original model shipped: its normalizer (NFC for
+Qwen2, none elsewhere), the split regex that llama.cpp uses for that pre-tokenizer name (the
+same as transformers' GGUF loader), ByteLevel encoding, control tokens as special added tokens.
+No torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from dyngen_core.errors import ConversionError
 
@@ -74,6 +84,12 @@ PRE_TOKENIZERS = {
 }
 
 
+# tokenizer.ggml.pre name -> the normalizer of the original tokenizer.json, where it has one.
+# Qwen2's composes text to NFC (as its tiktoken original did); llama.cpp and transformers' GGUF
+# loader skip this step, which changes only text that is not already NFC.
+NORMALIZERS = {"qwen2": normalizers.NFC}
+
+
 @dataclass(frozen=True)
 class GgufVocab:
     """The tokenizer metadata of a GGUF file."""
@@ -112,6 +128,8 @@ def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
     merges = [_split_merge(m) for m in vocab.merges]
     try:
         tokenizer = Tokenizer(models.BPE(ids, merges, fuse_unk=False, byte_fallback=False))
+        if vocab.pre in NORMALIZERS:
+            tokenizer.normalizer = NORMALIZERS[vocab.pre]()
         tokenizer.pre_tokenizer = PRE_TOKENIZERS[vocab.pre]()
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.post_processor = _post_processor(vocab)

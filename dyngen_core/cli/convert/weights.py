@@ -1,10 +1,11 @@
-"""GGUF tensors to Hugging Face Llama tensors, written to one safetensors file as they come.
+"""GGUF tensors to Hugging Face Llama-family tensors, written to one safetensors file as they come.
 
-llama.cpp renames tensors (``blk.0.attn_q.weight``), quantizes them, and permutes the rows of the
-q and k projections so that rotary embedding pairs adjacent dimensions instead of the two halves
-of each head. Here each tensor is dequantized with `gguf.quants`, its q/k permutation undone, cast
-to the output dtype and streamed into the file, so converting never holds more than one
-dequantized tensor in memory. numpy only, no torch.
+llama.cpp renames tensors (``blk.0.attn_q.weight``), quantizes them, and, for llama only, permutes
+the rows of the q and k projections so that rotary embedding pairs adjacent dimensions instead of
+the two halves of each head. Here each tensor is dequantized with `gguf.quants` (every GGML type
+it reads, the Q4_K_M mix of Q4_K, Q5_0, Q6_K and Q8_0 included), its q/k permutation undone where
+there is one, cast to the output dtype and streamed into the file, so converting never holds more
+than one dequantized tensor in memory. numpy only, no torch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dyngen_core.cli.convert.architectures import AttentionBiases
 from dyngen_core.errors import ConversionError
 
 _LAYER_NAMES = {
@@ -44,14 +46,14 @@ OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face Llama name of a GGUF tensor name."""
+    """The Hugging Face name of a GGUF tensor name (Llama and Qwen2 share them)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
         raise ConversionError(
-            f"GGUF tensor {gguf_name!r} has no Llama counterpart; only plain llama-architecture "
-            "files (no MoE, no rope_freqs) can be converted"
+            f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart; only plain llama and "
+            "qwen2 files (no MoE, no rope_freqs) can be converted"
         )
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
@@ -96,24 +98,27 @@ class TensorSource:
     origin: str = ""
 
 
-def check_tensors(sources: list[TensorSource], config: dict[str, Any]) -> None:
-    """Raise ConversionError unless ``sources`` are exactly the tensors, with the shapes, of
-    the Llama ``config`` (a config.json dict) describes. Layers are counted first, so a
+def check_tensors(sources: list[TensorSource], config: dict[str, Any],
+                  biases: AttentionBiases) -> None:
+    """Raise ConversionError unless ``sources`` are exactly the tensors, with the shapes, that
+    ``config`` (a config.json dict) and ``biases`` describe. Layers are counted first, so a
     block_count of a million fails before a million layers are listed."""
     _check_layer_count(sources, config["num_hidden_layers"])
-    expected = _expected_shapes(config)
+    expected = _expected_shapes(config, biases)
     held = {source.name: source for source in sources}
     missing = [name for name in expected if name not in held]
     if missing:
         raise ConversionError(
             f"the GGUF file lacks {len(missing)} tensor(s) its metadata implies, e.g. "
-            f"{_gguf_name(missing[0])}; the file is damaged or not a plain llama model"
+            f"{_gguf_name(missing[0])}; the file is damaged or not a plain "
+            f"{config['model_type']} model"
         )
     extra = [held[name].origin for name in held if name not in expected]
     if extra:
         raise ConversionError(
             f"the GGUF file holds tensor(s) its metadata does not describe: "
-            f"{', '.join(extra[:5])}; the file is damaged or not a plain llama model"
+            f"{', '.join(extra[:5])}; the file is damaged or not a plain "
+            f"{config['model_type']} model"
         )
     for name, shape in expected.items():
         if held[name].shape != shape:
@@ -134,8 +139,9 @@ def _check_layer_count(sources: list[TensorSource], block_count: int) -> None:
         )
 
 
-def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Llama checkpoint of ``config``, with its shape (rows first)."""
+def _expected_shapes(config: dict[str, Any],
+                    biases: AttentionBiases) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint of ``config``, with its shape (rows first)."""
     hidden, vocab, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
@@ -150,16 +156,18 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
     }
-    if config["attention_bias"]:
+    if biases.qkv:
         per_layer.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
-                          "self_attn.v_proj.bias": (kv_rows,), "self_attn.o_proj.bias": (hidden,)})
+                          "self_attn.v_proj.bias": (kv_rows,)})
+    if biases.output:
+        per_layer["self_attn.o_proj.bias"] = (hidden,)
     for i in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
     return shapes
 
 
 def _gguf_name(hf_name: str) -> str:
-    """The GGUF name of a Hugging Face Llama tensor name (the inverse of `hf_tensor_name`)."""
+    """The GGUF name of a Hugging Face tensor name (the inverse of `hf_tensor_name`)."""
     for gguf_name, hf in _GLOBAL_NAMES.items():
         if hf == hf_name:
             return gguf_name
