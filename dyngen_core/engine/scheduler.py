@@ -420,10 +420,11 @@ class Scheduler:
 
     def _try_admit(self, seq: Sequence, match: PrefixMatch, step: _Step) -> bool:
         watermark = max(1, int(self.pool.num_pages * WATERMARK_FRACTION)) if self._running else 0
-        if not take_prefix_pages(seq, match, self.pool, watermark, step.copies):
+        taken = take_prefix_pages(seq, match, self.pool, watermark, step.copies)
+        if taken is None:
             return False
         self._waiting.remove(seq)
-        self._start_running(seq, match.reused_tokens)
+        self._start_running(seq, taken.reused_tokens)
         self._schedule_prefill(seq, step)
         return True
 

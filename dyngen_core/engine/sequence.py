@@ -268,15 +268,21 @@ def match_prefix(seq: Sequence, pool: PagePool, inflight: InflightIndex | None, 
 
 
 def take_prefix_pages(seq: Sequence, match: PrefixMatch, pool: PagePool, watermark: int,
-                      copies: list[PageCopy]) -> bool:
+                      copies: list[PageCopy]) -> PrefixMatch | None:
     """Give ``seq`` its matched prefix pages (referenced) and, for a partly matching page, a
     fresh page with a copy queued in ``copies``, if the pages its whole prefill still needs
-    fit while keeping ``watermark`` pages free; False (nothing taken) otherwise."""
+    fit while keeping ``watermark`` pages free. A copy whose cached source must outlive the
+    copy needs one page more than computing those slots: when only that page is missing, the
+    job takes its full pages and computes the rest itself (a job that needs the whole cache
+    would otherwise wait forever). Returns the match taken, or None (nothing taken)."""
     cached_hits = sum(1 for p in match.hit_pages if pool.ref_count(p) == 0)
     src_cached = match.copy_src is not None and pool.ref_count(match.copy_src) == 0
-    need = -(-seq.num_tokens // pool.page_size) - len(match.hit_pages) + cached_hits + src_cached
-    if need > pool.free_count() - watermark:
-        return False
+    need = -(-seq.num_tokens // pool.page_size) - len(match.hit_pages) + cached_hits
+    room = pool.free_count() - watermark
+    if need + src_cached > room:
+        if need > room or match.copy_src is None:
+            return None
+        match = PrefixMatch(match.hit_pages, None, 0, match.page_size)
     for page in match.hit_pages:
         pool.ref(page)
     seq.page_table = list(match.hit_pages)
@@ -286,7 +292,7 @@ def take_prefix_pages(seq: Sequence, match: PrefixMatch, pool: PagePool, waterma
         pool.release(match.copy_src)
         copies.append(PageCopy(match.copy_src, dst, match.copy_len))
         seq.page_table.append(dst)
-    return True
+    return match
 
 
 def register_full_pages(seq: Sequence, pool: PagePool, old_computed: int, new_computed: int, *,

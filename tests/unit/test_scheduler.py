@@ -327,3 +327,16 @@ def test_apply_rejects_mismatched_outcomes() -> None:
     e.s.apply(plan, e.run(plan))
     with pytest.raises(RuntimeError, match="once, in order"):
         e.s.apply(plan, e.run(plan))
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_a_job_needing_the_whole_cache_skips_a_partial_copy_it_has_no_room_for(dedup) -> None:
+    """A 129-token prompt needs all 5 pages; its first 16 tokens match a cached partial page.
+    Copying them needs the source page alive beside 5 fresh ones: the job computes them
+    instead of waiting forever (found by the state machine)."""
+    e = engine(5, max_batch_size=1, max_chunk_size=8, dedup=dedup)
+    document = tokens(129, 5)
+    e.add(0, document[:16], 1)
+    e.run_until_done({0: 1})
+    e.add(1, document, 1)
+    assert e.run_until_done({1: 1})[1] == true_continuation(document, 1)
