@@ -46,3 +46,27 @@ def test_astructured_predict_beside_acomplete(llm: DynGenLLM) -> None:
     for i in (0, 2):
         assert mixed[i].raw["eos_reason"] != "error", mixed[i].raw
         assert mixed[i].text == solo[i].text
+
+
+def test_ngram_drafts_keep_gathered_outputs(llm: DynGenLLM) -> None:
+    """The same gathered calls through an engine that drafts by n-gram lookup (its own engine
+    over the same weights, `draft_model_dir`'s sibling option) give the same replies."""
+    options = llm.engine_options.model_copy(update={"use_ngram_draft": True})
+    copy = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat."
+
+    def calls(engine_options: Any) -> list[Any]:
+        model = DynGenLLM(model_dir=llm.model_dir, max_tokens=16, temperature=0.0,
+                          engine_options=engine_options)
+        structured = DynGenLLM(model_dir=llm.model_dir, max_tokens=40, temperature=0.0,
+                               engine_options=engine_options)
+        return [model.acomplete(copy), structured.astructured_predict(City, PROMPT, place="Japan"),
+                model.acomplete("Three colours of the rainbow are")]
+
+    async def gathered(engine_options: Any) -> list[Any]:
+        return list(await asyncio.gather(*calls(engine_options)))
+
+    expected = asyncio.run(gathered(llm.engine_options))
+    got = asyncio.run(gathered(options))
+    assert got[1] == expected[1]
+    for i in (0, 2):
+        assert got[i].text == expected[i].text
