@@ -21,6 +21,8 @@ Drafters:
 
 Jobs draft only when `JobRecord.drafting` (the job did not opt out; no mirostat, whose state
 moves with each token; no extra outputs) and their decode slice's inputs are known on the host.
+A constrained job's drafts follow its constraint: the draft model drafts under its mask, and
+any draft is cut before the first token the constraint forbids (it could not be accepted).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
@@ -38,6 +41,7 @@ from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.runtime.runner import ModelRunner
 from dyngen_core.sampling.rng import perturb, row_keys, seed_key
+from dyngen_core.text.constraints import bitmask_to_bool
 
 # Drafts of a seeded job are drawn with the job's seed mixed with this, so that they are
 # independent of the target's draws at the same counters.
@@ -67,13 +71,15 @@ class DraftRequest(NamedTuple):
     """One job's draft: ``length`` tokens after ``history`` (prompt and accepted tokens; its
     last token sits at position ``len(history) - 1`` and is fed by this step), written, for a
     draft model, through ``page_table``; ``sampling`` for a job whose drafts may be sampled
-    (None: draft deterministically)."""
+    (None: draft deterministically); ``matcher``: the job's constraint matcher (drafts under
+    its mask; left as it was found), or None."""
 
     job_id: int
     history: Sequence[int]
     page_table: Sequence[int]
     length: int
     sampling: DraftSampling | None = None
+    matcher: Any = None
 
 
 class Drafter(Protocol):
@@ -187,43 +193,68 @@ class ModelDrafter:
             self._valid[chunk.job_id] = chunk.end_pos
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """Drafts (greedy, or sampled for requests with ``sampling``): the first forward feeds
-        each job what its draft cache lacks up to its last token, each later one the previous
-        draft token."""
+        """Drafts (greedy, or sampled for requests with ``sampling``; under the constraint's
+        mask for requests with a ``matcher``): the first forward feeds each job what its draft
+        cache lacks up to its last token, each later one the previous draft token."""
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        advanced = [0] * len(requests)  # tokens each matcher took, given back at the end
         live = [i for i, r in enumerate(requests) if r.length > 0]
         first = True
-        while live:
-            slices = []
-            for i in live:
-                r = requests[i]
-                last = len(r.history) - 1
-                if first:
-                    start = min(self._valid.get(r.job_id, last), last)
-                    fed = list(r.history[start:])
-                else:
-                    start, fed = last + len(tokens[i]), [tokens[i][-1]]
-                slices.append(SequenceSlice(r.job_id, fed, start, list(r.page_table), True))
-            logits = self.runner.run(StepPlan(slices=slices))
-            assert logits is not None
-            drawn = self._draw(logits[:, : self.model.config.vocab_size],
-                               [requests[i] for i in live], [len(tokens[i]) for i in live])
-            for i, (token, q), piece in zip(live, drawn, slices, strict=True):
-                tokens[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
-                self._valid[requests[i].job_id] = piece.end_pos
-            first = False
-            live = [i for i in live if len(tokens[i]) < requests[i].length]
+        try:
+            while live:
+                slices = []
+                for i in live:
+                    r = requests[i]
+                    last = len(r.history) - 1
+                    if first:
+                        start = min(self._valid.get(r.job_id, last), last)
+                        fed = list(r.history[start:])
+                    else:
+                        start, fed = last + len(tokens[i]), [tokens[i][-1]]
+                    slices.append(SequenceSlice(r.job_id, fed, start, list(r.page_table), True))
+                logits = self.runner.run(StepPlan(slices=slices))
+                assert logits is not None
+                vocab = self.model.config.vocab_size
+                masks = [None if requests[i].matcher is None
+                         else requests[i].matcher.bitmask() for i in live]
+                drawn = self._draw(logits[:, :vocab], [requests[i] for i in live],
+                                   [len(tokens[i]) for i in live], masks)
+                stopped = set()
+                for i, (token, q), piece in zip(live, drawn, slices, strict=True):
+                    matcher = requests[i].matcher
+                    if matcher is not None:
+                        if not matcher.accept(token):
+                            stopped.add(i)
+                            continue
+                        advanced[i] += 1
+                        if matcher.is_terminated():  # complete: the job ends at this token
+                            stopped.add(i)
+                    tokens[i].append(token)
+                    if q is not None:
+                        probs[i].append(q)
+                    self._valid[requests[i].job_id] = piece.end_pos
+                first = False
+                live = [i for i in live if i not in stopped and len(tokens[i]) < requests[i].length]
+        finally:
+            for r, count in zip(requests, advanced):
+                if count:
+                    r.matcher.rollback(count)
         return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, probs)]
 
     @staticmethod
-    def _draw(logits: torch.Tensor, requests: Sequence[DraftRequest], offsets: Sequence[int]
-              ) -> list[tuple[int, torch.Tensor | None]]:
+    def _draw(logits: torch.Tensor, requests: Sequence[DraftRequest], offsets: Sequence[int],
+              masks: Sequence[np.ndarray | None]) -> list[tuple[int, torch.Tensor | None]]:
         """Each row's draft token: the argmax, or for a sampled request a Gumbel-max draw
         from ``q`` (its temperature and top-k over the row), keyed by its salted seed and the
-        counter of the position drafted; with ``q`` for the sampled ones."""
+        counter of the position drafted; with ``q`` for the sampled ones. A row with a mask
+        (packed constraint words) draws among the tokens it allows."""
+        if any(m is not None for m in masks):
+            logits = logits.float().clone()
+            for n, words in enumerate(masks):
+                if words is not None:
+                    allowed = torch.from_numpy(bitmask_to_bool(words, logits.shape[1]))
+                    logits[n].masked_fill_(~allowed.to(logits.device), float("-inf"))
         greedy = logits.argmax(-1).tolist()
         out: list[tuple[int, torch.Tensor | None]] = [(int(t), None) for t in greedy]
         sampled = [n for n, r in enumerate(requests) if r.sampling is not None]
@@ -317,17 +348,17 @@ class Speculator:
                 continue
             self._on.add(sl.job_id)
             requests.append(DraftRequest(sl.job_id, record.history, sl.page_table, length,
-                                         self._sampling(record)))
+                                         self._sampling(record), record.matcher))
             targets.append((sl, record))
         if not requests:
             return 0
         total = 0
         for (sl, record), draft in zip(targets, self.drafter.draft(requests), strict=True):
-            if draft.tokens:
-                sl.draft_ids = draft.tokens
-                record.draft_ids = draft.tokens
-                record.draft_probs = draft.probs
-                total += len(draft.tokens)
+            keep = allowed_prefix(record.matcher, draft.tokens)
+            if keep:
+                sl.draft_ids = record.draft_ids = draft.tokens[:keep]
+                record.draft_probs = None if draft.probs is None else draft.probs[:keep]
+                total += keep
         return total
 
     def _sampling(self, record: JobRecord) -> DraftSampling | None:
@@ -369,6 +400,28 @@ class Speculator:
             stats = self._stats[job_id] = DraftStats()
             self._on.add(job_id)
         return stats
+
+
+def allowed_prefix(matcher: Any, tokens: Sequence[int]) -> int:
+    """How many leading ``tokens`` a constraint matcher allows in a row, up to one that
+    completes it (all of them without one); the matcher is left as it was found. (A complete
+    matcher takes end-of-sequence tokens without counting them for rollback: never feed it
+    past completion.)"""
+    if matcher is None or not tokens:
+        return len(tokens)
+    taken = 0
+    try:
+        for token in tokens:
+            words = matcher.bitmask().view(np.uint32)
+            if not (int(words[token >> 5]) >> (token & 31)) & 1 or not matcher.accept(token):
+                break
+            taken += 1
+            if matcher.is_terminated():  # the job ends at this token: nothing follows
+                break
+    finally:
+        if taken:
+            matcher.rollback(taken)
+    return taken
 
 
 def build_speculator(model: Model, cache: Cache, draft_model: Model | None,

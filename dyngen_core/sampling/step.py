@@ -310,8 +310,9 @@ class StepSampler:
     def _row_masks(self, r: JobRecord) -> np.ndarray | None:
         """A record's allowed tokens for each of its rows: row ``j`` with the constraint
         advanced by the drafts before it and the bans of its position; None when nothing is
-        masked. A draft the constraint forbids cannot be accepted, so the rows after it keep
-        the last mask."""
+        masked. A draft the constraint forbids cannot be accepted, and a draft that completes
+        it ends the job, so the rows after either keep the last mask (a complete matcher is
+        never fed further: it would not roll back)."""
         if r.matcher is None and not r.may_ban:
             return None
         drafts, matcher = r.draft_ids, r.matcher
@@ -325,6 +326,8 @@ class StepSampler:
                 masks.append(mask if mask is not None else self._full_mask())
                 if j == len(drafts) or matcher is None:
                     continue
+                if matcher.is_terminated():
+                    break  # the job ends at the draft before: no later row is used
                 token = drafts[j]
                 if not (int(masks[-1].view(np.uint32)[token >> 5]) >> (token & 31)) & 1 \
                         or not matcher.accept(token):
