@@ -38,7 +38,7 @@ class Command:
 
 
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("gguf", help="the .gguf file (llama architecture, byte-level BPE vocab)")
+    parser.add_argument("gguf", help="the .gguf file (llama or qwen2, byte-level BPE vocab)")
     parser.add_argument("out_dir", help="folder to write the Hugging Face model into")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
@@ -216,7 +216,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 # Subcommand name -> Command.
 COMMANDS: dict[str, Command] = {
     "convert-gguf": Command(
-        "convert a llama-architecture GGUF file to a Hugging Face folder",
+        "convert a llama- or qwen2-architecture GGUF file to a Hugging Face folder",
         _add_convert_arguments, _run_convert,
     ),
     "fetch-demo-model": Command(

@@ -3,8 +3,8 @@
 The folder gets ``config.json`` (LlamaForCausalLM or Qwen2ForCausalLM, from the GGUF metadata),
 ``model.safetensors`` (dequantized, HF names, llama's q/k permutation undone; see
 `architectures`), ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) and
-``generation_config.json``. Reading and dequantizing use the `gguf`
-package and numpy; no torch, so converting stays light.
+``generation_config.json``. Reading and dequantizing use the `gguf` package and numpy; no torch,
+so converting stays light.
 
 A GGUF file is untrusted input. Every metadata value is read with its expected type and range,
 the config it gives is checked as `ModelConfig` checks a config.json, and the tensor table is
@@ -277,10 +277,9 @@ def tensor_sources(model: GgufModel, config: dict[str, Any]) -> list[TensorSourc
     un-permuted) when written."""
     from gguf.quants import dequantize
 
-    heads = {"self_attn.q_proj": config["num_attention_heads"],
-             "self_attn.k_proj": config["num_key_value_heads"]}
-    if not model.architecture.rotary_rows_permuted:
-        heads = {}
+    heads = ({"self_attn.q_proj": config["num_attention_heads"],
+              "self_attn.k_proj": config["num_key_value_heads"]}
+             if model.architecture.rotary_rows_permuted else {})
 
     def loader(tensor: Any, rotary_heads: int | None) -> Callable[[], np.ndarray]:
         def load() -> np.ndarray:
