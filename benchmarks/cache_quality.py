@@ -162,6 +162,19 @@ def tokens_per_gib(config: ModelConfig, variant: Variant, page_size: int) -> flo
     return GIB * page_size / per_page
 
 
+def whole_cache_tokens_per_gib(config: ModelConfig, variant: Variant, page_size: int,
+                               num_pages: int = 64) -> float:
+    """Tokens one GiB of a whole 16-bit cache holds: its pages and the recent windows of one
+    sequence per page, the most it keeps (`QuantStorage.window_capacity`)."""
+    if variant.mode == "fp16":
+        return tokens_per_gib(config, variant, page_size)
+    storage = QuantStorage(config, num_pages, page_size, torch.bfloat16,
+                           [torch.device("cpu")] * config.num_layers, variant.mode,
+                           bits=variant.bits, recent_window=variant.recent_window)
+    storage.reserve_sequences(num_pages)
+    return GIB * num_pages * page_size / storage.nbytes()
+
+
 def window_bytes_per_sequence(config: ModelConfig, window: int) -> int:
     """Bytes of one sequence's recent window (16-bit keys and values, int32 positions)."""
     return config.num_layers * window * (config.kv_bytes_per_token_fp16 // config.num_layers
@@ -171,15 +184,17 @@ def window_bytes_per_sequence(config: ModelConfig, window: int) -> int:
 def report(totals: dict[str, Totals], variants: Sequence[Variant], config: ModelConfig,
            page_size: int) -> str:
     base_tokens = tokens_per_gib(config, variants[0], page_size)
-    lines = ["| cache | mean KL | max KL | top-1 agree | perplexity | tokens/GiB | vs fp16 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| cache | mean KL | max KL | top-1 agree | perplexity | tokens/GiB | vs fp16 "
+             "| whole cache vs fp16 |", "|---|---|---|---|---|---|---|---|"]
     for variant in variants:
         t = totals[variant.name]
         ppl = torch.tensor(t.nll_sum / max(t.predicted, 1)).exp().item()
         per_gib = tokens_per_gib(config, variant, page_size)
+        whole = whole_cache_tokens_per_gib(config, variant, page_size)
         lines.append(f"| {variant.name} | {t.kl_sum / max(t.positions, 1):.2e} | "
                      f"{t.kl_max:.2e} | {100 * t.top1_agree / max(t.positions, 1):.2f}% | "
-                     f"{ppl:.4f} | {per_gib:,.0f} | {per_gib / base_tokens:.2f}x |")
+                     f"{ppl:.4f} | {per_gib:,.0f} | {per_gib / base_tokens:.2f}x | "
+                     f"{whole / base_tokens:.2f}x |")
     return "\n".join(lines)
 
 
@@ -232,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     window = DEFAULT_RECENT_WINDOW["q4"]
     window_bytes = window_bytes_per_sequence(model.config, window)
     print(f"q6 and q4 also keep each running sequence's last {window} positions unquantized: "
-          f"{window_bytes:,} bytes per sequence.")
+          f"{window_bytes:,} bytes per sequence; 'whole cache' counts them for one sequence "
+          "per page (max_batch_size at least the page count), the most a cache keeps.")
     print(report(totals, variants, model.config, args.page_size))
     return 0
 

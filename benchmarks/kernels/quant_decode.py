@@ -189,7 +189,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         storage = one_layer_storage(config, mode, sequences * args.context, device)
         per_token = storage.nbytes() / (storage.num_pages * 256)
-        windowed = mode != "fp16" and storage.reserve_sequences(sequences)
+        windowed = mode != "fp16" and storage.reserve_sequences(sequences) > 0
         for batch_size in batches:
             batch, q, step_rows = decode_inputs(config, batch_size, args.context, device,
                                                 windowed)

@@ -81,7 +81,10 @@ class Cache:
     recent_window: quantized modes only (keyword): each running sequence's last positions kept
         unquantized beside the pages. None (default): 16 for q6 and q4, 0 for q8; 0 turns it
         off. It costs 16 unquantized rows per running sequence and buys accuracy (BENCHMARKS.md,
-        section 8). The first slot of every page is kept unquantized in every quantized mode.
+        section 8); the runner reserves windows for at most one sequence per page (no more
+        can run at once) and never past the bytes of the "fp16" cache of the same
+        ``max_tokens`` (`QuantStorage.window_capacity`), so a quantized cache is never the
+        bigger one. The first slot of every page is kept unquantized in every quantized mode.
 
     Attributes: ``max_tokens`` (the rounded capacity), ``mode``, ``page_size``, ``num_pages``,
     ``config`` (the CacheConfig) and ``storage`` (the KVStorage).
@@ -119,7 +122,8 @@ class Cache:
         return self.config.num_pages
 
     def nbytes(self) -> int:
-        """Device memory the storage tensors hold."""
+        """Device memory the storage tensors hold: the pages, and the recent windows of the
+        quantized modes once a runner has reserved them (`KVStorage.reserve_sequences`)."""
         return self.storage.nbytes()
 
     def __repr__(self) -> str:

@@ -97,9 +97,9 @@ class FP16Storage:
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:
         """Nothing to do: every row of this storage is exact."""
 
-    def reserve_sequences(self, count: int) -> bool:
-        """No per-sequence state to make room for: False."""
-        return False
+    def reserve_sequences(self, count: int) -> int:
+        """No per-sequence state to make room for: 0."""
+        return 0
 
     def clear_sequences(self, seq_slots: Sequence[int]) -> None:
         """No per-sequence state to forget."""

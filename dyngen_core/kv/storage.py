@@ -41,10 +41,11 @@ class KVStorage(Protocol):
         """Keys and values of the pages in ``page_table`` [B, P], in compute dtype, as
         [B, P * page_size, num_kv_heads, head_dim]. Quantized modes dequantize only these pages."""
 
-    def reserve_sequences(self, count: int) -> bool:
-        """Make room for per-sequence state of ``count`` sequences at once (slots 0 .. count-1).
-        True when the storage keeps such state (readers then pass sequence slots); False and a
-        no-op for storages that keep none."""
+    def reserve_sequences(self, count: int) -> int:
+        """Make room for per-sequence state of up to ``count`` sequences at once and return how
+        many it made room for, n (slots 0 .. n - 1; readers then pass sequence slots, -1 for a
+        sequence without one, which then reads the pages alone); 0 and a no-op for storages
+        that keep no such state. A storage may hold fewer than ``count``."""
 
     def clear_sequences(self, seq_slots: Sequence[int]) -> None:
         """Forget the per-sequence state of ``seq_slots`` (they now belong to new sequences)."""

@@ -27,9 +27,11 @@ class ModelRunner:
 
     cuda_graphs: capture decode CUDA graphs when the model is on CUDA and the backend allows it
         (captured here, while the cache is still empty).
-    max_batch_size: the largest decode batch a graph is captured for, and the number of
-        sequences whose per-sequence storage state (the recent window of quantized caches) is
-        kept at once.
+    max_batch_size: the largest decode batch a graph is captured for, and the most sequences
+        whose per-sequence storage state (the recent window of quantized caches) is kept at
+        once; the storage may keep fewer (`KVStorage.reserve_sequences`: a q6/q4 cache keeps
+        at most one per page, as many as can run), and a sequence without a slot reads its
+        cache from the pages alone.
     compile_decode: run the captured decode forward through torch.compile (slower start).
     skinny_matmul_rows: when not None, `Model.set_skinny_matmul` is called with it before
         graphs are captured (products of that many rows or fewer run the Triton skinny matmul on
@@ -52,8 +54,8 @@ class ModelRunner:
         self.cache = cache
         self.backend = backend
         # Sequence slots only for storages that keep per-sequence state (q6/q4 windows).
-        self.slots = (SequenceSlots(max_batch_size)
-                      if cache.storage.reserve_sequences(max_batch_size) else None)
+        reserved = cache.storage.reserve_sequences(max_batch_size)
+        self.slots = SequenceSlots(reserved) if reserved else None
         max_context = min(model.config.max_position_embeddings, cache.max_tokens)
         self.graphs = decode_graphs_for(
             model, cache.storage, backend, page_size=cache.page_size, max_context=max_context,

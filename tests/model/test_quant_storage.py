@@ -255,17 +255,18 @@ def test_copy_pages_rejects_bad_pages() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_nbytes_matches_the_format(mode: str) -> None:
     config = model_config(num_layers=3, num_kv_heads=2, head_dim=128)
-    storage = QuantStorage(config, 7, 16, torch.bfloat16, ["cpu"] * 3, mode)
+    storage = QuantStorage(config, 7, 64, torch.bfloat16, ["cpu"] * 3, mode)
     key_bits, value_bits = MODE_BITS[mode]
     # codes: head_dim * bits / 8 bytes; scales: one fp16 per 32 values.
     per_row = (128 * key_bits // 8 + 8) + (128 * value_bits // 8 + 8)
-    pages = 3 * 7 * 16 * 2 * per_row
+    pages = 3 * 7 * 64 * 2 * per_row
     # head rows: one bf16 key and value row per page (and one spare) per kv head and layer.
     heads = 3 * (7 + 1) * 2 * 2 * 128 * 2
     assert storage.nbytes() == pages + heads
-    assert storage.bytes_per_token() * 7 * 16 + storage.bytes_per_page_head() * 8 == (
+    assert storage.bytes_per_token() * 7 * 64 + storage.bytes_per_page_head() * 8 == (
         pages + heads)
-    storage.reserve_sequences(5)  # recent windows (q6, q4): 16 rows of 5 sequences + a spare
+    # recent windows (q6, q4): 16 rows of 5 sequences + a spare
+    assert storage.reserve_sequences(5) == (5 if mode != "q8" else 0)
     window = 3 * (16 * 5 + 1) * (2 * 2 * 128 * 2 + 4) if mode != "q8" else 0
     assert storage.nbytes() == pages + heads + window
 

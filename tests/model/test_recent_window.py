@@ -166,12 +166,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 def _storage(model: Model, mode: str, window: int = WINDOW) -> KVStorage:
+    """Pages 0 and 1 hold the sequence; the others make room for the two windows (a window
+    never takes more than an unquantized storage of the same pages would)."""
     if mode == "fp16":
-        storage = make_storage("fp16", model.config, 2, PAGE, model.dtype, model.layer_devices)
+        storage = make_storage("fp16", model.config, 8, PAGE, model.dtype, model.layer_devices)
     else:
-        storage = QuantStorage(model.config, 2, PAGE, model.dtype, model.layer_devices, mode,
+        storage = QuantStorage(model.config, 8, PAGE, model.dtype, model.layer_devices, mode,
                                recent_window=window)
-    storage.reserve_sequences(2)
+    assert storage.reserve_sequences(2) == (0 if mode == "fp16" else 2)
     return storage
 
 
@@ -233,7 +235,7 @@ def test_the_runner_assigns_slots_only_where_storage_keeps_windows(tiny: Model) 
     from dyngen_core.runtime.runner import ModelRunner
 
     def runner(mode: str) -> ModelRunner:
-        cache = Cache(tiny, max_tokens=64, mode=mode, page_size=PAGE)
+        cache = Cache(tiny, max_tokens=128, mode=mode, page_size=PAGE)
         return ModelRunner(tiny, cache, SdpaBackend(), cuda_graphs=False, max_batch_size=4)
 
     assert runner("fp16").slots is None and runner("q8").slots is None

@@ -13,7 +13,8 @@ Two kinds of rows are kept unquantized beside the pages, because a query leans h
 the first slot of every page (``key_heads`` / ``value_heads`` [num_pages + 1, kv_heads,
 head_dim], the halves of one ``head_rows`` tensor; slot 0 of a sequence's first page is its
 first token, the "attention sink" most heads attend to) and, once `reserve_sequences` has made
-room, each running sequence's most recent positions (`window.RecentWindow`). Both hold
+room, the most recent positions of each running sequence it gave a slot (`window.RecentWindow`;
+at most one sequence per page, within the bytes of an unquantized storage). Both hold
 `exact_rows`: the compute dtype, rotated like the codes, so a kernel attending in the rotated
 space reads them as they are. `gather` returns the page heads (un-rotated) in place of their
 quantized rows; readers take the recent rows from `gather_recent`.
@@ -49,7 +50,7 @@ from dyngen_core.kv.quant.format import (
     rotation_signs,
     unrotate,
 )
-from dyngen_core.kv.quant.window import RecentWindow, WindowIndex
+from dyngen_core.kv.quant.window import RecentWindow, WindowIndex, row_nbytes
 from dyngen_core.kv.quant.write import (
     DecodeWindowWrite,
     ExactStepRows,
@@ -116,7 +117,8 @@ class QuantStorage:
         mode: "q8", "q6" or "q4".
         bits: (key bits, value bits) overriding the mode's default pair; for measurements.
         recent_window: positions of each running sequence kept unquantized once
-            `reserve_sequences` has been called (0: none). Default: 16 for q6 and q4, 0 for q8
+            `reserve_sequences` has been called (0: none), for as many sequences as
+            `window_capacity` allows. Default: 16 for q6 and q4, 0 for q8
             (`DEFAULT_RECENT_WINDOW`).
         triton_write: write a layer's rows in one Triton launch (`write.quant_write_kernel`)
             instead of the torch twin. None: on CUDA layers with triton installed; True:
@@ -167,15 +169,30 @@ class QuantStorage:
         self.recent_window = window
         self.recent = None
 
-    def reserve_sequences(self, count: int) -> bool:
-        """Make room for the recent-token windows of ``count`` sequences at once (sequence
-        slots 0 .. count - 1); earlier windows are dropped. False (and nothing kept) when
-        ``recent_window`` is 0."""
-        if self.recent_window == 0:
-            return False
-        self.recent = RecentWindow(self.recent_window, count, self.num_kv_heads, self.head_dim,
+    def reserve_sequences(self, count: int) -> int:
+        """Make room for the recent-token windows of up to ``count`` sequences at once, at
+        most `window_capacity`, and return how many (sequence slots 0 .. n - 1; a reader's
+        other slots keep no window); earlier windows are dropped. 0, and nothing kept, when
+        ``recent_window`` is 0 or no window fits."""
+        slots = min(count, self.window_capacity())
+        if slots <= 0:
+            self.recent = None
+            return 0
+        self.recent = RecentWindow(self.recent_window, slots, self.num_kv_heads, self.head_dim,
                                    self.dtype, self.devices)
-        return True
+        return slots
+
+    def window_capacity(self) -> int:
+        """The most sequences `reserve_sequences` keeps windows for: one per page, since every
+        sequence of a step writes into a page of its own (no more can run at once), and no more
+        than fit in the bytes an unquantized storage of the same pages holds beyond these
+        pages (`unquantized_nbytes`), so that no quantized storage outgrows the unquantized
+        one. 0 when ``recent_window`` is 0."""
+        if self.recent_window == 0:
+            return 0
+        spare = (self.unquantized_nbytes() - self.page_nbytes()) // len(self.layers)
+        rows = spare // row_nbytes(self.num_kv_heads, self.head_dim, self.dtype) - 1  # - spare
+        return max(0, min(self.num_pages, rows // self.recent_window))
 
     def clear_sequences(self, seq_slots: Sequence[int]) -> None:
         """Forget the recent rows of ``seq_slots`` (handed to new sequences)."""
@@ -386,8 +403,21 @@ class QuantStorage:
                              f"{self.page_size}")
 
     def nbytes(self) -> int:
-        """Bytes held: the pages (codes, scales, head rows) and the recent windows."""
-        return self.page_nbytes() + (self.recent.nbytes() if self.recent is not None else 0)
+        """Bytes held: the pages (codes, scales, head rows) and the recent windows reserved
+        (`reserve_sequences`); never more than `unquantized_nbytes` (pages of at least a few
+        slots: a page's exact head row alone outweighs a one-slot unquantized page)."""
+        return self.page_nbytes() + self.window_nbytes()
+
+    def window_nbytes(self) -> int:
+        """Bytes of the recent windows reserved (0 before `reserve_sequences`)."""
+        return self.recent.nbytes() if self.recent is not None else 0
+
+    def unquantized_nbytes(self) -> int:
+        """Bytes an unquantized storage (`fp16.FP16Storage`) of the same pages, layers and
+        dtype holds: the footprint no quantized one may exceed."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return (len(self.layers) * self.num_pages * self.page_size
+                * 2 * self.num_kv_heads * self.head_dim * element)
 
     def page_nbytes(self) -> int:
         """Bytes of the page tensors of every layer: codes, scales and the head rows."""

@@ -18,7 +18,8 @@ without a slot, so a write never needs a data-dependent shape (CUDA graphs).
 
 A query at position ``p`` reads key ``j`` from here when ``p - window < j <= p`` and the window
 holds ``j`` (keys written in the same step are read from the step's own rows instead: see
-`attention.sdpa`); every other key comes from the quantized pages.
+`attention.sdpa`); every other key comes from the quantized pages. A sequence without a slot
+(-1) keeps nothing here and reads its earlier keys from the pages alone.
 """
 
 from __future__ import annotations
@@ -142,4 +143,12 @@ class RecentWindow:
             target.positions.index_fill_(0, rows, -1)
 
     def nbytes(self) -> int:
+        """Bytes held over all layers (`row_nbytes` per row and layer)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+
+
+def row_nbytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one row of a `RecentWindow` takes in one layer: its key, its value and the
+    position it records."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_kv_heads * head_dim * element + torch.int32.itemsize
