@@ -10,8 +10,9 @@ In-process: ``--clients`` asyncio tasks at a time each submit one job to the sha
 process (engine and uvicorn there, as in production), and ``--clients`` concurrent
 streaming chat requests (httpx, reading the events with json) go to it from this process.
 The jobs are the same in both: greedy chat replies to distinct questions, at most
-``--new-tokens`` tokens. Each side is warmed up first. Time to first token is from sending the request (in-process: submitting
-the job) to its first text; the overhead is the server's extra share of the whole run's time.
+``--new-tokens`` tokens. Each side is warmed up first. Time to first token is from sending
+the request (in-process: submitting the job) to its first text; the overhead is the
+server's extra share of the whole run's time.
 Replies must be equal on both sides (greedy), else the script exits 1.
 
 Prints one ``BENCH {...}`` JSON line per side and one for the overhead.
