@@ -120,7 +120,7 @@ class GenerationRoutes:
         arrived = time.perf_counter()
         self._check(body.model, body.n)
         prepared = prepare_completions(self.bridge.engine, body)
-        run = await self._start(prepared, body.n, arrived, None)
+        run = await self._start(prepared, body.n, arrived, "prompt")
         if body.stream:
             return self._stream(self._completion_events(body, run))
         choices = await self._collect(run, request)

@@ -57,3 +57,20 @@ def test_requests_normalize_stop_and_prompts() -> None:
     assert chat.stop == ["END"] and chat.token_budget is None
     assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
     assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+
+
+def test_the_serve_command_reads_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dyngen_core.cli.main import build_parser
+    from dyngen_core.serve.options import API_KEY_ENV, serve_options
+
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    args = build_parser().parse_args(["serve", "--model", "/m/Demo", "--port", "0",
+                                      "--cache-tokens", "4096", "--max-batch-size", "8"])
+    options = serve_options(args, args.model)
+    assert (options.model_name, options.port, options.api_key) == ("Demo", 0, "from-env")
+    assert options.engine_options.cache_tokens == 4096
+    assert options.engine_options.max_batch_size == 8
+    args = build_parser().parse_args(["serve", "--model", "/m/Demo", "--api-key", "given",
+                                      "--served-model-name", "x"])
+    assert serve_options(args, args.model).api_key == "given"
+    assert serve_options(args, args.model).model_name == "x"
