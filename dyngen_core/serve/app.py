@@ -105,45 +105,42 @@ def _health(engine: BackgroundGenerator) -> JSONResponse:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(DynGenError, _engine_error)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _unexpected_error)
+    for kind in (RequestError, RequestValidationError, HTTPException, DynGenError, Exception):
+        app.add_exception_handler(kind, _error_response)
 
 
-async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+async def _error_response(_: Request, exc: Exception) -> JSONResponse:
+    """The OpenAI-shaped answer to whatever a request raised."""
+    if isinstance(exc, RequestError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+    if isinstance(exc, RequestValidationError):
+        return _validation_error(exc)
+    if isinstance(exc, HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+    if isinstance(exc, EngineStoppedError):
+        return JSONResponse(error_body(str(exc), "server_error", code="engine_stopped"),
+                            status_code=503)
+    if isinstance(exc, DynGenError):
+        param = "max_tokens" if isinstance(exc, JobTooLargeError) else None
+        return JSONResponse(error_body(str(exc), "invalid_request_error", param),
+                            status_code=400)
+    logger.exception("request failed", exc_info=exc)
+    return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    """A 400 naming the first field that failed validation."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = field_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         param, message = None, f"the body is not valid JSON: {first.get('msg')}"
     else:
         message = f"{param or 'the body'}: {first.get('msg')}"
-        if len(exc.errors()) > 1:
-            message += f" (and {len(exc.errors()) - 1} more problem(s))"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem(s))"
     return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
-
-
-async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
-
-
-async def _engine_error(_: Request, exc: DynGenError) -> JSONResponse:
-    if isinstance(exc, EngineStoppedError):
-        return JSONResponse(error_body(str(exc), "server_error", code="engine_stopped"),
-                            status_code=503)
-    param = "max_tokens" if isinstance(exc, JobTooLargeError) else None
-    return JSONResponse(error_body(str(exc), "invalid_request_error", param), status_code=400)
-
-
-async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("request failed", exc_info=exc)
-    return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
 
 
 # ---- counting --------------------------------------------------------------------------------

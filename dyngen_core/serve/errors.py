@@ -45,18 +45,23 @@ def error_body(message: str, kind: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Location parts pydantic adds for the branches of a union (``str``, ``list[ContentPart]``,
+# ``function-after[...]``): not request fields.
+_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal"})
+
+
 def field_path(location: Sequence[Any]) -> str | None:
     """A dotted request-field path from a validation error's location, without the leading
-    ``body`` (and without pydantic's union-branch names, such as ``str`` or ``list[...]``)."""
-    parts = [str(p) for p in location if p != "body" and not _is_type_name(p)]
+    ``body`` and without the names pydantic gives union branches."""
+    parts = [str(p) for p in location if p != "body" and not _is_branch(p)]
     return ".".join(parts) or None
 
 
-def _is_type_name(part: Any) -> bool:
+def _is_branch(part: Any) -> bool:
+    if isinstance(part, int):
+        return False
     text = str(part)
-    return not isinstance(part, int) and ("[" in text or text in {
-        "str", "int", "float", "bool", "dict", "list", "none", "function-after",
-        "function-before", "literal"}) or text.startswith(("function-", "constrained-"))
+    return text in _BRANCH_NAMES or "[" in text
 
 
 @contextmanager

@@ -74,3 +74,14 @@ def test_the_serve_command_reads_its_options(monkeypatch: pytest.MonkeyPatch) ->
                                       "--served-model-name", "x"])
     assert serve_options(args, args.model).api_key == "given"
     assert serve_options(args, args.model).model_name == "x"
+
+
+def test_validation_errors_name_the_field_inside_a_union() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest(model="m", messages=[{"role": "user",
+                                                    "content": [{"type": "image_url"}]}])
+    paths = {field_path(error["loc"]) for error in caught.value.errors()}
+    assert paths <= {"messages.0.content", "messages.0.content.0.type",
+                     "messages.0.content.0.text"}, paths
