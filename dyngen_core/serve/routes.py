@@ -194,8 +194,6 @@ class GenerationRoutes:
     async def _chat_events(self, body: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
         response_id, created, model = new_id("chatcmpl"), now(), self.options.model_name
         with_usage = body.include_usage
-        opening = [{"index": i, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None} for i in range(len(run.outputs))]
 
         def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
             return _event(chat_chunk(response_id, created, model, choices, usage_, with_usage))
@@ -203,7 +201,9 @@ class GenerationRoutes:
         def choice(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
             return _chat_delta(index, delta, run.outputs[index].num_calls, body.logprobs)
 
-        yield chunk(opening)
+        for index in range(len(run.outputs)):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
         async for event in self._events(run, choice, chunk, with_usage):
             yield event
 

@@ -90,6 +90,12 @@ def test_a_seed_makes_sampling_reproducible(client: Any) -> None:
     first = sample(7)
     assert sample(7) == first
     assert len(set(first + sample(8))) > 1
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8,
+                                                temperature=1.0, seed=7, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == first
 
 
 def test_logprobs_list_the_top_alternatives(client: Any) -> None:
