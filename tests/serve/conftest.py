@@ -1,6 +1,9 @@
 """Fixtures for the server's tests: one server over the demo model's shared engine, started
 in-process (uvicorn on a thread, on a free port), and clients for it.
 
+The server needs the serve extra (FastAPI, uvicorn) and the tests the OpenAI client; `make
+test` installs them. Without them these fixtures fail on the import, naming the package.
+
 The engine options match the adapters' tests, so a whole-project run loads the demo model
 once and every test shares one engine; tests wait for it to be idle before reading its stats.
 """
@@ -9,17 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server's tests need the serve extra (make test "
-                    "installs it)")
+from dyngen_core import BackgroundGenerator, EngineOptions, shared_generator
+from dyngen_core.serve.options import ServeOptions
 
-from dyngen_core import BackgroundGenerator, EngineOptions, shared_generator  # noqa: E402
-from dyngen_core.serve.app import create_app  # noqa: E402
-from dyngen_core.serve.options import ServeOptions  # noqa: E402
-from dyngen_core.serve.server import ServerThread  # noqa: E402
+if TYPE_CHECKING:
+    from dyngen_core.serve.server import ServerThread
 
 DEMO_ENGINE = EngineOptions(cache_tokens=8192, max_batch_size=32)
 MODEL = "demo"
@@ -40,6 +41,9 @@ def engine(serve_options: ServeOptions) -> BackgroundGenerator:
 
 @pytest.fixture(scope="session")
 def server(engine: BackgroundGenerator, serve_options: ServeOptions) -> Iterator[ServerThread]:
+    from dyngen_core.serve.app import create_app
+    from dyngen_core.serve.server import ServerThread
+
     with ServerThread(create_app(engine, serve_options)) as running:
         yield running
 
@@ -48,6 +52,9 @@ def server(engine: BackgroundGenerator, serve_options: ServeOptions) -> Iterator
 def keyed_server(engine: BackgroundGenerator,
                  serve_options: ServeOptions) -> Iterator[ServerThread]:
     """A second server over the same engine that requires `API_KEY`."""
+    from dyngen_core.serve.app import create_app
+    from dyngen_core.serve.server import ServerThread
+
     options = ServeOptions(model_dir=serve_options.model_dir, model_name=MODEL,
                            engine_options=DEMO_ENGINE, api_key=API_KEY)
     with ServerThread(create_app(engine, options)) as running:

@@ -1,16 +1,15 @@
-"""The server's pieces that need no model: error bodies, metrics text, options."""
+"""The server's pieces that need no model (nor FastAPI): error bodies, metrics text,
+options, request schemas."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi")
-
-from dyngen_core import GeneratorStats  # noqa: E402
-from dyngen_core.serve.errors import RequestError, field_path  # noqa: E402
-from dyngen_core.serve.metrics import ENGINE_METRICS, ServerMetrics  # noqa: E402
-from dyngen_core.serve.options import ServeOptions  # noqa: E402
-from dyngen_core.serve.schemas import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from dyngen_core import GeneratorStats
+from dyngen_core.serve.errors import RequestError, field_path
+from dyngen_core.serve.metrics import ENGINE_METRICS, ServerMetrics
+from dyngen_core.serve.options import ServeOptions
+from dyngen_core.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 
 def test_field_paths_drop_body_and_union_branches() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import langchain_openai
 import pytest
 from pydantic import BaseModel, Field
 
 from tests.serve.conftest import MODEL
 
 pytestmark = pytest.mark.demo
-langchain_openai = pytest.importorskip("langchain_openai")
 
 
 class GetWeather(BaseModel):
