@@ -2,7 +2,8 @@
 
 ``convert-gguf`` and ``fetch-demo-model`` make model folders (`cli.convert`); ``generate``,
 ``chat`` and ``bench`` run the engine on a model folder (the demo model when none is given)
-through the public API only: `DynamicGenerator`, `Job`, `SamplerSettings`. Each command imports
+through the public API only: `DynamicGenerator`, `Job`, `SamplerSettings`; ``serve`` runs the
+OpenAI-compatible server of `dyngen_core.serve` (the ``serve`` extra). Each command imports
 what it runs when it starts, so building the parser loads neither torch nor the engine.
 
 Each subcommand is a `Command` (help text, a function adding its arguments to an argparse
@@ -213,6 +214,27 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from dyngen_core.serve.options import add_serve_arguments
+
+    _add_engine_arguments(parser)
+    add_serve_arguments(parser)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        from dyngen_core.serve.server import run_server
+    except ModuleNotFoundError as exc:
+        print(f"dyngen serve: error: {exc}; install the server's extra with "
+              "pip install 'dyngen-core[serve]'", file=sys.stderr)
+        return 1
+    from dyngen_core.cli.convert.demo import fetch_demo_model
+    from dyngen_core.serve.options import serve_options
+
+    run_server(serve_options(args, str(args.model or fetch_demo_model())))
+    return 0
+
+
 # Subcommand name -> Command.
 COMMANDS: dict[str, Command] = {
     "convert-gguf": Command(
@@ -229,6 +251,8 @@ COMMANDS: dict[str, Command] = {
                     _add_chat_arguments, _run_chat),
     "bench": Command("measure prefill and decode throughput at several batch sizes",
                      _add_bench_arguments, _run_bench),
+    "serve": Command("serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
+                     _add_serve_arguments, _run_serve),
 }
 
 

@@ -33,11 +33,13 @@ ALLOWED: dict[str, set[str]] = {
     "model": BASE | {"engine", "ops", "kv"},
     "sampling": BASE | {"engine", "text", "ops"},
     "runtime": BASE | {"engine", "text", "ops", "kv", "model", "sampling"},
-    "cli": BASE | {"engine", "text", "ops", "kv", "model", "sampling", "runtime"},
+    "cli": BASE | {"engine", "text", "ops", "kv", "model", "sampling", "runtime", "serve"},
     "tools": BASE | {"text"},
     "constraints": BASE | {"text"},
     "__init__": {"*"},
     "__main__": {"cli"},
+    # The server uses the public API only (checked like the adapters, in `layer_violations`).
+    "serve": set(),
 }
 TORCH_FREE = ("engine", "text", "errors", "config", "tools", "constraints")
 # Backend modules: the CUDA-graph capture works through the backend protocol only.
@@ -46,6 +48,10 @@ BACKEND_MODULES = ("dyngen_core.kv.attention.sdpa", "dyngen_core.kv.attention.fl
 # What the adapters may import: the package's public names and its public modules.
 PUBLIC_MODULES = {"dyngen_core", "dyngen_core.errors", "dyngen_core.tools",
                   "dyngen_core.constraints"}
+# The server's packages (the optional ``serve`` extra): only serve/ may import them, and of
+# serve/ only the modules the command line reads without them are exempt from needing them.
+SERVER_PACKAGES = ("fastapi", "uvicorn", "starlette")
+SERVE_WITHOUT_SERVER = ("dyngen_core.serve", "dyngen_core.serve.options")
 
 
 def module_name(path: Path) -> str:
@@ -100,6 +106,12 @@ def layer_violations(package: Path) -> list[str]:
             if not target.startswith("dyngen_core."):
                 if me in TORCH_FREE and target.split(".")[0] in ("torch", "triton"):
                     found.append(f"{path}:{line}: the torch-free {me}/ imports {target}")
+                if me != "serve" and target.split(".")[0] in SERVER_PACKAGES:
+                    found.append(f"{path}:{line}: only serve/ may import {target}")
+                continue
+            if me == "serve":
+                if not (target.startswith("dyngen_core.serve.") or is_public(target)):
+                    found.append(f"{path}:{line}: serve/ imports the internal {target}")
                 continue
             layer = part_of(target)
             if layer != me and "*" not in allowed and layer not in allowed:
@@ -109,14 +121,18 @@ def layer_violations(package: Path) -> list[str]:
     return found
 
 
+def is_public(target: str) -> bool:
+    """Whether an imported name is dyngen's public API (a public module or a name in one)."""
+    return target in PUBLIC_MODULES or target.rpartition(".")[0] in PUBLIC_MODULES
+
+
 def adapter_violations(folders: list[Path]) -> list[str]:
     """Imports of dyngen_core internals from the adapters' packages."""
     found = []
     for folder in folders:
         for path in modules_of(folder):
             for line, target in imports(path):
-                if target.startswith("dyngen_core") and target.rpartition(".")[0] not in \
-                        PUBLIC_MODULES and target not in PUBLIC_MODULES:
+                if target.startswith("dyngen_core") and not is_public(target):
                     found.append(f"{path}:{line}: an adapter imports {target}")
     return found
 
@@ -139,7 +155,8 @@ def test_root_holds_only_the_public_surface() -> None:
     assert root <= ROOT_MODULES, f"root modules beyond the public surface: {root - ROOT_MODULES}"
 
 
-@pytest.mark.parametrize("case", ["upward", "torch", "graphs", "adapter"])
+@pytest.mark.parametrize("case", ["upward", "torch", "graphs", "adapter", "server-package",
+                                  "serve-internal"])
 def test_the_rules_catch_a_broken_layer(tmp_path: Path, case: str) -> None:
     """Each rule fails on a tree that breaks it (so the checks above can fail)."""
     fake = tmp_path / "dyngen_core"
@@ -148,6 +165,10 @@ def test_the_rules_catch_a_broken_layer(tmp_path: Path, case: str) -> None:
         "torch": ("engine/pages.py", "def f():\n    import torch\n"),
         "graphs": ("runtime/graphs.py", "from dyngen_core.kv.attention.triton import paged\n"),
         "adapter": ("../adapter/mod.py", "from dyngen_core.engine.job import Job\n"),
+        "server-package": ("runtime/runner.py", "from fastapi import FastAPI\n"),
+        "serve-internal": ("serve/jobs.py", "from dyngen_core import Job\n"
+                                            "from dyngen_core.tools import ToolSpec\n"
+                                            "from dyngen_core.engine.job import Job\n"),
     }[case]
     target = (fake / text[0]).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +229,7 @@ def test_torch_free_layers_import_without_torch() -> None:
 
 
 BLOCK_TRITON = """
-import importlib, importlib.abc, pkgutil, sys
+import importlib, importlib.abc, importlib.util, pkgutil, sys
 
 class BlockTriton(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -218,8 +239,11 @@ class BlockTriton(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, BlockTriton())
 import dyngen_core
+# Without the optional serve extra, serve/'s server modules are checked by the test below.
+has_server = importlib.util.find_spec("fastapi") is not None
 for module in pkgutil.walk_packages(dyngen_core.__path__, "dyngen_core."):
-    if module.name != "dyngen_core.__main__":
+    skipped = not has_server and module.name.startswith("dyngen_core.serve.")
+    if module.name != "dyngen_core.__main__" and not skipped:
         try:
             importlib.import_module(module.name)
         except ImportError as exc:
@@ -232,5 +256,37 @@ def test_every_module_imports_without_triton() -> None:
     `ops.triton_support`, which stands in for it when it is not installed."""
     result = subprocess.run([sys.executable, "-c", BLOCK_TRITON], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not result.stdout.strip(), result.stdout
+
+
+BLOCK_SERVER = """
+import importlib, importlib.abc, pkgutil, sys
+
+class BlockServer(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fastapi", "uvicorn", "starlette"):
+            raise ImportError(f"the server packages are blocked in this test ({name!r})")
+        return None
+
+sys.meta_path.insert(0, BlockServer())
+import dyngen_core
+from dyngen_core.cli.main import build_parser
+for module in pkgutil.walk_packages(dyngen_core.__path__, "dyngen_core."):
+    needs_server = module.name.startswith("dyngen_core.serve.") and module.name not in sys.argv
+    if module.name != "dyngen_core.__main__" and not needs_server:
+        try:
+            importlib.import_module(module.name)
+        except ImportError as exc:
+            print("FAIL", module.name, "->", exc)
+build_parser().parse_args(["serve", "--model", "m", "--api-key", "k"])
+"""
+
+
+def test_the_core_imports_without_the_server_packages() -> None:
+    """dyngen_core works without the ``serve`` extra: no module outside serve/ needs
+    FastAPI or uvicorn, and the command line (``serve`` included) builds without them."""
+    result = subprocess.run([sys.executable, "-c", BLOCK_SERVER, *SERVE_WITHOUT_SERVER],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not result.stdout.strip(), result.stdout

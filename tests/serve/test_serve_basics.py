@@ -1,0 +1,86 @@
+"""The server's pieces that need no model (nor FastAPI): error bodies, metrics text,
+options, request schemas."""
+
+from __future__ import annotations
+
+import pytest
+
+from dyngen_core import GeneratorStats
+from dyngen_core.serve.errors import RequestError, field_path
+from dyngen_core.serve.metrics import ENGINE_METRICS, ServerMetrics
+from dyngen_core.serve.options import ServeOptions
+from dyngen_core.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+
+def test_field_paths_drop_body_and_union_branches() -> None:
+    assert field_path(("body", "messages", 0, "role")) == "messages.0.role"
+    assert field_path(("body", "stop", "list[str]", 5)) == "stop.5"
+    assert field_path(("body",)) is None
+
+
+def test_a_request_error_has_openais_shape() -> None:
+    error = RequestError("n is too big", "n", code="x")
+    assert error.body() == {"error": {"message": "n is too big", "type":
+                                      "invalid_request_error", "param": "n", "code": "x"}}
+    assert error.status == 400
+
+
+def test_metrics_render_every_engine_figure_and_the_request_counts() -> None:
+    stats = GeneratorStats(pages_total=32, pages_referenced=3, pages_cached=5, pages_free=24,
+                           prefill_tokens_computed=100, prefill_tokens_reused=40,
+                           jobs_active=2, jobs_pending=1, draft_tokens_accepted=7,
+                           draft_tokens_rejected=2, preemptions=0)
+    metrics = ServerMetrics()
+    metrics.requests[("/v1/completions", 200)] += 3
+    metrics.first_token(0.5)
+    text = metrics.render(stats, 'my"model')
+    lines = text.splitlines()
+    assert 'dyngen_pages_referenced{model="my\\"model"} 3' in lines
+    assert 'dyngen_prefill_tokens_reused_total{model="my\\"model"} 40' in lines
+    assert 'dyngen_draft_tokens_accepted_total{model="my\\"model"} 7' in lines
+    assert 'dyngen_http_requests_total{endpoint="/v1/completions",status="200"} 3' in lines
+    assert "dyngen_time_to_first_token_seconds_count 1" in lines
+    declared = [line.split()[2] for line in lines if line.startswith("# TYPE")]
+    assert len(declared) == len(set(declared)) == len(ENGINE_METRICS) + 4
+
+
+def test_options_name_the_model_after_its_folder_and_refuse_an_empty_key() -> None:
+    assert ServeOptions(model_dir="/models/SmolLM2").model_name == "SmolLM2"
+    with pytest.raises(ValueError, match="api_key is empty"):
+        ServeOptions(model_dir="/m", api_key="")
+
+
+def test_requests_normalize_stop_and_prompts() -> None:
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 stop="END")
+    assert chat.stop == ["END"] and chat.token_budget is None
+    assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+
+
+def test_the_serve_command_reads_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dyngen_core.cli.main import build_parser
+    from dyngen_core.serve.options import API_KEY_ENV, serve_options
+
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    args = build_parser().parse_args(["serve", "--model", "/m/Demo", "--port", "0",
+                                      "--cache-tokens", "4096", "--max-batch-size", "8"])
+    options = serve_options(args, args.model)
+    assert (options.model_name, options.port, options.api_key) == ("Demo", 0, "from-env")
+    assert options.engine_options.cache_tokens == 4096
+    assert options.engine_options.max_batch_size == 8
+    args = build_parser().parse_args(["serve", "--model", "/m/Demo", "--api-key", "given",
+                                      "--served-model-name", "x"])
+    assert serve_options(args, args.model).api_key == "given"
+    assert serve_options(args, args.model).model_name == "x"
+
+
+def test_validation_errors_name_the_field_inside_a_union() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest(model="m", messages=[{"role": "user",
+                                                    "content": [{"type": "image_url"}]}])
+    paths = {field_path(error["loc"]) for error in caught.value.errors()}
+    assert paths <= {"messages.0.content", "messages.0.content.0.type",
+                     "messages.0.content.0.text"}, paths
