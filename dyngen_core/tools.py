@@ -41,6 +41,7 @@ from dyngen_core.text.tools import (
     InvalidToolCall,
     ToolCall,
     ToolCallParser,
+    ToolFormat,
     ToolSpec,
     ToolStreamDelta,
     call_dict,
@@ -54,12 +55,14 @@ from dyngen_core.text.tools import (
     template_supports_tools,
     tool_calls_schema,
     tool_choice_constraint,
+    tool_format_for,
 )
 
 __all__ = [
     "InvalidToolCall",
     "ToolCall",
     "ToolCallParser",
+    "ToolFormat",
     "ToolSpec",
     "ToolStreamDelta",
     "call_dict",
@@ -73,4 +76,5 @@ __all__ = [
     "template_supports_tools",
     "tool_calls_schema",
     "tool_choice_constraint",
+    "tool_format_for",
 ]
