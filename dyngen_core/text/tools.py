@@ -252,7 +252,9 @@ def tool_choice_constraint(
     format (``tool_format``, `tool_format_for` of its template; dyngen's JSON list when None
     or "json"), or one fenced JSON call (```` ```json ````) or call list. Text may not start
     with ``[``, ``{``, a space or an opening ```` ```json ````, nor hold the format's marker,
-    so a call the model starts is always well-formed and matches its tool's schema. "none":
+    so a call the model starts is always well-formed and matches its tool's schema. Hermes
+    and Mistral calls may follow text where their marker is one token of the vocabulary
+    (``tool_format.marker_id``); where it is plain text, calls come first. "none":
     such text only, so no call can be made. Without tools: None.
     """
     if not tools:
@@ -292,7 +294,9 @@ def _auto_grammar(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolFo
         rules.append(f"native: {tag} one")
     else:
         rules.append("native: many")
-    lead = "TEXT? native" if tool_format.name in ("hermes", "mistral") else "native"
+    # Text before calls, where the marker is a token (a text lexeme ends where it comes).
+    text_first = tool_format.name in ("hermes", "mistral") and tool_format.marker_id is not None
+    lead = "TEXT? native" if text_first else "native"
     return "\n".join([f"start: TEXT | {lead} | fenced", *rules]) + "\n"
 
 
