@@ -10,10 +10,9 @@ Output format. A model calls tools by answering with a JSON list, and nothing el
     [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 This is what `tool_calls_schema` enforces by constrained decoding (tool_choice "required" or a
-tool name) and what `fallback_messages` writes for past calls. The parser also reads the formats
-that models trained on native tool templates produce by themselves: a single
-``{"name": ..., "arguments"|"parameters": ...}`` object and ``<tool_call>{...}</tool_call>``
-blocks (Hermes, Qwen), with text around them kept as content.
+tool name) and what `fallback_messages` writes for past calls. Models trained on native tool
+templates write calls their own way (`ToolFormat`, read from the template by `tool_format_for`):
+the parser reads those formats, and the "auto" constraint steers into the model's own.
 
 Templates. When a model's chat template handles ``tools`` (it reads a ``tools`` variable), the
 adapters pass the tools and HF-style messages to it. Otherwise `fallback_messages` is the
