@@ -249,9 +249,10 @@ def tool_choice_constraint(
     "required" or a tool name: `tool_calls_schema` (a call list must come). "auto": a grammar
     that steers without forcing: the reply is text, or calls of the tools in the model's own
     format (``tool_format``, `tool_format_for` of its template; dyngen's JSON list when None
-    or "json"), or one fenced JSON call (```` ```json ````) or call list. Text may not start
-    with ``[``, ``{``, a space or an opening ```` ```json ````, nor hold the format's marker,
-    so a call the model starts is always well-formed and matches its tool's schema. Hermes
+    or "json"), or a bare JSON call or call list, or a fenced one (```` ```json ````). Text
+    may not start with ``[``, ``{``, a space or an opening ```` ```json ````, nor hold the
+    format's marker, so a call the model starts is always well-formed and matches its tool's
+    schema (a Llama call says "parameters" where the others say "arguments"). Hermes
     and Mistral calls may follow text where their marker is one token of the vocabulary
     (``tool_format.marker_id``); where it is plain text, calls come first. "none":
     such text only, so no call can be made. Without tools: None.
@@ -282,21 +283,22 @@ def _auto_grammar(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolFo
         'fenced: "```json\\n" (one | many) "\\n```"',
     ]
     opener = _token_or_text(tool_format.marker_id, marker)
+    # A bare call object or list is allowed in every format (models drop their markers at
+    # times), and a fenced one; ``native`` adds the format's marked calls.
+    starts = ["TEXT", "one", "many", "fenced"]
     if tool_format.name == "hermes":
         closer = _token_or_text(tool_format.end_id, tool_format.closer)
         rules.append(f'call: {opener} "\\n" one "\\n" {closer}')
         rules.append('native: call ("\\n" call)*' if parallel else "native: call")
     elif tool_format.name == "mistral":
         rules.append(f'native: {opener} " "? many')
-    elif tool_format.name == "llama":
-        tag = f"{opener}?" if tool_format.marker_id is not None else ""
-        rules.append(f"native: {tag} one")
-    else:
-        rules.append("native: many")
-    # Text before calls, where the marker is a token (a text lexeme ends where it comes).
-    text_first = tool_format.name in ("hermes", "mistral") and tool_format.marker_id is not None
-    lead = "TEXT? native" if text_first else "native"
-    return "\n".join([f"start: TEXT | {lead} | fenced", *rules]) + "\n"
+    elif tool_format.name == "llama" and tool_format.marker_id is not None:
+        rules.append(f"native: {opener} one")
+    if any(rule.startswith("native:") for rule in rules):
+        # Text before calls, where the marker is a token (a text lexeme ends where it comes).
+        text_first = tool_format.name != "llama" and tool_format.marker_id is not None
+        starts.append("TEXT? native" if text_first else "native")
+    return "\n".join([f"start: {' | '.join(starts)}", *rules]) + "\n"
 
 
 def _token_or_text(token_id: int | None, text: str | None) -> str:

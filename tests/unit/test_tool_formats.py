@@ -274,6 +274,10 @@ ADD_CALL = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     (SMOLLM2_TEMPLATE, f"[{WEATHER_CALL}, {ADD_CALL}]"),
     (QWEN25_TEMPLATE, f"```json\n{WEATHER_CALL}\n```"),
     (SMOLLM2_TEMPLATE, f"```json\n[{WEATHER_CALL}]\n```"),
+    # A bare call, its marker dropped: still allowed, and still kept valid.
+    (QWEN25_TEMPLATE, WEATHER_CALL),
+    (MISTRAL_TEMPLATE, f"[{WEATHER_CALL}]"),
+    (SMOLLM2_TEMPLATE, WEATHER_CALL),
 ])
 def test_auto_allows_calls_in_the_templates_format(vocabulary: Any, template: str,
                                                   call: str) -> None:
@@ -286,7 +290,7 @@ def test_auto_allows_calls_in_the_templates_format(vocabulary: Any, template: st
     (QWEN25_TEMPLATE, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
     (QWEN25_TEMPLATE, '<tool_call>\n{"name": "add", "arguments": {"a": "one", "b": 2}}\n'
                       "</tool_call>"),
-    (QWEN25_TEMPLATE, f"[{WEATHER_CALL}]"),  # not this template's format
+    (QWEN25_TEMPLATE, '[{"name": "get_time", "arguments": {}}]'),
     (LLAMA31_TEMPLATE, WEATHER_CALL),  # Llama's calls say "parameters"
     (MISTRAL_TEMPLATE, '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'),
     (SMOLLM2_TEMPLATE, '```json\n{"name": "get_time", "arguments": {}}\n```'),
