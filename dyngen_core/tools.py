@@ -12,11 +12,18 @@ Output format. A model calls tools by answering with a JSON list, and nothing el
 tool_choice. `normalize_tool_choice(tool_choice, tools)` maps what callers pass (None/"auto",
 "none", "any"/"required"/True, a tool name, ``{"type": "function", "function": {"name": ...}}``)
 to "auto", "none", "required" or a tool name, and raises ValueError for a name not among the
-tools. `tool_choice_constraint(tools, choice, parallel=True)` is the ``Job(constraint=...)``
-that enforces it: "required" or a name forces a call list matching the tools' schemas
-(`tool_calls_schema`; exactly one call for a name, or unless ``parallel``); "auto" allows
-either such a call list or text that does not start with ``[``, ``{`` or a space; "none" allows
-only such text; without tools it is None.
+tools. `tool_choice_constraint(tools, choice, parallel=True, tool_format=None)` is the
+``Job(constraint=...)`` that enforces it: "required" or a name forces a call list matching the
+tools' schemas (`tool_calls_schema`; exactly one call for a name, or unless ``parallel``);
+"auto" steers without forcing: text that does not start with ``[``, ``{``, a space or
+```` ```json ````, or calls in the model's own format, or one fenced JSON call or call list;
+"none" allows only such text; without tools it is None.
+
+Formats. `tool_format_for(chat_template, tokenizer.piece_to_id)` reads the `ToolFormat` a
+model's template teaches: "hermes" (``<tool_call>{...}</tool_call>``: Qwen2/2.5/3, Hermes),
+"llama" (a bare ``{"name", "parameters"}`` object, maybe after ``<|python_tag|>``: Llama 3.x),
+"mistral" (``[TOOL_CALLS] [...]``) or "json" (the output format above: templates without
+tools, SmolLM). Pass it to `tool_choice_constraint` and `ToolCallParser`.
 
 Prompt. When the model's chat template reads a ``tools`` variable (`template_supports_tools`),
 pass it the tools (`ToolSpec.as_dict`) and HF-style messages. Otherwise
@@ -26,13 +33,17 @@ knows nothing of tools: a system message lists the tools and the output format
 results become user messages. `inline_refs` inlines a schema's local ``$ref``s (recursive
 schemas raise ValueError).
 
-Reading calls. `ToolCallParser` reads calls out of output as it streams: `push(text)` and
-`finish()` each return a `ToolStreamDelta` (``content`` to show, completed ``calls`` as
-`ToolCall` with name, arguments and id, and ``invalid`` as `InvalidToolCall`);
-`parse_tool_calls(text)` reads a whole output. Besides the output format it reads a single
-``{"name", "arguments"|"parameters"}`` object and ``<tool_call>{...}</tool_call>`` blocks
-(Hermes, Qwen), keeping the text around them as content. `new_call_id` makes a call id;
-`call_dict` reads an OpenAI-, LangChain- or plain-style call into ``{"name", "arguments"}``.
+Reading calls. `ToolCallParser(tool_names=None, tool_format=None)` reads calls out of output
+as it streams: `push(text)` and `finish()` each return a `ToolStreamDelta` (``content`` to show,
+completed ``calls`` as `ToolCall` with name, arguments and id, and ``invalid`` as
+`InvalidToolCall`); `parse_tool_calls(text, tool_names=None, tool_format=None)` reads a whole
+output. It reads the output format, a single ``{"name", "arguments"|"parameters"}`` object, a
+fenced JSON call or call list that is the whole message (with ``tool_names`` given), and the
+format's marked calls (``<tool_call>`` blocks, ``<|python_tag|>``, ``[TOOL_CALLS]``; all three
+when the format is "json" or None), keeping the text around them as content. With
+``tool_names``, a bare or fenced call counts only when it names a bound tool: text that shows
+a call of something else stays content. `new_call_id` makes a call id; `call_dict` reads an
+OpenAI-, LangChain- or plain-style call into ``{"name", "arguments"}``.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from dyngen_core.text.tools import (
     InvalidToolCall,
     ToolCall,
     ToolCallParser,
+    ToolFormat,
     ToolSpec,
     ToolStreamDelta,
     call_dict,
@@ -54,12 +66,14 @@ from dyngen_core.text.tools import (
     template_supports_tools,
     tool_calls_schema,
     tool_choice_constraint,
+    tool_format_for,
 )
 
 __all__ = [
     "InvalidToolCall",
     "ToolCall",
     "ToolCallParser",
+    "ToolFormat",
     "ToolSpec",
     "ToolStreamDelta",
     "call_dict",
@@ -73,4 +87,5 @@ __all__ = [
     "template_supports_tools",
     "tool_calls_schema",
     "tool_choice_constraint",
+    "tool_format_for",
 ]

@@ -4,8 +4,9 @@ the output format). Pure Python."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,24 +64,98 @@ class ToolStreamDelta:
     invalid: list[InvalidToolCall] = field(default_factory=list)
 
 
+_PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_TAG = "[TOOL_CALLS]"
+_FENCE = "```"
+# The markers each format's calls start with; formats without one of their own read them all.
+_MARKERS = {"hermes": (_TAG_OPEN,), "llama": (_PYTHON_TAG,), "mistral": (_MISTRAL_TAG,)}
+_ALL_MARKERS = (_TAG_OPEN, _PYTHON_TAG, _MISTRAL_TAG)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes tool calls, as its chat template shows it (`tool_format_for`).
+
+    name: "hermes" (``<tool_call>{...}</tool_call>`` blocks: Qwen2/2.5/3, Hermes), "llama" (a
+    bare ``{"name", "parameters"}`` object, maybe after ``<|python_tag|>``: Llama 3.1-3.3),
+    "mistral" (``[TOOL_CALLS]`` then a JSON list of calls), or "json" (no format of its own:
+    dyngen's JSON call list, the fallback prompt's format).
+    marker_id, end_id: the ids of the marker that opens a call (and of ``</tool_call>``) when
+    each is one token of the vocabulary, else None.
+    """
+
+    name: str = "json"
+    marker_id: int | None = None
+    end_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in ("json", "hermes", "llama", "mistral"):
+            raise JobError(f"unknown tool call format {self.name!r}; use 'json', 'hermes', "
+                           "'llama' or 'mistral'")
+
+    @property
+    def marker(self) -> str | None:
+        """The text that opens a call in this format, or None ("json")."""
+        markers = _MARKERS.get(self.name)
+        return markers[0] if markers else None
+
+    @property
+    def closer(self) -> str | None:
+        """The text that closes a call in this format (``</tool_call>``), or None."""
+        return _TAG_CLOSE if self.name == "hermes" else None
+
+
+def tool_format_for(template: str | None,
+                    piece_to_id: Callable[[str], int | None] | None = None) -> ToolFormat:
+    """The tool call format a chat template teaches, read from the template's text:
+    ``[TOOL_CALLS]`` is Mistral's, ``<tool_call>`` Hermes' (Qwen), ``<|python_tag|>`` or
+    Llama's ``"parameters"`` instruction Llama's; a template that renders no tools, or none of
+    these, gets "json". ``piece_to_id`` (a tokenizer's) finds the markers' token ids."""
+    if not template or not re.search(r"\btools\b", template):
+        return ToolFormat()
+    if _MISTRAL_TAG in template:
+        name = "mistral"
+    elif _TAG_OPEN in template:
+        name = "hermes"
+    elif _PYTHON_TAG in template or '"parameters": dictionary of argument' in template:
+        name = "llama"
+    else:
+        return ToolFormat()
+    marker = _MARKERS[name][0]
+    lookup = piece_to_id or (lambda _piece: None)
+    return ToolFormat(name, lookup(marker), lookup(_TAG_CLOSE) if name == "hermes" else None)
+
+
 class ToolCallParser:
     """Reads tool calls out of model output as it streams.
 
     Text is shown at once unless it may belong to a call: output whose first non-space character
-    is ``[`` or ``{`` is held as a JSON call list or call object, and a ``<tool_call>`` block is
-    held until it closes. Each call is reported when its JSON value completes. `finish` reports
-    held text that turned out not to be calls as content (or, when a call was cut off, as an
-    invalid call).
+    is ``[`` or ``{`` is held as a JSON call list or call object; output that opens with a
+    fence (```` ```json ````) is held while it may be a fenced call; a ``<tool_call>`` block is
+    held until it closes; after ``<|python_tag|>`` or ``[TOOL_CALLS]`` the rest is read as JSON
+    calls. Each call is reported when its JSON value completes, a fenced one at the end (it is
+    a call only when it is the whole message). `finish` reports held text that turned out not
+    to be calls as content (or, when a call was cut off, as an invalid call).
+
+    tool_names: the bound tools. Given, a bare or fenced JSON call counts only when it names
+    one of them (text that shows a call of something else is content). tool_format: the
+    model's `ToolFormat`; its marker is the one read (all of them for "json" or None).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Iterable[str] | None = None,
+                 tool_format: ToolFormat | None = None) -> None:
+        self._names = frozenset(tool_names) if tool_names is not None else None
+        own = _MARKERS.get(tool_format.name) if tool_format is not None else None
+        self._markers = own or _ALL_MARKERS
+        self._longest = max(len(m) for m in (*self._markers, _TAG_CLOSE))
         self._pending = ""       # text not yet classified or not yet released
-        self._mode = "start"     # "start", "text", "json", "tag"
+        self._mode = "start"     # "start", "text", "json", "tag", "fence"
         # While only spaces came ("start") or a <tool_call> block is open ("tag"), pushed text
         # waits here unjoined, so a long wait costs linear time; ``_last`` holds its end.
         self._waiting: list[str] = []
         self._last = ""
-        self._json = _JsonCallScanner()
+        self._json = _JsonCallScanner(self._names)
+        self._fence: _FencedCall | None = None
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
 
@@ -133,6 +208,12 @@ class ToolCallParser:
         elif self._mode == "tag":
             delta.invalid.append(InvalidToolCall(held, "the <tool_call> block was not closed",
                                                  new_call_id()))
+        elif self._mode == "fence" and self._fence is not None:
+            calls = self._fence.calls()
+            if calls:
+                delta.calls += calls
+            else:
+                delta.content += self._fence.raw()
         else:
             delta.content += held
         self._mode = "text"
@@ -143,15 +224,17 @@ class ToolCallParser:
     def _step(self, delta: ToolStreamDelta) -> bool:
         """Consume some of the pending text; True when another step may make progress."""
         if self._mode == "start":
-            stripped = self._pending.lstrip()
-            if not stripped:
-                return False
-            self._mode = "json" if stripped[0] in "[{" else "text"
-            return True
+            return self._classify_start()
         if self._mode == "json":
             self._pending, text = "", self._pending
             delta.calls += self._json.feed(text)
             return False
+        if self._mode == "fence" and self._fence is not None:
+            self._pending, text = "", self._pending
+            if self._fence.feed(text):
+                return False
+            self._pending, self._mode = self._fence.raw(), "text"
+            return True
         if self._mode == "tag":
             end = self._pending.find(_TAG_CLOSE)
             if end < 0:
@@ -159,25 +242,58 @@ class ToolCallParser:
             body, self._pending = self._pending[:end], self._pending[end + len(_TAG_CLOSE):]
             self._mode = "text"
             try:
-                delta.calls += _calls_from_value(json.loads(body))
+                delta.calls += _calls_from_value(_loads_call(body))
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 delta.invalid.append(InvalidToolCall(body.strip(), str(exc), new_call_id()))
             return True
-        start = self._pending.find(_TAG_OPEN)
-        if start >= 0:
-            delta.content += self._pending[:start]
-            self._pending = self._pending[start + len(_TAG_OPEN):]
+        return self._step_text(delta)
+
+    def _classify_start(self) -> bool:
+        """At the start of the output: choose what the first non-space text is."""
+        stripped = self._pending.lstrip()
+        if not stripped:
+            return False
+        for marker in self._markers:
+            if stripped.startswith(marker):
+                self._open_marker(marker, stripped[len(marker):])
+                return True
+            if marker.startswith(stripped):
+                return False  # may still become the marker
+        if stripped.startswith(_FENCE) and self._names:
+            self._mode, self._fence = "fence", _FencedCall(self._names)
+        elif _FENCE.startswith(stripped) and self._names:
+            return False
+        else:
+            self._mode = "json" if stripped[0] in "[{" else "text"
+        return True
+
+    def _open_marker(self, marker: str, rest: str) -> None:
+        """A call marker was read; ``rest`` is the text after it."""
+        self._pending = rest
+        if marker == _TAG_OPEN:
             self._mode = "tag"
+        else:  # what follows <|python_tag|> or [TOOL_CALLS] is the calls' JSON
+            self._mode, self._json = "json", _JsonCallScanner(None)
+
+    def _step_text(self, delta: ToolStreamDelta) -> bool:
+        """In text: release it up to the first call marker (or a partial one at the end)."""
+        found = [(at, m) for m in self._markers if (at := self._pending.find(m)) >= 0]
+        if found:
+            start, marker = min(found)
+            delta.content += self._pending[:start]
+            self._open_marker(marker, self._pending[start + len(marker):])
             return True
-        keep = _partial_suffix(self._pending, _TAG_OPEN)
+        keep = max(_partial_suffix(self._pending, m) for m in self._markers)
         delta.content += self._pending[:len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep:]
         return False
 
 
-def parse_tool_calls(text: str) -> ToolStreamDelta:
-    """Read a whole output: its content (text outside calls), calls and invalid calls."""
-    parser = ToolCallParser()
+def parse_tool_calls(text: str, tool_names: Iterable[str] | None = None,
+                     tool_format: ToolFormat | None = None) -> ToolStreamDelta:
+    """Read a whole output: its content (text outside calls), calls and invalid calls
+    (``tool_names`` and ``tool_format`` as for `ToolCallParser`)."""
+    parser = ToolCallParser(tool_names, tool_format)
     first = parser.push(text)
     last = parser.finish()
     return ToolStreamDelta(first.content + last.content, first.calls + last.calls,
@@ -190,6 +306,18 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def _loads_call(body: str) -> Any:
+    """``body`` read as JSON; a call written with doubled braces (``{{"name": ...}}``, as some
+    templates show the format) is read without them."""
+    try:
+        return json.loads(body)
+    except ValueError:
+        text = body.strip()
+        if text.startswith("{{") and text.endswith("}}"):
+            return json.loads(text[1:-1])
+        raise
 
 
 def _calls_from_value(value: Any) -> list[ToolCall]:
@@ -214,9 +342,11 @@ class _JsonCallScanner:
     as soon as its closing brace arrives. Tracks nesting and strings, nothing more.
 
     ``raw`` is the text fed up to the value's end, ``tail`` what came after it; both are kept
-    in pieces and joined when read, so feeding costs time linear in the text."""
+    in pieces and joined when read, so feeding costs time linear in the text. With ``names``,
+    only calls of those tools count."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        self._names = names
         self._raw: list[str] = []
         self._tail: list[str] = []
         self._item: list[str] | None = None  # the pieces of the call object being read
@@ -283,11 +413,72 @@ class _JsonCallScanner:
 
     def _close_item(self, body: str) -> list[ToolCall]:
         try:
-            calls = _calls_from_value(json.loads(body))
+            calls = _calls_from_value(_loads_call(body))
         except (ValueError, KeyError, TypeError, RecursionError):
             return []
-        self.found_any = True
+        if self._names is not None:
+            calls = [call for call in calls if call.name in self._names]
+        self.found_any = self.found_any or bool(calls)
         return calls
+
+
+_BRACKET = re.compile(r"[\[{]")
+_FENCE_TAGS = ("", "json")
+_HEADER_LIMIT = 64  # longest text before the JSON of a fenced call: the fence and its tag
+
+
+class _FencedCall:
+    """Follows output that opens with a code fence while it may be a fenced JSON call
+    (```` ```json ````, then a call object or list naming bound tools, then the closing fence
+    and nothing else). `feed` says whether it still may be; `calls` gives the calls once the
+    output has ended. Held text is kept in pieces (`raw`), so feeding costs linear time."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self._raw: list[str] = []
+        self._head = ""      # the text before the JSON: spaces, the fence, its tag
+        self._in_body = False
+        self._json = _JsonCallScanner(names)
+        self._closing = ""   # the non-space text after the JSON
+        self._found: list[ToolCall] = []
+
+    def raw(self) -> str:
+        return _joined(self._raw)
+
+    def feed(self, text: str) -> bool:
+        """Add output; False once it cannot be a fenced call."""
+        self._raw.append(text)
+        if not self._in_body:
+            rest = self._read_head(text)
+            if rest is None:
+                return False
+            text = rest
+        if text and not self._json.done:
+            self._found += self._json.feed(text)
+            text = self._json.tail if self._json.done else ""
+        self._closing += "".join(text.split())
+        return _FENCE.startswith(self._closing)
+
+    def calls(self) -> list[ToolCall]:
+        """The calls, when the whole output was one fenced call of bound tools (else none)."""
+        whole = self._json.done and self._closing in ("", _FENCE)
+        return self._found if whole else []
+
+    def _read_head(self, text: str) -> str | None:
+        """Read the fence's opening; the text from the JSON's first bracket on ('' before
+        it), or None when this is not the opening of a fenced call."""
+        bracket = _BRACKET.search(text)
+        self._head += text if bracket is None else text[:bracket.start()]
+        head = self._head.lstrip()
+        tag, newline, after = head[len(_FENCE):].partition("\n")
+        tag = tag.strip()
+        fits = len(self._head) <= _HEADER_LIMIT and not after.strip() and (
+            tag in _FENCE_TAGS if newline or bracket else "json".startswith(tag))
+        if not fits:
+            return None
+        if bracket is None:
+            return ""
+        self._in_body = True
+        return text[bracket.start():]
 
 
 def _joined(parts: list[str]) -> str:

@@ -10,10 +10,9 @@ Output format. A model calls tools by answering with a JSON list, and nothing el
     [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 This is what `tool_calls_schema` enforces by constrained decoding (tool_choice "required" or a
-tool name) and what `fallback_messages` writes for past calls. The parser also reads the formats
-that models trained on native tool templates produce by themselves: a single
-``{"name": ..., "arguments"|"parameters": ...}`` object and ``<tool_call>{...}</tool_call>``
-blocks (Hermes, Qwen), with text around them kept as content.
+tool name) and what `fallback_messages` writes for past calls. Models trained on native tool
+templates write calls their own way (`ToolFormat`, read from the template by `tool_format_for`):
+the parser reads those formats, and the "auto" constraint steers into the model's own.
 
 Templates. When a model's chat template handles ``tools`` (it reads a ``tools`` variable), the
 adapters pass the tools and HF-style messages to it. Otherwise `fallback_messages` is the
@@ -35,10 +34,12 @@ from dyngen_core.text.tool_parser import (
     InvalidToolCall,
     ToolCall,
     ToolCallParser,
+    ToolFormat,
     ToolStreamDelta,
     call_dict,
     new_call_id,
     parse_tool_calls,
+    tool_format_for,
 )
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
@@ -234,42 +235,94 @@ def tool_calls_schema(
     return schema
 
 
-# "auto": the call list, or text that does not start like one (Lark as llguidance reads it;
-# %json embeds a JSON schema). "none": only such text.
-_AUTO_GRAMMAR = "start: calls | text\ncalls: %json {schema}\ntext: /[^\\[{{\\s][\\s\\S]*/\n"
+# "none": only text that does not start like a JSON call.
 _TEXT_ONLY = r"[^\[{\s][\s\S]*"
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def tool_choice_constraint(
-    tools: Sequence[ToolSpec], tool_choice: str, parallel: bool = True
+    tools: Sequence[ToolSpec], tool_choice: str, parallel: bool = True,
+    tool_format: ToolFormat | None = None,
 ) -> Constraint | dict[str, Any] | None:
     """The constraint that enforces ``tool_choice`` on a reply, for ``Job(constraint=...)``.
 
     "required" or a tool name: `tool_calls_schema` (a call list must come). "auto": a grammar
-    allowing either that call list (any of the tools) or text that does not start with ``[``,
-    ``{`` or a space, so a call the model chooses to make is always well-formed and matches
-    its tool's schema. "none": such text only, so no call can be made. Without tools: None.
+    that steers without forcing: the reply is text, or calls of the tools in the model's own
+    format (``tool_format``, `tool_format_for` of its template; dyngen's JSON list when None
+    or "json"), or a bare JSON call or call list, or a fenced one (```` ```json ````). Text
+    may not start with ``[``, ``{``, a space or an opening ```` ```json ````, nor hold the
+    format's marker, so a call the model starts is always well-formed and matches its tool's
+    schema (a Llama call says "parameters" where the others say "arguments"). Hermes
+    and Mistral calls may follow text where their marker is one token of the vocabulary
+    (``tool_format.marker_id``); where it is plain text, calls come first. "none":
+    such text only, so no call can be made. Without tools: None.
     """
     if not tools:
         return None
     if tool_choice == "none":
         return Constraint.regex(_TEXT_ONLY)
     if tool_choice == "auto":
-        schema = tool_calls_schema(tools, "required", parallel)
-        # Compact separators, as JSON-schema constraints have (no whitespace to loop on).
-        schema = {**(schema or {}), "x-guidance": _COMPACT_JSON}
-        return Constraint.grammar(_AUTO_GRAMMAR.format(schema=json.dumps(schema)))
+        return Constraint.grammar(_auto_grammar(tools, parallel, tool_format or ToolFormat()))
     return tool_calls_schema(tools, tool_choice, parallel)
 
 
-def _call_schema(tool: ToolSpec, at: str) -> dict[str, Any]:
-    """The schema of one call of ``tool``, to sit at JSON pointer ``at`` of the whole schema."""
-    arguments = _arguments_schema(tool, f"{at}/properties/arguments")
+def _auto_grammar(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolFormat) -> str:
+    """The Lark grammar (as llguidance reads it; %json embeds a JSON schema) of "auto": text,
+    calls in ``tool_format``, or a fenced call."""
+    key = "parameters" if tool_format.name == "llama" else "arguments"
+    single = json.dumps({**_one_call_schema(tools, key), "x-guidance": _COMPACT_JSON})
+    marker = tool_format.marker
+    text = r"/[^\[{\s][\s\S]*/ & ~/```json[\s\S]*/"
+    if marker is not None and tool_format.marker_id is None:
+        # The marker is plain text for this vocabulary: text may not hold it.
+        text += f" & ~/[\\s\\S]*{re.escape(marker)}[\\s\\S]*/"
+    rules = [
+        f"TEXT: {text}",
+        f"one: %json {single}",  # the tools' schemas appear once
+        'many: "[" one (", " one)* "]"' if parallel else 'many: "[" one "]"',
+        'fenced: "```json\\n" (one | many) "\\n```"',
+    ]
+    opener = _token_or_text(tool_format.marker_id, marker)
+    # A bare call object or list is allowed in every format (models drop their markers at
+    # times), and a fenced one; ``native`` adds the format's marked calls.
+    starts = ["TEXT", "one", "many", "fenced"]
+    if tool_format.name == "hermes":
+        closer = _token_or_text(tool_format.end_id, tool_format.closer)
+        rules.append(f'call: {opener} "\\n" one "\\n" {closer}')
+        rules.append('native: call ("\\n" call)*' if parallel else "native: call")
+    elif tool_format.name == "mistral":
+        rules.append(f'native: {opener} " "? many')
+    elif tool_format.name == "llama" and tool_format.marker_id is not None:
+        rules.append(f"native: {opener} one")
+    if any(rule.startswith("native:") for rule in rules):
+        # Text before calls, where the marker is a token (a text lexeme ends where it comes).
+        text_first = tool_format.name != "llama" and tool_format.marker_id is not None
+        starts.append("TEXT? native" if text_first else "native")
+    return "\n".join([f"start: {' | '.join(starts)}", *rules]) + "\n"
+
+
+def _token_or_text(token_id: int | None, text: str | None) -> str:
+    """A grammar item for a marker: its token, or its text when it is not one token."""
+    if token_id is not None:
+        return f"<[{token_id}]>"
+    return json.dumps(text or "")
+
+
+def _one_call_schema(tools: Sequence[ToolSpec], key: str) -> dict[str, Any]:
+    """The schema of one call of any of ``tools``, at the root of its own schema."""
+    if len(tools) == 1:
+        return _call_schema(tools[0], "", key)
+    return {"anyOf": [_call_schema(t, f"/anyOf/{i}", key) for i, t in enumerate(tools)]}
+
+
+def _call_schema(tool: ToolSpec, at: str, key: str = "arguments") -> dict[str, Any]:
+    """The schema of one call of ``tool``, to sit at JSON pointer ``at`` of the whole schema;
+    ``key`` names its arguments ("parameters" in Llama's format)."""
+    arguments = _arguments_schema(tool, f"{at}/properties/{key}")
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": arguments},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, key: arguments},
+        "required": ["name", key],
         "additionalProperties": False,
     }
 
@@ -395,8 +448,10 @@ def inline_refs(schema: dict[str, Any], max_nodes: int = INLINED_NODES_LIMIT) ->
 
 
 __all__ = [
-    "INLINED_NODES_LIMIT", "InvalidToolCall", "ToolCall", "ToolCallParser", "ToolSpec",
-    "ToolStreamDelta", "fallback_messages", "format_tool_calls", "inline_refs", "new_call_id",
+    "INLINED_NODES_LIMIT", "InvalidToolCall", "ToolCall", "ToolCallParser", "ToolFormat",
+    "ToolSpec", "ToolStreamDelta", "fallback_messages", "format_tool_calls", "inline_refs",
+    "new_call_id",
     "normalize_tool_choice", "parse_tool_calls", "render_tools_prompt",
     "template_supports_tools", "tool_calls_schema", "tool_choice_constraint",
+    "tool_format_for",
 ]

@@ -10,13 +10,14 @@ Non-streaming calls merge these same chunks, so both paths give the same message
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from langchain_core.messages import AIMessageChunk
 from langchain_core.messages.tool import ToolCallChunk, tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
 from dyngen_core import Result
-from dyngen_core.tools import ToolCallParser, ToolStreamDelta
+from dyngen_core.tools import ToolCallParser, ToolFormat, ToolStreamDelta
 from langchain_dyngen._runs import response_metadata, usage_metadata
 
 
@@ -25,11 +26,13 @@ class ChatChunker:
 
     model_name: reported in the last chunk's response metadata.
     parse_tools: read tool calls out of the output (tools were offered).
+    tool_names, tool_format: the bound tools and the model's call format (`ToolCallParser`'s).
     """
 
-    def __init__(self, model_name: str, parse_tools: bool) -> None:
+    def __init__(self, model_name: str, parse_tools: bool, tool_names: Sequence[str] = (),
+                 tool_format: ToolFormat | None = None) -> None:
         self.model_name = model_name
-        self.parser = ToolCallParser() if parse_tools else None
+        self.parser = ToolCallParser(tool_names or None, tool_format) if parse_tools else None
         self.num_calls = 0
         self._next_index = 0
 

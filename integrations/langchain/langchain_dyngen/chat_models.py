@@ -19,7 +19,13 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from dyngen_core import EngineOptions, Tokenizer
-from dyngen_core.tools import ToolSpec, normalize_tool_choice, tool_choice_constraint
+from dyngen_core.tools import (
+    ToolFormat,
+    ToolSpec,
+    normalize_tool_choice,
+    tool_choice_constraint,
+    tool_format_for,
+)
 from langchain_dyngen._batch import coalesced_batch, run_coroutine_blocking, submit
 from langchain_dyngen._chat_output import ChatChunker
 from langchain_dyngen._engine import (
@@ -51,6 +57,8 @@ class _ChatCall:
     job: Job
     model_name: str
     parse_tools: bool
+    tool_names: tuple[str, ...] = ()
+    tool_format: ToolFormat | None = None
 
 
 class ChatDynGen(BaseChatModel):
@@ -166,9 +174,11 @@ class ChatDynGen(BaseChatModel):
         tools = tool_specs(options.get("tools"))
         choice = normalize_tool_choice(options.get("tool_choice"), tools)
         constraint = options.get("constraint")
+        tokenizer = engine.tokenizer
+        tool_format = tool_format_for(tokenizer.chat_template, tokenizer.piece_to_id)
         if constraint is None:
             constraint = tool_choice_constraint(
-                tools, choice, options.get("parallel_tool_calls", True))
+                tools, choice, options.get("parallel_tool_calls", True), tool_format)
         elif tools and choice not in ("auto", "none"):
             raise ValueError("a forced tool call (tool_choice) and a constraint cannot be "
                              "combined; drop one of them")
@@ -176,7 +186,8 @@ class ChatDynGen(BaseChatModel):
         generation = Generation.from_fields(generation_fields(self), options, stop)
         return _ChatCall(engine, generation.job(engine, prompt, constraint),
                          self._model_name(options.get("model")),
-                         parse_tools=bool(tools) and choice != "none")
+                         parse_tools=bool(tools) and choice != "none",
+                         tool_names=tuple(t.name for t in tools), tool_format=tool_format)
 
     def _start(self, messages: list[BaseMessage], stop: list[str] | None,
                kwargs: dict[str, Any]) -> tuple[_ChatCall, JobHandle]:
@@ -198,7 +209,8 @@ class ChatDynGen(BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         call, handle = self._start(messages, stop, kwargs)
-        chunker = ChatChunker(call.model_name, call.parse_tools)
+        chunker = ChatChunker(call.model_name, call.parse_tools, call.tool_names,
+                              call.tool_format)
         for result in iterate_results(handle, self.timeout):
             for chunk in chunker.feed(result):
                 if run_manager is not None:
@@ -209,7 +221,8 @@ class ChatDynGen(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         call, handle = await self._astart(messages, stop, kwargs)
-        chunker = ChatChunker(call.model_name, call.parse_tools)
+        chunker = ChatChunker(call.model_name, call.parse_tools, call.tool_names,
+                              call.tool_format)
         async for result in aiterate_results(handle, self.timeout):
             for chunk in chunker.feed(result):
                 if run_manager is not None:

@@ -17,11 +17,13 @@ from llama_index.llms.dyngen.messages import assistant_message, tool_calls_of
 
 from dyngen_core.tools import (
     ToolCallParser,
+    ToolFormat,
     ToolSpec,
     fallback_messages,
     normalize_tool_choice,
     template_supports_tools,
     tool_choice_constraint,
+    tool_format_for,
 )
 
 if TYPE_CHECKING:
@@ -85,7 +87,8 @@ class ToolTurn:
         self.specs = [ToolSpec.from_dict(t) for t in tools]
         self.choice = normalize_tool_choice(choice, self.specs)
         self.parallel = parallel
-        self._parser = ToolCallParser()
+        self.tool_format = ToolFormat()
+        self._parser = self._new_parser()
         self._fed = 0
         self._content = ""
 
@@ -100,12 +103,18 @@ class ToolTurn:
         choice = resolve_tool_choice(args.get("tool_choice"), bool(args.get("tool_required")))
         return cls(schemas, choice, bool(args.get("allow_parallel_tool_calls", False)))
 
+    def _new_parser(self) -> ToolCallParser:
+        """A parser for this turn's reply: calls of the bound tools, in the model's format."""
+        return ToolCallParser([spec.name for spec in self.specs] or None, self.tool_format)
+
     @classmethod
     def history_only(cls) -> ToolTurn:
         return cls([], "none")
 
     def render(self, tokenizer: Any, chat: list[dict[str, Any]]) -> str:
         """The prompt text: through the template when it handles tools, else the fallback.
+        The template also sets the call format the reply is read in and steered to
+        (`dyngen_core.tools.tool_format_for`).
 
         The tools are listed whatever tool_choice is ("none" is enforced by the constraint),
         so the turns of an agent loop keep one prompt prefix, shared in the cache.
@@ -115,6 +124,8 @@ class ToolTurn:
                 "tool calling needs a chat template, and this model folder has none; add "
                 "chat_template to tokenizer_config.json"
             )
+        self.tool_format = tool_format_for(tokenizer.chat_template, tokenizer.piece_to_id)
+        self._parser = self._new_parser()
         if template_supports_tools(tokenizer.chat_template):
             tools = [spec.as_dict() for spec in self.specs] or None
             return str(tokenizer.apply_chat_template(chat, add_generation_prompt=True,
@@ -126,7 +137,8 @@ class ToolTurn:
         """What enforces tool_choice (`dyngen_core.tools.tool_choice_constraint`): a forced
         choice gets the call list's schema; "auto" a grammar allowing that call list or plain
         text, so a call the model makes always matches its tool's schema; "none" text only."""
-        return tool_choice_constraint(self.specs, self.choice, parallel=self.parallel)
+        return tool_choice_constraint(self.specs, self.choice, parallel=self.parallel,
+                                      tool_format=self.tool_format)
 
     def parse(self, text: str, *, final: bool) -> tuple[str, list[dict[str, Any]], list[Any]]:
         """(content, OpenAI-form calls, invalid calls) of the reply so far (``text`` is all of
