@@ -25,9 +25,8 @@ from dyngen_core.serve.schemas import (
 from dyngen_core.tools import (
     ToolSpec,
     call_dict,
-    fallback_messages,
     normalize_tool_choice,
-    template_supports_tools,
+    render_chat_prompt,
     tool_choice_constraint,
 )
 
@@ -88,17 +87,8 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage],
     A template with tools support gets the tools unless tool_choice is "none"; the fallback
     prompt lists them under every tool_choice, so an agent loop's turns share a cached prefix.
     """
-    dicts = [_template_message(m) for m in messages]
-    if template_supports_tools(tokenizer.chat_template):
-        offered = [t.as_dict() for t in tools] if tool_choice != "none" else []
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
-                                             tools=offered or None)
-    else:
-        has_tool_turns = any(d.get("tool_calls") or d["role"] == "tool" for d in dicts)
-        if tools or has_tool_turns:
-            dicts = fallback_messages(dicts, tools)
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
-    return list(tokenizer.encode(text, encode_special_tokens=True))
+    return render_chat_prompt(tokenizer, [_template_message(m) for m in messages], tools,
+                              tool_choice)
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

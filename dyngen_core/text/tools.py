@@ -30,6 +30,7 @@ from typing import Any
 
 from dyngen_core.errors import JobError
 from dyngen_core.text.constraints import Constraint
+from dyngen_core.text.tokenizer import Tokenizer
 from dyngen_core.text.tool_parser import (
     InvalidToolCall,
     ToolCall,
@@ -447,10 +448,32 @@ def inline_refs(schema: dict[str, Any], max_nodes: int = INLINED_NODES_LIMIT) ->
     return resolved
 
 
+def render_chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
+                       tools: Sequence[ToolSpec], tool_choice: str) -> list[int]:
+    """Prompt token ids for chat ``messages`` (dicts as chat templates read them: role,
+    content, tool_calls with dict arguments) through the model's chat template.
+
+    A template with tools support gets ``tools`` unless tool_choice is "none". Otherwise the
+    fallback prompt (`fallback_messages`) lists the tools under every tool_choice (its text
+    does not depend on it), so the turns of an agent loop share the cached prompt prefix.
+    """
+    dicts = list(messages)
+    if template_supports_tools(tokenizer.chat_template):
+        offered = [t.as_dict() for t in tools] if tool_choice != "none" else []
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
+                                             tools=offered or None)
+    else:
+        has_tool_turns = any(d.get("tool_calls") or d["role"] == "tool" for d in dicts)
+        if tools or has_tool_turns:
+            dicts = fallback_messages(dicts, tools)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+    return list(tokenizer.encode(text, encode_special_tokens=True))
+
+
 __all__ = [
     "INLINED_NODES_LIMIT", "InvalidToolCall", "ToolCall", "ToolCallParser", "ToolFormat",
     "ToolSpec", "ToolStreamDelta", "fallback_messages", "format_tool_calls", "inline_refs",
-    "new_call_id",
+    "new_call_id", "render_chat_prompt",
     "normalize_tool_choice", "parse_tool_calls", "render_tools_prompt",
     "template_supports_tools", "tool_calls_schema", "tool_choice_constraint",
     "tool_format_for",

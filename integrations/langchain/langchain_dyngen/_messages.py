@@ -22,7 +22,7 @@ from langchain_core.messages import (
 )
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from dyngen_core.tools import ToolSpec, fallback_messages, template_supports_tools
+from dyngen_core.tools import ToolSpec, render_chat_prompt
 
 # Content blocks a text-only model cannot take; other non-text blocks (tool_use, thinking,
 # reasoning) are carried elsewhere in the message or have no place in the prompt.
@@ -93,14 +93,4 @@ def render_chat(
     prompt lists them under every tool_choice (its text does not depend on it), so the turns of
     an agent loop share the cached prompt prefix.
     """
-    dicts = to_chat_dicts(messages)
-    if template_supports_tools(tokenizer.chat_template):
-        offered = [t.as_dict() for t in tools] if tool_choice != "none" else []
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
-                                             tools=offered or None)
-    else:
-        has_tool_turns = any(d.get("tool_calls") or d["role"] == "tool" for d in dicts)
-        if tools or has_tool_turns:
-            dicts = fallback_messages(dicts, tools)
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
-    return list(tokenizer.encode(text, encode_special_tokens=True))
+    return render_chat_prompt(tokenizer, to_chat_dicts(messages), tools, tool_choice)
