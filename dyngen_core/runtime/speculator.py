@@ -228,7 +228,7 @@ class ModelDrafter:
                             stopped.add(i)
                             continue
                         advanced[i] += 1
-                        if matcher.is_terminated():  # complete: the job ends at this token
+                        if matcher.is_terminated():  # complete: nothing follows, stop here
                             stopped.add(i)
                     tokens[i].append(token)
                     if q is not None:
@@ -404,24 +404,10 @@ class Speculator:
 
 def allowed_prefix(matcher: Any, tokens: Sequence[int]) -> int:
     """How many leading ``tokens`` a constraint matcher allows in a row, up to one that
-    completes it (all of them without one); the matcher is left as it was found. (A complete
-    matcher takes end-of-sequence tokens without counting them for rollback: never feed it
-    past completion.)"""
+    completes it (all of them without one); the matcher is left as it was found."""
     if matcher is None or not tokens:
         return len(tokens)
-    taken = 0
-    try:
-        for token in tokens:
-            words = matcher.bitmask().view(np.uint32)
-            if not (int(words[token >> 5]) >> (token & 31)) & 1 or not matcher.accept(token):
-                break
-            taken += 1
-            if matcher.is_terminated():  # the job ends at this token: nothing follows
-                break
-    finally:
-        if taken:
-            matcher.rollback(taken)
-    return taken
+    return len(matcher.masks_along(tokens)) - 1
 
 
 def build_speculator(model: Model, cache: Cache, draft_model: Model | None,

@@ -220,16 +220,12 @@ class StepSampler:
                                                failed).items():
                 runs[i] = run
         results = self._sample_blocks(logits, records, live, starts, failed)
-        extras: dict[int, SampledTokens] = {}
         for i, result in results.items():
             r = records[i]
             runs[i] = accept_run(r.draft_ids, result.token_ids) if r.draft_ids \
                 else result.token_ids[:1]
-            if r.wants_extras:
-                extras[r.job_id] = SampledTokens(
-                    job_id=r.job_id, token_ids=result.token_ids, probs=result.token_probs,
-                    top_k_tokens=result.top_k_tokens, top_k_probs=result.top_k_probs,
-                    logits=result.logits)
+        extras = self._extras(records, list(range(len(records))),
+                              {i: res for i, res in results.items() if records[i].wants_extras})
         return SampledStep(records, tokens=[run[0] if run else -1 for run in runs],
                            extras=extras, failed=failed, runs=runs)
 
@@ -311,31 +307,19 @@ class StepSampler:
         """A record's allowed tokens for each of its rows: row ``j`` with the constraint
         advanced by the drafts before it and the bans of its position; None when nothing is
         masked. A draft the constraint forbids cannot be accepted, and a draft that completes
-        it ends the job, so the rows after either keep the last mask (a complete matcher is
-        never fed further: it would not roll back)."""
+        it ends the job, so the rows after either keep the last mask
+        (`ConstraintMatcher.masks_along`)."""
         if r.matcher is None and not r.may_ban:
             return None
         drafts, matcher = r.draft_ids, r.matcher
         if not drafts:
             return self._allowed(r, None if matcher is None else matcher.bitmask())
-        masks: list[np.ndarray] = []
-        advanced = 0
-        try:
-            for j in range(len(drafts) + 1):
-                mask = self._allowed(r, None if matcher is None else matcher.bitmask(), ahead=j)
-                masks.append(mask if mask is not None else self._full_mask())
-                if j == len(drafts) or matcher is None:
-                    continue
-                if matcher.is_terminated():
-                    break  # the job ends at the draft before: no later row is used
-                token = drafts[j]
-                if not (int(masks[-1].view(np.uint32)[token >> 5]) >> (token & 31)) & 1 \
-                        or not matcher.accept(token):
-                    break
-                advanced += 1
-        finally:
-            if matcher is not None and advanced:
-                matcher.rollback(advanced)
+        constraint = [None] * (len(drafts) + 1) if matcher is None \
+            else matcher.masks_along(drafts)
+        masks = []
+        for j, mask in enumerate(constraint):
+            allowed = self._allowed(r, mask, ahead=j)
+            masks.append(allowed if allowed is not None else self._full_mask())
         while len(masks) < len(drafts) + 1:
             masks.append(masks[-1])
         return np.stack(masks)

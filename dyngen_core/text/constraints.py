@@ -92,12 +92,36 @@ class ConstraintMatcher:
 
     def accept(self, token_id: int) -> bool:
         """Advance by one generated token. False when the constraint forbids it (the matcher
-        is then in an error state: see `error`)."""
+        is then in an error state: see `error`). Once the constraint is complete
+        (`is_terminated`) an end-of-sequence token is taken without counting for `rollback`:
+        tentative walks stop at completion (`masks_along`)."""
         try:
             return bool(self._matcher.consume_token(int(token_id)))
         except OverflowError:
             raise JobError(f"token id {token_id} is outside the vocabulary "
                            f"(0 to {self.vocab_size - 1})") from None
+
+    def masks_along(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """The packed mask before each of ``tokens`` while the constraint allows them, then
+        the mask after the last one allowed (so one more mask than tokens allowed; a token
+        that completes the constraint is the last allowed). What a verify step's rows and a
+        drafter's cut read; the matcher is left as it was found."""
+        masks = [self.bitmask()]
+        taken = 0
+        try:
+            for token in tokens:
+                if self.is_terminated():
+                    break  # what follows would not roll back
+                words = masks[-1].view(np.uint32)
+                if not 0 <= token < self.vocab_size \
+                        or not (int(words[token >> 5]) >> (token & 31)) & 1 \
+                        or not self.accept(token):
+                    break
+                taken += 1
+                masks.append(self.bitmask())
+        finally:
+            self.rollback(taken)
+        return masks
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` accepted tokens (banned-string rewinds, rejected

@@ -236,3 +236,23 @@ def test_invalid_patterns_fail_at_compile_time(compiler: ConstraintCompiler) -> 
         compiler.matcher(Constraint.grammar("start: undefined_rule"))
     with pytest.raises(JobError, match="JSON object"):
         Constraint.json_schema("[1, 2]")
+
+
+def test_masks_along_drafts_stop_at_completion_and_leave_the_matcher_as_found(
+        compiler: ConstraintCompiler, tokenizer: Tokenizer) -> None:
+    """`masks_along` gives one mask per allowed token plus one, stops at completion (a
+    complete matcher takes EOS without counting it, so a rollback would undo real tokens),
+    and leaves the matcher's state as it was."""
+    matcher = compiler.matcher(["yes", "no way"])
+    ids = tokenizer.encode("yes")
+    before = matcher.bitmask().copy()
+    masks = matcher.masks_along([*ids, EOS_ID, EOS_ID])
+    assert len(masks) == len(ids) + 1  # "yes" completes it: nothing after is taken
+    assert (matcher.bitmask() == before).all()
+    for token in ids:
+        assert matcher.accept(token)
+    assert matcher.is_terminated()
+    matcher.rollback(len(ids))
+    assert (matcher.bitmask() == before).all()
+    other = tokenizer.encode("no way")
+    assert len(matcher.masks_along([other[0], ids[0]])) == 2  # the second is not allowed
