@@ -74,16 +74,19 @@ class DynamicGenerator:
             output: its tokens are chosen on the device, the next step reads them there, and
             they are emitted by the next `iterate` (one step later). Other steps run as
             before. Outputs are the same either way.
-        draft_model: a smaller model with the target's vocabulary that drafts
-            ``num_draft_tokens`` tokens greedily for the target to verify in one forward
-            (speculative decoding; output is the same as without). Its cache is ``draft_cache``
-            (None: one built like the target cache, in fp16, with the same pages).
+        draft_model: a smaller model with the target's vocabulary that drafts up to
+            ``num_draft_tokens`` tokens per job for the target to verify in one forward
+            (speculative decoding): greedily for greedy and seeded jobs, whose output is then
+            the same as without drafting; by sampling for unseeded sampled jobs, whose output
+            keeps the same distribution. Its cache is ``draft_cache`` (None: one built like the
+            target cache, in fp16, with the same pages).
         draft_cache: the draft model's `Cache`: the target cache's page size and page count.
         num_draft_tokens: the most drafts a job offers per step; each job's draft length
             follows its acceptance and the step's measured cost, down to none where drafting
             does not pay.
         use_ngram_draft: draft by prompt lookup (the continuation of the last few tokens'
-            previous occurrence in the job's prompt and output) instead of a draft model.
+            previous occurrence in the job's prompt and output) instead of a draft model;
+            output is the same as without drafting.
         Speculative decoding needs a target cache without a recent window (fp16, q8, or
         q6/q4 built with ``recent_window=0``). Jobs opt out with ``Job(speculative=False)``;
         jobs with mirostat or extra outputs never draft.
@@ -408,20 +411,21 @@ class DynamicGenerator:
                    out: list[Result]) -> None:
         """Append every job's results of this step to ``out``."""
         records, extras, now = self._records, sampled.extras, time.perf_counter()
-        if sampled.runs is not None:
-            for verified, run in zip(sampled.records, sampled.runs, strict=True):
-                self._emit_run(verified, run, extras, out, now)
-        elif len(tokens) == len(plan.slices):  # every slice sampled: no prefill
+        runs = sampled.runs
+        if runs is None and len(tokens) == len(plan.slices):  # every slice sampled: no prefill
             self._emit_rows(sampled.records, tokens, extras, out, now)
             return
+        if runs is not None:  # a verify step: each sampled job's run, then the prefills
+            for verified, run in zip(sampled.records, runs, strict=True):
+                self._emit_run(verified, run, extras, out, now)
         next_token = iter(tokens).__next__
         for s in plan.slices:
             record = records.get(s.job_id)
-            if s.sample:
-                if sampled.runs is None:
-                    self._emit_rows([record], [next_token()], extras, out, now)
-            elif record is not None:
-                self._emit_start(record, out, now, prefill=True)
+            if not s.sample:
+                if record is not None:
+                    self._emit_start(record, out, now, prefill=True)
+            elif runs is None:
+                self._emit_rows([record], [next_token()], extras, out, now)
 
     def _emit_rows(self, rows: Sequence[JobRecord | None], tokens: Sequence[int],
                    extras: dict[int, SampledTokens], out: list[Result], now: float) -> None:
