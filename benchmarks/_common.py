@@ -27,7 +27,7 @@ from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, To
 from dyngen_core.config import ModelConfig  # noqa: E402
 from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention import get_backend  # noqa: E402
-from dyngen_core.runtime.graphs import DecodeGraphs  # noqa: E402
+from dyngen_core.runtime.graphs import StepGraphs  # noqa: E402
 
 # config.json of Llama-3-8B (the shape the issue names), bf16.
 LLAMA3_8B: dict[str, Any] = {
@@ -294,9 +294,9 @@ def graph_step(model: Model, batch: int, context: int, compile_model: bool,
     ``steps`` replays after five warm-up ones)."""
     pages_each = -(-context // 256)
     cache = Cache(model, max_tokens=(batch * pages_each + 2) * 256, mode="fp16")
-    graphs = DecodeGraphs(model, cache.storage, get_backend("triton", model.device),
-                          page_size=cache.page_size, max_context=context, buckets=[batch],
-                          compile_model=compile_model)
+    graphs = StepGraphs(model, cache.storage, get_backend("triton", model.device),
+                        page_size=cache.page_size, max_context=context, buckets=[batch],
+                        compile_model=compile_model)
     plan = StepPlan([SequenceSlice(i, [1234 + i], context - 1,
                                    list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)),
                                    sample=True) for i in range(batch)])

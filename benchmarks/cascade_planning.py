@@ -1,7 +1,7 @@
 """Host time of shared-prefix ("cascade") planning and table filling per CUDA-graph decode step.
 
 Every graphed decode step plans its shared prefixes and, when a plan pays, writes the graph's
-static table region (`GraphCascade.stage`, what `DecodeGraphs.run` calls: `GraphCascade.plan`,
+static table region (`GraphCascade.stage`, what `StepGraphs.run` calls: `GraphCascade.plan`,
 then `StaticCascadeLayout.write`). This times both over 128 decode steps of 256 running jobs, as
 the scheduler would plan them (each slice a fresh copy of its job's page table), for four
 workloads:

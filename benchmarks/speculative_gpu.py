@@ -2,10 +2,12 @@
 
 (a) ``verify``: the cost of a verify step (each of ``batch`` jobs feeds its last token plus ``k``
     drafts) against a plain decode step of the same jobs, k = 1..8 at batch 1, 8, 32, 128, at
-    a 512-token context; eager forwards of the runner, CUDA-event medians.
-(b) ``oracle``: batch 1, k = 4, a drafter that proposes the target's own recorded greedy
-    continuation (every draft is right): tok/s against plain decoding; the ceiling of the
-    verify path. Output is checked equal to the recorded one.
+    a 512-token context; the runner's forwards (CUDA graphs where it replays them) and eager
+    ones, CUDA-event medians.
+(b) ``oracle``: batch 1, k = 4, a drafter that proposes the target's own greedy continuation
+    (every draft is right): tok/s against plain decoding; the ceiling of the verify path.
+    float32 weights, so that the continuation is the same through verify and decode forwards
+    (in bf16 they part at near-ties, which the report would show with their logit gap).
 (c) ``wrong``: a drafter that is always wrong, batch 1 to 256: tok/s with speculation on
     against off (target >= 0.97: the draft length falls to zero and steps overlap again).
 (d) ``pair``: the Qwen2.5-Coder pair's shapes (28-layer 1.5B target, 24-layer 0.5B draft), random
@@ -46,6 +48,7 @@ from _common import (
 from dyngen_core import DynamicGenerator, Job, Model
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import get_backend
+from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.cache import Cache
 from dyngen_core.runtime.runner import ModelRunner
 from dyngen_core.runtime.speculator import Draft, DraftRequest, ModelDrafter
@@ -125,36 +128,83 @@ def generate(generator: DynamicGenerator, prompts: list[list[int]], new_tokens: 
 
 
 def verify_costs(model: Model, batches: Sequence[int], max_k: int) -> None:
-    """(a): verify-step forwards against plain decode forwards."""
-    cache = Cache(model, max_tokens=max(batches) * (CONTEXT + 256))
-    runner = ModelRunner(model, cache, get_backend("auto", model.device), cuda_graphs=False,
-                         max_batch_size=max(batches))
-    pages_per_job = -(-(CONTEXT + max_k + 1) // cache.page_size)
+    """(a): verify-step forwards against plain decode forwards, as the runner runs them (CUDA
+    graphs where `StepGraphs.can_run` takes the step) and eagerly."""
+    runners = {}
+    for graphs in (True, False):
+        cache = Cache(model, max_tokens=max(batches) * (CONTEXT + 256))
+        runners[graphs] = ModelRunner(model, cache, get_backend("auto", model.device),
+                                      cuda_graphs=graphs, max_batch_size=max(batches))
+    pages_per_job = -(-(CONTEXT + max_k + 1) // runners[True].cache.page_size)
     for batch in batches:
         def plan(k: int, batch: int = batch) -> StepPlan:
             return StepPlan(slices=[SequenceSlice(
                 j, [5], CONTEXT, list(range(j * pages_per_job, (j + 1) * pages_per_job)), True,
                 list(range(7, 7 + k))) for j in range(batch)])
-        plain = cuda_seconds(lambda: runner.run(plan(0)))
+        graphed, eager = runners[True], runners[False]
+        plain = cuda_seconds(lambda: graphed.run(plan(0)))  # noqa: B023 - called here
+        plain_eager = cuda_seconds(lambda: eager.run(plan(0)))  # noqa: B023
         for k in range(1, max_k + 1):
-            seconds = cuda_seconds(lambda k=k: runner.run(plan(k)))
+            seconds = cuda_seconds(lambda k=k: graphed.run(plan(k)))  # noqa: B023
+            seconds_eager = cuda_seconds(lambda k=k: eager.run(plan(k)))  # noqa: B023
+            replayed = graphed.graphs is not None and graphed.graphs.can_run(plan(k))
             report("speculative_gpu.verify", batch=batch, k=k, plain_ms=plain * 1e3,
-                   verify_ms=seconds * 1e3, ratio=seconds / plain)
+                   verify_ms=seconds * 1e3, ratio=seconds / plain, graphed=replayed,
+                   eager_plain_ms=plain_eager * 1e3, eager_verify_ms=seconds_eager * 1e3,
+                   eager_ratio=seconds_eager / plain_eager)
+    del runners
+    free_memory()
 
 
-def with_drafter(model: Model, tokenizer: Any, prompts: list[list[int]], new_tokens: int,
-                 drafter: Any, k: int) -> DynamicGenerator:
-    """A speculative generator whose drafter is ``drafter`` (a benchmark-only drafter)."""
-    generator = make_generator(model, tokenizer, cache_tokens=len(prompts) * 4096,
+def with_drafter(model: Model, tokenizer: Any, prompts: list[list[int]], drafter: Any, k: int,
+                 cache_tokens: int = 4096) -> DynamicGenerator:
+    """A speculative generator whose drafter is ``drafter`` (a benchmark-only drafter), with
+    ``cache_tokens`` per prompt."""
+    generator = make_generator(model, tokenizer, cache_tokens=len(prompts) * cache_tokens,
                                use_ngram_draft=True, num_draft_tokens=k,
                                max_batch_size=max(len(prompts), 1))
     assert generator.speculator is not None
     generator.speculator.drafter = drafter
+    generator.speculator.draft_cost_ratio = 0.0  # the drafter is free: its tokens are known
+    generator.speculator.measure_draft_cost = False
     return generator
 
 
+def own_continuation(generator: DynamicGenerator, prompts: list[list[int]], new_tokens: int,
+                     truth: list[int], make_drafter: Any, attempts: int = 5
+                     ) -> tuple[float, list[int], bool, dict[str, int]]:
+    """Run one job again and again with ``make_drafter(truth)`` as the drafter, ``truth`` each
+    time the last run's output, until a run makes the very tokens it was offered (a verify
+    forward and a one-token decode may pick different tokens at near-ties, after which a
+    recorded continuation is wrong; the speculative run's own continuation is the oracle).
+    The first run also captures the verify graphs. Returns the last run's seconds, tokens,
+    whether they were the offered ones, and its draft counts."""
+    assert generator.speculator is not None
+    matched = False
+    for attempt in range(attempts):
+        generator.speculator.drafter = make_drafter(truth)
+        before = generator.stats()
+        seconds, got, _ = generate(generator, prompts, new_tokens)
+        after = generator.stats()
+        output = next(iter(got.values()))
+        matched = output == truth
+        truth = output
+        if matched and attempt > 0:
+            break
+    counts = {"accepted": after.draft_tokens_accepted - before.draft_tokens_accepted,
+              "rejected": after.draft_tokens_rejected - before.draft_tokens_rejected,
+              "runs": attempt + 1}
+    return seconds, truth, matched, counts
+
+
+def _every_job(tokens: list[int], count: int = 64) -> dict[int, list[int]]:
+    return dict.fromkeys(range(count), tokens)
+
+
 def oracle(model: Model, tokenizer: Any, new_tokens: int, k: int) -> None:
-    """(b): the recorded continuation as drafts, batch 1."""
+    """(b): the target's own continuation as drafts, batch 1 (`own_continuation`). Where it
+    differs from plain decoding's, the report says where and the gap between the two best
+    logits there."""
     prompts = random_prompts(1, CONTEXT, model.config.vocab_size)
     plain = make_generator(model, tokenizer, cache_tokens=4096)
     generate(plain, prompts, 8)
@@ -162,37 +212,62 @@ def oracle(model: Model, tokenizer: Any, new_tokens: int, k: int) -> None:
     base = new_tokens / seconds
     del plain
     free_memory()
-    # Both generators number their jobs from 0: the warm-up is job 0, the measured run job 1.
-    drafter = OracleDrafter({0: recorded[1][:8], 1: recorded[1]}, {0: CONTEXT, 1: CONTEXT})
-    spec = with_drafter(model, tokenizer, prompts, new_tokens, drafter, k)
-    generate(spec, prompts, 8)
-    seconds, got, counts = generate(spec, prompts, new_tokens)
+    spec = with_drafter(model, tokenizer, prompts, None, k)
+    seconds, got, offered, counts = own_continuation(
+        spec, prompts, new_tokens, recorded[1],
+        lambda truth: OracleDrafter(_every_job(truth), _every_job(CONTEXT)))
     rate = new_tokens / seconds
-    report("speculative_gpu.oracle", k=k, plain_tok_s=base, speculative_tok_s=rate,
-           speedup=rate / base, same_output=got[1] == recorded[1], **counts)
+    report("speculative_gpu.oracle", k=k, dtype=str(model.dtype), plain_tok_s=base,
+           speculative_tok_s=rate,
+           speedup=rate / base, drafts_were_output=offered,
+           **_agreement(model, prompts[0], recorded[1], got), **counts)
     del spec
     free_memory()
 
 
-def always_wrong(model: Model, tokenizer: Any, batches: Sequence[int], new_tokens: int) -> None:
-    """(c): speculation on with an always-wrong drafter against off, by batch size."""
+def _agreement(model: Model, prompt: list[int], recorded: list[int], got: list[int]
+               ) -> dict[str, Any]:
+    """Whether ``got`` equals ``recorded``; else the first difference and the gap between the
+    two best logits of an eager prefill forward at that position."""
+    if got == recorded:
+        return {"same_output": True}
+    index = next(i for i, (a, b) in enumerate(zip(got, recorded, strict=False)) if a != b)
+    tokens = prompt + recorded[:index]
+    cache = Cache(model, max_tokens=len(tokens) + 256)
+    pages = list(range(-(-len(tokens) // cache.page_size)))
+    batch = build_forward_batch(StepPlan([SequenceSlice(0, tokens, 0, pages, True)]),
+                                cache.page_size, model.device)
+    with torch.inference_mode():
+        logits = model.forward(batch, cache.storage, get_backend("auto", model.device))
+    best = logits[-1].float().topk(2).values
+    return {"same_output": False, "first_difference": index,
+            "top_two_gap": float(best[0] - best[1])}
+
+
+def always_wrong(model: Model, tokenizer: Any, batches: Sequence[int], new_tokens: int,
+                 repeats: int = 3) -> None:
+    """(c): speculation on with an always-wrong drafter against off, by batch size: both
+    generators warmed up, then runs alternating off / on ``repeats`` times, medians."""
     for batch in batches:
         prompts = random_prompts(batch, 128, model.config.vocab_size, seed=batch)
         plain = make_generator(model, tokenizer, cache_tokens=batch * 512,
                                max_batch_size=batch)
-        generate(plain, prompts, 4)
-        off, _, _ = generate(plain, prompts, new_tokens)
-        del plain
-        free_memory()
-        ids = {j: [] for j in range(2 * batch)}
-        drafter = WrongDrafter(ids, {j: 128 for j in ids})
-        spec = with_drafter(model, tokenizer, prompts, new_tokens, drafter, 4)
-        generate(spec, prompts, 4)
-        drafter.recorded = {j: [0] * (new_tokens + 8) for j in range(2 * batch)}
-        on, _, counts = generate(spec, prompts, new_tokens)
-        report("speculative_gpu.always_wrong", batch=batch, off_tok_s=batch * new_tokens / off,
-               on_tok_s=batch * new_tokens / on, on_over_off=off / on, **counts)
-        del spec
+        drafter = WrongDrafter({}, dict.fromkeys(range(4 * repeats * batch + 4 * batch), 128))
+        drafter.recorded = dict.fromkeys(drafter.prompt_lens, [0] * (new_tokens + 8))
+        spec = with_drafter(model, tokenizer, prompts, drafter, 4, cache_tokens=512)
+        for generator in (plain, spec):  # the warm-ups also capture the verify graphs
+            generate(generator, prompts, new_tokens)
+        off, on = [], []
+        for _ in range(repeats):
+            off.append(generate(plain, prompts, new_tokens)[0])
+            on.append(generate(spec, prompts, new_tokens)[0])
+        off_s, on_s = sorted(off)[len(off) // 2], sorted(on)[len(on) // 2]
+        stats = spec.stats()
+        report("speculative_gpu.always_wrong", batch=batch, off_tok_s=batch * new_tokens / off_s,
+               on_tok_s=batch * new_tokens / on_s, on_over_off=off_s / on_s,
+               on_over_off_runs=[round(a / b, 4) for a, b in zip(off, on, strict=True)],
+               rejected_per_job_run=stats.draft_tokens_rejected / ((repeats + 1) * batch))
+        del plain, spec
         free_memory()
 
 
@@ -225,14 +300,14 @@ def pair(device: torch.device, new_tokens: int, alpha: float, k: int, small: boo
     assert spec.speculator is not None
     inner = spec.speculator.drafter
     assert isinstance(inner, ModelDrafter)
-    spec.speculator.drafter = OracleDrafter({0: truth[:8], 1: truth}, {0: CONTEXT, 1: CONTEXT},
-                                            alpha=alpha, inner=inner)
-    generate(spec, prompts, 8)
-    seconds, got, counts = generate(spec, prompts, new_tokens)
+    seconds, got, offered, counts = own_continuation(
+        spec, prompts, new_tokens, truth,
+        lambda own: OracleDrafter(_every_job(own), _every_job(CONTEXT), alpha=alpha,
+                                  inner=inner))
     report("speculative_gpu.pair", alpha=alpha, k=k, draft_over_target=costs["draft"] /
            costs["target"], plain_tok_s=new_tokens / base_seconds,
            speculative_tok_s=new_tokens / seconds, speedup=base_seconds / seconds,
-           same_output=got[1] == truth, **counts)
+           drafts_were_output=offered, **_agreement(target, prompts[0], truth, got), **counts)
 
 
 def main() -> None:
@@ -253,7 +328,12 @@ def main() -> None:
         if "verify" in parts:
             verify_costs(model, small_batches or [1, 8, 32, 128], 8)
         if "oracle" in parts:
-            oracle(model, tokenizer, args.new_tokens, args.k)
+            # float32 weights: a verify forward and a one-token decode then pick the same
+            # tokens (in bf16 they part at near-ties, so no continuation is the oracle's).
+            exact = random_model(bench_config(args), device, dtype=torch.float32)
+            oracle(exact, tokenizer, args.new_tokens, args.k)
+            del exact
+            free_memory()
         if "wrong" in parts:
             always_wrong(model, tokenizer, small_batches or [1, 8, 32, 128, 256],
                          args.new_tokens)

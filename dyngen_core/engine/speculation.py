@@ -131,12 +131,16 @@ class DraftStats:
     last_offer: int = 0
     total_accepted: int = 0
     total_rejected: int = 0
+    probe_interval: int = 16
+    probing: bool = False  # the last offer was a probe
 
     DECAY = 0.8
     PRIOR_TRIALS = 2.0
-    # A job whose drafts do not pay tries a one-token draft once this many steps have passed
-    # since its last draft.
+    # A job whose drafts do not pay tries a one-token draft once ``probe_interval`` steps have
+    # passed since its last draft: `PROBE_INTERVAL` at first and after a probe that was
+    # accepted, twice the last interval (up to `MAX_PROBE_INTERVAL`) after one that was not.
     PROBE_INTERVAL = 16
+    MAX_PROBE_INTERVAL = 256
 
     def __post_init__(self) -> None:
         if self.trials < 0:
@@ -146,24 +150,35 @@ class DraftStats:
     def alpha(self) -> float:
         return self.accepted / self.trials if self.trials > 0 else 0.0
 
+    @property
+    def next_probe(self) -> int:
+        """The engine step at which a job whose drafts do not pay probes next."""
+        return self.last_offer + self.probe_interval
+
     def record(self, proposed: int, accepted: int) -> None:
         """Count one verify step that offered ``proposed`` drafts and accepted ``accepted``."""
         self.accepted = self.accepted * self.DECAY + accepted
         self.trials = self.trials * self.DECAY + accepted + (accepted < proposed)
         self.total_accepted += accepted
         self.total_rejected += proposed - accepted
+        if self.probing:
+            self.probing = False
+            self.probe_interval = (self.PROBE_INTERVAL if accepted
+                                   else min(2 * self.probe_interval, self.MAX_PROBE_INTERVAL))
 
     def length(self, max_tokens: int, threshold: float, step: int) -> int:
         """How many drafts to offer at engine step ``step``: positions ``j`` while
         ``alpha ** j > threshold``, at most ``max_tokens``; when none would pay, one probe
-        token once `PROBE_INTERVAL` steps passed since the last offer."""
+        token once ``probe_interval`` steps passed since the last offer."""
         alpha, k, survive = self.alpha, 0, 1.0
         while k < max_tokens:
             survive *= alpha
             if survive <= threshold:
                 break
             k += 1
-        if k == 0 and max_tokens > 0 and step - self.last_offer >= self.PROBE_INTERVAL:
+        self.probing = (k == 0 and max_tokens > 0
+                        and step - self.last_offer >= self.probe_interval)
+        if self.probing:
             k = 1
         if k:
             self.last_offer = step
@@ -201,15 +216,28 @@ class StepCostModel:
         if len(self._sizes) < 2:
             self._sizes.add(tokens)
 
-    def ratio(self) -> float:
-        """``fixed / per_token``: how many tokens a step's fixed cost is worth."""
+    def predict(self, tokens: int) -> float | None:
+        """The seconds of a step of ``tokens`` fed tokens, or None until steps of two sizes
+        were measured."""
+        fit = self._fit()
+        return None if fit is None else max(0.0, fit[0] + fit[1] * tokens)
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) of the least-squares line, or None."""
         if len(self._sizes) < 2 or self._n < 4:
-            return self.prior_ratio
+            return None
         var = self._sxx - self._sx * self._sx / self._n
         if var <= 1e-12:
-            return self.prior_ratio
+            return None
         slope = (self._sxy - self._sx * self._sy / self._n) / var
-        intercept = (self._sy - slope * self._sx) / self._n
+        return (self._sy - slope * self._sx) / self._n, slope
+
+    def ratio(self) -> float:
+        """``fixed / per_token``: how many tokens a step's fixed cost is worth."""
+        fit = self._fit()
+        if fit is None:
+            return self.prior_ratio
+        intercept, slope = fit
         if slope <= 0:
             return 1e6  # more tokens cost nothing measurable: drafting is free
         return max(0.0, intercept / slope)

@@ -25,10 +25,13 @@ class KVStorage(Protocol):
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor, *,
               decode_window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Store key/value rows [T, num_kv_heads, head_dim] at the given flat slots.
-        ``decode_window``: (positions, sequence slots) [T] when the step is decode-only (one
-        token per sequence): a storage with per-sequence state may store it now, in the same
-        pass, and then make the `write_recent` of the same tensors a no-op; others ignore it."""
+        """Store key/value rows [T, num_kv_heads, head_dim] at the given flat slots. Where
+        the write runs in Triton (CUDA with triton installed), a row at a slot outside the
+        storage (-1: a CUDA graph's padding) is not stored; the torch writers take only slots
+        inside it. ``decode_window``: (positions, sequence slots) [T] when the step is
+        decode-only (one token per sequence): a storage with per-sequence state may store it
+        now, in the same pass, and then make the `write_recent` of the same tensors a no-op;
+        others ignore it."""
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:

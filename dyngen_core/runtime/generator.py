@@ -301,8 +301,8 @@ class DynamicGenerator:
         if self._records:
             with self._step_faults(out) as step:
                 plan = step.plan = self._scheduler.schedule()
-                feed = token_feed(plan, self._in_flight)
                 verify = self._draft(plan)
+                feed = token_feed(plan, self._in_flight)
                 records = self._sampling_records(plan, feed)
                 started = time.perf_counter()
                 logits = self._runner.run(plan, feed)

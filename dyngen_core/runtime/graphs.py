@@ -1,26 +1,40 @@
-"""Decode through CUDA graphs: one graph per batch-size bucket, replayed with new metadata.
+"""Decode and verify steps through CUDA graphs, replayed with new metadata.
 
-A decode step (every slice one sampled token, no drafts) runs the same kernels every time; only
-the token ids, positions, slots, context lengths and page tables change. `DecodeGraphs` captures
-the model's forward once per bucket (1, 2, 4, 8, 16, 24, ... up to the largest batch) over
+A decode step (every slice one sampled token) runs the same kernels every time; only the token
+ids, positions, slots, context lengths and page tables change. `StepGraphs` captures the model's
+forward once per batch-size bucket (1, 2, 4, 8, 16, 24, ... up to the largest batch) over
 static input buffers, and for each step copies the step's metadata into those buffers (one
 pinned host staging area, two copies) and replays the smallest bucket that holds the batch.
-
 Rows of a bucket beyond the batch repeat the batch's last sequence (same token, position, slot
 and pages), so they write the very same key/value into the same slot and need no spare page;
 their logits are dropped.
 
+A verify step (speculative decoding: each slice its sampled token plus up to k drafts, slices
+without drafts among them) replays a graph of its bucket and query length ``q`` (one plus the
+step's longest draft), captured the first time they are seen: room for ``q`` tokens per row.
+The step's tokens are packed as an eager forward packs them, with their true per-row lengths
+(``query_start``); rows of the bucket beyond the batch hold no token and no key (context 0),
+and the tokens beyond the step's are padding at slot -1, which the storage writes skip
+(`KVStorage.write`), in no sequence, so no attention reads or writes them; their logits are
+dropped. The attention backend shapes its launches for ``q`` tokens per row and bounds each
+row by its true length on the device. Verify graphs need a backend whose launches read every
+length on the device (the "triton" backend) and a storage without per-sequence state, and
+cover steps of at most `MAX_VERIFY_TOKENS` padded tokens: past that the forward is dominated
+by its matrix products and replaying saves little.
+
 Backend tables: a backend whose graphed decode reads tables of its own (`base.GraphTablesBackend`:
 the Triton backend's shared-prefix ("cascade") groups) gets a region of the same static buffer
-for them (same copy). Every step asks the backend's `GraphTables` to stage the step; a step that
-needs its tables writes them into the region and replays its bucket's second graph, whose batch
-carries views of them. Those graphs are captured lazily, the first time a bucket sees such a
-step, from that step's own staged inputs: the warm-up forwards then write exactly the keys and
-values the step itself writes (its tokens, at its slots) and read only what it reads, so a
-capture in the middle of a generation touches no other cache data.
+for them (same copy). Every decode step asks the backend's `GraphTables` to stage the step; a
+step that needs its tables writes them into the region and replays its bucket's second graph,
+whose batch carries views of them. Those graphs are captured lazily, like the verify graphs,
+the first time a bucket sees such a step, from that step's own staged inputs: the warm-up
+forwards then write exactly the keys and values the step itself writes (its tokens, at its
+slots) and read only what it reads, so a capture in the middle of a generation touches no
+other cache data. Each graph keeps the batch it was captured from, and with it the device
+tables the backend derived from it (`ForwardBatch.memo`).
 
-The plain graphs are captured at construction, warming up on rows that write slot 0 of page 0:
-build them before the cache holds data (the generator does it at construction).
+The plain decode graphs are captured at construction, warming up on rows that write slot 0 of
+page 0: build them before the cache holds data (the generator does it at construction).
 """
 
 from __future__ import annotations
@@ -48,6 +62,10 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
 GRAPH_BACKENDS = ("triton", "flash")
+# The backends whose launches for short queries read every length on the device (verify graphs).
+VERIFY_BACKENDS = ("triton",)
+# The most tokens (bucket x query length) a graphed verify step runs, padding included.
+MAX_VERIFY_TOKENS = 512
 StepFunction = Callable[[ForwardBatch], torch.Tensor]
 TablesWriter = Callable[[np.ndarray], None]
 
@@ -70,66 +88,92 @@ def default_buckets(max_batch_size: int) -> list[int]:
 class _StaticInputs:
     """The device buffers every graph reads, and their pinned host staging twins.
 
-    longs [3, B]: input_ids, positions, slot_mapping rows. ints: B context lengths, B sequence
-    slots, the backend's tables (``tables_size`` entries), then the page table [B, width],
-    flat, so what a bucket reads is one contiguous prefix.
+    longs [3, tokens]: input_ids, positions, slot_mapping rows. ints: ``rows`` context lengths,
+    ``rows`` sequence slots, ``rows + 1`` query starts, the backend's tables (``tables_size``
+    entries), then the page table [rows, width], flat, so what a bucket reads is one contiguous
+    prefix.
     """
 
     longs: torch.Tensor
     ints: torch.Tensor
-    query_start: torch.Tensor  # [B + 1] = arange: one query token per sequence
-    logits_indices: torch.Tensor  # [B] = arange
+    logits_indices: torch.Tensor  # [tokens] = arange: every token's logits
     host_longs: torch.Tensor
     host_ints: torch.Tensor
     copied: torch.cuda.Event
-    capacity: int
+    rows: int
+    tokens: int
     width: int
     tables_size: int
 
-    def page_table(self, ints: torch.Tensor) -> torch.Tensor:
-        return ints[2 * self.capacity + self.tables_size:].view(self.capacity, self.width)
+    def seq_slots(self, ints: torch.Tensor) -> torch.Tensor:
+        return ints[self.rows:2 * self.rows]
+
+    def query_start(self, ints: torch.Tensor) -> torch.Tensor:
+        return ints[2 * self.rows:3 * self.rows + 1]
 
     def tables_region(self, ints: torch.Tensor) -> torch.Tensor:
-        return ints[2 * self.capacity:2 * self.capacity + self.tables_size]
+        start = 3 * self.rows + 1
+        return ints[start:start + self.tables_size]
 
-    def seq_slots(self, ints: torch.Tensor) -> torch.Tensor:
-        return ints[self.capacity:2 * self.capacity]
+    def page_table(self, ints: torch.Tensor) -> torch.Tensor:
+        return ints[3 * self.rows + 1 + self.tables_size:].view(self.rows, self.width)
 
-    def batch(self, size: int, page_size: int, tables: object | None = None) -> ForwardBatch:
-        """The ForwardBatch of a bucket: views of the first ``size`` rows (and ``tables``,
-        the backend's views of its region, for a graph that reads them)."""
+    def used(self, rows: int) -> int:
+        """The prefix of ``ints`` a bucket of ``rows`` reads."""
+        return 3 * self.rows + 1 + self.tables_size + rows * self.width
+
+    def batch(self, rows: int, query_len: int, page_size: int,
+              tables: object | None = None) -> ForwardBatch:
+        """The ForwardBatch of a graph over ``rows`` sequences of up to ``query_len`` tokens
+        each (views of the buffers' leading rows and ``rows * query_len`` tokens), carrying
+        ``tables`` (the backend's views of its region) for a graph that reads them."""
+        tokens = rows * query_len
+        seq_slots = self.seq_slots(self.ints)[:rows] if query_len == 1 else None
         return ForwardBatch(
-            input_ids=self.longs[0, :size], positions=self.longs[1, :size],
-            slot_mapping=self.longs[2, :size], query_start=self.query_start[:size + 1],
-            context_lens=self.ints[:size], page_table=self.page_table(self.ints)[:size],
-            logits_indices=self.logits_indices[:size],
-            query_lens_host=[1] * size, context_lens_host=[1] * size, page_size=page_size,
-            seq_slots=self.seq_slots(self.ints)[:size],
-            token_seq_slots=self.seq_slots(self.ints)[:size], graph_tables=tables,
+            input_ids=self.longs[0, :tokens], positions=self.longs[1, :tokens],
+            slot_mapping=self.longs[2, :tokens],
+            query_start=self.query_start(self.ints)[:rows + 1],
+            context_lens=self.ints[:rows], page_table=self.page_table(self.ints)[:rows],
+            logits_indices=self.logits_indices[:tokens],
+            query_lens_host=[query_len] * rows, context_lens_host=[1] * rows,
+            page_size=page_size, seq_slots=seq_slots, token_seq_slots=seq_slots,
+            graph_tables=tables,
         )
 
 
-class DecodeGraphs:
-    """CUDA graphs of the decode forward for one model, storage and attention backend.
+@dataclass
+class _Graph:
+    """One captured graph, its output (logits of every token) and the batch it replays."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    batch: ForwardBatch
+
+
+class StepGraphs:
+    """CUDA graphs of the decode and verify forwards for one model, storage and backend.
 
     model: the Model (its ``forward(batch, storage, backend)`` is captured).
     storage: the cache's KVStorage.
     backend: an attention backend whose decode launch depends on the batch size alone
         ("triton", "flash"); the sdpa backend reads host-side lengths and cannot be captured.
-        One that is also a `GraphTablesBackend` gets a second graph per bucket for the steps
-        that read its tables.
+        One that is also a `GraphTablesBackend` gets a second graph per bucket for the decode
+        steps that read its tables.
     page_size: the cache's slots per page.
-    max_context: the longest sequence (prompt + generated) a graphed decode may hold; it sets
+    max_context: the longest sequence (prompt + generated) a graphed step may hold; it sets
         the width of the static page table.
     max_batch_size: the largest bucket.
     buckets: explicit bucket sizes (sorted, ascending); default `default_buckets`.
     compile_model: run the forward through ``torch.compile`` before capturing, which fuses the
         small element-wise kernels of norms, rotary and activations.
+    verify_steps: also replay verify steps (module docstring): needs the "triton" backend and a
+        storage that keeps no per-sequence state (False is taken for any other backend).
     """
 
     def __init__(self, model: Model, storage: KVStorage, backend: AttentionBackend,
                  *, page_size: int, max_context: int, max_batch_size: int = 256,
-                 buckets: Sequence[int] | None = None, compile_model: bool = False) -> None:
+                 buckets: Sequence[int] | None = None, compile_model: bool = False,
+                 verify_steps: bool = True) -> None:
         if backend.name not in GRAPH_BACKENDS:
             raise ValueError(f"CUDA graphs need a capturable attention backend "
                              f"({', '.join(GRAPH_BACKENDS)}); got {backend.name!r}")
@@ -142,6 +186,7 @@ class DecodeGraphs:
         self.buckets = sorted(buckets or default_buckets(max_batch_size))
         self.device = device
         self.compiled = compile_model
+        self.verify_steps = verify_steps and backend.name in VERIFY_BACKENDS
         self._step: StepFunction = self._make_step(compile_model)
         self._tables: GraphTables | None = None
         if isinstance(backend, GraphTablesBackend):
@@ -149,42 +194,62 @@ class DecodeGraphs:
             self._tables = backend.graph_tables(storage, config.num_heads, config.num_kv_heads,
                                                 self.buckets[-1])
         self._inputs = self._allocate(self.buckets[-1])
-        # Keyed by (bucket, reads the backend's tables); those graphs are captured on first use.
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        # Keyed by (bucket, query length, reads the backend's tables); all but the plain
+        # decode graphs are captured on first use.
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self._pool: _POOL_HANDLE | None = None
         with self._capture_mode():
             for size in reversed(self.buckets):  # largest first: smaller ones reuse its memory
-                self._capture(size, with_tables=False)
+                self._capture(size, 1, with_tables=False)
 
     def can_run(self, plan: StepPlan) -> bool:
-        """True for plans of decodes only (one token, sampled, no drafts) that fit a bucket."""
+        """True for plans of decodes (one sampled token per slice) that fit a bucket, and,
+        with ``verify_steps``, of decodes with drafts within `MAX_VERIFY_TOKENS`."""
         slices = plan.slices
         if not slices or len(slices) > self.buckets[-1]:
             return False
-        return all(len(s.token_ids) == 1 and s.sample and not s.draft_ids
-                   and s.end_pos <= self.width * self.page_size for s in slices)
+        limit = self.width * self.page_size
+        if not all(len(s.token_ids) == 1 and s.sample and s.end_pos <= limit for s in slices):
+            return False
+        query_len = _query_len(plan)
+        return query_len == 1 or (self.verify_steps
+                                  and self._bucket(len(slices)) * query_len <= MAX_VERIFY_TOKENS)
 
     def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None,
             feed: TokenFeed | None = None) -> torch.Tensor:
-        """Replay the smallest bucket holding the plan; float32 logits [len(slices), vocab].
-        ``seq_slots``: each slice's sequence slot (-1 or None: none). ``feed``: input tokens
-        still on the device (an overlapped previous step's), written into the static inputs.
+        """Replay the graph of the smallest bucket holding the plan (`can_run` must hold);
+        float32 logits [tokens, vocab], the plan's sample rows in slice order. ``seq_slots``:
+        each slice's sequence slot (-1 or None: none; a verify step takes none). ``feed``:
+        input tokens still on the device (an overlapped previous step's), written into the
+        static inputs.
 
         The logits are a view of the graph's output buffer: read them before the next `run`.
         """
         size = len(plan.slices)
-        bucket = next(b for b in self.buckets if b >= size)
-        writer = self._tables.stage(plan) if self._tables is not None else None
-        self._stage(plan, bucket, seq_slots, writer)
+        bucket = self._bucket(size)
+        query_len = _query_len(plan)
+        if query_len == 1:
+            writer = self._tables.stage(plan) if self._tables is not None else None
+            self._stage_decode(plan, bucket, seq_slots, writer)
+            tokens = size
+        else:
+            if seq_slots is not None and any(slot >= 0 for slot in seq_slots):
+                raise ValueError("a graphed verify step keeps no per-sequence state; build the "
+                                 "graphs with verify_steps=False for this storage")
+            writer = None
+            tokens = self._stage_verify(plan, bucket, query_len)
         if feed is not None:
-            feed.apply(self._inputs.longs[0, :bucket], size)
-        key = (bucket, writer is not None)
+            feed.apply(self._inputs.longs[0, :bucket * query_len], tokens)
+        key = (bucket, query_len, writer is not None)
         if key not in self._graphs:
             with self._capture_mode():  # the static inputs hold this very step (module doc)
-                self._capture(bucket, with_tables=True)
-        self._graphs[key].replay()
-        return self._outputs[key][:size]
+                self._capture(bucket, query_len, with_tables=writer is not None)
+        graph = self._graphs[key]
+        graph.graph.replay()
+        return graph.logits[:tokens]
+
+    def _bucket(self, size: int) -> int:
+        return next(b for b in self.buckets if b >= size)
 
     def _make_step(self, compile_model: bool) -> StepFunction:
         model, storage, backend = self.model, self.storage, self.backend
@@ -207,20 +272,21 @@ class DecodeGraphs:
         # Dynamic shapes: one compile serves every bucket (the batch size is symbolic).
         return torch.compile(compiled_step, dynamic=True)
 
-    def _allocate(self, size: int) -> _StaticInputs:
+    def _allocate(self, rows: int) -> _StaticInputs:
         device = self.device
-        host_longs = torch.zeros(3, size, dtype=torch.int64).pin_memory()
+        tokens = max(rows, MAX_VERIFY_TOKENS) if self.verify_steps else rows
+        host_longs = torch.zeros(3, tokens, dtype=torch.int64).pin_memory()
         tables_size = self._tables.size if self._tables is not None else 0
-        host_ints = torch.zeros(size * (2 + self.width) + tables_size,
+        host_ints = torch.zeros(rows * (3 + self.width) + 1 + tables_size,
                                 dtype=torch.int32).pin_memory()
-        host_ints[:size] = 1  # every warm-up row sees one slot: slot 0 of page 0
-        host_ints[size:2 * size] = -1  # and keeps no per-sequence state
+        host_ints[:rows] = 1  # every warm-up row sees one slot: slot 0 of page 0
+        host_ints[rows:2 * rows] = -1  # and keeps no per-sequence state
+        host_ints[2 * rows:3 * rows + 1] = torch.arange(rows + 1, dtype=torch.int32)
         inputs = _StaticInputs(
             longs=host_longs.to(device), ints=host_ints.to(device),
-            query_start=torch.arange(size + 1, dtype=torch.int32, device=device),
-            logits_indices=torch.arange(size, dtype=torch.int64, device=device),
+            logits_indices=torch.arange(tokens, dtype=torch.int64, device=device),
             host_longs=host_longs, host_ints=host_ints, copied=torch.cuda.Event(),
-            capacity=size, width=self.width, tables_size=tables_size,
+            rows=rows, tokens=tokens, width=self.width, tables_size=tables_size,
         )
         inputs.copied.record()
         return inputs
@@ -242,30 +308,31 @@ class DecodeGraphs:
         stack.enter_context(dynamo_config.patch(recompile_limit=limit))
         return stack
 
-    def _capture(self, size: int, *, with_tables: bool) -> None:
-        """Warm up and capture the graph of bucket ``size`` over the static inputs as they are
-        (plain, or reading the backend's tables in their region)."""
+    def _capture(self, size: int, query_len: int, *, with_tables: bool) -> None:
+        """Warm up and capture the graph of bucket ``size`` and ``query_len`` tokens per row
+        over the static inputs as they are (plain, or reading the backend's tables in their
+        region)."""
         inputs = self._inputs
         tables = None
         if with_tables:
             assert self._tables is not None
             tables = self._tables.views(inputs.tables_region(inputs.ints), size)
-        batch = inputs.batch(size, self.page_size, tables)
-        for _ in range(3):
+        batch = inputs.batch(size, query_len, self.page_size, tables)
+        for _ in range(3):  # the warm-ups also leave the backend's tables in batch.memo
             self._step(batch)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a lazy capture must not fail on another thread's unrelated CUDA call.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._outputs[(size, with_tables)] = self._step(batch)
+            logits = self._step(batch)
         self._pool = graph.pool()
-        self._graphs[(size, with_tables)] = graph
+        self._graphs[(size, query_len, with_tables)] = _Graph(graph, logits, batch)
         torch.cuda.synchronize(self.device)
 
-    def _stage(self, plan: StepPlan, bucket: int, seq_slots: Sequence[int] | None,
-               writer: TablesWriter | None) -> None:
-        """Fill the pinned staging buffers (the backend's tables through ``writer``) and copy
-        them into the static device inputs."""
+    def _stage_decode(self, plan: StepPlan, bucket: int, seq_slots: Sequence[int] | None,
+                      writer: TablesWriter | None) -> None:
+        """Fill the pinned staging buffers with a decode step (the backend's tables through
+        ``writer``) and copy them into the static device inputs."""
         inputs = self._inputs
         inputs.copied.synchronize()  # the previous step's copy has read the staging buffers
         longs = inputs.host_longs.numpy()
@@ -274,6 +341,7 @@ class DecodeGraphs:
         slots = inputs.seq_slots(inputs.host_ints).numpy()
         size = len(plan.slices)
         slots[:size] = -1 if seq_slots is None else seq_slots
+        inputs.query_start(inputs.host_ints).numpy()[:bucket + 1] = np.arange(bucket + 1)
         page_size = self.page_size
         for row, piece in enumerate(plan.slices):
             pos = piece.start_pos
@@ -290,10 +358,50 @@ class DecodeGraphs:
             tables[size:bucket] = tables[size - 1]
         if writer is not None:
             writer(inputs.tables_region(inputs.host_ints).numpy())
-        used = 2 * inputs.capacity + inputs.tables_size + bucket * inputs.width
+        self._copy(bucket)
+
+    def _stage_verify(self, plan: StepPlan, bucket: int, query_len: int) -> int:
+        """Fill the staging buffers with a verify step, packed (module docstring), and copy
+        them into the static device inputs; returns the step's token count."""
+        inputs = self._inputs
+        inputs.copied.synchronize()
+        longs = inputs.host_longs.numpy()
+        context = inputs.host_ints.numpy()[:inputs.rows]
+        starts = inputs.query_start(inputs.host_ints).numpy()
+        tables = inputs.page_table(inputs.host_ints).numpy()
+        page_size = self.page_size
+        token = 0
+        starts[0] = 0
+        for row, piece in enumerate(plan.slices):
+            ids = piece.token_ids + piece.draft_ids
+            end = token + len(ids)
+            positions = np.arange(piece.start_pos, piece.end_pos)
+            pages = np.asarray(piece.page_table[:-(-piece.end_pos // page_size)])
+            longs[0, token:end] = ids
+            longs[1, token:end] = positions
+            longs[2, token:end] = pages[positions // page_size] * page_size + positions % page_size
+            context[row] = piece.end_pos
+            tables[row, :len(pages)] = pages
+            token = starts[row + 1] = end
+        size = len(plan.slices)
+        starts[size + 1:bucket + 1] = token  # rows past the batch: no token, no key
+        context[size:bucket] = 0
+        longs[:2, token:bucket * query_len] = 0
+        longs[2, token:bucket * query_len] = -1  # padding tokens: not stored
+        self._copy(bucket)
+        return token
+
+    def _copy(self, bucket: int) -> None:
+        inputs = self._inputs
+        used = inputs.used(bucket)
         inputs.longs.copy_(inputs.host_longs, non_blocking=True)
         inputs.ints[:used].copy_(inputs.host_ints[:used], non_blocking=True)
         inputs.copied.record()
+
+
+def _query_len(plan: StepPlan) -> int:
+    """One plus the longest draft of the plan's slices (1: a decode step)."""
+    return 1 + max(len(s.draft_ids) for s in plan.slices)
 
 
 class _EagerAttention:
@@ -314,17 +422,18 @@ def _undecorated(function: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     return getattr(function, "__wrapped__", function)
 
 
-def decode_graphs_for(model: Model, storage: KVStorage, backend: AttentionBackend,
-                      *, page_size: int, max_context: int, max_batch_size: int,
-                      compile_model: bool = False) -> DecodeGraphs | None:
-    """`DecodeGraphs` when the model is on CUDA and the backend can be captured, else None.
+def step_graphs_for(model: Model, storage: KVStorage, backend: AttentionBackend,
+                    *, page_size: int, max_context: int, max_batch_size: int,
+                    compile_model: bool = False, verify_steps: bool = True) -> StepGraphs | None:
+    """`StepGraphs` when the model is on CUDA and the backend can be captured, else None.
 
-    Arguments as in `DecodeGraphs`.
+    Arguments as in `StepGraphs`.
     """
     if model.device.type != "cuda" or backend.name not in GRAPH_BACKENDS:
         return None
-    return DecodeGraphs(model, storage, backend, page_size=page_size, max_context=max_context,
-                        max_batch_size=max_batch_size, compile_model=compile_model)
+    return StepGraphs(model, storage, backend, page_size=page_size, max_context=max_context,
+                      max_batch_size=max_batch_size, compile_model=compile_model,
+                      verify_steps=verify_steps)
 
 
-__all__ = ["DecodeGraphs", "decode_graphs_for", "default_buckets"]
+__all__ = ["MAX_VERIFY_TOKENS", "StepGraphs", "default_buckets", "step_graphs_for"]

@@ -65,7 +65,8 @@ class TokenFeed:
 
 def token_feed(plan: StepPlan, in_flight: InFlight | None) -> TokenFeed | None:
     """The feed of ``plan``'s pending inputs from the step in flight, or None when ``plan`` has
-    no pending input.
+    no pending input. Targets count every input of the slices before, drafts included (ask once
+    the plan has its drafts).
 
     Only decode slices carry a pending token (a prefill's tokens are the prompt's, and a
     preempted job is re-admitted only after its tokens were resolved)."""
@@ -91,7 +92,7 @@ def token_feed(plan: StepPlan, in_flight: InFlight | None) -> TokenFeed | None:
                                    "previous step; resolve the previous step first")
             targets.append(flat)
             rows.append(row_of[sl.job_id])
-        flat += len(sl.token_ids)
+        flat += len(sl.token_ids) + len(sl.draft_ids)
     return TokenFeed(ids, targets, rows) if targets else None
 
 

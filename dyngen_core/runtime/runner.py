@@ -4,8 +4,8 @@ It owns nothing of the scheduler's: it executes the plan's page copies, gives ea
 sequence slot (`SequenceSlots`, below) when the storage keeps per-sequence state, builds the forward
 metadata, runs one forward over every slice, and hands back float32 logits for the sample rows
 in slice order (``1 + len(draft_ids)`` rows per sampling slice). On CUDA with a capturable
-attention backend, decode-only steps replay CUDA graphs (`graphs.DecodeGraphs`, shared-prefix
-attention included) instead of an eager forward.
+attention backend, decode steps (shared-prefix attention included) and speculative verify steps
+replay CUDA graphs (`graphs.StepGraphs`) instead of an eager forward.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from dyngen_core.engine.plan import StepPlan
 from dyngen_core.kv.attention.base import AttentionBackend, build_forward_batch
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
-from dyngen_core.runtime.graphs import decode_graphs_for
+from dyngen_core.runtime.graphs import step_graphs_for
 from dyngen_core.runtime.overlap import TokenFeed
 
 
 class ModelRunner:
     """Executes plans for one model over one cache with one attention backend.
 
-    cuda_graphs: capture decode CUDA graphs when the model is on CUDA and the backend allows it
-        (captured here, while the cache is still empty).
+    cuda_graphs: replay decode and verify steps from CUDA graphs when the model is on CUDA and
+        the backend allows it (decode graphs are captured here, while the cache is still empty;
+        verify graphs on first use, and only over storage without per-sequence state).
     max_batch_size: the largest decode batch a graph is captured for, and the most sequences
         whose per-sequence storage state (the recent window of quantized caches) is kept at
         once; the storage may keep fewer (`KVStorage.reserve_sequences`: a q6/q4 cache keeps
@@ -57,9 +58,10 @@ class ModelRunner:
         reserved = cache.storage.reserve_sequences(max_batch_size)
         self.slots = SequenceSlots(reserved) if reserved else None
         max_context = min(model.config.max_position_embeddings, cache.max_tokens)
-        self.graphs = decode_graphs_for(
+        self.graphs = step_graphs_for(
             model, cache.storage, backend, page_size=cache.page_size, max_context=max_context,
             max_batch_size=max_batch_size, compile_model=compile_decode,
+            verify_steps=self.slots is None,
         ) if cuda_graphs else None
 
     @torch.inference_mode()

@@ -27,6 +27,7 @@ any draft is cut before the first token the constraint forbids (it could not be 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -295,6 +296,9 @@ class Speculator:
     page_size: the cache's page size (a slice drafts no further than its pages reach).
     """
 
+    # How fast the measured draft cost follows new measurements (weight of the newest).
+    DRAFT_COST_WEIGHT = 0.1
+
     def __init__(self, drafter: Drafter, max_draft_tokens: int, page_size: int) -> None:
         if max_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, not {max_draft_tokens}")
@@ -302,19 +306,23 @@ class Speculator:
         self.max_draft_tokens = max_draft_tokens
         self.page_size = page_size
         self.costs = StepCostModel()
+        # One draft position's cost over a target decode step of the same jobs: the drafter's
+        # own estimate, then measured (the drafter's time over the cost model's step time)
+        # while ``measure_draft_cost``; benchmarks that pin it turn the measuring off.
+        self.draft_cost_ratio = drafter.cost_ratio
+        self.measure_draft_cost = True
         self._stats: dict[int, DraftStats] = {}
         self.accepted = self.rejected = 0
         self._steps = 0
-        self._eligible = False  # the last `propose` saw a job that may draft
+        self._next_probe: int | None = None  # the earliest step a job not drafting probes
         # Jobs whose drafts pay (or that are new): their steps do not overlap the next.
         self._on: set[int] = set()
 
     def wants_tokens(self) -> bool:
         """Whether the next step should have this step's tokens on the host (drafts are made
-        there): some job drafts, or may probe in the next step (every `PROBE_INTERVAL` steps
-        a step lets every job's probe come due)."""
-        return bool(self._on) or (self._eligible
-                                  and self._steps % DraftStats.PROBE_INTERVAL == 0)
+        there): some job drafts, or a job's probe comes due in the next step."""
+        return bool(self._on) or (self._next_probe is not None
+                                  and self._steps + 1 >= self._next_probe)
 
     def follow(self, plan: StepPlan) -> None:
         self.drafter.follow(plan)
@@ -324,19 +332,22 @@ class Speculator:
         returns how many drafts were set."""
         self._steps += 1
         decodes = [s for s in plan.slices if s.sample and len(s.token_ids) == 1]
-        self._eligible = False
+        self._next_probe = None
         if not decodes:
             return 0
-        threshold = self.costs.threshold(len(decodes), self.drafter.cost_ratio)
+        threshold = self.costs.threshold(len(decodes), self.draft_cost_ratio)
         requests: list[DraftRequest] = []
         targets: list[tuple[SequenceSlice, JobRecord]] = []
         for sl in decodes:
             record = records.get(sl.job_id)
             if record is None or not record.drafting:
                 continue
-            self._eligible = True
             stats = self._stats_of(sl.job_id)
             if sl.token_ids[0] == PENDING_TOKEN or sl.start_pos != len(record.history) - 1:
+                # No input on the host yet: a job that drafts (or is new) stays on, so the
+                # next step has its tokens; any other may probe when due.
+                if sl.job_id not in self._on:
+                    self._note_probe(stats)
                 continue
             # Drafts stop before max_new_tokens and inside the slice's pages (a prompt's last
             # token, fed alone after a prompt-cache hit, has no page reserved past it).
@@ -345,6 +356,7 @@ class Speculator:
             length = stats.length(min(self.max_draft_tokens, room), threshold, self._steps)
             if length == 0:
                 self._on.discard(sl.job_id)
+                self._note_probe(stats)
                 continue
             self._on.add(sl.job_id)
             requests.append(DraftRequest(sl.job_id, record.history, sl.page_table, length,
@@ -352,14 +364,32 @@ class Speculator:
             targets.append((sl, record))
         if not requests:
             return 0
+        started = time.perf_counter()
+        drafts = self.drafter.draft(requests)
+        self._measure_draft_cost(time.perf_counter() - started, len(decodes),
+                                 max(r.length for r in requests))
         total = 0
-        for (sl, record), draft in zip(targets, self.drafter.draft(requests), strict=True):
+        for (sl, record), draft in zip(targets, drafts, strict=True):
             keep = allowed_prefix(record.matcher, draft.tokens)
             if keep:
                 sl.draft_ids = record.draft_ids = draft.tokens[:keep]
                 record.draft_probs = None if draft.probs is None else draft.probs[:keep]
                 total += keep
         return total
+
+    def _note_probe(self, stats: DraftStats) -> None:
+        due = stats.next_probe
+        self._next_probe = due if self._next_probe is None else min(self._next_probe, due)
+
+    def _measure_draft_cost(self, seconds: float, batch: int, positions: int) -> None:
+        """Fold one drafting pass (``seconds`` for ``positions`` draft positions of a step of
+        ``batch`` decodes) into ``draft_cost_ratio``, once the cost model predicts a step."""
+        step = self.costs.predict(batch)
+        if not self.measure_draft_cost or not step or positions < 1:
+            return
+        weight = self.DRAFT_COST_WEIGHT
+        sample = seconds / (positions * step)
+        self.draft_cost_ratio = (1 - weight) * self.draft_cost_ratio + weight * sample
 
     def _sampling(self, record: JobRecord) -> DraftSampling | None:
         """How a drafter that samples draws this job's drafts; None (draft greedily) for a

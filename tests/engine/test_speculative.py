@@ -50,7 +50,8 @@ def speculative(make_generator: Callable[..., DynamicGenerator],
         draft = engine_parts[0] if drafter == "oracle" else small_draft
         generator = make_generator(draft_model=draft, **options)
         assert generator.speculator is not None
-        generator.speculator.drafter.cost_ratio = 0.0  # type: ignore[attr-defined]
+        generator.speculator.measure_draft_cost = False
+        generator.speculator.draft_cost_ratio = 0.0
         return generator
 
     return make

@@ -21,7 +21,7 @@ import torch
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import build_forward_batch
-from dyngen_core.runtime.graphs import DecodeGraphs
+from dyngen_core.runtime.graphs import StepGraphs
 from dyngen_core.runtime.runner import ModelRunner
 from tests.tiny_models import write_tiny_model
 
@@ -125,20 +125,21 @@ def test_cascade_graphs_equal_eager_plain_forward(gpu_parts: tuple[Model, Tokeni
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     model = gpu_parts[0]
     captures: list[tuple[int, bool]] = []
-    original = DecodeGraphs._capture
+    original = StepGraphs._capture
 
-    def spy(self: DecodeGraphs, size: int, *, with_tables: bool) -> None:
+    def spy(self: StepGraphs, size: int, query_len: int, *, with_tables: bool) -> None:
+        assert query_len == 1  # decode steps only here
         captures.append((size, with_tables))
-        original(self, size, with_tables=with_tables)
+        original(self, size, query_len, with_tables=with_tables)
 
-    monkeypatch.setattr(DecodeGraphs, "_capture", spy)
+    monkeypatch.setattr(StepGraphs, "_capture", spy)
     staged = _spy_graph_plans(monkeypatch)
     # Group A: 3 shared pages, 3 members; group B: 1 shared page, 2 members; 2 loners.
     seqs = _Sequences([(3, [2, 9, 17]), (1, [5, 20])], loners=[7, 40], seed=1)
     cache = Cache(model, max_tokens=seqs.pages * PAGE, page_size=PAGE)
     runner = ModelRunner(model, cache, _triton(cascade=True), max_batch_size=12)
     graphs = runner.graphs
-    assert isinstance(graphs, DecodeGraphs) and graphs.buckets == [1, 2, 4, 8, 12]
+    assert isinstance(graphs, StepGraphs) and graphs.buckets == [1, 2, 4, 8, 12]
     assert all(not cascade for _, cascade in captures)  # construction: plain graphs only
     first = runner.run(seqs.prefill())
     assert first is not None

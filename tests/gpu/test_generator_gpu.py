@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
-from dyngen_core.runtime.graphs import DecodeGraphs
+from dyngen_core.runtime.graphs import StepGraphs
 from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -57,13 +57,13 @@ def _generator(parts: tuple[Model, Tokenizer], cache_tokens: int, backend: str,
 def test_gpu_generator_with_dedup_and_preemption_matches_sdpa_alone(
         gpu_parts: tuple[Model, Tokenizer], mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     replays = []
-    original_run = DecodeGraphs.run
+    original_run = StepGraphs.run
 
-    def counting_run(self: DecodeGraphs, plan, *args):  # type: ignore[no-untyped-def]
+    def counting_run(self: StepGraphs, plan, *args):  # type: ignore[no-untyped-def]
         replays.append(len(plan.slices))
         return original_run(self, plan, *args)
 
-    monkeypatch.setattr(DecodeGraphs, "run", counting_run)
+    monkeypatch.setattr(StepGraphs, "run", counting_run)
     shared = _prompts(1, seed=2, lo=300, hi=301)[0]
     prompts = [shared + tail for tail in _prompts(3, seed=3, lo=3, hi=20)]
     prompts += _prompts(3, seed=1, lo=240, hi=252)  # cross a page while decoding

@@ -20,7 +20,7 @@ from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, To
 from dyngen_core.kv.attention.triton.cascade_path import CascadePath
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 from dyngen_core.kv.quant.storage import QuantStorage
-from dyngen_core.runtime.graphs import DecodeGraphs
+from dyngen_core.runtime.graphs import StepGraphs
 from tests.engine.step_helpers import kill_row
 from tests.tiny_models import write_tiny_model
 
@@ -126,7 +126,7 @@ def test_a_fault_in_a_graph_replay_fails_only_its_step(gpu_parts, monkeypatch, f
     hook = _once(fault, after=4)
     finals = _waves(lambda: _generator(gpu_parts), _jobs(first, "first"),
                     _jobs(later, "later"),
-                    arm=lambda: _patch(monkeypatch, DecodeGraphs, "run", hook))
+                    arm=lambda: _patch(monkeypatch, StepGraphs, "run", hook))
     assert hook.calls[0] > 5  # type: ignore[attr-defined]  # replays went on after the fault
     assert _check(finals, reference) == ["first0", "first1", "first2"]
 

@@ -157,6 +157,11 @@ def test_short_chunks_over_a_long_prefix(device: torch.device, monkeypatch: pyte
            device, monkeypatch, **options)
 
 
+def _tiled_launches(batch: ForwardBatch) -> list[object]:
+    """The tiled path's launches kept in the batch's memo."""
+    return [v for k, v in batch.memo.items() if isinstance(k, tuple) and k[0] == "tiled_prefill"]
+
+
 def test_backend_takes_the_tiled_path_and_agrees(device: torch.device,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Through `TritonPagedBackend.attend`: the tiled path runs (its block table is built) and
@@ -174,11 +179,12 @@ def test_backend_takes_the_tiled_path_and_agrees(device: torch.device,
         monkeypatch.setattr(prefill, "FLOAT32_BLOCK_N", 16)
     tiled = TritonPagedBackend()
     out = tiled.attend(0, q, k, v, storage, batch, 0.2).float()
-    assert tiled.tiled_prefill._launches is not None
+    assert _tiled_launches(batch)
+    batch.memo.clear()
     monkeypatch.setattr(prefill, "MIN_QUERY", 1 << 20)
     paged = TritonPagedBackend()
     paged_out = paged.attend(0, q, k, v, storage, batch, 0.2)
-    assert paged.tiled_prefill._launches is None
+    assert not _tiled_launches(batch)
     tolerance = 2e-3 if dtype == torch.float32 else 1.5e-2
     assert float((out - ref).norm() / ref.norm()) < tolerance
     assert float((paged_out.float() - ref).norm() / ref.norm()) < tolerance

@@ -1,7 +1,7 @@
-"""Speculative decoding on CUDA (Triton attention, decode CUDA graphs for the plain and the
-draft model's one-token steps, verify steps eager): greedy outputs equal plain decoding's for
-the n-gram drafter and a draft model that is the target itself, in fp16 and q8 caches, with a
-small cache that forces preemption."""
+"""Speculative decoding on CUDA (Triton attention; CUDA graphs for the plain and the draft
+model's one-token steps and for verify steps): outputs equal plain decoding's for the n-gram
+drafter and a draft model that is the target itself, in fp16 and q8 caches, with a small cache
+that forces preemption, greedy and seeded sampled jobs mixed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
+from dyngen_core.engine.plan import StepPlan
+from dyngen_core.runtime.graphs import StepGraphs
 from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -41,8 +43,18 @@ def _run(generator: DynamicGenerator, prompts: list[list[int]]) -> list[list[int
 
 @pytest.mark.parametrize("mode", ["fp16", "q8"])
 @pytest.mark.parametrize("drafter", ["ngram", "oracle"])
-def test_speculative_output_equals_plain_on_cuda(parts, mode, drafter):
+def test_speculative_output_equals_plain_on_cuda(parts, mode, drafter, monkeypatch):
     model, tokenizer = parts
+    verify_replays: list[int] = []
+    original_run = StepGraphs.run
+
+    def counting_run(self: StepGraphs, plan: StepPlan, *args):  # type: ignore[no-untyped-def]
+        drafts = max(len(s.draft_ids) for s in plan.slices)
+        if drafts:
+            verify_replays.append(drafts)
+        return original_run(self, plan, *args)
+
+    monkeypatch.setattr(StepGraphs, "run", counting_run)
     rng = random.Random(3)
     loop = [rng.randrange(10, 500) for _ in range(12)]
     prompts = [loop * 20 + [rng.randrange(10, 500) for _ in range(rng.randrange(5, 20))]
@@ -57,7 +69,9 @@ def test_speculative_output_equals_plain_on_cuda(parts, mode, drafter):
     speculative = build(use_ngram_draft=True) if drafter == "ngram" else build(draft_model=model)
     assert speculative.speculator is not None
     if drafter == "oracle":
-        speculative.speculator.drafter.cost_ratio = 0.0  # type: ignore[attr-defined]
+        speculative.speculator.measure_draft_cost = False
+        speculative.speculator.draft_cost_ratio = 0.0
     assert _run(speculative, prompts) == plain
     stats = speculative.stats()
     assert stats.draft_tokens_accepted > 0 and stats.preemptions > 0
+    assert verify_replays  # verify steps replayed graphs

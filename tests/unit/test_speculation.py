@@ -74,6 +74,27 @@ def test_draft_length_follows_acceptance_and_probes_when_drafts_fail():
     assert stats.length(0, threshold=0.0, step=100 * DraftStats.PROBE_INTERVAL) == 0
 
 
+def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
+    stats = DraftStats()
+    for _ in range(12):
+        stats.record(proposed=2, accepted=0)
+    probes = []
+    for step in range(1, 1200):
+        if stats.length(8, threshold=0.5, step=step):
+            probes.append(step)
+            stats.record(proposed=1, accepted=0)
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:5] == [32, 64, 128, 256, 256]  # doubling from 16, capped
+    assert stats.probe_interval == DraftStats.MAX_PROBE_INTERVAL
+    step = probes[-1] + stats.probe_interval
+    assert stats.length(8, threshold=0.5, step=step) == 1
+    stats.record(proposed=1, accepted=1)
+    assert stats.probe_interval == DraftStats.PROBE_INTERVAL
+    # A draft offered because it pays is no probe: its outcome leaves the interval alone.
+    stats.record(proposed=3, accepted=0)
+    assert stats.probe_interval == DraftStats.PROBE_INTERVAL
+
+
 def test_step_cost_model_fits_fixed_and_per_token_costs():
     model = StepCostModel(decay=1.0)
     assert model.ratio() == model.prior_ratio

@@ -39,6 +39,9 @@ class ForwardBatch:
         None when the runner assigned no slots.
     graph_tables: what a CUDA graph's batch carries for its backend (`GraphTables.views`: views
         of the graph's static buffers); None elsewhere.
+    memo: what a backend derives from the host lists once per forward and reuses in every
+        layer (query blocks, launch tables), keyed by the backend. It lives as long as the
+        batch, so a CUDA graph that keeps its batch keeps the device tables its capture read.
     """
 
     input_ids: torch.Tensor
@@ -55,6 +58,7 @@ class ForwardBatch:
     seq_slots: torch.Tensor | None = None
     token_seq_slots: torch.Tensor | None = None
     graph_tables: object | None = None
+    memo: dict[object, object] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +109,7 @@ class GraphTables(Protocol):
     graph's static inputs (the Triton backend's shared-prefix groups), for batches of up to the
     capacity they were made for.
 
-    `graphs.DecodeGraphs` holds ``size`` entries for them in its static int32 buffer. Each step
+    `graphs.StepGraphs` holds ``size`` entries for them in its static int32 buffer. Each step
     it asks `stage` for the step's writer before its staging buffers are free, runs the writer on
     the host copy of the region (copied to the device with the step's metadata) and replays a
     graph whose batch carries `views` of the device copy (``ForwardBatch.graph_tables``); a step

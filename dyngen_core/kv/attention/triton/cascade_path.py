@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from operator import attrgetter
+from typing import cast
 
 import numpy as np
 import torch
@@ -122,8 +123,6 @@ class CascadePath:
         self.block_n = block_n
         self.max_splits = max_splits
         self.decode_programs_per_sm = decode_programs_per_sm
-        self._plan: tuple[ForwardBatch, CascadePlan | None] | None = None
-        self._tables: tuple[ForwardBatch, int, CascadeTables] | None = None
         # The own-keys pass's counters (split passes): allocated by an eager call (a graph's
         # warm-up forwards) before any capture needs them.
         self.split_counters = SplitCounters()
@@ -134,12 +133,11 @@ class CascadePath:
         if (policy is None or not cascade_reads(storage)
                 or batch.page_tables_host is None or not batch.is_decode_only):
             return None
-        cached = self._plan
-        if cached is not None and cached[0] is batch:
-            return cached[1]
+        if "cascade_plan" in batch.memo:
+            return cast("CascadePlan | None", batch.memo["cascade_plan"])
         plan = plan_shared_prefixes(batch.page_tables_host, batch.context_lens_host,
                                     batch.query_lens_host, batch.page_size, policy)
-        self._plan = (batch, plan)
+        batch.memo["cascade_plan"] = plan
         return plan
 
     def graph_tables(self, storage: KVStorage, num_heads: int, num_kv_heads: int,
@@ -172,11 +170,12 @@ class CascadePath:
         if plan is None:
             return None
         members_per_block = self.members_per_block(heads.group)
-        cached = self._tables
-        if cached is not None and cached[0] is batch and cached[1] == members_per_block:
-            return cached[2]
+        key = ("cascade_tables", members_per_block)
+        cached = batch.memo.get(key)
+        if isinstance(cached, CascadeTables):
+            return cached
         tables = cascade_tables(plan, batch.context_lens_host, members_per_block, device)
-        self._tables = (batch, members_per_block, tables)
+        batch.memo[key] = tables
         return tables
 
     def attend(self, q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ...],

@@ -74,7 +74,6 @@ class TritonPagedBackend:
                 cascade_min_members, cascade_min_prefix_pages, cascade_min_saved_keys),
             block_n=decode.BLOCK_N, max_splits=decode.MAX_SPLITS,
             decode_programs_per_sm=decode.PROGRAMS_PER_SM)
-        self._blocks: tuple[ForwardBatch, int, QueryBlocks] | None = None
         self._rotations: dict[torch.device, torch.Tensor] = {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -153,9 +152,10 @@ class TritonPagedBackend:
 
     def _query_blocks(self, batch: ForwardBatch, block_q: int,
                       device: torch.device) -> QueryBlocks:
-        cached = self._blocks
-        if cached is not None and cached[0] is batch and cached[1] == block_q:
-            return cached[2]
+        key = ("paged_blocks", block_q)
+        cached = batch.memo.get(key)
+        if isinstance(cached, QueryBlocks):
+            return cached
         seq: list[int] = []
         first: list[int] = []
         for index, qlen in enumerate(batch.query_lens_host):
@@ -163,7 +163,7 @@ class TritonPagedBackend:
             seq.extend([index] * len(starts))
             first.extend(starts)
         blocks = QueryBlocks(_to_device(seq, device), _to_device(first, device))
-        self._blocks = (batch, block_q, blocks)
+        batch.memo[key] = blocks
         return blocks
 
     def _rotation(self, device: torch.device) -> torch.Tensor:

@@ -20,6 +20,7 @@ The tile shapes are module constants that production reads and the kernel benchm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -78,10 +79,7 @@ class _Launch:
 
 
 class TiledPrefill:
-    """The tiled prefill path of one backend (it caches the current batch's launches)."""
-
-    def __init__(self) -> None:
-        self._launches: tuple[ForwardBatch, torch.dtype, int, list[_Launch]] | None = None
+    """The tiled prefill path of one backend (a batch's launches are kept in its ``memo``)."""
 
     def takes(self, batch: ForwardBatch, q: torch.Tensor, keys: torch.Tensor,
               key_bits: int, value_bits: int) -> bool:
@@ -141,9 +139,10 @@ class TiledPrefill:
         """The batch's launches (built once per forward, reused by every layer): one, or two
         when short sequences (`SHORT_QUERY`) sit beside longer chunks; each lists its
         query blocks with the most keys to read first, so the long tiles start first."""
-        cached = self._launches
-        if cached is not None and cached[0] is batch and cached[1:3] == (dtype, group):
-            return cached[3]
+        key = ("tiled_prefill", dtype, group)
+        cached = batch.memo.get(key)
+        if cached is not None:
+            return cast(list[_Launch], cached)
         lens = batch.query_lens_host
         short = [i for i, qlen in enumerate(lens) if qlen <= SHORT_QUERY]
         long = [i for i, qlen in enumerate(lens) if qlen > SHORT_QUERY]
@@ -153,7 +152,7 @@ class TiledPrefill:
             tile = self.tile(max(lens[i] for i in seqs), dtype, group)
             seq, first = _query_blocks(batch, seqs, tile.block_q)
             launches.append(_Launch(tile, _to_device(seq, device), _to_device(first, device)))
-        self._launches = (batch, dtype, group, launches)
+        batch.memo[key] = launches
         return launches
 
 
