@@ -16,7 +16,9 @@ generator does (`JobRecord.on_token`) and, when any job drafted, settles every j
 Modes: ``all``: the speculator's cost model says drafting is free, so every job drafts whose
 drafts pay (with an n-gram drafter, all of them); ``off``: the cost model says drafts never pay
 (jobs only probe one token every `DraftStats.PROBE_INTERVAL` steps). Figures are medians over
-the steps after --warmup, per step for all jobs (``propose_ms``, ``settle_ms``, ``total_ms``).
+the steps after --warmup, per step for all jobs (``propose_ms``, ``settle_ms``, ``total_ms``;
+``total_cpu_ms``: the same in this thread's CPU time, which leaves out the time other processes
+of a loaded machine held the core).
 
 Each tree runs --rounds fresh simulations, alternating with the other tree's; the figures
 reported are the medians of the rounds' medians. ``--baseline TREE``: also run TREE's
@@ -56,7 +58,7 @@ from dyngen_core.runtime import speculator as this_speculator  # noqa: E402
 GREEDY = SamplerSettings.greedy()
 PAGE_SIZE = 256
 # Per-step figures reported as the median of the rounds' medians.
-MEDIANS = ("propose_ms", "settle_ms", "total_ms", "mean_total_ms")
+MEDIANS = ("propose_ms", "settle_ms", "total_ms", "total_cpu_ms", "mean_total_ms")
 
 
 class NoStream:
@@ -128,6 +130,7 @@ class Simulation:
         self.digest = hashlib.sha256()
         self.propose_s: list[float] = []
         self.settle_s: list[float] = []
+        self.cpu_s: list[float] = []  # propose and settle, this thread's CPU time
         self.drafting: list[int] = []
 
     def step(self, measure: bool, profile: cProfile.Profile | None = None) -> None:
@@ -138,9 +141,9 @@ class Simulation:
             for job_id, r in records.items()])
         if profile is not None:
             profile.enable()
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         speculator.propose(plan, records)
-        proposed = time.perf_counter()
+        proposed, proposed_cpu = time.perf_counter(), time.thread_time()
         if profile is not None:
             profile.disable()
         runs = []
@@ -154,19 +157,21 @@ class Simulation:
             for token in run:
                 record.job.new_token_ids.append(token)
                 record.on_token(token)
-        settle = 0.0
+        settle = settle_cpu = 0.0
         if any(sl.draft_ids for sl in plan.slices):  # a verify step: every job settles
             if profile is not None:
                 profile.enable()
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             for sl, run in zip(plan.slices, runs, strict=True):
                 speculator.settle(records[sl.job_id], len(run))
             settle = time.perf_counter() - began
+            settle_cpu = time.thread_time() - began_cpu
             if profile is not None:
                 profile.disable()
         if measure:
             self.propose_s.append(proposed - started)
             self.settle_s.append(settle)
+            self.cpu_s.append(proposed_cpu - started_cpu + settle_cpu)
             self.drafting.append(sum(bool(sl.draft_ids) for sl in plan.slices))
 
     def figures(self) -> dict[str, Any]:
@@ -175,6 +180,7 @@ class Simulation:
             "propose_ms": round(statistics.median(self.propose_s) * 1e3, 4),
             "settle_ms": round(statistics.median(self.settle_s) * 1e3, 4),
             "total_ms": round(statistics.median(totals) * 1e3, 4),
+            "total_cpu_ms": round(statistics.median(self.cpu_s) * 1e3, 4),
             "mean_total_ms": round(statistics.fmean(totals) * 1e3, 4),
             "drafting_jobs_per_step": round(statistics.fmean(self.drafting), 1),
             "accepted": self.speculator.accepted, "rejected": self.speculator.rejected,

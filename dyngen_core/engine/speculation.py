@@ -109,13 +109,14 @@ class NgramIndex:
         if length == done:
             return
         table, masks, key, bits = self._next, self._masks, self._key, self.TOKEN_BITS
-        full, limit, min_n = masks[0], (1 << bits) - 1, self.min_n
+        full, limit = masks[0], (1 << bits) - 1
         for end in range(done, length):
             # The n-grams ending just before ``end`` (all in ``key``) are followed by
-            # history[end]; an n-gram reaching before the start keeps a shorter one's key.
-            if end >= min_n:
-                for mask in masks:
-                    table[key & mask] = end
+            # history[end]. Near the start, a mask longer than ``end`` tokens gives the key of
+            # the ``end`` tokens there, shorter than ``min_n`` for the first few: `propose`
+            # never looks such a key up.
+            for mask in masks:
+                table[key & mask] = end
             token = history[end]
             if not 0 <= token < limit:
                 self._indexed, self._key, self._tail = 0, 0, []
