@@ -83,8 +83,8 @@ class DraftRequest(NamedTuple):
 
 
 # A NamedTuple's own constructor is a Python function; a step builds a request and a draft for
-# every drafting job (256 a step), so they are built with ``tuple.__new__`` (the same objects,
-# a fraction of the time), every field given.
+# every drafting job (256 a step), so they are built with ``tuple.__new__`` (instances all the
+# same, in a fraction of the time), every field given.
 _new_tuple = tuple.__new__
 
 
@@ -394,8 +394,8 @@ class Speculator:
         they reached its history), and clear its drafts."""
         proposed = len(record.draft_ids)
         accepted = run_length - 1
-        (self._stats.get(record.job_id) or self._stats_of(record.job_id)).record(proposed,
-                                                                                  accepted)
+        stats = self._stats.get(record.job_id) or self._stats_of(record.job_id)
+        stats.record(proposed, accepted)
         self.accepted += accepted
         self.rejected += proposed - accepted
         self.drafter.settle(record.job_id, len(record.history) - 1)
