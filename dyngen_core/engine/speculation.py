@@ -71,32 +71,60 @@ class NgramIndex:
     The index is built incrementally from the job's history (prompt and accepted tokens,
     `sync`), so proposing costs a few dictionary lookups per job and step whatever the
     context length. A continuation that runs into the end of the history goes on with its
-    own proposed tokens (a repeating pattern keeps repeating)."""
+    own proposed tokens (a repeating pattern keeps repeating).
+
+    One dictionary maps every indexed n-gram to the position after its latest occurrence. An
+    n-gram's key is an int packing its tokens, ``TOKEN_BITS`` bits each (token + 1, so that a
+    shorter n-gram never has a longer one's key), the newest token lowest: the key of the
+    ``max_n``-gram ending at a position holds every shorter suffix's key in its low bits, and
+    one shift per token rolls it on. Token ids must lie in ``[0, 2 ** TOKEN_BITS - 1)``.
+    """
 
     TAIL = 4
+    TOKEN_BITS = 21
+
+    __slots__ = ("max_n", "min_n", "_masks", "_next", "_indexed", "_key", "_tail")
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n; got min_n={min_n}, "
                              f"max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
-        self._next: dict[tuple[int, ...], int] = {}
+        bits = self.TOKEN_BITS
+        # Key masks of the n-grams looked up, longest first.
+        self._masks = [(1 << bits * n) - 1 for n in range(max_n, min_n - 1, -1)]
+        self._next: dict[int, int] = {}
         self._indexed = 0
+        self._key = 0  # the key of the max_n-gram ending at ``_indexed`` (not in the table)
         self._tail: Sequence[int] = []  # the last tokens indexed, to notice a rewind
 
     def sync(self, history: Sequence[int]) -> None:
         """Index the tokens appended since the last call. A history that no longer ends in
         what was indexed (a rewind, perhaps followed by new tokens) is indexed afresh."""
-        done = self._indexed
-        if len(history) < done or history[done - len(self._tail):done] != self._tail:
+        done, length = self._indexed, len(history)
+        if length < done or history[done - len(self._tail):done] != self._tail:
             self._next.clear()
             self._indexed = done = 0
-        table, max_n, min_n = self._next, self.max_n, self.min_n
-        for end in range(max(done, 1), len(history)):
-            # The n-grams ending just before ``end`` are followed by history[end].
-            for n in range(min_n, min(max_n, end) + 1):
-                table[tuple(history[end - n:end])] = end
-        self._indexed = len(history)
+            self._key = 0
+        if length == done:
+            return
+        table, masks, key, bits = self._next, self._masks, self._key, self.TOKEN_BITS
+        full, limit = masks[0], (1 << bits) - 1
+        for end in range(done, length):
+            # The n-grams ending just before ``end`` (all in ``key``) are followed by
+            # history[end]. Near the start, a mask longer than ``end`` tokens gives the key of
+            # the ``end`` tokens there, shorter than ``min_n`` for the first few: `propose`
+            # never looks such a key up.
+            for mask in masks:
+                table[key & mask] = end
+            token = history[end]
+            if not 0 <= token < limit:
+                self._indexed, self._key, self._tail = 0, 0, []
+                table.clear()
+                raise ValueError(f"token id {token} at position {end} is outside the n-gram "
+                                 f"index's range [0, {limit})")
+            key = ((key << bits) | (token + 1)) & full
+        self._indexed, self._key = length, key
         self._tail = history[-self.TAIL:]
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
@@ -105,18 +133,29 @@ class NgramIndex:
         length = len(history)
         if k <= 0 or length < self.min_n:
             return []
-        table = self._next
-        for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            start = table.get(tuple(history[length - n:]))
+        key = self._key if length == self._indexed else self._key_of(history)
+        get = self._next.get
+        for mask in self._masks:
+            # A mask longer than the history keeps the whole history's key: the same lookup
+            # as the history's own length.
+            start = get(key & mask)
             if start is not None:
-                out: list[int] = []
-                for j in range(start, start + k):
-                    out.append(history[j] if j < length else out[j - length])
-                return out
+                if start + k <= length:
+                    return list(history[start:start + k])
+                # The continuation reaches the end: it repeats with period length - start.
+                period = list(history[start:])
+                return (period * (k // len(period) + 1))[:k]
         return []
 
+    def _key_of(self, history: Sequence[int]) -> int:
+        """The key of the last ``max_n`` tokens of ``history`` (fewer when it is shorter)."""
+        key, bits = 0, self.TOKEN_BITS
+        for token in history[-self.max_n:]:
+            key = (key << bits) | (token + 1)
+        return key
 
-@dataclass
+
+@dataclass(slots=True)
 class DraftStats:
     """One job's acceptance, decayed so that it follows the text (code, prose, a quote).
 
@@ -133,6 +172,7 @@ class DraftStats:
     total_rejected: int = 0
     probe_interval: int = 16
     probing: bool = False  # the last offer was a probe
+    alpha: float = field(default=0.0, init=False)  # accepted / trials, kept up to date
 
     DECAY = 0.8
     PRIOR_TRIALS = 2.0
@@ -145,10 +185,7 @@ class DraftStats:
     def __post_init__(self) -> None:
         if self.trials < 0:
             self.accepted, self.trials = self.prior * self.PRIOR_TRIALS, self.PRIOR_TRIALS
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.trials if self.trials > 0 else 0.0
+        self.alpha = self.accepted / self.trials if self.trials > 0 else 0.0
 
     @property
     def next_probe(self) -> int:
@@ -158,7 +195,8 @@ class DraftStats:
     def record(self, proposed: int, accepted: int) -> None:
         """Count one verify step that offered ``proposed`` drafts and accepted ``accepted``."""
         self.accepted = self.accepted * self.DECAY + accepted
-        self.trials = self.trials * self.DECAY + accepted + (accepted < proposed)
+        self.trials = trials = self.trials * self.DECAY + accepted + (accepted < proposed)
+        self.alpha = self.accepted / trials if trials > 0 else 0.0
         self.total_accepted += accepted
         self.total_rejected += proposed - accepted
         if self.probing:
@@ -169,20 +207,24 @@ class DraftStats:
     def length(self, max_tokens: int, threshold: float, step: int) -> int:
         """How many drafts to offer at engine step ``step``: positions ``j`` while
         ``alpha ** j > threshold``, at most ``max_tokens``; when none would pay, one probe
-        token once ``probe_interval`` steps passed since the last offer."""
+        token once ``probe_interval`` steps passed since the last offer (so none when
+        ``alpha <= threshold`` and `probe_due` is false)."""
         alpha, k, survive = self.alpha, 0, 1.0
         while k < max_tokens:
             survive *= alpha
             if survive <= threshold:
                 break
             k += 1
-        self.probing = (k == 0 and max_tokens > 0
-                        and step - self.last_offer >= self.probe_interval)
+        self.probing = k == 0 and max_tokens > 0 and self.probe_due(step)
         if self.probing:
             k = 1
         if k:
             self.last_offer = step
         return k
+
+    def probe_due(self, step: int) -> bool:
+        """Whether a job whose drafts do not pay may probe at engine step ``step``."""
+        return step - self.last_offer >= self.probe_interval
 
 
 @dataclass

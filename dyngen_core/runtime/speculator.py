@@ -83,6 +83,12 @@ class DraftRequest(NamedTuple):
     matcher: Any = None
 
 
+# A NamedTuple's own constructor is a Python function; a step builds a request and a draft for
+# every drafting job (256 a step), so they are built with ``tuple.__new__`` (instances all the
+# same, in a fraction of the time), every field given.
+_new_tuple = tuple.__new__
+
+
 class Drafter(Protocol):
     """Where drafts come from (see the module docstring)."""
 
@@ -128,13 +134,14 @@ class NgramDrafter:
         return None
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        out = []
+        indexes, out = self._indexes, []
         for request in requests:
-            index = self._indexes.get(request.job_id)
+            index = indexes.get(request.job_id)
             if index is None:
-                index = self._indexes[request.job_id] = NgramIndex(self.max_n, self.min_n)
-            index.sync(request.history)
-            out.append(Draft(index.propose(request.history, request.length)))
+                index = indexes[request.job_id] = NgramIndex(self.max_n, self.min_n)
+            history = request.history
+            index.sync(history)
+            out.append(_new_tuple(Draft, (index.propose(history, request.length), None)))
         return out
 
     def settle(self, job_id: int, valid: int) -> None:
@@ -335,44 +342,55 @@ class Speculator:
         self._next_probe = None
         if not decodes:
             return 0
+        drafter, step, on = self.drafter, self._steps, self._on
         threshold = self.costs.threshold(len(decodes), self.draft_cost_ratio)
         requests: list[DraftRequest] = []
         targets: list[tuple[SequenceSlice, JobRecord]] = []
         for sl in decodes:
-            record = records.get(sl.job_id)
+            job_id = sl.job_id
+            record = records.get(job_id)
             if record is None or not record.drafting:
                 continue
-            stats = self._stats_of(sl.job_id)
+            stats = self._stats.get(job_id) or self._stats_of(job_id)
             if sl.token_ids[0] == PENDING_TOKEN or sl.start_pos != len(record.history) - 1:
                 # No input on the host yet: a job that drafts (or is new) stays on, so the
                 # next step has its tokens; any other may probe when due.
-                if sl.job_id not in self._on:
+                if job_id not in on:
                     self._note_probe(stats)
+                continue
+            if stats.alpha <= threshold and not stats.probe_due(step):
+                on.discard(job_id)  # what `stats.length` says: no draft pays, no probe due
+                self._note_probe(stats)
                 continue
             # Drafts stop before max_new_tokens and inside the slice's pages (a prompt's last
             # token, fed alone after a prompt-cache hit, has no page reserved past it).
-            room = min(record.job.max_new_tokens - len(record.job.new_token_ids) - 1,
+            job = record.job
+            room = min(job.max_new_tokens - len(job.new_token_ids) - 1,
                        len(sl.page_table) * self.page_size - sl.start_pos - 1)
-            length = stats.length(min(self.max_draft_tokens, room), threshold, self._steps)
+            length = stats.length(min(self.max_draft_tokens, room), threshold, step)
             if length == 0:
-                self._on.discard(sl.job_id)
+                on.discard(job_id)
                 self._note_probe(stats)
                 continue
-            self._on.add(sl.job_id)
-            requests.append(DraftRequest(sl.job_id, record.history, sl.page_table, length,
-                                         self._sampling(record), record.matcher))
+            on.add(job_id)
+            sampling = self._sampling(record) if drafter.samples else None
+            requests.append(_new_tuple(DraftRequest, (job_id, record.history, sl.page_table,
+                                                      length, sampling, record.matcher)))
             targets.append((sl, record))
         if not requests:
             return 0
         started = time.perf_counter()
-        drafts = self.drafter.draft(requests)
+        drafts = drafter.draft(requests)
         self._measure_draft_cost(time.perf_counter() - started, len(decodes),
                                  max(r.length for r in requests))
         total = 0
         for (sl, record), draft in zip(targets, drafts, strict=True):
-            keep = allowed_prefix(record.matcher, draft.tokens)
+            tokens = draft.tokens
+            keep = len(tokens) if record.matcher is None else allowed_prefix(record.matcher,
+                                                                             tokens)
             if keep:
-                sl.draft_ids = record.draft_ids = draft.tokens[:keep]
+                # The drafter's lists are its answer's own: no copy unless cut.
+                sl.draft_ids = record.draft_ids = tokens if keep == len(tokens) else tokens[:keep]
                 record.draft_probs = None if draft.probs is None else draft.probs[:keep]
                 total += keep
         return total
@@ -407,7 +425,8 @@ class Speculator:
         they reached its history), and clear its drafts."""
         proposed = len(record.draft_ids)
         accepted = run_length - 1
-        self._stats_of(record.job_id).record(proposed, accepted)
+        stats = self._stats.get(record.job_id) or self._stats_of(record.job_id)
+        stats.record(proposed, accepted)
         self.accepted += accepted
         self.rejected += proposed - accepted
         self.drafter.settle(record.job_id, len(record.history) - 1)

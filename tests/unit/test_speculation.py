@@ -3,6 +3,8 @@ draft length and the step cost model."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from dyngen_core.engine.speculation import (
@@ -51,6 +53,49 @@ def test_ngram_index_follows_appends_and_rewinds():
     assert index.propose(history, 1) == []  # "3 1" (stale: followed by 2) never occurred
     with pytest.raises(ValueError, match="min_n"):
         NgramIndex(max_n=1, min_n=2)
+
+
+def latest_continuation(history: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """What `NgramIndex.propose` must answer, by scanning: the continuation of the latest
+    earlier occurrence of the longest suffix (``max_n`` down to ``min_n`` tokens)."""
+    length = len(history)
+    for n in range(min(max_n, length), min_n - 1, -1):
+        for end in range(length - 1, n - 1, -1):
+            if history[end - n:end] == history[length - n:]:
+                out: list[int] = []
+                for j in range(end, end + k):
+                    out.append(history[j] if j < length else out[j - length])
+                return out
+    return []
+
+
+@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 2), (1, 1), (5, 3)])
+def test_ngram_index_synced_step_by_step_matches_a_scan(max_n, min_n):
+    """Appends of one or more tokens and rewinds (as deep as `NgramIndex.TAIL`, then new
+    tokens) between syncs: every proposal equals the scan's."""
+    rng = random.Random(max_n * 10 + min_n)
+    vocab = 4  # few tokens: suffixes recur, continuations run into the end
+    for _ in range(20):
+        index = NgramIndex(max_n=max_n, min_n=min_n)
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        for _ in range(40):
+            if history and rng.random() < 0.2:
+                del history[-rng.randint(1, min(NgramIndex.TAIL, len(history))):]
+            history += [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+            index.sync(history)
+            k = rng.randint(0, 6)
+            assert index.propose(history, k) == latest_continuation(history, k, max_n, min_n)
+
+
+def test_ngram_index_rejects_token_ids_outside_its_range():
+    index = NgramIndex()
+    with pytest.raises(ValueError, match="outside the n-gram index's range"):
+        index.sync([1, 2, -1])
+    with pytest.raises(ValueError, match="outside the n-gram index's range"):
+        index.sync([1, 2 ** NgramIndex.TOKEN_BITS])
+    history = [1, 2, 1]
+    index.sync(history)  # a failed sync leaves nothing half indexed
+    assert index.propose(history, 2) == [2, 1]
 
 
 def test_draft_length_follows_acceptance_and_probes_when_drafts_fail():

@@ -1,0 +1,248 @@
+"""Host cost of n-gram drafting per step at 256 jobs: `Speculator.propose` and `settle`.
+
+    python benchmarks/speculative_host.py [--jobs 256] [--prompt-tokens 512] [--steps 300]
+        [--modes all,off] [--text copy|random] [--baseline TREE] [--profile 25]
+
+No model: each job's "target" output is fixed in advance, after a random prompt of
+--prompt-tokens tokens: ``copy`` text copies spans of what came before (4 to 24 tokens) between
+short runs of random tokens, so n-gram drafts are often accepted and histories grow by several
+tokens a step; ``random`` text is random tokens (drafts almost never accepted). Every step plans
+one decode slice per job (as the scheduler does), asks `Speculator.propose` for drafts, checks
+them against the target's tokens (`accept_run`), appends the run to the job's history as the
+generator does (`JobRecord.on_token`) and, when any job drafted, settles every job
+(`Speculator.settle`), as the generator does after a verify step. Only ``propose`` and
+``settle`` are timed.
+
+Modes: ``all``: the speculator's cost model says drafting is free, so every job drafts whose
+drafts pay (with an n-gram drafter, all of them); ``off``: the cost model says drafts never pay
+(jobs only probe one token every `DraftStats.PROBE_INTERVAL` steps). Figures are medians over
+the steps after --warmup, per step for all jobs (``propose_ms``, ``settle_ms``, ``total_ms``;
+``total_cpu_ms``: the same in this thread's CPU time, which leaves out the time other processes
+of a loaded machine held the core).
+
+Each tree runs --rounds fresh simulations, alternating with the other tree's; the figures
+reported are the medians of the rounds' medians. ``--baseline TREE``: also run TREE's
+speculator (its ``engine/speculation.py`` and ``runtime/speculator.py``, loaded beside this
+checkout's; the rest of the engine is this checkout's), so that a shared machine's load falls
+on both alike; the drafts proposed (a digest of every step's) must be the same in every run.
+``--profile N`` prints the N most expensive functions of this checkout's speculator (cProfile,
+by own time) in its first ``all`` round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dyngen_core import Job, SamplerSettings  # noqa: E402
+from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
+from dyngen_core.engine.record import JobRecord  # noqa: E402
+from dyngen_core.engine.speculation import accept_run  # noqa: E402
+from dyngen_core.runtime import speculator as this_speculator  # noqa: E402
+
+GREEDY = SamplerSettings.greedy()
+PAGE_SIZE = 256
+# Per-step figures reported as the median of the rounds' medians.
+MEDIANS = ("propose_ms", "settle_ms", "total_ms", "total_cpu_ms", "mean_total_ms")
+
+
+class NoStream:
+    """A job's text stream where nothing stops or is banned (only its stop ids are read)."""
+
+    stop_token_ids: frozenset[int] = frozenset()
+    completion = ""
+
+    def advance(self, token_id: int) -> str:
+        return ""
+
+
+def target_text(rng: random.Random, prompt_tokens: int, total: int, vocab: int,
+                copy: bool) -> list[int]:
+    """A random prompt, then (``copy``) copies of earlier spans between short random runs, or
+    random tokens; ``total`` tokens in all."""
+    text = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+    while len(text) < total:
+        text.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 4)))
+        if copy:
+            length = rng.randint(4, 24)
+            start = rng.randrange(len(text) - length)
+            text.extend(text[start:start + length])
+    return text[:total]
+
+
+def load_baseline(tree: Path) -> ModuleType:
+    """TREE's ``runtime/speculator.py`` as a module, bound to TREE's ``engine/speculation.py``
+    (the rest of dyngen_core is this checkout's)."""
+    def load(name: str, path: Path) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    key = "dyngen_core.engine.speculation"
+    ours = sys.modules[key]
+    sys.modules[key] = load("baseline_speculation", tree / "dyngen_core/engine/speculation.py")
+    try:
+        return load("baseline_speculator", tree / "dyngen_core/runtime/speculator.py")
+    finally:
+        sys.modules[key] = ours
+
+
+class Simulation:
+    """One speculator (from ``module``) generating for its own jobs, a step at a time."""
+
+    def __init__(self, module: ModuleType, args: argparse.Namespace, mode: str) -> None:
+        rng = random.Random(args.seed)
+        total = args.prompt_tokens + (args.warmup + args.steps) * (args.draft_tokens + 1) + 1
+        self.texts = [target_text(rng, args.prompt_tokens, total, args.vocab,
+                                  args.text == "copy") for _ in range(args.jobs)]
+        self.records: dict[int, JobRecord] = {}
+        self.tables: dict[int, list[int]] = {}
+        pages = total // PAGE_SIZE + 2
+        for job_id, text in enumerate(self.texts):
+            job = Job(input_ids=text[:args.prompt_tokens], max_new_tokens=total,
+                      gen_settings=GREEDY)
+            job.job_id = job_id
+            self.records[job_id] = JobRecord(job=job, stream=NoStream(), settings=GREEDY,
+                                             seed=job_id, speculative=True)
+            self.tables[job_id] = list(range(job_id * pages, (job_id + 1) * pages))
+        self.speculator = module.Speculator(module.NgramDrafter(), args.draft_tokens, PAGE_SIZE)
+        for _ in range(8):
+            for tokens in (256, 1024):
+                # all: a step costs the same whatever it feeds; off: only what it feeds.
+                self.speculator.costs.record(tokens, 1e-3 if mode == "all" else 1e-6 * tokens)
+        self.digest = hashlib.sha256()
+        self.propose_s: list[float] = []
+        self.settle_s: list[float] = []
+        self.cpu_s: list[float] = []  # propose and settle, this thread's CPU time
+        self.drafting: list[int] = []
+
+    def step(self, measure: bool, profile: cProfile.Profile | None = None) -> None:
+        """One decode (or verify) step of every job."""
+        records, speculator = self.records, self.speculator
+        plan = StepPlan(slices=[
+            SequenceSlice(job_id, [r.history[-1]], len(r.history) - 1, self.tables[job_id], True)
+            for job_id, r in records.items()])
+        if profile is not None:
+            profile.enable()
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        speculator.propose(plan, records)
+        proposed, proposed_cpu = time.perf_counter(), time.thread_time()
+        if profile is not None:
+            profile.disable()
+        runs = []
+        for sl in plan.slices:
+            at = len(records[sl.job_id].history)
+            drafts = list(sl.draft_ids)
+            self.digest.update(repr((sl.job_id, at, drafts)).encode())
+            runs.append(accept_run(drafts, self.texts[sl.job_id][at:at + len(drafts) + 1]))
+        for sl, run in zip(plan.slices, runs, strict=True):
+            record = records[sl.job_id]
+            for token in run:
+                record.job.new_token_ids.append(token)
+                record.on_token(token)
+        settle = settle_cpu = 0.0
+        if any(sl.draft_ids for sl in plan.slices):  # a verify step: every job settles
+            if profile is not None:
+                profile.enable()
+            began, began_cpu = time.perf_counter(), time.thread_time()
+            for sl, run in zip(plan.slices, runs, strict=True):
+                speculator.settle(records[sl.job_id], len(run))
+            settle = time.perf_counter() - began
+            settle_cpu = time.thread_time() - began_cpu
+            if profile is not None:
+                profile.disable()
+        if measure:
+            self.propose_s.append(proposed - started)
+            self.settle_s.append(settle)
+            self.cpu_s.append(proposed_cpu - started_cpu + settle_cpu)
+            self.drafting.append(sum(bool(sl.draft_ids) for sl in plan.slices))
+
+    def figures(self) -> dict[str, Any]:
+        totals = [p + s for p, s in zip(self.propose_s, self.settle_s, strict=True)]
+        return {
+            "propose_ms": round(statistics.median(self.propose_s) * 1e3, 4),
+            "settle_ms": round(statistics.median(self.settle_s) * 1e3, 4),
+            "total_ms": round(statistics.median(totals) * 1e3, 4),
+            "total_cpu_ms": round(statistics.median(self.cpu_s) * 1e3, 4),
+            "mean_total_ms": round(statistics.fmean(totals) * 1e3, 4),
+            "drafting_jobs_per_step": round(statistics.fmean(self.drafting), 1),
+            "accepted": self.speculator.accepted, "rejected": self.speculator.rejected,
+            "final_context": round(statistics.fmean(len(r.history)
+                                                    for r in self.records.values())),
+            "drafts_digest": self.digest.hexdigest()[:16],
+        }
+
+
+def report(fields: dict[str, Any]) -> None:
+    """One figure as a ``BENCH`` JSON line (appended to $DYNGEN_BENCH_OUT when set)."""
+    line = json.dumps({"benchmark": "speculative_host", **fields})
+    print("BENCH " + line, flush=True)
+    target = os.environ.get("DYNGEN_BENCH_OUT")
+    if target:
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=300, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--draft-tokens", type=int, default=4, help="num_draft_tokens")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--text", choices=("copy", "random"), default="copy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="all,off")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout whose speculator runs beside this one's")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="simulations per tree, alternating between trees")
+    parser.add_argument("--profile", type=int, default=0)
+    args = parser.parse_args()
+    trees: dict[str, ModuleType] = {"this": this_speculator}
+    if args.baseline is not None:
+        trees["baseline"] = load_baseline(args.baseline)
+    common = {"jobs": args.jobs, "prompt_tokens": args.prompt_tokens, "text": args.text,
+              "steps": args.steps, "draft_tokens": args.draft_tokens}
+    for mode in args.modes.split(","):
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for name, module in trees.items():
+                profile = (cProfile.Profile() if args.profile and mode == "all"
+                           and name == "this" and not rounds[name] else None)
+                sim = Simulation(module, args, mode)
+                for step in range(args.warmup + args.steps):
+                    measure = step >= args.warmup
+                    sim.step(measure, profile if measure else None)
+                rounds[name].append(sim.figures())
+                del sim
+                gc.collect()
+                if profile is not None:
+                    pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
+        for name, figures in rounds.items():
+            report({"tree": name, "mode": mode, **common, "rounds": len(figures),
+                    **{key: statistics.median(f[key] for f in figures) for key in MEDIANS},
+                    **{key: value for key, value in figures[0].items() if key not in MEDIANS}})
+        digests = {f["drafts_digest"] for figures in rounds.values() for f in figures}
+        assert len(digests) == 1, f"mode {mode}: the speculators proposed different drafts"
+
+if __name__ == "__main__":
+    main()
