@@ -202,7 +202,8 @@ class BannedStringMatcher:
     """Banned strings of one job, matched case-insensitively (character by character).
 
     banned: strings the job's text must never contain. The caller holds the text: `find` says
-    where a banned string starts in it, `safe_prefix_length` how much of it may be shown.
+    where a banned string starts in it, `safe_prefix_length` how much of it no banned string
+    can reach, `may_continue` whether a text ends where one could still be completed.
     """
 
     def __init__(self, banned: Iterable[str]) -> None:
@@ -223,3 +224,8 @@ class BannedStringMatcher:
         if found is not None:
             return at
         return len(text) - self._index.held_length(folded)
+
+    def may_continue(self, text: str) -> bool:
+        """Whether ``text`` ends in the start of a banned string (a proper prefix of one), so
+        some continuation of it completes one."""
+        return self._index.held_length(_fold(text)) > 0

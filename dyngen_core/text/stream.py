@@ -70,7 +70,10 @@ class JobStream:
         # tokens and nothing shown. ``_held_from`` is the first of those tokens; ``_held_ends``
         # gives, for it and each later token, where the text of all tokens up to it ends
         # (offsets over all text produced), or -1 where that text is not settled (a character
-        # waits for more bytes, or a special token was skipped): no cut there.
+        # waits for more bytes, or a special token was skipped): no cut there. Released text
+        # never ends in the start of a banned string: a rewind may take back the held tokens
+        # that kept it from growing into one, and a banned string reaching back into shown
+        # text could not be taken back. So only the held text needs checking.
         self._held = ""
         self._held_from = 0
         self._held_ends: list[int] = []
@@ -197,7 +200,8 @@ class JobStream:
         return StreamUpdate(rewind=dropped, banned_token_id=banned_token_id)
 
     def _release_banned_safe(self) -> str:
-        """Release the held text no banned string can start in, up to a token boundary."""
+        """Release the held text no banned string can start in, up to a token boundary where
+        the text does not end in the start of one (whatever tokens come after it)."""
         assert self.banned is not None
         held, ends = self._held, self._held_ends
         safe = self.banned.safe_prefix_length(held)
@@ -207,7 +211,7 @@ class JobStream:
             self._held = ""
             ends.clear()
             return held
-        kept = self._held_boundary(self._released + safe)
+        kept = self._releasable_tokens(self._released + safe)
         if not kept:
             return ""
         end = self._held_ends[kept - 1]
@@ -216,6 +220,19 @@ class JobStream:
         self._held_from += kept
         del self._held_ends[:kept]
         return out
+
+    def _releasable_tokens(self, offset: int) -> int:
+        """How many held tokens may be released: their text ends, settled, at or before
+        ``offset`` and not in the start of a banned string. Text the later held tokens keep from
+        becoming one is not enough: a rewind may take those tokens back, and the next ones
+        could complete it in text already shown."""
+        assert self.banned is not None
+        ends, released = self._held_ends, self._released
+        kept = self._held_boundary(offset)
+        while kept and (ends[kept - 1] < 0
+                        or self.banned.may_continue(self._held[: ends[kept - 1] - released])):
+            kept -= 1
+        return kept
 
     def _held_boundary(self, offset: int) -> int:
         """How many held tokens have their text end, settled, at or before ``offset``."""

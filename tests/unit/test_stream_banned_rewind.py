@@ -8,7 +8,7 @@ string is forbidden at that position and the next candidate is drawn instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import tokenizers
 from tokenizers import decoders, models
@@ -20,10 +20,26 @@ from dyngen_core.text.tokenizer import Tokenizer
 from tests.unit.test_detokenize import byte_level
 
 
+def folded(text: str) -> str:
+    """Lower case character by character (a banned string matches case-insensitively)."""
+    return "".join(c.lower() if len(c.lower()) == 1 else c for c in text)
+
+
+def ends_in_a_banned_start(text: str, banned: Sequence[str]) -> bool:
+    """Whether ``text`` ends in a proper prefix of one of ``banned`` (case-insensitively): some
+    next token would complete a banned string in it."""
+    end = folded(text)
+    return any(end.endswith(folded(b)[:n]) for b in banned for n in range(1, len(b)))
+
+
 def generate(stream: JobStream, proposals: list[int], other: Callable[[int], int],
              steps: int = 300) -> str:
     """Push ``proposals`` (then ``other(position)``) through ``stream`` as the generator does,
-    rewinding on banned strings; returns all text shown (held text released at the end)."""
+    rewinding on banned strings; returns all text shown (held text released at the end).
+
+    While the job runs, the text shown never ends in the start of a banned string (checked
+    for jobs without stop strings, which may hold back the end of what the banned check
+    released): whatever comes next, no banned string can complete in shown text."""
     job, forbidden, shown = stream.job, dict[int, set[int]](), ""
     for _ in range(steps):
         position = len(job.new_token_ids)
@@ -38,6 +54,7 @@ def generate(stream: JobStream, proposals: list[int], other: Callable[[int], int
         shown += update.text
         if update.eos_reason is not None:
             return shown
+        assert job.stop_strings or not ends_in_a_banned_start(shown, job.banned_strings), shown
     return shown + stream.cancel_text()
 
 
@@ -67,6 +84,18 @@ def test_a_banned_string_after_characters_spread_over_byte_tokens() -> None:
     shown = generate(stream, proposals, lambda position: fallback[position % len(fallback)])
     assert shown == tokenizer.decode(stream.job.new_token_ids)
     assert shown.startswith("€") and "€x" not in shown.lower()
+
+
+def test_no_text_is_shown_that_a_rewind_could_leave_the_start_of_a_banned_string() -> None:
+    tokenizer = byte_level()
+    proposals = [t for c in "aa a" for t in tokenizer.encode(c)]
+    stream = _banned_stream(tokenizer, ["ab", "a a"], max_new_tokens=4)
+    fallback = tokenizer.encode("c") + tokenizer.encode("b")
+    shown = generate(stream, proposals, lambda position: fallback[position % len(fallback)])
+    # The second "a" keeps the first from becoming "ab", but "a a" takes the second back and
+    # "b" is drawn in its place: had the first "a" been shown, "ab" would be. It is held, so
+    # "ab" is taken back whole and "c" drawn for it.
+    assert shown == tokenizer.decode(stream.job.new_token_ids) == "cb a"
 
 
 def _straddling_byte_level() -> Tokenizer:
