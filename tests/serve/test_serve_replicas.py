@@ -1,0 +1,187 @@
+"""``dyngen serve --replicas``: two engine replicas of the demo model on Ray Serve (on this
+machine: a local Ray instance, each replica its own process with one CPU), behind the ingress.
+
+Workload: 2 documents × 16 questions, interleaved (`_workload`), sent two at a time. Each replica's cache holds 3 pages (768 tokens): one prompt of a document
+(2 full pages and a partial one) but not both documents, the regime where routing matters (a
+production working set of many documents exceeds one replica's cache, not all caches).
+
+Checked: page-hash routing reuses at least 1.8 times the prompt tokens round-robin routing
+does (the engines' own per-job count of prompt tokens served from their caches, which the
+server reports as ``usage.prompt_tokens_details.cached_tokens``); each document's questions
+stay on one replica; every reply equals the greedy reply of one in-process engine; a streamed
+reply through the ingress equals the unstreamed one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dyngen_core import EngineOptions, Job, SamplerSettings, shared_generator
+from dyngen_core.serve.options import ServeOptions
+from dyngen_core.serve.replicas.options import ReplicaOptions
+
+pytestmark = pytest.mark.demo
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "demo"
+MAX_TOKENS = 2
+REPLICA_ENGINE = EngineOptions(cache_tokens=768, max_batch_size=8)
+REPLICA_HEADER = "x-dyngen-replica"
+ROUTERS = ("page-hash", "round-robin")
+# The delay between the two requests of a pair sent together.
+STAGGER_S = 0.25
+
+
+def _document(topic: str, seed: int) -> str:
+    """A made-up document: with the chat template and a question, a prompt of about 550
+    tokens, whose first two 256-token pages hold only the system message and the document."""
+    rng = random.Random(seed)
+    places = ["harbour", "mill", "archive", "bridge", "orchard", "tower", "market", "school"]
+    people = ["Ada", "Bram", "Cleo", "Dario", "Elin", "Faro", "Greta", "Hugo"]
+    facts = [f"Fact {i}: in {1700 + rng.randrange(300)} {rng.choice(people)} rebuilt the "
+             f"{rng.choice(places)} of {topic}, which then held {rng.randrange(90) + 10} "
+             f"{rng.choice(['boats', 'books', 'looms', 'bells', 'trees'])}."
+             for i in range(1, 19)]
+    return f"Notes on {topic}.\n" + "\n".join(facts)
+
+
+DOCUMENTS = [_document("Varn", 1), _document("Ostry", 2)]
+
+
+def _messages(doc: int, question: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "Answer from the document."},
+            {"role": "user", "content": f"{DOCUMENTS[doc]}\n\nWho rebuilt what in fact "
+                                        f"{question + 1}?"}]
+
+
+def _workload() -> list[tuple[int, int]]:
+    """(document, question) pairs, 16 per document, interleaved in the order of a de Bruijn
+    sequence (AAABABBB, repeated): every pattern of three consecutive documents occurs equally
+    often, so the order neither favours nor starves a policy that depends on recent arrivals
+    (strict alternation ABAB would hand round-robin over two replicas a perfect split, AABB
+    the worst one)."""
+    order = [0, 0, 0, 1, 0, 1, 1, 1] * 4
+    asked = [0, 0]
+    pairs = []
+    for doc in order:
+        pairs.append((doc, asked[doc]))
+        asked[doc] += 1
+    return pairs
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ray_serve() -> Iterator[int]:
+    """A local Ray instance with Serve's proxy on a free port; yields the port. It offers
+    four CPUs (the four replicas of the two applications reserve one each) on this machine's
+    cores, whatever their number."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _deploy(serve_options: ServeOptions) -> None:
+    """Both applications at once (their four replicas load together): two replicas routed by
+    page hashes under /page-hash, two routed round-robin under /round-robin."""
+    from ray import serve
+
+    from dyngen_core.serve.replicas.deployment import build_replicas_app
+
+    serve.run_many([serve.RunTarget(
+        build_replicas_app(serve_options, ReplicaOptions(replicas=2, router=router)),
+        name=router, route_prefix="/" + router) for router in ROUTERS])
+
+
+def _run_workload(port: int, router: str) -> list[dict[str, Any]]:
+    """The workload through the application of ``router``, two requests at a time (the second
+    sent `STAGGER_S` after the first, so they reach the router in workload order): each
+    request's reply text, answering replica and cached prompt tokens, in order."""
+    pairs = _workload()
+    replies: list[dict[str, Any]] = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}/{router}", timeout=300) as http, \
+            ThreadPoolExecutor(2) as pool:
+        for first in range(0, len(pairs), 2):
+            sent = pool.submit(_ask, http, *pairs[first])
+            time.sleep(STAGGER_S)
+            second = pool.submit(_ask, http, *pairs[first + 1])
+            replies += [sent.result(), second.result()]
+    return replies
+
+
+def _ask(http: httpx.Client, doc: int, question: int) -> dict[str, Any]:
+    reply = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": _messages(doc, question), "max_tokens": MAX_TOKENS,
+        "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return {"doc": doc, "text": body["choices"][0]["message"]["content"],
+            "replica": reply.headers[REPLICA_HEADER],
+            "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+def _single_engine_texts(model_dir: Path) -> list[str]:
+    """The greedy replies of one in-process engine (a cache holding everything)."""
+    engine = shared_generator(model_dir, cache_tokens=4096, max_batch_size=32)
+    tokenizer = engine.tokenizer
+    handles = []
+    for doc, question in _workload():
+        text = tokenizer.apply_chat_template(_messages(doc, question))
+        handles.append(engine.submit(Job(
+            input_ids=tokenizer.encode(text, encode_special_tokens=True),
+            max_new_tokens=MAX_TOKENS, stop_conditions=list(tokenizer.eos_token_ids),
+            gen_settings=SamplerSettings.greedy())))
+    return [handle.text(timeout=300) for handle in handles]
+
+
+def test_page_hash_routing_reuses_far_more_than_round_robin(
+        ray_serve: int, demo_model_dir: Path) -> None:
+    from ray import serve
+
+    options = ServeOptions(model_dir=str(demo_model_dir), model_name=MODEL,
+                           engine_options=REPLICA_ENGINE)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(1) as pool:
+        expected = pool.submit(_single_engine_texts, demo_model_dir)
+        _deploy(options)
+        deployed = time.perf_counter()
+        try:
+            runs = {router: _run_workload(ray_serve, router) for router in ROUTERS}
+        finally:
+            for router in ROUTERS:
+                serve.delete(router)
+        texts = expected.result()
+    reused = {router: sum(r["cached"] for r in run) for router, run in runs.items()}
+    print(f"prompt tokens reused: {reused}; ratio "
+          f"{reused['page-hash'] / max(1, reused['round-robin']):.2f}; deployed in "
+          f"{deployed - started:.0f} s, ran in {time.perf_counter() - deployed:.0f} s")
+    assert reused["page-hash"] >= 1.8 * reused["round-robin"]
+    hashed = runs["page-hash"]
+    for doc in (0, 1):
+        assert len({r["replica"] for r in hashed if r["doc"] == doc}) == 1
+    assert len({r["replica"] for r in hashed}) == 2
+    for run in runs.values():
+        assert [r["text"] for r in run] == texts
