@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dyngen_core.engine.job import Job
-from dyngen_core.engine.settings import SamplerSettings
+from dyngen_core import Job, SamplerSettings, Tokenizer
 from dyngen_core.serve.errors import RequestError, blame
 from dyngen_core.serve.schemas import (
     ChatCompletionRequest,
@@ -23,7 +22,6 @@ from dyngen_core.serve.schemas import (
     GenerationRequest,
     ResponseFormat,
 )
-from dyngen_core.text.tokenizer import Tokenizer
 from dyngen_core.tools import (
     ToolSpec,
     call_dict,

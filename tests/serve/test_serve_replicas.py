@@ -1,9 +1,10 @@
 """``dyngen serve --replicas``: two engine replicas of the demo model on Ray Serve (on this
 machine: a local Ray instance, each replica its own process with one CPU), behind the ingress.
 
-Workload: 2 documents × 16 questions, interleaved (`_workload`), sent two at a time. Each replica's cache holds 3 pages (768 tokens): one prompt of a document
-(2 full pages and a partial one) but not both documents, the regime where routing matters (a
-production working set of many documents exceeds one replica's cache, not all caches).
+Workload: 2 documents × 16 questions, interleaved (`_workload`), sent two at a time. Each
+replica's cache holds 3 pages (768 tokens): one prompt of a document (2 full pages and a partial
+one) but not both documents, the regime where routing matters (a production working set of many
+documents exceeds one replica's cache, not all caches).
 
 Checked: page-hash routing reuses at least 1.8 times the prompt tokens round-robin routing
 does (the engines' own per-job count of prompt tokens served from their caches, which the
@@ -143,6 +144,25 @@ def _ask(http: httpx.Client, doc: int, question: int) -> dict[str, Any]:
             "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
 
+def _streamed_and_errors(port: int) -> str:
+    """Through the page-hash ingress with the official OpenAI client: the model list, a
+    request error (an OpenAI-shaped 400 naming the field, from the replica's server), and the
+    first workload request streamed; returns the streamed text."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/page-hash/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+    assert refused.value.body["param"] == "messages"  # type: ignore[index]
+    doc, question = _workload()[0]
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=_messages(doc, question),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
 def _single_engine_texts(model_dir: Path) -> list[str]:
     """The greedy replies of one in-process engine (a cache holding everything)."""
     engine = shared_generator(model_dir, cache_tokens=4096, max_batch_size=32)
@@ -170,6 +190,7 @@ def test_page_hash_routing_reuses_far_more_than_round_robin(
         deployed = time.perf_counter()
         try:
             runs = {router: _run_workload(ray_serve, router) for router in ROUTERS}
+            streamed = _streamed_and_errors(ray_serve)
         finally:
             for router in ROUTERS:
                 serve.delete(router)
@@ -185,3 +206,4 @@ def test_page_hash_routing_reuses_far_more_than_round_robin(
     assert len({r["replica"] for r in hashed}) == 2
     for run in runs.values():
         assert [r["text"] for r in run] == texts
+    assert streamed == texts[0]

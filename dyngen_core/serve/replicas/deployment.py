@@ -30,7 +30,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from dyngen_core.config import PAGE_SIZE
+from dyngen_core import PAGE_SIZE
 from dyngen_core.serve.options import ServeOptions
 from dyngen_core.serve.replicas.forwarding import ForwardedRequest, ResponseStart, answer
 from dyngen_core.serve.replicas.options import ReplicaOptions

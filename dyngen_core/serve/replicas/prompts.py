@@ -12,11 +12,11 @@ import json
 
 from pydantic import ValidationError
 
+from dyngen_core import Tokenizer
 from dyngen_core.serve.errors import RequestError
 from dyngen_core.serve.jobs import chat_prompt_ids, completion_prompt_ids
 from dyngen_core.serve.replicas.forwarding import ForwardedRequest
 from dyngen_core.serve.schemas import ChatCompletionRequest, CompletionRequest
-from dyngen_core.text.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

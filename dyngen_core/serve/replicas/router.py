@@ -30,13 +30,11 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from dyngen_core.config import PAGE_SIZE
-from dyngen_core.engine.pages import prefix_hashes
+from dyngen_core import PAGE_SIZE, Tokenizer, prefix_hashes
 from dyngen_core.serve.replicas.forwarding import ForwardedRequest
 from dyngen_core.serve.replicas.options import DEFAULT_IMBALANCE_THRESHOLD
 from dyngen_core.serve.replicas.prefixes import RoutedPrefixes
 from dyngen_core.serve.replicas.prompts import routing_prompt
-from dyngen_core.text.tokenizer import Tokenizer
 
 # How long a queue-length probe may take before the replica counts as busy.
 PROBE_DEADLINE_S = 0.5
