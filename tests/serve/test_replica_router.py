@@ -144,3 +144,23 @@ def test_round_robin_takes_each_replica_in_turn() -> None:
     replicas = [StandInReplica("b"), StandInReplica("a"), StandInReplica("c")]
     request = _chat("Which valve?")
     assert [_first(router, replicas, request) for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_the_serve_command_reads_the_replica_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dyngen_core.cli.main import build_parser
+    from dyngen_core.serve.replicas.options import replica_options
+
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    args = build_parser().parse_args(["serve", "--model", "m", "--replicas", "3",
+                                      "--imbalance-threshold", "4", "--router", "round-robin"])
+    options = replica_options(args)
+    assert (options.replicas, options.imbalance_threshold, options.router) == (
+        3, 4, "round-robin")
+    assert options.ray_address == "head:6379" and options.gpus_per_replica is None
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--ray-address", "auto",
+                                      "--gpus-per-replica", "0.5"])
+    assert replica_options(args).ray_address == "auto"
+    assert replica_options(args).gpus_per_replica == 0.5
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        replica_options(build_parser().parse_args(["serve", "--replicas", "2",
+                                                   "--imbalance-threshold", "-1"]))

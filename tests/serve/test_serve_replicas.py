@@ -1,16 +1,23 @@
 """``dyngen serve --replicas``: two engine replicas of the demo model on Ray Serve (on this
-machine: a local Ray instance, each replica its own process with one CPU), behind the ingress.
+machine: a local Ray instance, each replica its own process with one CPU), behind the ingress,
+routed by page hashes.
 
 Workload: 2 documents × 16 questions, interleaved (`_workload`), sent two at a time. Each
 replica's cache holds 3 pages (768 tokens): one prompt of a document (2 full pages and a partial
 one) but not both documents, the regime where routing matters (a production working set of many
 documents exceeds one replica's cache, not all caches).
 
-Checked: page-hash routing reuses at least 1.8 times the prompt tokens round-robin routing
-does (the engines' own per-job count of prompt tokens served from their caches, which the
-server reports as ``usage.prompt_tokens_details.cached_tokens``); each document's questions
-stay on one replica; every reply equals the greedy reply of one in-process engine; a streamed
-reply through the ingress equals the unstreamed one.
+The baseline is round-robin routing of the same workload, in the same pairs, over two engines
+of the same configuration in this process (`_round_robin`): request i goes to engine i % 2,
+which is all a round-robin router decides (`RoundRobinRouter` itself is tested in
+test_replica_router.py). Each of its replies is one engine's greedy reply, the reference.
+
+Checked: page-hash routing reuses at least 1.8 times the prompt tokens round-robin routing does
+(each job's prompt tokens served from its engine's cache: the engine's ``cached_tokens``, which
+the server reports as ``usage.prompt_tokens_details.cached_tokens``); each document's questions
+stay on one replica; every reply through the replicas equals the single engine's greedy reply;
+through the ingress, a streamed reply equals the unstreamed one, the model list and an
+OpenAI-shaped 400 come back.
 """
 
 from __future__ import annotations
@@ -27,7 +34,16 @@ from typing import Any
 import httpx
 import pytest
 
-from dyngen_core import EngineOptions, Job, SamplerSettings, shared_generator
+from dyngen_core import (
+    BackgroundGenerator,
+    Cache,
+    DynamicGenerator,
+    EngineOptions,
+    Job,
+    Model,
+    SamplerSettings,
+    Tokenizer,
+)
 from dyngen_core.serve.options import ServeOptions
 from dyngen_core.serve.replicas.options import ReplicaOptions
 
@@ -37,7 +53,7 @@ MODEL = "demo"
 MAX_TOKENS = 2
 REPLICA_ENGINE = EngineOptions(cache_tokens=768, max_batch_size=8)
 REPLICA_HEADER = "x-dyngen-replica"
-ROUTERS = ("page-hash", "round-robin")
+ROUTER = "page-hash"
 # The delay between the two requests of a pair sent together.
 STAGGER_S = 0.25
 
@@ -87,14 +103,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_serve() -> Iterator[int]:
-    """A local Ray instance with Serve's proxy on a free port; yields the port. It offers
-    four CPUs (the four replicas of the two applications reserve one each) on this machine's
-    cores, whatever their number."""
+    """A local Ray instance of two CPUs (one per replica) with Serve's proxy on a free port;
+    yields the port."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
     port = _free_port()
     try:
@@ -106,15 +121,13 @@ def ray_serve() -> Iterator[int]:
 
 
 def _deploy(serve_options: ServeOptions) -> None:
-    """Both applications at once (their four replicas load together): two replicas routed by
-    page hashes under /page-hash, two routed round-robin under /round-robin."""
+    """Two replicas routed by page hashes, under /page-hash."""
     from ray import serve
 
     from dyngen_core.serve.replicas.deployment import build_replicas_app
 
-    serve.run_many([serve.RunTarget(
-        build_replicas_app(serve_options, ReplicaOptions(replicas=2, router=router)),
-        name=router, route_prefix="/" + router) for router in ROUTERS])
+    app = build_replicas_app(serve_options, ReplicaOptions(replicas=2, router="page-hash"))
+    serve.run(app, name=ROUTER, route_prefix="/" + ROUTER)
 
 
 def _run_workload(port: int, router: str) -> list[dict[str, Any]]:
@@ -163,18 +176,34 @@ def _streamed_and_errors(port: int) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def _single_engine_texts(model_dir: Path) -> list[str]:
-    """The greedy replies of one in-process engine (a cache holding everything)."""
-    engine = shared_generator(model_dir, cache_tokens=4096, max_batch_size=32)
-    tokenizer = engine.tokenizer
-    handles = []
-    for doc, question in _workload():
-        text = tokenizer.apply_chat_template(_messages(doc, question))
-        handles.append(engine.submit(Job(
-            input_ids=tokenizer.encode(text, encode_special_tokens=True),
-            max_new_tokens=MAX_TOKENS, stop_conditions=list(tokenizer.eos_token_ids),
-            gen_settings=SamplerSettings.greedy())))
-    return [handle.text(timeout=300) for handle in handles]
+def _round_robin(model_dir: Path) -> list[dict[str, Any]]:
+    """The workload over two in-process engines configured as the replicas, request i on
+    engine i % 2, two at a time: each request's greedy reply and cached prompt tokens."""
+    model = Model.load(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    engines = [BackgroundGenerator(DynamicGenerator(
+        model=model, cache=Cache(model, max_tokens=REPLICA_ENGINE.cache_tokens),
+        tokenizer=tokenizer, max_batch_size=REPLICA_ENGINE.max_batch_size)) for _ in range(2)]
+    replies = []
+    try:
+        pairs = _workload()
+        for first in range(0, len(pairs), 2):
+            handles = [engines[k].submit(_job(tokenizer, *pairs[first + k])) for k in (0, 1)]
+            for handle in handles:
+                final = handle.result(timeout=300)
+                replies.append({"text": final["full_completion"],
+                                "cached": final["cached_tokens"]})
+    finally:
+        for engine in engines:
+            engine.close()
+    return replies
+
+
+def _job(tokenizer: Tokenizer, doc: int, question: int) -> Job:
+    text = tokenizer.apply_chat_template(_messages(doc, question))
+    return Job(input_ids=tokenizer.encode(text, encode_special_tokens=True),
+               max_new_tokens=MAX_TOKENS, stop_conditions=list(tokenizer.eos_token_ids),
+               gen_settings=SamplerSettings.greedy())
 
 
 def test_page_hash_routing_reuses_far_more_than_round_robin(
@@ -185,25 +214,24 @@ def test_page_hash_routing_reuses_far_more_than_round_robin(
                            engine_options=REPLICA_ENGINE)
     started = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
-        expected = pool.submit(_single_engine_texts, demo_model_dir)
+        baseline = pool.submit(_round_robin, demo_model_dir)
         _deploy(options)
         deployed = time.perf_counter()
         try:
-            runs = {router: _run_workload(ray_serve, router) for router in ROUTERS}
+            hashed = _run_workload(ray_serve, ROUTER)
             streamed = _streamed_and_errors(ray_serve)
         finally:
-            for router in ROUTERS:
-                serve.delete(router)
-        texts = expected.result()
-    reused = {router: sum(r["cached"] for r in run) for router, run in runs.items()}
+            serve.delete(ROUTER)
+        rotated = baseline.result()
+    reused = {"page-hash": sum(r["cached"] for r in hashed),
+              "round-robin": sum(r["cached"] for r in rotated)}
     print(f"prompt tokens reused: {reused}; ratio "
           f"{reused['page-hash'] / max(1, reused['round-robin']):.2f}; deployed in "
           f"{deployed - started:.0f} s, ran in {time.perf_counter() - deployed:.0f} s")
     assert reused["page-hash"] >= 1.8 * reused["round-robin"]
-    hashed = runs["page-hash"]
     for doc in (0, 1):
         assert len({r["replica"] for r in hashed if r["doc"] == doc}) == 1
     assert len({r["replica"] for r in hashed}) == 2
-    for run in runs.values():
-        assert [r["text"] for r in run] == texts
+    texts = [r["text"] for r in rotated]
+    assert [r["text"] for r in hashed] == texts
     assert streamed == texts[0]

@@ -8,7 +8,8 @@ Two deployments:
   id). Its handle routes with `PageHashRouter` (or `RoundRobinRouter`).
 - `ReplicaIngress` (one replica, no CPU reserved): the HTTP endpoint on Serve's proxy. It
   forwards every request, whole, through the engine deployment's handle, where the router picks
-  the replica, and streams the reply back.
+  the replica, and streams the reply back; ``/metrics`` alone is not forwarded (a 404 saying
+  why: one replica's figures would pass for all).
 
 Users can deploy the same application themselves (``serve.run(build_replicas_app(...))``), or
 bind `engine_deployment` under an ingress of their own and call
@@ -24,7 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
@@ -39,6 +40,9 @@ from dyngen_core.serve.replicas.router import PageHashRouter, RoundRobinRouter
 # The response header naming the replica that answered.
 REPLICA_HEADER = "x-dyngen-replica"
 ENGINE_DEPLOYMENT = "dyngen-engine"
+NO_METRICS = ("the engine replicas' metrics are not aggregated at the ingress: each replica "
+              "serves its own engine's at /metrics in its process, and Ray Serve exports "
+              "request counts and latencies per replica on Ray's metrics port\n")
 INGRESS_DEPLOYMENT = "dyngen-ingress"
 
 
@@ -97,6 +101,11 @@ class ReplicaIngress:
 
     def __init__(self, engines: DeploymentHandle) -> None:
         self.engines = engines.options(stream=True)
+
+    @ingress_app.get("/metrics", include_in_schema=False)
+    async def metrics(self) -> PlainTextResponse:
+        """Not forwarded: one replica's engine figures would pass for the whole deployment's."""
+        return PlainTextResponse(NO_METRICS, status_code=404)
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST"], include_in_schema=False)
     async def forward(self, path: str, request: Request) -> StreamingResponse:
