@@ -92,7 +92,7 @@ async def _body(reply: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
 
 # Defined before the ingress class: Serve's ingress decorator captures what its routes use
 # when the class is defined.
-ingress_app = FastAPI(title="dyngen replicas")
+ingress_app = FastAPI(title="dyngen replicas", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @serve.ingress(ingress_app)
