@@ -72,6 +72,7 @@ async def answer(app: ASGIApp, request: ForwardedRequest,
 
     task = asyncio.ensure_future(app(_scope(request), receive, send))
     task.add_done_callback(lambda _: sent.put_nowait(None))
+    answered = False
     try:
         while (message := await sent.get()) is not None:
             if message["type"] == "http.response.start":
@@ -80,12 +81,13 @@ async def answer(app: ASGIApp, request: ForwardedRequest,
                 if message.get("body"):
                     yield bytes(message["body"])
                 if not message.get("more_body", False):
+                    answered = True
                     return
         task.result()  # the application ended without finishing a response: its error
         raise RuntimeError(f"the application sent no complete response to {request.path}")
     finally:
-        client_gone.set()
-        if not task.done():
+        if not answered:  # the reader left early: the client is gone
+            client_gone.set()
             task.cancel()
 
 
