@@ -1,6 +1,7 @@
 """`PageHashRouter` and `RoundRobinRouter` on their own: the ranks they give Ray Serve for
 requests, with stand-in replicas (no Ray cluster). Ray's request metadata types are built
-directly, as Serve's router would."""
+directly, as Serve's router would. Needs the replicas extra (`make test` installs it); without
+Ray these tests fail on the import, naming it."""
 
 from __future__ import annotations
 
@@ -10,20 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("ray")
-
-from ray.serve._private.common import (  # noqa: E402
+from ray.serve._private.common import (
     DeploymentHandleSource,
     DeploymentID,
     RequestMetadata,
 )
-from ray.serve.request_router import PendingRequest, ReplicaID  # noqa: E402
+from ray.serve.request_router import PendingRequest, ReplicaID
 
-from dyngen_core import PAGE_SIZE, Tokenizer, prefix_hashes  # noqa: E402
-from dyngen_core.serve.replicas.forwarding import ForwardedRequest  # noqa: E402
-from dyngen_core.serve.replicas.prompts import routing_prompt  # noqa: E402
-from dyngen_core.serve.replicas.router import PageHashRouter, RoundRobinRouter  # noqa: E402
+from dyngen_core import PAGE_SIZE, Tokenizer, prefix_hashes
+from dyngen_core.serve.replicas.forwarding import ForwardedRequest
+from dyngen_core.serve.replicas.prompts import routing_prompt
+from dyngen_core.serve.replicas.router import PageHashRouter, RoundRobinRouter
 
 pytestmark = pytest.mark.demo
 DEPLOYMENT = DeploymentID(name="dyngen-engine", app_name="test")

@@ -105,9 +105,10 @@ def _free_port() -> int:
 def ray_serve() -> Iterator[int]:
     """A local Ray instance of two CPUs (one per replica) with Serve's proxy on a free port;
     yields the port."""
-    ray = pytest.importorskip("ray")
+    import ray
     from ray import serve
 
+    # The replicas import this checkout's dyngen_core, whatever the environment installed.
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
