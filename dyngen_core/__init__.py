@@ -29,6 +29,8 @@ _PUBLIC = {
     "SubmissionCoalescer": "dyngen_core.runtime.handle",
     "shared_generator": "dyngen_core.runtime.background",
     "EngineOptions": "dyngen_core.config",
+    "PAGE_SIZE": "dyngen_core.config",
+    "prefix_hashes": "dyngen_core.engine.pages",
     "TemplateLimits": "dyngen_core.text.template_sandbox",
     "errors": "dyngen_core.errors",
     "tools": "dyngen_core.tools",

@@ -3,8 +3,10 @@
 ``convert-gguf`` and ``fetch-demo-model`` make model folders (`cli.convert`); ``generate``,
 ``chat`` and ``bench`` run the engine on a model folder (the demo model when none is given)
 through the public API only: `DynamicGenerator`, `Job`, `SamplerSettings`; ``serve`` runs the
-OpenAI-compatible server of `dyngen_core.serve` (the ``serve`` extra). Each command imports
-what it runs when it starts, so building the parser loads neither torch nor the engine.
+OpenAI-compatible server of `dyngen_core.serve` (the ``serve`` extra), or with
+``--replicas N`` several engines on Ray Serve (`dyngen_core.serve.replicas`, the ``replicas``
+extra). Each command imports what it runs when it starts, so building the parser loads neither
+torch nor the engine.
 
 Each subcommand is a `Command` (help text, a function adding its arguments to an argparse
 parser, a function running it). Modules that own other subcommands add theirs to `COMMANDS`,
@@ -216,22 +218,34 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from dyngen_core.serve.options import add_serve_arguments
+    from dyngen_core.serve.replicas.options import add_replica_arguments
 
     _add_engine_arguments(parser)
     add_serve_arguments(parser)
+    add_replica_arguments(parser)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    extra = "replicas" if args.replicas else "serve"
     try:
-        from dyngen_core.serve.server import run_server
+        if args.replicas:
+            from dyngen_core.serve.replicas.cluster import run_replicas
+        else:
+            from dyngen_core.serve.server import run_server
     except ModuleNotFoundError as exc:
-        print(f"dyngen serve: error: {exc}; install the server's extra with "
-              "pip install 'dyngen-core[serve]'", file=sys.stderr)
+        print(f"dyngen serve: error: {exc}; install the extra with "
+              f"pip install 'dyngen-core[{extra}]'", file=sys.stderr)
         return 1
     from dyngen_core.cli.convert.demo import fetch_demo_model
     from dyngen_core.serve.options import serve_options
 
-    run_server(serve_options(args, str(args.model or fetch_demo_model())))
+    options = serve_options(args, str(args.model or fetch_demo_model()))
+    if args.replicas:
+        from dyngen_core.serve.replicas.options import replica_options
+
+        run_replicas(options, replica_options(args))
+    else:
+        run_server(options)
     return 0
 
 

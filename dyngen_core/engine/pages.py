@@ -53,6 +53,20 @@ def chain_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def prefix_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """The chained hashes of every full page of ``token_ids`` (pages of ``page_size`` tokens,
+    a trailing partial page left out): the names the page pool gives those pages, so the
+    hash at index k names the prefix ``token_ids[:(k + 1) * page_size]``."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1; got {page_size}")
+    hashes: list[bytes] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = chain_hash(parent, token_ids[start:start + page_size])
+        hashes.append(parent)
+    return hashes
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int], lo: int = 0,
                       hi: int | None = None) -> int:
     """Length of the longest common prefix of two sequences (binary search over C-speed slice

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dyngen_core import BackgroundGenerator, Job, SamplerSettings, Tokenizer
+from dyngen_core import Job, SamplerSettings, Tokenizer
 from dyngen_core.serve.errors import RequestError, blame
 from dyngen_core.serve.schemas import (
     ChatCompletionRequest,
@@ -29,6 +29,9 @@ from dyngen_core.tools import (
     render_chat_prompt,
     tool_choice_constraint,
 )
+
+if TYPE_CHECKING:
+    from dyngen_core import BackgroundGenerator
 
 # The schema `response_format: {"type": "json_object"}` holds output to.
 JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -52,14 +55,9 @@ class PreparedPrompt:
 
 def prepare_chat(engine: BackgroundGenerator, request: ChatCompletionRequest) -> PreparedPrompt:
     """The jobs for a chat completion request; raises `RequestError` naming a bad field."""
-    with blame("tools"):
-        tools = [ToolSpec.from_dict(t.model_dump(exclude_none=True)) for t in
-                 request.tools or ()]
-    with blame("tool_choice"):
-        choice = normalize_tool_choice(request.tool_choice, tools)
+    tools, choice = _chat_tools(request)
     constraint = _chat_constraint(request, tools, choice)
-    with blame("messages"):
-        prompt = render_chat(engine.tokenizer, request.messages, tools, choice)
+    prompt = _chat_prompt(engine.tokenizer, request, tools, choice)
     top = (request.top_logprobs or 0) if request.logprobs else None
     jobs = _jobs(engine, request, prompt, request.token_budget, constraint, top)
     return PreparedPrompt(prompt, jobs, bool(tools) and choice != "none", top)
@@ -68,16 +66,49 @@ def prepare_chat(engine: BackgroundGenerator, request: ChatCompletionRequest) ->
 def prepare_completions(engine: BackgroundGenerator,
                         request: CompletionRequest) -> list[PreparedPrompt]:
     """The jobs for each prompt of a completions request."""
-    tokenizer = engine.tokenizer
     prepared = []
-    for index, prompt in enumerate(request.prompts()):
+    prompts = completion_prompt_ids(engine.tokenizer, request)
+    for index, ids in enumerate(prompts):
         param = "prompt" if isinstance(request.prompt, str) else f"prompt.{index}"
-        with blame(param):
-            ids = prompt if isinstance(prompt, list) else _encode_text(tokenizer, prompt)
         jobs = _jobs(engine, request, ids, request.max_tokens, None, request.logprobs,
                      prompt_param=param)
         prepared.append(PreparedPrompt(ids, jobs, False, request.logprobs))
     return prepared
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
+    """The prompt token ids the server runs for a chat request (the same rendering as
+    `prepare_chat`: request routers hash these); raises `RequestError` naming a bad field."""
+    tools, choice = _chat_tools(request)
+    return _chat_prompt(tokenizer, request, tools, choice)
+
+
+def completion_prompt_ids(tokenizer: Tokenizer, request: CompletionRequest) -> list[list[int]]:
+    """The prompt token ids of each prompt of a completions request, as the server runs
+    them; raises `RequestError` naming a bad (empty) prompt."""
+    prompts = []
+    for index, prompt in enumerate(request.prompts()):
+        param = "prompt" if isinstance(request.prompt, str) else f"prompt.{index}"
+        with blame(param):
+            prompts.append(prompt if isinstance(prompt, list)
+                           else _encode_text(tokenizer, prompt))
+    return prompts
+
+
+def _chat_tools(request: ChatCompletionRequest) -> tuple[list[ToolSpec], str]:
+    """The request's tools and its normalized tool choice."""
+    with blame("tools"):
+        tools = [ToolSpec.from_dict(t.model_dump(exclude_none=True)) for t in
+                 request.tools or ()]
+    with blame("tool_choice"):
+        choice = normalize_tool_choice(request.tool_choice, tools)
+    return tools, choice
+
+
+def _chat_prompt(tokenizer: Tokenizer, request: ChatCompletionRequest,
+                 tools: Sequence[ToolSpec], choice: str) -> list[int]:
+    with blame("messages"):
+        return render_chat(tokenizer, request.messages, tools, choice)
 
 
 def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage],

@@ -48,10 +48,13 @@ BACKEND_MODULES = ("dyngen_core.kv.attention.sdpa", "dyngen_core.kv.attention.fl
 # What the adapters may import: the package's public names and its public modules.
 PUBLIC_MODULES = {"dyngen_core", "dyngen_core.errors", "dyngen_core.tools",
                   "dyngen_core.constraints"}
-# The server's packages (the optional ``serve`` extra): only serve/ may import them, and of
-# serve/ only the modules the command line reads without them are exempt from needing them.
-SERVER_PACKAGES = ("fastapi", "uvicorn", "starlette")
-SERVE_WITHOUT_SERVER = ("dyngen_core.serve", "dyngen_core.serve.options")
+# The server's packages (the optional ``serve`` and ``replicas`` extras): only serve/ may import
+# them, and of serve/ only the modules the command line reads without them (and the replicas'
+# pure bookkeeping) are exempt from needing them.
+SERVER_PACKAGES = ("fastapi", "uvicorn", "starlette", "ray")
+SERVE_WITHOUT_SERVER = ("dyngen_core.serve", "dyngen_core.serve.options",
+                        "dyngen_core.serve.replicas", "dyngen_core.serve.replicas.options",
+                        "dyngen_core.serve.replicas.prefixes")
 
 
 def module_name(path: Path) -> str:
@@ -239,10 +242,13 @@ class BlockTriton(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, BlockTriton())
 import dyngen_core
-# Without the optional serve extra, serve/'s server modules are checked by the test below.
+# Without the optional serve (replicas) extra, serve/'s server (Ray) modules are checked by the
+# test below.
 has_server = importlib.util.find_spec("fastapi") is not None
+has_ray = importlib.util.find_spec("ray") is not None
 for module in pkgutil.walk_packages(dyngen_core.__path__, "dyngen_core."):
-    skipped = not has_server and module.name.startswith("dyngen_core.serve.")
+    skipped = ((not has_server and module.name.startswith("dyngen_core.serve."))
+               or (not has_ray and module.name.startswith("dyngen_core.serve.replicas.")))
     if module.name != "dyngen_core.__main__" and not skipped:
         try:
             importlib.import_module(module.name)
@@ -265,7 +271,7 @@ import importlib, importlib.abc, pkgutil, sys
 
 class BlockServer(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("fastapi", "uvicorn", "starlette"):
+        if name.split(".")[0] in ("fastapi", "uvicorn", "starlette", "ray"):
             raise ImportError(f"the server packages are blocked in this test ({name!r})")
         return None
 
@@ -279,13 +285,14 @@ for module in pkgutil.walk_packages(dyngen_core.__path__, "dyngen_core."):
             importlib.import_module(module.name)
         except ImportError as exc:
             print("FAIL", module.name, "->", exc)
-build_parser().parse_args(["serve", "--model", "m", "--api-key", "k"])
+build_parser().parse_args(["serve", "--model", "m", "--api-key", "k", "--replicas", "2"])
 """
 
 
 def test_the_core_imports_without_the_server_packages() -> None:
-    """dyngen_core works without the ``serve`` extra: no module outside serve/ needs
-    FastAPI or uvicorn, and the command line (``serve`` included) builds without them."""
+    """dyngen_core works without the ``serve`` and ``replicas`` extras: no module outside
+    serve/ needs FastAPI, uvicorn or Ray, and the command line (``serve --replicas``
+    included) builds without them."""
     result = subprocess.run([sys.executable, "-c", BLOCK_SERVER, *SERVE_WITHOUT_SERVER],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
