@@ -9,7 +9,10 @@ until the model answers in text. Tool calls are parsed into ``AIMessage.tool_cal
 The demo model has 135M parameters and decides poorly on its own, so by default the first turn
 forces tool calls (tool_choice="any", enforced by constrained decoding) and the turn after the
 results asks for text (tool_choice="none"); a worked example in the history shows it how to
-ask for several calls at once. With a capable model pass ``--auto`` and the model decides.
+ask for several calls at once. With a capable model (Qwen2.5-Coder-1.5B-Instruct, say) pass
+``--auto``: the model decides, and the history holds only the question, since its chat
+template itself shows how to call tools (a worked example there gets copied: a small model
+answers the example's cities again instead of calling the tools).
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ def main() -> None:
     auto = "--auto" in sys.argv
     if auto:
         sys.argv.remove("--auto")
-    chat = ChatDynGen(model_dir=str(model_dir()), temperature=0, max_tokens=80,
+    chat = ChatDynGen(model_dir=str(model_dir()), temperature=0, max_tokens=120,
                       cache_tokens=8192)
     question = "What is the weather in Paris and in Tokyo and in Oslo?"
-    messages: list[BaseMessage] = [*EXAMPLE, HumanMessage(question)]
+    messages: list[BaseMessage] = [*([] if auto else EXAMPLE), HumanMessage(question)]
     print(f"User: {question}")
     for turn in range(4):
         choice = "auto" if auto else ("any" if turn == 0 else "none")

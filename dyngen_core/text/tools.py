@@ -495,6 +495,15 @@ def inline_refs(schema: dict[str, Any], max_nodes: int = INLINED_NODES_LIMIT) ->
     return resolved
 
 
+def tool_markers_are_special(tokenizer: Tokenizer, tool_format: ToolFormat) -> bool:
+    """Whether a job that reads calls in ``tool_format`` must decode special tokens: True when
+    one of the format's marker tokens (Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``, Llama's
+    ``<|python_tag|>``) is a special token, which decoding otherwise drops. Stop tokens stay
+    out of the text either way."""
+    return any(not tokenizer.decode([i]) and tokenizer.decode([i], decode_special_tokens=True)
+               for i in tool_format.marker_ids)
+
+
 def render_chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                        tools: Sequence[ToolSpec], tool_choice: str) -> list[int]:
     """Prompt token ids for chat ``messages`` (dicts as chat templates read them: role,
@@ -523,5 +532,5 @@ __all__ = [
     "new_call_id", "render_chat_prompt",
     "normalize_tool_choice", "parse_tool_calls", "render_tools_prompt",
     "template_supports_tools", "tool_calls_schema", "tool_choice_constraint",
-    "tool_format_for",
+    "tool_format_for", "tool_markers_are_special",
 ]

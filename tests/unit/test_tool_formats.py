@@ -21,6 +21,7 @@ from dyngen_core.tools import (
     parse_tool_calls,
     tool_choice_constraint,
     tool_format_for,
+    tool_markers_are_special,
 )
 
 # Excerpts of the real templates (the lines that teach the call format).
@@ -475,3 +476,17 @@ def test_a_forced_call_without_a_format_is_the_json_list() -> None:
     assert isinstance(constraint, dict) and constraint["type"] == "array"
     with pytest.raises(ValueError, match="not one of the bound tools"):
         tool_choice_constraint([WEATHER], "add", True, HERMES)
+
+
+def test_markers_that_are_special_tokens_need_special_tokens_decoded(
+        demo_model_dir: Path) -> None:
+    """Decoding drops special tokens (Mistral's [TOOL_CALLS], Llama's <|python_tag|>), so a job
+    reading such a format must decode them; markers that are text (or plain tokens) need not."""
+    tokenizer = Tokenizer.from_model_dir(demo_model_dir)
+    special = tokenizer.piece_to_id("<|im_start|>")  # a special token of this vocabulary
+    plain = tokenizer.piece_to_id("hello")
+    assert special is not None and plain is not None
+    assert tool_markers_are_special(tokenizer, ToolFormat("mistral", special))
+    assert tool_markers_are_special(tokenizer, ToolFormat("mistral_v11", plain, None, special))
+    assert not tool_markers_are_special(tokenizer, ToolFormat("llama", plain))
+    assert not tool_markers_are_special(tokenizer, ToolFormat("hermes"))

@@ -135,8 +135,9 @@ class ToolTurn:
 
     def constraint(self) -> Any:
         """What enforces tool_choice (`dyngen_core.tools.tool_choice_constraint`): a forced
-        choice gets the call list's schema; "auto" a grammar allowing that call list or plain
-        text, so a call the model makes always matches its tool's schema; "none" text only."""
+        choice gets calls only, in the model's own format; "auto" a grammar allowing calls or
+        plain text, so a call the model makes always matches its tool's schema; "none" text
+        only."""
         return tool_choice_constraint(self.specs, self.choice, parallel=self.parallel,
                                       tool_format=self.tool_format)
 
