@@ -44,7 +44,8 @@ completed ``calls`` as `ToolCall` with name, arguments and id, and ``invalid`` a
 output. It reads the output format, a single ``{"name", "arguments"|"parameters"}`` object, a
 fenced JSON call or call list that is the whole message (with ``tool_names`` given), and the
 format's marked calls (``<tool_call>`` blocks, ``<|python_tag|>``, ``[TOOL_CALLS]``; all three
-when the format is "json" or None), keeping the text around them as content. With
+when the format is "json" or None; ``[TOOL_CALLS]name[ARGS]{...}`` calls back to back in
+"mistral_v11"), keeping the text around them as content. With
 ``tool_names``, a bare or fenced call counts only when it names a bound tool: text that shows
 a call of something else stays content. `new_call_id` makes a call id; `call_dict` reads an
 OpenAI-, LangChain- or plain-style call into ``{"name", "arguments"}``.
