@@ -13,8 +13,9 @@ ask for several calls at once. With a capable model (Qwen2.5-Coder-1.5B-Instruct
 ``--auto``: the model decides. Its chat template itself shows how to call tools, so the
 history holds no worked example (Qwen2.5-Coder-1.5B copies one: it answered "Paris is clear,
 22 °C and Tokyo is ..." in the example's words, with no call); a system message asks in
-words for the calls of one question to come in one reply (without it, that model called
-the tool once per turn).
+words for the calls of one question to come in one reply, and for an answer once the
+results are back (without it, that model called the tool once per turn, and after the
+results called it again).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ EXAMPLE: list[BaseMessage] = [
 
 # What --auto tells the model instead: parallel calls, in words (no example to copy).
 SYSTEM = ("You are a helpful assistant. If a question needs a tool several times (for several "
-          "cities, say), make all those calls at once in your reply.")
+          "cities, say), make all those calls at once in your reply. Once the results are "
+          "back, answer the question from them.")
 
 
 def run_tools(message: AIMessage) -> list[ToolMessage]:
