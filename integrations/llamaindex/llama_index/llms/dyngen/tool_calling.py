@@ -24,6 +24,7 @@ from dyngen_core.tools import (
     template_supports_tools,
     tool_choice_constraint,
     tool_format_for,
+    tool_markers_are_special,
 )
 
 if TYPE_CHECKING:
@@ -132,6 +133,12 @@ class ToolTurn:
                                                      tools=tools))
         messages = fallback_messages(chat, self.specs, "auto" if self.specs else "none")
         return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def reads_special_markers(self, tokenizer: Any) -> bool:
+        """Whether the reply must be decoded with special tokens: calls are read, and the
+        model's call markers are special tokens (`tool_markers_are_special`)."""
+        return bool(self.specs) and self.choice != "none" and \
+            tool_markers_are_special(tokenizer, self.tool_format)
 
     def constraint(self) -> Any:
         """What enforces tool_choice (`dyngen_core.tools.tool_choice_constraint`): a forced
