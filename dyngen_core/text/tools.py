@@ -308,7 +308,9 @@ def _call_rules(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolForm
     if tool_format.name == "hermes":
         closer = _token_or_text(tool_format.end_id, tool_format.closer)
         rules.append(f'call: {opener} "\\n" one "\\n" {closer}')
-        rules.append('native: call ("\\n" call)*' if parallel else "native: call")
+        # A newline may end the calls: Qwen2.5 writes one after </tool_call> whether or not
+        # another call follows (made to go on, it repeated its call).
+        rules.append('native: call ("\\n" call)* "\\n"?' if parallel else 'native: call "\\n"?')
     elif tool_format.name == "mistral":
         rules.append(f'native: {opener} " "? many')
     elif tool_format.name == "mistral_v11":

@@ -388,6 +388,9 @@ FORCED_ALLOWS = {
         ("required", f"<tool_call>\n{WEATHER_PARIS}\n</tool_call>\n<tool_call>\n{ADD_CALL}"
                      "\n</tool_call>", True, ["get_weather", "add"]),
         ("add", f"<tool_call>\n{ADD_CALL}\n</tool_call>", True, ["add"]),
+        # A newline after the last call, as Qwen2.5 writes it, ends the calls.
+        ("required", f"<tool_call>\n{WEATHER_PARIS}\n</tool_call>\n", True, ["get_weather"]),
+        ("add", f"<tool_call>\n{ADD_CALL}\n</tool_call>\n", True, ["add"]),
     ],
     LLAMA31_TEMPLATE: [
         ("required", f"<|python_tag|>{LLAMA_PARIS}", True, ["get_weather"]),
