@@ -13,17 +13,21 @@ tool_choice. `normalize_tool_choice(tool_choice, tools)` maps what callers pass 
 "none", "any"/"required"/True, a tool name, ``{"type": "function", "function": {"name": ...}}``)
 to "auto", "none", "required" or a tool name, and raises ValueError for a name not among the
 tools. `tool_choice_constraint(tools, choice, parallel=True, tool_format=None)` is the
-``Job(constraint=...)`` that enforces it: "required" or a name forces a call list matching the
-tools' schemas (`tool_calls_schema`; exactly one call for a name, or unless ``parallel``);
-"auto" steers without forcing: text that does not start with ``[``, ``{``, a space or
+``Job(constraint=...)`` that enforces it: "required" or a name forces calls matching the
+tools' schemas, written in the model's own format (below; exactly one call for a name, or
+unless ``parallel``; for "json", the call list of `tool_calls_schema`); "auto" steers
+without forcing: text that does not start with ``[``, ``{``, a space or
 ```` ```json ````, or calls in the model's own format, or one fenced JSON call or call list;
 "none" allows only such text; without tools it is None.
 
 Formats. `tool_format_for(chat_template, tokenizer.piece_to_id)` reads the `ToolFormat` a
 model's template teaches: "hermes" (``<tool_call>{...}</tool_call>``: Qwen2/2.5/3, Hermes),
 "llama" (a bare ``{"name", "parameters"}`` object, maybe after ``<|python_tag|>``: Llama 3.x),
-"mistral" (``[TOOL_CALLS] [...]``) or "json" (the output format above: templates without
-tools, SmolLM). Pass it to `tool_choice_constraint` and `ToolCallParser`.
+"mistral" (``[TOOL_CALLS] [...]``), "mistral_v11" (``[TOOL_CALLS]name[ARGS]{...}`` per call:
+Mistral Small 3.x, Devstral) or "json" (the output format above: templates without tools,
+SmolLM). Pass it to `tool_choice_constraint` and `ToolCallParser`. Where its markers are
+special tokens (`tool_markers_are_special`), jobs must decode special tokens
+(``Job(decode_special_tokens=True)``) for the parser to see them.
 
 Prompt. When the model's chat template reads a ``tools`` variable (`template_supports_tools`),
 pass it the tools (`ToolSpec.as_dict`) and HF-style messages. Otherwise
@@ -40,7 +44,8 @@ completed ``calls`` as `ToolCall` with name, arguments and id, and ``invalid`` a
 output. It reads the output format, a single ``{"name", "arguments"|"parameters"}`` object, a
 fenced JSON call or call list that is the whole message (with ``tool_names`` given), and the
 format's marked calls (``<tool_call>`` blocks, ``<|python_tag|>``, ``[TOOL_CALLS]``; all three
-when the format is "json" or None), keeping the text around them as content. With
+when the format is "json" or None; ``[TOOL_CALLS]name[ARGS]{...}`` calls back to back in
+"mistral_v11"), keeping the text around them as content. With
 ``tool_names``, a bare or fenced call counts only when it names a bound tool: text that shows
 a call of something else stays content. `new_call_id` makes a call id; `call_dict` reads an
 OpenAI-, LangChain- or plain-style call into ``{"name", "arguments"}``.
@@ -68,6 +73,7 @@ from dyngen_core.text.tools import (
     tool_calls_schema,
     tool_choice_constraint,
     tool_format_for,
+    tool_markers_are_special,
 )
 
 __all__ = [
@@ -90,4 +96,5 @@ __all__ = [
     "tool_calls_schema",
     "tool_choice_constraint",
     "tool_format_for",
+    "tool_markers_are_special",
 ]

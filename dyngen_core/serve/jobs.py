@@ -3,8 +3,9 @@
 Chat messages go through the model's chat template the way the adapters render them: a
 template that reads ``tools`` gets the tools (unless tool_choice is "none"); one that does
 not gets `dyngen_core.tools.fallback_messages`. tool_choice, parallel tool calls and
-``response_format`` are enforced by constrained decoding (`tool_choice_constraint`, a JSON
-schema). Sampling fields lay over the model's generation_config.json defaults.
+``response_format`` are enforced by constrained decoding (`tool_choice_constraint`, in the
+call format the template teaches, `tool_format_for`; a JSON schema for response_format).
+Sampling fields lay over the model's generation_config.json defaults.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from dyngen_core.serve.schemas import (
     ResponseFormat,
 )
 from dyngen_core.tools import (
+    ToolFormat,
     ToolSpec,
     call_dict,
     normalize_tool_choice,
     render_chat_prompt,
     tool_choice_constraint,
+    tool_format_for,
+    tool_markers_are_special,
 )
 
 if TYPE_CHECKING:
@@ -45,22 +49,32 @@ class PreparedPrompt:
     jobs: the jobs, in choice order.
     parse_tools: read tool calls out of the output (tools were offered and may be called).
     top_logprobs: None when logprobs were not asked for, else how many alternatives per token.
+    tool_names: the offered tools' names (bare or fenced JSON calls count only for these).
+    tool_format: the model's call format, read from its chat template.
     """
 
     prompt_ids: list[int]
     jobs: list[Job]
     parse_tools: bool
     top_logprobs: int | None
+    tool_names: tuple[str, ...] = ()
+    tool_format: ToolFormat = ToolFormat()
 
 
 def prepare_chat(engine: BackgroundGenerator, request: ChatCompletionRequest) -> PreparedPrompt:
     """The jobs for a chat completion request; raises `RequestError` naming a bad field."""
     tools, choice = _chat_tools(request)
-    constraint = _chat_constraint(request, tools, choice)
-    prompt = _chat_prompt(engine.tokenizer, request, tools, choice)
+    tokenizer = engine.tokenizer
+    tool_format = tool_format_for(tokenizer.chat_template, tokenizer.piece_to_id)
+    constraint = _chat_constraint(request, tools, choice, tool_format)
+    prompt = _chat_prompt(tokenizer, request, tools, choice)
     top = (request.top_logprobs or 0) if request.logprobs else None
-    jobs = _jobs(engine, request, prompt, request.token_budget, constraint, top)
-    return PreparedPrompt(prompt, jobs, bool(tools) and choice != "none", top)
+    parse_tools = bool(tools) and choice != "none"
+    special = parse_tools and tool_markers_are_special(tokenizer, tool_format)
+    jobs = _jobs(engine, request, prompt, request.token_budget, constraint, top,
+                 decode_special_tokens=special)
+    return PreparedPrompt(prompt, jobs, parse_tools, top, tuple(t.name for t in tools),
+                          tool_format)
 
 
 def prepare_completions(engine: BackgroundGenerator,
@@ -139,11 +153,13 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def _chat_constraint(request: ChatCompletionRequest, tools: Sequence[ToolSpec],
-                     choice: str) -> Any:
-    """The job constraint: the response format's, else the tool choice's."""
+                     choice: str, tool_format: ToolFormat) -> Any:
+    """The job constraint: the response format's, else the tool choice's (in the model's
+    call format)."""
     constraint = response_format_constraint(request.response_format)
     if constraint is None:
-        return tool_choice_constraint(tools, choice, request.parallel_tool_calls is not False)
+        return tool_choice_constraint(tools, choice, request.parallel_tool_calls is not False,
+                                      tool_format)
     if tools and choice not in ("auto", "none"):
         raise RequestError("a forced tool call (tool_choice) and a response_format cannot be "
                            "combined; drop one of them", "response_format")
@@ -169,8 +185,9 @@ def _encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def _jobs(engine: BackgroundGenerator, request: GenerationRequest, prompt: list[int],
           budget: int | None, constraint: Any, top_logprobs: int | None,
-          prompt_param: str = "messages") -> list[Job]:
-    """One job per choice: choice i samples with seed + i when a seed is given."""
+          prompt_param: str = "messages", decode_special_tokens: bool = False) -> list[Job]:
+    """One job per choice: choice i samples with seed + i when a seed is given;
+    ``decode_special_tokens`` where the tool call markers are special tokens."""
     max_tokens = _max_tokens(engine, len(prompt), budget, prompt_param)
     settings = sampler_settings(request, engine.generation_defaults)
     stops = [*engine.tokenizer.eos_token_ids, *request.stop]
@@ -183,7 +200,8 @@ def _jobs(engine: BackgroundGenerator, request: GenerationRequest, prompt: list[
                 seed=None if request.seed is None else request.seed + index,
                 return_probs=top_logprobs is not None,
                 return_top_tokens=top_logprobs or 0,
-                constraint=constraint, identifier=index))
+                constraint=constraint, identifier=index,
+                decode_special_tokens=decode_special_tokens))
     return jobs
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dyngen_core import Result, Tokenizer
-from dyngen_core.tools import ToolCall, ToolCallParser, ToolStreamDelta
+from dyngen_core.tools import ToolCall, ToolCallParser, ToolFormat, ToolStreamDelta
 
 # eos_reason -> OpenAI finish_reason.
 _FINISH_REASONS = {
@@ -56,12 +56,15 @@ class ChoiceOutput:
     tokenizer: the model's tokenizer (for the text of each logprob token).
     parse_tools: read tool calls out of the output.
     top_logprobs: None for no logprobs, else how many alternatives per token.
+    tool_names, tool_format: the offered tools' names and the model's call format (as
+    `ToolCallParser` takes them).
     """
 
-    def __init__(self, tokenizer: Tokenizer, parse_tools: bool,
-                 top_logprobs: int | None) -> None:
+    def __init__(self, tokenizer: Tokenizer, parse_tools: bool, top_logprobs: int | None,
+                 tool_names: tuple[str, ...] = (), tool_format: ToolFormat | None = None
+                 ) -> None:
         self.tokenizer = tokenizer
-        self.parser = ToolCallParser() if parse_tools else None
+        self.parser = ToolCallParser(tool_names or None, tool_format) if parse_tools else None
         self.top_logprobs = top_logprobs
         self.num_calls = 0
         self.totals: ChoiceTotals | None = None

@@ -157,7 +157,8 @@ class GenerationRoutes:
         except JobError as exc:
             raise RequestError(f"{blamed + ': ' if blamed else ''}{exc}", blamed) from exc
         tokenizer = self.bridge.engine.tokenizer
-        outputs = [ChoiceOutput(tokenizer, p.parse_tools, p.top_logprobs)
+        outputs = [ChoiceOutput(tokenizer, p.parse_tools, p.top_logprobs, p.tool_names,
+                                p.tool_format)
                    for p in prompts for _ in p.jobs]
         return _Run(prompts, running, outputs, n, arrived)
 

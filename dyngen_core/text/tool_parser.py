@@ -66,10 +66,16 @@ class ToolStreamDelta:
 
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_TAG = "[TOOL_CALLS]"
+_ARGS_TAG = "[ARGS]"
 _FENCE = "```"
 # The markers each format's calls start with; formats without one of their own read them all.
-_MARKERS = {"hermes": (_TAG_OPEN,), "llama": (_PYTHON_TAG,), "mistral": (_MISTRAL_TAG,)}
+_MARKERS = {"hermes": (_TAG_OPEN,), "llama": (_PYTHON_TAG,), "mistral": (_MISTRAL_TAG,),
+            "mistral_v11": (_MISTRAL_TAG,)}
 _ALL_MARKERS = (_TAG_OPEN, _PYTHON_TAG, _MISTRAL_TAG)
+FORMAT_NAMES = ("json", "hermes", "llama", "mistral", "mistral_v11")
+# The longest tool name read between [TOOL_CALLS] and [ARGS] (Mistral v11) before the call is
+# given up as invalid.
+_NAME_LIMIT = 256
 
 
 @dataclass(frozen=True)
@@ -78,20 +84,24 @@ class ToolFormat:
 
     name: "hermes" (``<tool_call>{...}</tool_call>`` blocks: Qwen2/2.5/3, Hermes), "llama" (a
     bare ``{"name", "parameters"}`` object, maybe after ``<|python_tag|>``: Llama 3.1-3.3),
-    "mistral" (``[TOOL_CALLS]`` then a JSON list of calls), or "json" (no format of its own:
-    dyngen's JSON call list, the fallback prompt's format).
-    marker_id, end_id: the ids of the marker that opens a call (and of ``</tool_call>``) when
-    each is one token of the vocabulary, else None.
+    "mistral" (``[TOOL_CALLS]`` then a JSON list of calls: Mistral v3/v7 templates),
+    "mistral_v11" (``[TOOL_CALLS]name[ARGS]{arguments}`` per call, back to back: the newer
+    Mistral templates), or "json" (no format of its own: dyngen's JSON call list, the fallback
+    prompt's format).
+    marker_id, end_id, args_id: the ids of the marker that opens a call, of ``</tool_call>``
+    (hermes) and of ``[ARGS]`` (mistral_v11), where each is one token of the vocabulary, else
+    None.
     """
 
     name: str = "json"
     marker_id: int | None = None
     end_id: int | None = None
+    args_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in ("json", "hermes", "llama", "mistral"):
-            raise JobError(f"unknown tool call format {self.name!r}; use 'json', 'hermes', "
-                           "'llama' or 'mistral'")
+        if self.name not in FORMAT_NAMES:
+            raise JobError(f"unknown tool call format {self.name!r}; use one of "
+                           f"{', '.join(map(repr, FORMAT_NAMES))}")
 
     @property
     def marker(self) -> str | None:
@@ -104,17 +114,29 @@ class ToolFormat:
         """The text that closes a call in this format (``</tool_call>``), or None."""
         return _TAG_CLOSE if self.name == "hermes" else None
 
+    @property
+    def args_marker(self) -> str | None:
+        """The text between a call's name and its arguments (``[ARGS]``), or None."""
+        return _ARGS_TAG if self.name == "mistral_v11" else None
+
+    @property
+    def marker_ids(self) -> tuple[int, ...]:
+        """The token ids of this format's markers that are single tokens."""
+        ids = (self.marker_id, self.end_id, self.args_id)
+        return tuple(i for i in ids if i is not None)
+
 
 def tool_format_for(template: str | None,
                     piece_to_id: Callable[[str], int | None] | None = None) -> ToolFormat:
     """The tool call format a chat template teaches, read from the template's text:
-    ``[TOOL_CALLS]`` is Mistral's, ``<tool_call>`` Hermes' (Qwen), ``<|python_tag|>`` or
-    Llama's ``"parameters"`` instruction Llama's; a template that renders no tools, or none of
-    these, gets "json". ``piece_to_id`` (a tokenizer's) finds the markers' token ids."""
+    ``[TOOL_CALLS]`` is Mistral's (with ``[ARGS]`` too, Mistral v11's), ``<tool_call>``
+    Hermes' (Qwen), ``<|python_tag|>`` or Llama's ``"parameters"`` instruction Llama's; a
+    template that renders no tools, or none of these, gets "json". ``piece_to_id`` (a
+    tokenizer's) finds the markers' token ids."""
     if not template or not re.search(r"\btools\b", template):
         return ToolFormat()
     if _MISTRAL_TAG in template:
-        name = "mistral"
+        name = "mistral_v11" if _ARGS_TAG in template else "mistral"
     elif _TAG_OPEN in template:
         name = "hermes"
     elif _PYTHON_TAG in template or '"parameters": dictionary of argument' in template:
@@ -123,7 +145,8 @@ def tool_format_for(template: str | None,
         return ToolFormat()
     marker = _MARKERS[name][0]
     lookup = piece_to_id or (lambda _piece: None)
-    return ToolFormat(name, lookup(marker), lookup(_TAG_CLOSE) if name == "hermes" else None)
+    return ToolFormat(name, lookup(marker), lookup(_TAG_CLOSE) if name == "hermes" else None,
+                      lookup(_ARGS_TAG) if name == "mistral_v11" else None)
 
 
 class ToolCallParser:
@@ -133,8 +156,10 @@ class ToolCallParser:
     is ``[`` or ``{`` is held as a JSON call list or call object; output that opens with a
     fence (```` ```json ````) is held while it may be a fenced call; a ``<tool_call>`` block is
     held until it closes; after ``<|python_tag|>`` or ``[TOOL_CALLS]`` the rest is read as JSON
-    calls. Each call is reported when its JSON value completes, a fenced one at the end (it is
-    a call only when it is the whole message). `finish` reports held text that turned out not
+    calls (in the "mistral_v11" format, ``[TOOL_CALLS]`` opens one ``name[ARGS]{arguments}``
+    call, and text after it is read on, so calls may follow each other). Each call is
+    reported when its JSON value completes, a fenced one at the end (it is a call only when it
+    is the whole message). `finish` reports held text that turned out not
     to be calls as content (or, when a call was cut off, as an invalid call).
 
     tool_names: the bound tools. Given, a bare or fenced JSON call counts only when it names
@@ -147,9 +172,13 @@ class ToolCallParser:
         self._names = frozenset(tool_names) if tool_names is not None else None
         own = _MARKERS.get(tool_format.name) if tool_format is not None else None
         self._markers = own or _ALL_MARKERS
+        self._named_calls = tool_format is not None and tool_format.name == "mistral_v11"
+        self._named: _NamedCall | None = None
+        # After a marked call: spaces are held, shown only if text follows (not another call).
+        self._after_call = False
         self._longest = max(len(m) for m in (*self._markers, _TAG_CLOSE))
         self._pending = ""       # text not yet classified or not yet released
-        self._mode = "start"     # "start", "text", "json", "tag", "fence"
+        self._mode = "start"     # "start", "text", "json", "tag", "fence", "named"
         # While only spaces came ("start") or a <tool_call> block is open ("tag"), pushed text
         # waits here unjoined, so a long wait costs linear time; ``_last`` holds its end.
         self._waiting: list[str] = []
@@ -168,7 +197,7 @@ class ToolCallParser:
         self._waiting, self._last = [], ""
         while self._step(delta):
             pass
-        if self._mode in ("start", "tag") and self._pending:
+        if (self._mode in ("start", "tag") or self._after_call) and self._pending:
             self._waiting, self._pending = [self._pending], ""
             self._last = self._waiting[0][-len(_TAG_CLOSE):]
         self.calls += delta.calls
@@ -176,12 +205,14 @@ class ToolCallParser:
         return delta
 
     def _still_waiting(self, text: str) -> bool:
-        """Whether ``text`` leaves the parser where it was (more spaces at the start, or no end
-        of the open <tool_call> block); it is then kept for later."""
+        """Whether ``text`` leaves the parser where it was (more spaces at the start or after a
+        call, or no end of the open <tool_call> block); it is then kept for later."""
         if self._mode == "start":
             waiting = not text.strip()
         elif self._mode == "tag":
             waiting = _TAG_CLOSE not in self._last + text
+        elif self._after_call:
+            waiting = not text.strip()
         else:
             return False
         if waiting:
@@ -208,14 +239,18 @@ class ToolCallParser:
         elif self._mode == "tag":
             delta.invalid.append(InvalidToolCall(held, "the <tool_call> block was not closed",
                                                  new_call_id()))
+        elif self._mode == "named" and self._named is not None:
+            delta.invalid.append(InvalidToolCall(
+                self._named.raw(), "the output ended inside a [TOOL_CALLS] call (max_tokens "
+                "reached?)", new_call_id()))
         elif self._mode == "fence" and self._fence is not None:
             calls = self._fence.calls()
             if calls:
                 delta.calls += calls
             else:
                 delta.content += self._fence.raw()
-        else:
-            delta.content += held
+        elif not (self._after_call and not held.strip()):
+            delta.content += held  # (spaces after the last call are dropped)
         self._mode = "text"
         self.calls += delta.calls
         self.invalid += delta.invalid
@@ -229,6 +264,15 @@ class ToolCallParser:
             self._pending, text = "", self._pending
             delta.calls += self._json.feed(text)
             return False
+        if self._mode == "named" and self._named is not None:
+            self._pending, text = "", self._pending
+            rest = self._named.feed(text)
+            if rest is None:
+                return False
+            self._named.report(delta)
+            self._pending, self._mode, self._named = rest, "text", None
+            self._after_call = True
+            return True
         if self._mode == "fence" and self._fence is not None:
             self._pending, text = "", self._pending
             if self._fence.feed(text):
@@ -240,7 +284,7 @@ class ToolCallParser:
             if end < 0:
                 return False
             body, self._pending = self._pending[:end], self._pending[end + len(_TAG_CLOSE):]
-            self._mode = "text"
+            self._mode, self._after_call = "text", True
             try:
                 delta.calls += _calls_from_value(_loads_call(body))
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
@@ -272,11 +316,20 @@ class ToolCallParser:
         self._pending = rest
         if marker == _TAG_OPEN:
             self._mode = "tag"
+        elif self._named_calls:  # [TOOL_CALLS]name[ARGS]{...}
+            self._mode, self._named = "named", _NamedCall()
         else:  # what follows <|python_tag|> or [TOOL_CALLS] is the calls' JSON
             self._mode, self._json = "json", _JsonCallScanner(None)
 
     def _step_text(self, delta: ToolStreamDelta) -> bool:
         """In text: release it up to the first call marker (or a partial one at the end)."""
+        if self._after_call:
+            stripped = self._pending.lstrip()
+            if not stripped or any(m.startswith(stripped) for m in self._markers):
+                return False  # spaces, maybe before another call: held
+            if any(stripped.startswith(m) for m in self._markers):
+                self._pending = stripped
+            self._after_call = False
         found = [(at, m) for m in self._markers if (at := self._pending.find(m)) >= 0]
         if found:
             start, marker = min(found)
@@ -398,18 +451,7 @@ class _JsonCallScanner:
         return calls
 
     def _string_char(self, ch: str) -> bool:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
-            return True
-        if ch == '"':
-            self._in_string = True
-            return True
-        return False
+        return _string_step(self, ch)
 
     def _close_item(self, body: str) -> list[ToolCall]:
         try:
@@ -420,6 +462,106 @@ class _JsonCallScanner:
             calls = [call for call in calls if call.name in self._names]
         self.found_any = self.found_any or bool(calls)
         return calls
+
+
+class _NamedCall:
+    """Follows one Mistral v11 call after its ``[TOOL_CALLS]``: the tool's name up to
+    ``[ARGS]`` (or up to the arguments' ``{``, where the marker was dropped), then the
+    arguments' JSON object. `feed` returns the text after the call once the call is complete
+    (or cannot be one), else None; `report` then adds the call (or the invalid call) to a
+    delta. Held text is kept in pieces, so feeding costs linear time."""
+
+    def __init__(self) -> None:
+        self._name = ""                      # the text after the marker, while no [ARGS] came
+        self._args: list[str] | None = None  # the arguments' pieces, once the name is read
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._error = ""
+        self._marked = False  # whether [ARGS] came
+
+    def raw(self) -> str:
+        """The call's text as read (for an invalid call)."""
+        if self._args is None or not self._marked:
+            return _MISTRAL_TAG + self._name + _joined(self._args or [])
+        return f"{_MISTRAL_TAG}{self._name}{_ARGS_TAG}{_joined(self._args)}"
+
+    def feed(self, text: str) -> str | None:
+        """Add output; the text after the call once it is complete, else None."""
+        if self._args is None:
+            self._name += text
+            args_at, brace_at = self._name.find(_ARGS_TAG), self._name.find("{")
+            if args_at >= 0 and (brace_at < 0 or args_at < brace_at):
+                text = self._name[args_at + len(_ARGS_TAG):]
+                self._name, self._marked = self._name[:args_at], True
+            elif brace_at >= 0:
+                text, self._name = self._name[brace_at:], self._name[:brace_at]
+            elif len(self._name) > _NAME_LIMIT:
+                self._error = f"no [ARGS] within {_NAME_LIMIT} characters of [TOOL_CALLS]"
+                self._args = []
+                return ""
+            else:
+                return None
+            self._args = []
+        return self._feed_args(text)
+
+    def _feed_args(self, text: str) -> str | None:
+        assert self._args is not None
+        for at, ch in enumerate(text):
+            if self._depth == 0:
+                if ch.isspace():
+                    continue
+                if ch != "{":
+                    self._error = "the arguments after [ARGS] are not a JSON object"
+                    self._args.append(text[:at])
+                    return text[at:]
+            if _string_step(self, ch):
+                continue
+            if ch in "[{":
+                self._depth += 1
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._args.append(text[:at + 1])
+                    return text[at + 1:]
+        self._args.append(text)
+        return None
+
+    def report(self, delta: ToolStreamDelta) -> None:
+        """Add the completed call to ``delta``: a call, or an invalid call saying what was
+        wrong."""
+        name, error = self._name.strip(), self._error
+        arguments: Any = None
+        if not error and not name:
+            error = "no tool name between [TOOL_CALLS] and [ARGS]"
+        if not error:
+            try:
+                arguments = json.loads(_joined(self._args or []))
+            except (ValueError, RecursionError) as exc:
+                error = f"the arguments are not valid JSON ({exc})"
+        if not error and not isinstance(arguments, dict):
+            error = "the arguments are not a JSON object"
+        if error:
+            delta.invalid.append(InvalidToolCall(self.raw(), error, new_call_id()))
+        else:
+            delta.calls.append(ToolCall(name, arguments, new_call_id()))
+
+
+def _string_step(state: Any, ch: str) -> bool:
+    """Follow JSON strings one character at a time (``state`` has ``_in_string`` and
+    ``_escaped``); True when ``ch`` is part of a string (its quotes included)."""
+    if state._in_string:
+        if state._escaped:
+            state._escaped = False
+        elif ch == "\\":
+            state._escaped = True
+        elif ch == '"':
+            state._in_string = False
+        return True
+    if ch == '"':
+        state._in_string = True
+        return True
+    return False
 
 
 _BRACKET = re.compile(r"[\[{]")

@@ -247,31 +247,90 @@ def tool_choice_constraint(
 ) -> Constraint | dict[str, Any] | None:
     """The constraint that enforces ``tool_choice`` on a reply, for ``Job(constraint=...)``.
 
-    "required" or a tool name: `tool_calls_schema` (a call list must come). "auto": a grammar
-    that steers without forcing: the reply is text, or calls of the tools in the model's own
-    format (``tool_format``, `tool_format_for` of its template; dyngen's JSON list when None
-    or "json"), or a bare JSON call or call list, or a fenced one (```` ```json ````). Text
-    may not start with ``[``, ``{``, a space or an opening ```` ```json ````, nor hold the
-    format's marker, so a call the model starts is always well-formed and matches its tool's
-    schema (a Llama call says "parameters" where the others say "arguments"). Hermes
-    and Mistral calls may follow text where their marker is one token of the vocabulary
-    (``tool_format.marker_id``); where it is plain text, calls come first. "none":
-    such text only, so no call can be made. Without tools: None.
+    ``tool_format`` is the model's (`tool_format_for` of its template); None is "json".
+
+    "required" or a tool name: calls only, in the model's own format, so the model writes what
+    it was trained to: hermes ``<tool_call>\n{call}\n</tool_call>`` blocks (one per call),
+    llama one ``{"name", "parameters"}`` object (after ``<|python_tag|>`` or not; Llama's
+    format has one call a turn), mistral ``[TOOL_CALLS] [calls]``, mistral_v11
+    ``[TOOL_CALLS]name[ARGS]{arguments}`` per call; "json" is `tool_calls_schema` (a JSON
+    call list, the fallback prompt's format). A name allows exactly one call of that tool;
+    "required" one or more of any (exactly one unless ``parallel``).
+
+    "auto": a grammar that steers without forcing: the reply is text, or calls of the tools in
+    the model's own format, or a bare JSON call or call list, or a fenced one
+    (```` ```json ````). Text may not start with ``[``, ``{``, a space or an opening
+    ```` ```json ````, nor hold the format's marker, so a call the model starts is always
+    well-formed and matches its tool's schema (a Llama call says "parameters" where the others
+    say "arguments"). Hermes and Mistral calls may follow text where their marker is one token
+    of the vocabulary (``tool_format.marker_id``); where it is plain text, calls come first.
+    "none": such text only, so no call can be made. Without tools: None.
     """
     if not tools:
         return None
     if tool_choice == "none":
         return Constraint.regex(_TEXT_ONLY)
+    tool_format = tool_format or ToolFormat()
     if tool_choice == "auto":
-        return Constraint.grammar(_auto_grammar(tools, parallel, tool_format or ToolFormat()))
-    return tool_calls_schema(tools, tool_choice, parallel)
+        return Constraint.grammar(_auto_grammar(tools, parallel, tool_format))
+    if tool_format.name == "json":
+        return tool_calls_schema(tools, tool_choice, parallel)
+    chosen = [t for t in tools if tool_choice == "required" or t.name == tool_choice]
+    if not chosen:
+        raise JobError(f"tool_choice={tool_choice!r} is not one of the bound tools "
+                       f"{[t.name for t in tools]}")
+    return Constraint.grammar(_forced_grammar(chosen, parallel and tool_choice == "required",
+                                              tool_format))
+
+
+def _forced_grammar(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolFormat) -> str:
+    """The Lark grammar of a forced call of ``tools`` in ``tool_format`` (not "json"): calls
+    only, one unless ``parallel``."""
+    rules = _call_rules(tools, parallel, tool_format)
+    if tool_format.name == "llama":
+        # One call, its <|python_tag|> optional (Llama writes it for some calls only).
+        rules = [rule for rule in rules if not rule.startswith("native:")]
+        opener = "" if tool_format.marker_id is None else f"<[{tool_format.marker_id}]>? "
+        rules.append(f"native: {opener}one")
+    return "\n".join(["start: native", *rules]) + "\n"
+
+
+def _call_rules(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolFormat) -> list[str]:
+    """The grammar rules of calls of ``tools``: ``one`` (a bare call object), ``many`` (a
+    JSON call list) and, where the format marks its calls, ``native`` (its marked calls)."""
+    key = "parameters" if tool_format.name == "llama" else "arguments"
+    single = json.dumps({**_one_call_schema(tools, key), "x-guidance": _COMPACT_JSON})
+    rules = [
+        f"one: %json {single}",  # the tools' schemas appear once
+        'many: "[" one (", " one)* "]"' if parallel else 'many: "[" one "]"',
+    ]
+    opener = _token_or_text(tool_format.marker_id, tool_format.marker)
+    if tool_format.name == "hermes":
+        closer = _token_or_text(tool_format.end_id, tool_format.closer)
+        rules.append(f'call: {opener} "\\n" one "\\n" {closer}')
+        # A newline may end the calls: Qwen2.5 writes one after </tool_call> whether or not
+        # another call follows (made to go on, it repeated its call).
+        rules.append('native: call ("\\n" call)* "\\n"?' if parallel else 'native: call "\\n"?')
+    elif tool_format.name == "mistral":
+        rules.append(f'native: {opener} " "? many')
+    elif tool_format.name == "mistral_v11":
+        args = _token_or_text(tool_format.args_id, tool_format.args_marker)
+        names = []
+        for i, tool in enumerate(tools):
+            schema = {**_arguments_schema(tool, ""), "x-guidance": _COMPACT_JSON}
+            rules.append(f"call{i}: {opener} {json.dumps(tool.name)} {args} "
+                         f"%json {json.dumps(schema)}")
+            names.append(f"call{i}")
+        rules.append(f"call: {' | '.join(names)}")
+        rules.append("native: call+" if parallel else "native: call")
+    elif tool_format.name == "llama" and tool_format.marker_id is not None:
+        rules.append(f"native: {opener} one")
+    return rules
 
 
 def _auto_grammar(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolFormat) -> str:
     """The Lark grammar (as llguidance reads it; %json embeds a JSON schema) of "auto": text,
     calls in ``tool_format``, or a fenced call."""
-    key = "parameters" if tool_format.name == "llama" else "arguments"
-    single = json.dumps({**_one_call_schema(tools, key), "x-guidance": _COMPACT_JSON})
     marker = tool_format.marker
     text = r"/[^\[{\s][\s\S]*/ & ~/```json[\s\S]*/"
     if marker is not None and tool_format.marker_id is None:
@@ -279,22 +338,12 @@ def _auto_grammar(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolFo
         text += f" & ~/[\\s\\S]*{re.escape(marker)}[\\s\\S]*/"
     rules = [
         f"TEXT: {text}",
-        f"one: %json {single}",  # the tools' schemas appear once
-        'many: "[" one (", " one)* "]"' if parallel else 'many: "[" one "]"',
+        *_call_rules(tools, parallel, tool_format),
         'fenced: "```json\\n" (one | many) "\\n```"',
     ]
-    opener = _token_or_text(tool_format.marker_id, marker)
     # A bare call object or list is allowed in every format (models drop their markers at
     # times), and a fenced one; ``native`` adds the format's marked calls.
     starts = ["TEXT", "one", "many", "fenced"]
-    if tool_format.name == "hermes":
-        closer = _token_or_text(tool_format.end_id, tool_format.closer)
-        rules.append(f'call: {opener} "\\n" one "\\n" {closer}')
-        rules.append('native: call ("\\n" call)*' if parallel else "native: call")
-    elif tool_format.name == "mistral":
-        rules.append(f'native: {opener} " "? many')
-    elif tool_format.name == "llama" and tool_format.marker_id is not None:
-        rules.append(f"native: {opener} one")
     if any(rule.startswith("native:") for rule in rules):
         # Text before calls, where the marker is a token (a text lexeme ends where it comes).
         text_first = tool_format.name != "llama" and tool_format.marker_id is not None
@@ -448,6 +497,15 @@ def inline_refs(schema: dict[str, Any], max_nodes: int = INLINED_NODES_LIMIT) ->
     return resolved
 
 
+def tool_markers_are_special(tokenizer: Tokenizer, tool_format: ToolFormat) -> bool:
+    """Whether a job that reads calls in ``tool_format`` must decode special tokens: True when
+    one of the format's marker tokens (Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``, Llama's
+    ``<|python_tag|>``) is a special token, which decoding otherwise drops. Stop tokens stay
+    out of the text either way."""
+    return any(not tokenizer.decode([i]) and tokenizer.decode([i], decode_special_tokens=True)
+               for i in tool_format.marker_ids)
+
+
 def render_chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                        tools: Sequence[ToolSpec], tool_choice: str) -> list[int]:
     """Prompt token ids for chat ``messages`` (dicts as chat templates read them: role,
@@ -476,5 +534,5 @@ __all__ = [
     "new_call_id", "render_chat_prompt",
     "normalize_tool_choice", "parse_tool_calls", "render_tools_prompt",
     "template_supports_tools", "tool_calls_schema", "tool_choice_constraint",
-    "tool_format_for",
+    "tool_format_for", "tool_markers_are_special",
 ]

@@ -21,6 +21,7 @@ from dyngen_core.tools import (
     parse_tool_calls,
     tool_choice_constraint,
     tool_format_for,
+    tool_markers_are_special,
 )
 
 # Excerpts of the real templates (the lines that teach the call format).
@@ -51,15 +52,25 @@ MISTRAL_TEMPLATE = (
     "{{ dict(id=call['id'], name=call['function']['name'], arguments=call['function']"
     "['arguments'])|tojson }}{% endfor %}{{ ']' }}{% endif %}"
 )
+# Mistral Small 3.2 / Devstral (the v11 tokenizers and later): a name and [ARGS] per call.
+MISTRAL_V11_TEMPLATE = (
+    "{%- if tools is not none %}{{- '[AVAILABLE_TOOLS]' + tools|tojson + '[/AVAILABLE_TOOLS]' }}"
+    "{%- endif %}{%- for tool in message['tool_calls'] %}"
+    "{%- set arguments = tool['function']['arguments'] %}"
+    "{%- if arguments is not string %}{%- set arguments = arguments|tojson|safe %}{%- endif %}"
+    "{{- '[TOOL_CALLS]' + tool['function']['name'] + '[ARGS]' + arguments }}{%- endfor %}"
+)
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
 )
 
-IDS = {"<tool_call>": 7, "</tool_call>": 8, "<|python_tag|>": 9, "[TOOL_CALLS]": 10}
+IDS = {"<tool_call>": 7, "</tool_call>": 8, "<|python_tag|>": 9, "[TOOL_CALLS]": 10,
+       "[ARGS]": 11}
 HERMES = ToolFormat("hermes", 7, 8)
 LLAMA = ToolFormat("llama", 9)
 MISTRAL = ToolFormat("mistral", 10)
+MISTRAL_V11 = ToolFormat("mistral_v11", 10, None, 11)
 NAMES = ["get_weather", "add"]
 WEATHER_ARGS = {"location": "San Francisco, CA"}
 
@@ -69,6 +80,7 @@ WEATHER_ARGS = {"location": "San Francisco, CA"}
     (LLAMA31_TEMPLATE, LLAMA),
     (LLAMA32_TEMPLATE, ToolFormat("llama")),  # no <|python_tag|> in it
     (MISTRAL_TEMPLATE, MISTRAL),
+    (MISTRAL_V11_TEMPLATE, MISTRAL_V11),
     (SMOLLM2_TEMPLATE, ToolFormat()),
     (None, ToolFormat()),
 ])
@@ -122,6 +134,13 @@ CALLS_OF = {
     "mistral": (MISTRAL, f"[TOOL_CALLS] [{WEATHER_CALL}]", ""),
     "mistral_text_first": (MISTRAL, f"Checking. [TOOL_CALLS][{WEATHER_CALL}]", "Checking. "),
     "json_list": (ToolFormat(), f"[{WEATHER_CALL}]", ""),
+    "mistral_v11": (MISTRAL_V11, '[TOOL_CALLS]get_weather[ARGS]{"location": "San Francisco, '
+                                 'CA"}', ""),
+    "mistral_v11_text_first": (MISTRAL_V11, 'Checking.\n[TOOL_CALLS]get_weather[ARGS]'
+                                            '{"location": "San Francisco, CA"}', "Checking.\n"),
+    # [ARGS] dropped (decoded as a skipped special token): the name ends at the arguments.
+    "mistral_v11_no_args_marker": (MISTRAL_V11, '[TOOL_CALLS]get_weather{"location": '
+                                                '"San Francisco, CA"}', ""),
 }
 
 
@@ -160,6 +179,8 @@ def test_parallel_calls_in_each_format() -> None:
     texts = {
         HERMES: f"<tool_call>\n{WEATHER_CALL}\n</tool_call>\n<tool_call>\n{add}\n</tool_call>",
         MISTRAL: f"[TOOL_CALLS] [{WEATHER_CALL}, {add}]",
+        MISTRAL_V11: '[TOOL_CALLS]get_weather[ARGS]{"location": "San Francisco, CA"}'
+                     '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
         None: f"```json\n[{WEATHER_CALL}, {add}]\n```",
     }
     for tool_format, text in texts.items():
@@ -186,7 +207,7 @@ MENTIONS = [
 
 @pytest.mark.parametrize("text", MENTIONS)
 def test_text_that_mentions_a_tool_is_not_a_call(text: str) -> None:
-    for tool_format in (None, HERMES, LLAMA, MISTRAL):
+    for tool_format in (None, HERMES, LLAMA, MISTRAL, MISTRAL_V11):
         whole = parse_tool_calls(text, NAMES, tool_format)
         assert whole.content == text and not whole.calls and not whole.invalid
         for seed in range(10):
@@ -199,6 +220,22 @@ def test_only_the_templates_marker_is_read() -> None:
     assert parse_tool_calls(text, NAMES, MISTRAL).content == text
     assert len(parse_tool_calls(text, NAMES, HERMES).calls) == 1
     assert len(parse_tool_calls(text, NAMES, ToolFormat()).calls) == 1  # "json" reads all
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ('[TOOL_CALLS]get_weather[ARGS]{"location": "Par', "ended inside"),
+    ("[TOOL_CALLS]get_weather[ARGS] sunny", "not a JSON object"),
+    ('[TOOL_CALLS][ARGS]{"location": "Paris"}', "no tool name"),
+    ('[TOOL_CALLS]get_weather[ARGS]{"location": Paris}', "not valid JSON"),
+    ("[TOOL_CALLS]" + "x" * 300, "no [ARGS]"),
+])
+def test_a_broken_mistral_v11_call_is_invalid_whole_and_streamed(text: str, error: str) -> None:
+    for seed in range(10):
+        streamed = _streamed(text, seed, MISTRAL_V11)
+        assert not streamed.calls and len(streamed.invalid) == 1
+        assert error in streamed.invalid[0].error
+        assert (streamed.invalid[0].text + streamed.content).replace(" ", "") == \
+            text.replace(" ", "")
 
 
 def test_a_code_fence_is_released_once_it_cannot_be_a_call() -> None:
@@ -220,10 +257,12 @@ def test_a_code_fence_is_released_once_it_cannot_be_a_call() -> None:
     "[TOOL_CALLS]" + "[" * 200_000,
     "<|python_tag|" * 50_000,
     "text " + "[TOOL_CALLS" * 50_000,
+    "[TOOL_CALLS]get_weather[ARGS]" + "{" * 200_000,
+    "[TOOL_CALLS]x[ARGS]{}" * 20_000,
 ])
 def test_long_output_parses_in_linear_time(text: str) -> None:
     start = time.perf_counter()
-    parser = ToolCallParser(NAMES)
+    parser = ToolCallParser(NAMES, MISTRAL_V11 if "[ARGS]" in text else None)
     for at in range(0, len(text), 7):
         parser.push(text[at:at + 7])
     parser.finish()
@@ -236,7 +275,7 @@ WEATHER = ToolSpec("get_weather", "Weather in a place", {
     "type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]})
 ADD = ToolSpec("add", "Add two ints", {"type": "object", "properties": {
     "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]})
-MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]
+MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"]
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +317,9 @@ ADD_CALL = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     (QWEN25_TEMPLATE, WEATHER_CALL),
     (MISTRAL_TEMPLATE, f"[{WEATHER_CALL}]"),
     (SMOLLM2_TEMPLATE, WEATHER_CALL),
+    (MISTRAL_V11_TEMPLATE, '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}'),
+    (MISTRAL_V11_TEMPLATE, 'Sure.[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}'
+                           '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'),
 ])
 def test_auto_allows_calls_in_the_templates_format(vocabulary: Any, template: str,
                                                   call: str) -> None:
@@ -296,6 +338,8 @@ def test_auto_allows_calls_in_the_templates_format(vocabulary: Any, template: st
     (SMOLLM2_TEMPLATE, '```json\n{"name": "get_time", "arguments": {}}\n```'),
     (SMOLLM2_TEMPLATE, '{"answer": 42}'),
     (SMOLLM2_TEMPLATE, " leading space"),
+    (MISTRAL_V11_TEMPLATE, "[TOOL_CALLS]get_time[ARGS]{}"),
+    (MISTRAL_V11_TEMPLATE, '[TOOL_CALLS]add[ARGS]{"a": 1}'),
 ])
 def test_auto_keeps_a_started_call_valid(vocabulary: Any, template: str, bad: str) -> None:
     assert not _allows(vocabulary, template, bad)
@@ -328,3 +372,124 @@ def test_auto_with_markers_that_are_plain_text(demo_model_dir: Path) -> None:
     assert not allows(f"Sure.\n<tool_call>\n{WEATHER_CALL}\n</tool_call>")
     assert not allows('Sure.\n<tool_call>\n{"name": "get_time"}\n</tool_call>')
     assert not allows("Sure, <tool_call> then prose")
+
+
+# ---- forced tool_choice: calls only, in the template's own format ----------------------------
+
+WEATHER_PARIS = '{"name": "get_weather", "arguments": {"location": "Paris"}}'
+LLAMA_PARIS = '{"name": "get_weather", "parameters": {"location": "Paris"}}'
+LLAMA_ADD = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+V11_PARIS = '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}'
+V11_ADD = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+# Per format: the calls a forced choice allows (choice, text, parallel, the names read back).
+FORCED_ALLOWS = {
+    QWEN25_TEMPLATE: [
+        ("required", f"<tool_call>\n{WEATHER_PARIS}\n</tool_call>", True, ["get_weather"]),
+        ("required", f"<tool_call>\n{WEATHER_PARIS}\n</tool_call>\n<tool_call>\n{ADD_CALL}"
+                     "\n</tool_call>", True, ["get_weather", "add"]),
+        ("add", f"<tool_call>\n{ADD_CALL}\n</tool_call>", True, ["add"]),
+        # A newline after the last call, as Qwen2.5 writes it, ends the calls.
+        ("required", f"<tool_call>\n{WEATHER_PARIS}\n</tool_call>\n", True, ["get_weather"]),
+        ("add", f"<tool_call>\n{ADD_CALL}\n</tool_call>\n", True, ["add"]),
+    ],
+    LLAMA31_TEMPLATE: [
+        ("required", f"<|python_tag|>{LLAMA_PARIS}", True, ["get_weather"]),
+        ("required", LLAMA_PARIS, True, ["get_weather"]),
+        ("add", LLAMA_ADD, True, ["add"]),
+    ],
+    MISTRAL_TEMPLATE: [
+        ("required", f"[TOOL_CALLS] [{WEATHER_PARIS}, {ADD_CALL}]", True, ["get_weather", "add"]),
+        ("get_weather", f"[TOOL_CALLS][{WEATHER_PARIS}]", True, ["get_weather"]),
+    ],
+    MISTRAL_V11_TEMPLATE: [
+        ("required", V11_PARIS, True, ["get_weather"]),
+        ("required", V11_PARIS + V11_ADD, True, ["get_weather", "add"]),
+        ("add", V11_ADD, True, ["add"]),
+    ],
+}
+# Per format: what a forced choice refuses (choice, text, parallel).
+FORCED_REFUSES = {
+    QWEN25_TEMPLATE: [
+        ("required", f"[{WEATHER_PARIS}]", True),  # dyngen's generic list
+        ("required", WEATHER_PARIS, True),  # a bare call: the marker is required
+        ("required", f"Sure.\n<tool_call>\n{WEATHER_PARIS}\n</tool_call>", True),
+        ("required", "It is sunny.", True),
+        ("add", f"<tool_call>\n{WEATHER_PARIS}\n</tool_call>", True),
+        ("required", f"<tool_call>\n{WEATHER_PARIS}\n</tool_call>\n<tool_call>\n{ADD_CALL}"
+                     "\n</tool_call>", False),
+    ],
+    LLAMA31_TEMPLATE: [
+        ("required", f"[{WEATHER_PARIS}]", True),
+        ("required", WEATHER_PARIS, True),  # "arguments" is not Llama's key
+        ("required", f"{LLAMA_PARIS}; {LLAMA_ADD}", True),  # one call a turn
+        ("add", LLAMA_PARIS, True),
+    ],
+    MISTRAL_TEMPLATE: [
+        ("required", f"[{WEATHER_PARIS}]", True),
+        ("required", f"Sure. [TOOL_CALLS] [{WEATHER_PARIS}]", True),
+        ("get_weather", f"[TOOL_CALLS] [{WEATHER_PARIS}, {WEATHER_PARIS}]", True),
+        ("required", f"[TOOL_CALLS] [{WEATHER_PARIS}, {ADD_CALL}]", False),
+    ],
+    MISTRAL_V11_TEMPLATE: [
+        ("required", f"[{WEATHER_PARIS}]", True),
+        ("required", f"[TOOL_CALLS] [{WEATHER_PARIS}]", True),  # the older list
+        ("required", "Sure." + V11_PARIS, True),
+        ("add", V11_PARIS, True),
+        ("required", V11_PARIS + V11_ADD, False),
+    ],
+}
+
+
+def _forced_allows(vocabulary: Any, template: str, choice: str, text: str,
+                   parallel: bool) -> bool:
+    backend, compiler = vocabulary
+    tool_format = tool_format_for(template, backend.token_to_id)
+    constraint = tool_choice_constraint([WEATHER, ADD], choice, parallel, tool_format)
+    matcher = compiler.matcher(constraint)
+    ids = backend.encode(text, add_special_tokens=False).ids
+    return all(matcher.accept(t) for t in ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("template", "case"), [
+    (template, case) for template, cases in FORCED_ALLOWS.items() for case in cases])
+def test_a_forced_call_is_written_in_the_templates_format_and_read_back(
+        vocabulary: Any, template: str, case: tuple[str, str, bool, list[str]]) -> None:
+    choice, text, parallel, names = case
+    assert _forced_allows(vocabulary, template, choice, text, parallel)
+    tool_format = tool_format_for(template, vocabulary[0].token_to_id)
+    whole = parse_tool_calls(text, NAMES, tool_format)
+    assert [c.name for c in whole.calls] == names and not whole.content and not whole.invalid
+    for seed in range(10):
+        streamed = _streamed(text, seed, tool_format)
+        assert [c.name for c in streamed.calls] == names
+        assert not streamed.content.strip() and not streamed.invalid
+
+
+@pytest.mark.parametrize(("template", "case"), [
+    (template, case) for template, cases in FORCED_REFUSES.items() for case in cases])
+def test_a_forced_call_refuses_other_formats_text_and_other_tools(
+        vocabulary: Any, template: str, case: tuple[str, str, bool]) -> None:
+    choice, text, parallel = case
+    assert not _forced_allows(vocabulary, template, choice, text, parallel)
+
+
+def test_a_forced_call_without_a_format_is_the_json_list() -> None:
+    """Templates without tools (SmolLM2, the fallback prompt) keep dyngen's call list."""
+    constraint = tool_choice_constraint([WEATHER, ADD], "required", True, ToolFormat())
+    assert isinstance(constraint, dict) and constraint["type"] == "array"
+    with pytest.raises(ValueError, match="not one of the bound tools"):
+        tool_choice_constraint([WEATHER], "add", True, HERMES)
+
+
+def test_markers_that_are_special_tokens_need_special_tokens_decoded(
+        demo_model_dir: Path) -> None:
+    """Decoding drops special tokens (Mistral's [TOOL_CALLS], Llama's <|python_tag|>), so a job
+    reading such a format must decode them; markers that are text (or plain tokens) need not."""
+    tokenizer = Tokenizer.from_model_dir(demo_model_dir)
+    special = tokenizer.piece_to_id("<|im_start|>")  # a special token of this vocabulary
+    plain = tokenizer.piece_to_id("hello")
+    assert special is not None and plain is not None
+    assert tool_markers_are_special(tokenizer, ToolFormat("mistral", special))
+    assert tool_markers_are_special(tokenizer, ToolFormat("mistral_v11", plain, None, special))
+    assert not tool_markers_are_special(tokenizer, ToolFormat("llama", plain))
+    assert not tool_markers_are_special(tokenizer, ToolFormat("hermes"))

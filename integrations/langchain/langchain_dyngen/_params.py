@@ -73,9 +73,10 @@ class Generation:
         return SamplerSettings.from_framework_fields(self.sampling, model_defaults)
 
     def job(self, engine: BackgroundGenerator, input_ids: Sequence[int],
-            constraint: Any = None) -> Job:
+            constraint: Any = None, decode_special_tokens: bool = False) -> Job:
         """A `Job` for ``input_ids`` on ``engine``: ends at the model's end-of-sequence tokens,
-        at any stop sequence (cut from the text) or after max_tokens."""
+        at any stop sequence (cut from the text) or after max_tokens; it writes special tokens
+        into its text when ``decode_special_tokens`` (tool call markers that are special)."""
         tokenizer = engine.tokenizer
         return Job(
             input_ids=list(input_ids),
@@ -84,4 +85,5 @@ class Generation:
             gen_settings=self.sampler_settings(engine.generation_defaults),
             seed=self.seed,
             constraint=constraint,
+            decode_special_tokens=decode_special_tokens,
         )

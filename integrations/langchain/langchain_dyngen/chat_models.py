@@ -25,6 +25,7 @@ from dyngen_core.tools import (
     normalize_tool_choice,
     tool_choice_constraint,
     tool_format_for,
+    tool_markers_are_special,
 )
 from langchain_dyngen._batch import coalesced_batch, run_coroutine_blocking, submit
 from langchain_dyngen._chat_output import ChatChunker
@@ -184,9 +185,11 @@ class ChatDynGen(BaseChatModel):
                              "combined; drop one of them")
         prompt = render_chat(engine.tokenizer, messages, tools, choice)
         generation = Generation.from_fields(generation_fields(self), options, stop)
-        return _ChatCall(engine, generation.job(engine, prompt, constraint),
+        parse_tools = bool(tools) and choice != "none"
+        special = parse_tools and tool_markers_are_special(tokenizer, tool_format)
+        return _ChatCall(engine, generation.job(engine, prompt, constraint, special),
                          self._model_name(options.get("model")),
-                         parse_tools=bool(tools) and choice != "none",
+                         parse_tools=parse_tools,
                          tool_names=tuple(t.name for t in tools), tool_format=tool_format)
 
     def _start(self, messages: list[BaseMessage], stop: list[str] | None,

@@ -339,10 +339,12 @@ class DynGenLLM(FunctionCallingLLM):
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], method: str
     ) -> tuple[ChatTurn, JobHandle]:
         turn, fields = self._chat_turn(messages, kwargs, method)
-        return turn, self._jobs.submit(turn.input_ids, fields, turn.constraint)
+        return turn, self._jobs.submit(turn.input_ids, fields, turn.constraint,
+                                       turn.decode_special_tokens)
 
     async def _asubmit_chat(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], method: str
     ) -> tuple[ChatTurn, JobHandle]:
         turn, fields = self._chat_turn(messages, kwargs, method)
-        return turn, await self._jobs.asubmit(turn.input_ids, fields, turn.constraint)
+        return turn, await self._jobs.asubmit(turn.input_ids, fields, turn.constraint,
+                                              turn.decode_special_tokens)

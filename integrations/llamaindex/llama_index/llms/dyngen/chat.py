@@ -25,11 +25,14 @@ TOOL_KEYS = ("tools", "tool_choice", "tool_required", "allow_parallel_tool_calls
 @dataclass
 class ChatTurn:
     """A prepared chat call. ``response`` is called once per streamed chunk (with the text so
-    far) or once at the end; it keeps what it showed so that ``delta`` is the new content."""
+    far) or once at the end; it keeps what it showed so that ``delta`` is the new content.
+    ``decode_special_tokens``: the job writes special tokens into its text (the model's tool
+    call markers are special tokens, `dyngen_core.tools.tool_markers_are_special`)."""
 
     input_ids: list[int]
     constraint: Any = None
     tools: ToolTurn | None = None
+    decode_special_tokens: bool = False
     _shown: str = field(default="", repr=False)
 
     def response(
@@ -73,7 +76,8 @@ def prepare_turn(
         turn_tools = tools or ToolTurn.history_only()
         text = turn_tools.render(tokenizer, chat)
         ids = tokenizer.encode(text, encode_special_tokens=True)
-        return ChatTurn(ids, constraint=turn_tools.constraint(), tools=tools)
+        return ChatTurn(ids, constraint=turn_tools.constraint(), tools=tools,
+                        decode_special_tokens=turn_tools.reads_special_markers(tokenizer))
     if tokenizer.has_chat_template:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
         return ChatTurn(tokenizer.encode(text, encode_special_tokens=True))

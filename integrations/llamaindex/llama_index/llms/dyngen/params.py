@@ -48,6 +48,7 @@ def build_job(
     stop_token_ids: Sequence[int],
     model_defaults: Mapping[str, Any],
     constraint: Any = None,
+    decode_special_tokens: bool = False,
 ) -> Job:
     """A `Job` for ``input_ids`` with generation ``fields`` (the LLM's, overridden per call).
 
@@ -65,4 +66,5 @@ def build_job(
         seed=fields.get("seed"),
         banned_strings=fields.get("banned_strings"),
         constraint=constraint if constraint is not None else fields.get("constraint"),
+        decode_special_tokens=decode_special_tokens,
     )

@@ -57,21 +57,26 @@ class JobSubmitter:
         add_bos = bool(self.tokenizer.add_bos_token and self.tokenizer.bos_token_id is not None)
         return list(self.tokenizer.encode(text, add_bos=add_bos))
 
-    def submit(self, input_ids: list[int], fields: dict[str, Any], constraint: Any = None
-               ) -> JobHandle:
+    def submit(self, input_ids: list[int], fields: dict[str, Any], constraint: Any = None,
+               decode_special_tokens: bool = False) -> JobHandle:
         """Submit prompt token ids; ``constraint`` (tools, structured output) wins over a
-        per-call one in ``fields``."""
-        return self.engine.submit(self._job(input_ids, fields, constraint))
+        per-call one in ``fields``; ``decode_special_tokens`` where tool call markers are
+        special tokens."""
+        return self.engine.submit(self._job(input_ids, fields, constraint,
+                                            decode_special_tokens))
 
     async def asubmit(self, input_ids: list[int], fields: dict[str, Any],
-                      constraint: Any = None) -> JobHandle:
+                      constraint: Any = None, decode_special_tokens: bool = False
+                      ) -> JobHandle:
         """`submit` from an event loop, grouped with the loop iteration's other jobs."""
-        job = self._job(input_ids, fields, constraint)
+        job = self._job(input_ids, fields, constraint, decode_special_tokens)
         return await self._coalescer.submit(self.engine, job)
 
-    def _job(self, input_ids: list[int], fields: dict[str, Any], constraint: Any) -> Any:
+    def _job(self, input_ids: list[int], fields: dict[str, Any], constraint: Any,
+             decode_special_tokens: bool = False) -> Any:
         return build_job(input_ids, fields, stop_token_ids=self.tokenizer.eos_token_ids,
-                         model_defaults=self._model_defaults, constraint=constraint)
+                         model_defaults=self._model_defaults, constraint=constraint,
+                         decode_special_tokens=decode_special_tokens)
 
 
 def gather_engine_options(data: Any) -> Any:

@@ -24,6 +24,7 @@ from dyngen_core.tools import (
     template_supports_tools,
     tool_choice_constraint,
     tool_format_for,
+    tool_markers_are_special,
 )
 
 if TYPE_CHECKING:
@@ -133,10 +134,17 @@ class ToolTurn:
         messages = fallback_messages(chat, self.specs, "auto" if self.specs else "none")
         return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
+    def reads_special_markers(self, tokenizer: Any) -> bool:
+        """Whether the reply must be decoded with special tokens: calls are read, and the
+        model's call markers are special tokens (`tool_markers_are_special`)."""
+        return bool(self.specs) and self.choice != "none" and \
+            tool_markers_are_special(tokenizer, self.tool_format)
+
     def constraint(self) -> Any:
         """What enforces tool_choice (`dyngen_core.tools.tool_choice_constraint`): a forced
-        choice gets the call list's schema; "auto" a grammar allowing that call list or plain
-        text, so a call the model makes always matches its tool's schema; "none" text only."""
+        choice gets calls only, in the model's own format; "auto" a grammar allowing calls or
+        plain text, so a call the model makes always matches its tool's schema; "none" text
+        only."""
         return tool_choice_constraint(self.specs, self.choice, parallel=self.parallel,
                                       tool_format=self.tool_format)
 
