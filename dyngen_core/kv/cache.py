@@ -94,7 +94,7 @@ class Cache:
                  page_size: int = PAGE_SIZE, recent_window: int | None = None) -> None:
         self.config = CacheConfig(max_tokens=max_tokens, mode=mode, page_size=page_size)
         self.storage: KVStorage = make_storage(
-            mode, model.config, self.config.num_pages, page_size, model.dtype,
+            mode, model.local_config, self.config.num_pages, page_size, model.dtype,
             model.layer_devices,
         )
         if isinstance(self.storage, QuantStorage):
@@ -135,7 +135,7 @@ class _KeyMeanRecorder(FP16Storage):
     """FP16 storage that also sums the keys written per layer (position 0 left out)."""
 
     def __init__(self, model: Model, tokens: int) -> None:
-        super().__init__(model.config, 1, tokens, model.dtype, model.layer_devices)
+        super().__init__(model.local_config, 1, tokens, model.dtype, model.layer_devices)
         self.sums: dict[int, torch.Tensor] = {}
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,

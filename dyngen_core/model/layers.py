@@ -15,6 +15,7 @@ from torch import nn
 from dyngen_core.config import ModelConfig
 from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
+from dyngen_core.model.parallel import SINGLE, TensorParallel, row_parallel_linear
 from dyngen_core.model.rope import apply_rotary
 from dyngen_core.ops.fused_ops import add_rms_norm, rms_norm, silu_mul
 from dyngen_core.ops.skinny_matmul import linear
@@ -62,9 +63,11 @@ class GatedMLP(nn.Module):
     rows or fewer through the Triton skinny matmul (`skinny_matmul.linear`). ``fused`` (set by
     `Model.set_fused_ops`) runs silu(gate) * up as one Triton kernel (`fused_ops.silu_mul`)."""
 
-    def __init__(self, config: ModelConfig, place: Placement) -> None:
+    def __init__(self, config: ModelConfig, place: Placement,
+                 parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
+        self.parallel = parallel
         self.gate_up_weight = empty_parameter(2 * inter, hidden, place=place)
         self.down_weight = empty_parameter(hidden, inter, place=place)
         self.skinny_rows = 0
@@ -73,7 +76,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.skinny_rows
         gate_up = linear(x, self.gate_up_weight, skinny_rows=rows)
-        return linear(silu_mul(gate_up, fused=self.fused), self.down_weight, skinny_rows=rows)
+        return row_parallel_linear(silu_mul(gate_up, fused=self.fused), self.down_weight, None,
+                                   self.parallel, skinny_rows=rows)
 
 
 class Attention(nn.Module):
@@ -81,9 +85,11 @@ class Attention(nn.Module):
     embedding, then the attention backend over the paged cache, then the output projection.
     ``skinny_rows``: as in `GatedMLP`, for the q/k/v and output projections."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, place: Placement) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, place: Placement,
+                 parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.parallel = parallel
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
@@ -107,8 +113,8 @@ class Attention(nn.Module):
         v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = backend.attend(self.layer_idx, q, k, v, storage, batch, self.scale)
-        return linear(out.reshape(tokens, -1), self.o_weight, self.o_bias,
-                      skinny_rows=self.skinny_rows)
+        return row_parallel_linear(out.reshape(tokens, -1), self.o_weight, self.o_bias,
+                                   self.parallel, skinny_rows=self.skinny_rows)
 
     def _rotated_q_k(self, qkv: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +139,13 @@ class DecoderLayer(nn.Module):
     The last add is left to the caller (`forward` returns its two terms), so that the next
     layer's input norm adds it in the same kernel (`RMSNorm.add_and_norm`)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, place: Placement) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, place: Placement,
+                 parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, place)
-        self.attn = Attention(config, layer_idx, place)
+        self.attn = Attention(config, layer_idx, place, parallel)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, place)
-        self.mlp = GatedMLP(config, place)
+        self.mlp = GatedMLP(config, place, parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, storage: KVStorage, backend: AttentionBackend,

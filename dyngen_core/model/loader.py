@@ -25,6 +25,13 @@ from tqdm import tqdm
 from dyngen_core.config import ModelConfig
 from dyngen_core.errors import ModelFolderError, WeightsError
 from dyngen_core.model.layers import has_o_bias, has_qkv_bias
+from dyngen_core.model.parallel import (
+    SINGLE,
+    TensorParallel,
+    shard_heads,
+    split_evenly,
+    vocab_rows,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -85,15 +92,16 @@ def read_inventory(files: list[Path]) -> dict[str, TensorInfo]:
     return inventory
 
 
-def checked_layout(inventory: Mapping[str, TensorInfo],
-                   config: ModelConfig) -> dict[str, TensorSlot]:
-    """The checkpoint layout of ``config``, once the checkpoint is known to match it.
+def checked_layout(inventory: Mapping[str, TensorInfo], config: ModelConfig,
+                   parallel: TensorParallel = SINGLE) -> dict[str, TensorSlot]:
+    """The checkpoint layout of ``config`` (for ``parallel``'s rank: `checkpoint_layout`),
+    once the checkpoint is known to match it.
 
     Raises WeightsError when the checkpoint holds another number of layers than config.json
     says (checked first, so the layout is never built for a size the weights do not have), or
     lacks, adds, misshapes or mistypes a tensor."""
     _check_layer_count(inventory, config)
-    layout = checkpoint_layout(config)
+    layout = checkpoint_layout(config, parallel)
     _check_names(inventory, layout, config)
     for name, slot in layout.items():
         _check_tensor(name, inventory[name], slot)
@@ -174,7 +182,8 @@ def _first_missing(present: set[int], count: int) -> list[int]:
 def load_weights(params: Mapping[str, torch.Tensor], layout: Mapping[str, TensorSlot],
                  inventory: Mapping[str, TensorInfo], *, progress: bool = False,
                  description: str = "Loading weights") -> None:
-    """Copy every tensor of ``layout`` into its band of ``params`` (cast and moved on the way).
+    """Copy every tensor of ``layout`` (or the part of it its slot takes, read alone from the
+    file) into its band of ``params`` (cast and moved on the way).
 
     progress: show a tqdm bar over the bytes read.
     """
@@ -188,10 +197,19 @@ def load_weights(params: Mapping[str, torch.Tensor], layout: Mapping[str, Tensor
             with _open(path) as f:
                 for name in names:
                     slot = layout[name]
-                    rows = slot.shape[0]
-                    target = params[slot.param][slot.row_start:slot.row_start + rows]
-                    target.copy_(f.get_tensor(name))
+                    source = _read(f, name, slot)
+                    target = params[slot.param][slot.row_start:slot.row_start + source.shape[0]]
+                    target.copy_(source)
                     bar.update(inventory[name].nbytes)
+
+
+def _read(f: Any, name: str, slot: TensorSlot) -> torch.Tensor:
+    """The tensor ``name`` of the open file ``f``, or only the part ``slot.take`` names."""
+    if slot.take is None:
+        return f.get_tensor(name)
+    dim, start, length = slot.take
+    part = f.get_slice(name)
+    return part[start:start + length] if dim == 0 else part[:, start:start + length]
 
 
 def _files_from_index(index: Path) -> list[Path]:
@@ -257,30 +275,46 @@ KV_ROWS = "num_key_value_heads x head_dim"
 class TensorSlot:
     """Where one checkpoint tensor goes: rows ``row_start ...`` of the runtime parameter
     ``param`` (a name from ``Model.named_parameters()``), with the checkpoint ``shape``;
-    ``sources`` names the config.json field(s) each dimension of ``shape`` comes from."""
+    ``sources`` names the config.json field(s) each dimension of ``shape`` comes from.
+    ``take`` (tensor parallelism) is (dim, start, length): only that part of the checkpoint
+    tensor along dimension 0 or 1 goes to the parameter; None: all of it."""
 
     param: str
     shape: tuple[int, ...]
     sources: tuple[str, ...]
     row_start: int = 0
+    take: tuple[int, int, int] | None = None
 
 
-def checkpoint_layout(config: ModelConfig) -> dict[str, TensorSlot]:
-    """Every tensor the checkpoint must hold, by its Hugging Face name.
+def checkpoint_layout(config: ModelConfig,
+                      parallel: TensorParallel = SINGLE) -> dict[str, TensorSlot]:
+    """Every tensor the checkpoint must hold, by its Hugging Face name, and the part of it
+    ``parallel``'s rank loads (`parallel` module: q/k/v and gate/up by output rows, o_proj
+    and down_proj by input columns, embedding and lm_head by vocabulary rows).
 
     lm_head.weight is expected only without ``tie_word_embeddings`` (tied models reuse the
     embedding matrix).
     """
     hidden, vocab = config.hidden_size, config.vocab_size
+    start, held, _ = vocab_rows(vocab, parallel)
+    vocab_take = _take(0, start, held, parallel)
     layout = {
-        "model.embed_tokens.weight": TensorSlot("embed_weight", (vocab, hidden), (VOCAB, HIDDEN)),
+        "model.embed_tokens.weight": TensorSlot("embed_weight", (vocab, hidden), (VOCAB, HIDDEN),
+                                                take=vocab_take),
         "model.norm.weight": TensorSlot("norm.weight", (hidden,), (HIDDEN,)),
     }
     if not config.tie_word_embeddings:
-        layout["lm_head.weight"] = TensorSlot("lm_head_weight", (vocab, hidden), (VOCAB, HIDDEN))
+        layout["lm_head.weight"] = TensorSlot("lm_head_weight", (vocab, hidden), (VOCAB, HIDDEN),
+                                              take=vocab_take)
     for i in range(config.num_layers):
-        layout.update(_layer_layout(config, i))
+        layout.update(_layer_layout(config, i, parallel))
     return layout
+
+
+def _take(dim: int, start: int, length: int,
+          parallel: TensorParallel) -> tuple[int, int, int] | None:
+    """A slot's ``take``: None for one process (the whole tensor)."""
+    return None if parallel.size == 1 else (dim, start, length)
 
 
 def is_ignored(name: str, config: ModelConfig) -> bool:
@@ -291,32 +325,48 @@ def is_ignored(name: str, config: ModelConfig) -> bool:
     return name.endswith(IGNORED_SUFFIXES)
 
 
-def _layer_layout(config: ModelConfig, i: int) -> dict[str, TensorSlot]:
+def _layer_layout(config: ModelConfig, i: int,
+                  parallel: TensorParallel) -> dict[str, TensorSlot]:
     src, dst = f"model.layers.{i}", f"layers.{i}"
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    qkv_bands = {"q_proj": (0, q_rows, Q_ROWS), "k_proj": (q_rows, kv_rows, KV_ROWS),
-                 "v_proj": (q_rows + kv_rows, kv_rows, KV_ROWS)}
+    heads = shard_heads(config, parallel) if parallel.size > 1 else None
+    q_take = None if heads is None else (heads.q_start * head_dim, heads.num_heads * head_dim)
+    kv_take = None if heads is None else (heads.kv_start * head_dim,
+                                          heads.num_kv_heads * head_dim)
+    local_q = q_rows if q_take is None else q_take[1]
+    local_kv = kv_rows if kv_take is None else kv_take[1]
+    # projection: (runtime row start, checkpoint rows, rows source, this rank's (start, rows))
+    qkv_bands = {"q_proj": (0, q_rows, Q_ROWS, q_take),
+                 "k_proj": (local_q, kv_rows, KV_ROWS, kv_take),
+                 "v_proj": (local_q + local_kv, kv_rows, KV_ROWS, kv_take)}
+    i_start, i_rows = split_evenly(inter, parallel, "intermediate_size")
+    o_take = None if q_take is None else (1, *q_take)
     layout = {
         f"{src}.input_layernorm.weight":
             TensorSlot(f"{dst}.input_norm.weight", (hidden,), (HIDDEN,)),
         f"{src}.post_attention_layernorm.weight":
             TensorSlot(f"{dst}.post_attention_norm.weight", (hidden,), (HIDDEN,)),
         f"{src}.self_attn.o_proj.weight":
-            TensorSlot(f"{dst}.attn.o_weight", (hidden, q_rows), (HIDDEN, Q_ROWS)),
+            TensorSlot(f"{dst}.attn.o_weight", (hidden, q_rows), (HIDDEN, Q_ROWS), take=o_take),
         f"{src}.mlp.gate_proj.weight":
-            TensorSlot(f"{dst}.mlp.gate_up_weight", (inter, hidden), (INTER, HIDDEN)),
+            TensorSlot(f"{dst}.mlp.gate_up_weight", (inter, hidden), (INTER, HIDDEN),
+                       take=_take(0, i_start, i_rows, parallel)),
         f"{src}.mlp.up_proj.weight": TensorSlot(
-            f"{dst}.mlp.gate_up_weight", (inter, hidden), (INTER, HIDDEN), row_start=inter),
+            f"{dst}.mlp.gate_up_weight", (inter, hidden), (INTER, HIDDEN), row_start=i_rows,
+            take=_take(0, i_start, i_rows, parallel)),
         f"{src}.mlp.down_proj.weight":
-            TensorSlot(f"{dst}.mlp.down_weight", (hidden, inter), (HIDDEN, INTER)),
+            TensorSlot(f"{dst}.mlp.down_weight", (hidden, inter), (HIDDEN, INTER),
+                       take=_take(1, i_start, i_rows, parallel)),
     }
-    for proj, (start, rows, rows_source) in qkv_bands.items():
+    for proj, (start, rows, rows_source, part) in qkv_bands.items():
+        take = None if part is None else (0, *part)
         layout[f"{src}.self_attn.{proj}.weight"] = TensorSlot(
-            f"{dst}.attn.qkv_weight", (rows, hidden), (rows_source, HIDDEN), row_start=start)
+            f"{dst}.attn.qkv_weight", (rows, hidden), (rows_source, HIDDEN), row_start=start,
+            take=take)
         if has_qkv_bias(config):
             layout[f"{src}.self_attn.{proj}.bias"] = TensorSlot(
-                f"{dst}.attn.qkv_bias", (rows,), (rows_source,), row_start=start)
+                f"{dst}.attn.qkv_bias", (rows,), (rows_source,), row_start=start, take=take)
     if has_o_bias(config):
         layout[f"{src}.self_attn.o_proj.bias"] = TensorSlot(
             f"{dst}.attn.o_bias", (hidden,), (HIDDEN,))

@@ -8,12 +8,12 @@ precision a model lives (the ``device`` and ``dtype`` options) is resolved here 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dyngen_core.config import ModelConfig
@@ -21,6 +21,14 @@ from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model.layers import DecoderLayer, GatedMLP, Placement, RMSNorm, empty_parameter
 from dyngen_core.model.loader import checked_layout, find_weight_files, load_weights, read_inventory
+from dyngen_core.model.parallel import (
+    SINGLE,
+    TensorParallel,
+    join_tensor_parallel,
+    local_config,
+    parallel_embedding,
+    vocab_rows,
+)
 from dyngen_core.model.rope import RotaryEmbedding
 from dyngen_core.ops.fused_ops import DEFAULT_FUSED_OPS, fused_ops_for
 from dyngen_core.ops.skinny_matmul import DEFAULT_SKINNY_ROWS, linear, skinny_rows_for
@@ -37,6 +45,10 @@ class Model(nn.Module):
     layer_devices: one device per decoder layer (default: all on ``device``). Hidden states move
         to each layer's device during the forward, so a model may later be split over devices.
     model_dir: the folder the weights came from, if any.
+    parallel: this process's rank of a tensor-parallel group (`parallel` module); alone by
+        default. Each rank holds its heads, its part of the intermediate size and its rows of
+        the vocabulary; ``local_config`` is the shape it computes (what its cache is built
+        for), ``config`` the whole model's.
 
     Products of few rows (decode steps) may run through the Triton skinny matmul: see
     `set_skinny_matmul` (one row, i.e. batch-1 decode, by default on CUDA). RMSNorm (with the
@@ -46,9 +58,11 @@ class Model(nn.Module):
 
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
                  layer_devices: Sequence[torch.device] | None = None,
-                 model_dir: Path | None = None) -> None:
+                 model_dir: Path | None = None, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
+        self.local_config = local_config(config, parallel)
         self.device = device
         self.dtype = dtype
         self.model_dir = model_dir
@@ -57,21 +71,27 @@ class Model(nn.Module):
             raise ValueError(f"layer_devices has {len(self.layer_devices)} entries; the model "
                              f"has {config.num_layers} layers")
         place = Placement(device, dtype)
-        shape = (config.vocab_size, config.hidden_size)
-        self.embed_weight = empty_parameter(*shape, place=place)
+        self.embed_weight = self._vocab_parameter(place)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, Placement(layer_device, dtype))
+            DecoderLayer(self.local_config, i, Placement(layer_device, dtype), parallel)
             for i, layer_device in enumerate(self.layer_devices)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, place)
         self.lm_head_weight = (
-            self.embed_weight if config.tie_word_embeddings
-            else empty_parameter(*shape, place=place)
+            self.embed_weight if config.tie_word_embeddings else self._vocab_parameter(place)
         )
         self.rotary = RotaryEmbedding(config, device)
         self.skinny_rows = 0
         self.set_skinny_matmul(DEFAULT_SKINNY_ROWS)
         self.set_fused_ops(DEFAULT_FUSED_OPS)
+
+    def _vocab_parameter(self, place: Placement) -> nn.Parameter:
+        """This rank's rows of a [vocab, hidden] matrix; rows past the vocabulary (the last
+        shard's padding) are zero."""
+        _, held, stored = vocab_rows(self.config.vocab_size, self.parallel)
+        weight = empty_parameter(stored, self.config.hidden_size, place=place)
+        weight.data[held:].zero_()
+        return weight
 
     def set_fused_ops(self, enabled: bool | None = None) -> None:
         """Run RMSNorm (with the residual add in front of it) and SiLU-and-mul of bf16/fp16
@@ -109,7 +129,8 @@ class Model(nn.Module):
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None,
-             dtype: str | torch.dtype | None = None, progress: bool = False) -> Model:
+             dtype: str | torch.dtype | None = None, progress: bool = False,
+             tensor_parallel: int = 1) -> Model:
         """Load a Hugging Face model folder (config.json + safetensors, single or sharded).
 
         model_dir: the folder holding config.json and the .safetensors files.
@@ -118,6 +139,11 @@ class Model(nn.Module):
             (half-precision matrix products are slow on CPUs); or "bfloat16", "float16",
             "float32" or the torch dtype.
         progress: show a progress bar over the bytes loaded.
+        tensor_parallel: the number of ranks to split the model over (`parallel` module); this
+            process loads only its rank's part of each tensor. Above 1, the process must be
+            one rank of a torch.distributed group of that size (torchrun, an initialised
+            default group, or dyngen's workers); on CUDA each rank takes the GPU of its local
+            rank (LOCAL_RANK, else the rank), and NCCL is the backend; gloo on the CPU.
 
         The folder is untrusted: config.json and the checkpoint headers are checked against
         each other before anything is allocated, so a bad folder fails in milliseconds.
@@ -132,8 +158,12 @@ class Model(nn.Module):
         inventory = read_inventory(find_weight_files(folder))
         layout = checked_layout(inventory, config)  # before anything is allocated
         target = resolve_device(device)
+        parallel = join_tensor_parallel(tensor_parallel, target)
+        if parallel.size > 1:
+            target = rank_device(target, parallel)
+            layout = checked_layout(inventory, config, parallel)
         model = cls(config, device=target, dtype=resolve_dtype(dtype, config.torch_dtype, target),
-                    model_dir=folder)
+                    model_dir=folder, parallel=parallel)
         params = dict(model.named_parameters(remove_duplicate=False))
         load_weights(params, layout, inventory, progress=progress,
                      description=f"Loading {folder.name}")
@@ -151,7 +181,7 @@ class Model(nn.Module):
     def forward_hidden(self, batch: ForwardBatch, storage: KVStorage,
                        backend: AttentionBackend) -> torch.Tensor:
         """The last decoder layer's output [T, hidden] (before the final norm) on ``device``."""
-        x = F.embedding(batch.input_ids, self.embed_weight)
+        x = parallel_embedding(batch.input_ids, self.embed_weight, self.parallel)
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
         rotary_by_device = {self.device: (cos, sin)}
         # Each layer leaves its MLP output pending: the next one adds it in its input norm.
@@ -170,14 +200,18 @@ class Model(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head over hidden rows [S, hidden]; float32 logits [S, vocab]."""
+        """Final norm and lm_head over hidden rows [S, hidden]; float32 logits [S, vocab].
+        Under tensor parallelism every rank computes its vocabulary rows and rank 0 gets the
+        whole logits; the other ranks get an empty [S, 0] tensor."""
         normed = self.norm(hidden)
         if normed.device.type == "cpu" and normed.shape[0] > 1:
             # The CPU BLAS is faster with the vocabulary as the long side of the output
             # ([vocab, S]) than as x @ W^T with few rows; same products, summed in another
             # order. See BENCHMARKS.md, "CPU lm_head layout".
-            return (self.lm_head_weight @ normed.t()).t().float().contiguous()
-        return linear(normed, self.lm_head_weight, skinny_rows=self.skinny_rows).float()
+            logits = (self.lm_head_weight @ normed.t()).t().float().contiguous()
+        else:
+            logits = linear(normed, self.lm_head_weight, skinny_rows=self.skinny_rows).float()
+        return self.parallel.gather_columns(logits, self.config.vocab_size)
 
 
 _DTYPE_NAMES = {
@@ -204,6 +238,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
+
+
+def rank_device(device: torch.device, parallel: TensorParallel) -> torch.device:
+    """Where a tensor-parallel rank lives: the CPU stays the CPU; on CUDA, the GPU of the
+    local rank (LOCAL_RANK from torchrun, else the rank), made the current device."""
+    if device.type != "cuda":
+        return device
+    index = int(os.environ.get("LOCAL_RANK", parallel.rank))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str,

@@ -190,7 +190,7 @@ class StepGraphs:
         self._step: StepFunction = self._make_step(compile_model)
         self._tables: GraphTables | None = None
         if isinstance(backend, GraphTablesBackend):
-            config = model.config
+            config = model.local_config  # this rank's heads under tensor parallelism
             self._tables = backend.graph_tables(storage, config.num_heads, config.num_kv_heads,
                                                 self.buckets[-1])
         self._inputs = self._allocate(self.buckets[-1])
