@@ -31,11 +31,14 @@ from dyngen_core.ops.skinny_matmul import linear
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group: ``rank`` of ``size``; ``group`` is the
-    torch.distributed group (None for one process, where every collective is the identity)."""
+    torch.distributed group of the tensors (None for one process, where every collective is
+    the identity); ``control`` a gloo group over the same ranks for host messages (the step
+    plans rank 0 sends), so that they never pass through a device."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    control: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
@@ -101,7 +104,10 @@ def join_tensor_parallel(size: int, device: torch.device) -> TensorParallel:
     if world != size:
         raise RuntimeError(f"tensor_parallel={size} but the process group has {world} ranks; "
                            "start one process per rank")
-    return TensorParallel(rank=dist.get_rank(), size=size, group=dist.group.WORLD)
+    world_group = dist.group.WORLD
+    gloo = dist.get_backend() == "gloo"
+    control = world_group if gloo else dist.new_group(backend="gloo")
+    return TensorParallel(rank=dist.get_rank(), size=size, group=world_group, control=control)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from dyngen_core.runtime.generate import run_generate
 from dyngen_core.runtime.overlap import InFlight, TokenFeed, token_feed
 from dyngen_core.runtime.runner import ModelRunner
 from dyngen_core.runtime.speculator import Speculator, build_speculator
+from dyngen_core.runtime.tensor_parallel import BroadcastRunner, RunnerOptions
 from dyngen_core.sampling.step import SampledStep, StepSampler
 from dyngen_core.text.detokenize import TokenPieces
 from dyngen_core.text.stop import StopIndexes
@@ -90,6 +91,11 @@ class DynamicGenerator:
         Speculative decoding needs a target cache without a recent window (fp16, q8, or
         q6/q4 built with ``recent_window=0``). Jobs opt out with ``Job(speculative=False)``;
         jobs with mirostat or extra outputs never draft.
+
+    A model loaded with ``tensor_parallel=N`` is driven from rank 0: build the generator there
+    (the attention backend by name) and run `tensor_parallel.serve_tensor_parallel_worker`
+    with the same model folder and cache arguments on the other ranks; every step's plan goes
+    to them, and `close` stops them. The draft model, if any, runs on rank 0 alone.
     """
 
     def __init__(
@@ -118,11 +124,9 @@ class DynamicGenerator:
         self._scheduler = Scheduler(cache.config, SchedulerConfig(
             max_batch_size=max_batch_size, max_chunk_size=max_chunk_size, dedup=dedup,
             prompt_cache=prompt_cache))
-        self._runner = ModelRunner(
-            model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
-            max_batch_size=max_batch_size, compile_decode=compile_decode,
-            skinny_matmul_rows=skinny_matmul_rows,
-        )
+        self._runner = _build_runner(model, cache, attention_backend, cuda_graphs=cuda_graphs,
+                                     max_batch_size=max_batch_size, compile_decode=compile_decode,
+                                     skinny_matmul_rows=skinny_matmul_rows)
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(
             model.config.eos_token_ids)
         self._sampler = StepSampler(model.config.vocab_size, model.device, tokenizer,
@@ -156,6 +160,12 @@ class DynamicGenerator:
                                                 dtype=model.dtype, progress=progress)
         return cls(model=model, cache=cache, tokenizer=Tokenizer.from_model_dir(model_dir),
                    **options)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers of a split model (their loops return); a no-op for
+        a model in one process. A closed split generator cannot run steps."""
+        if isinstance(self._runner, BroadcastRunner):
+            self._runner.close()
 
     # ---- queue -------------------------------------------------------------------------------
 
@@ -548,3 +558,21 @@ class DynamicGenerator:
         order). See `dyngen_core.runtime.generate.run_generate` for every keyword argument."""
         return run_generate(self, prompt, max_new_tokens, **kwargs)
 
+
+def _build_runner(model: Model, cache: Cache, attention_backend: str | AttentionBackend, *,
+                  cuda_graphs: bool, max_batch_size: int, compile_decode: bool,
+                  skinny_matmul_rows: int | None) -> ModelRunner | BroadcastRunner:
+    """The target's runner: a `ModelRunner`, or for a split model, rank 0's `BroadcastRunner`
+    (which needs the attention backend by name, to build the same one on every rank)."""
+    if model.parallel.size == 1:
+        return ModelRunner(
+            model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
+            max_batch_size=max_batch_size, compile_decode=compile_decode,
+            skinny_matmul_rows=skinny_matmul_rows,
+        )
+    if not isinstance(attention_backend, str):
+        raise ValueError("a tensor-parallel model takes the attention backend by name "
+                         "(\"auto\", \"sdpa\", \"triton\", \"flash\"): every rank builds its own")
+    options = RunnerOptions(attention_backend, cuda_graphs, max_batch_size, compile_decode,
+                            skinny_matmul_rows)
+    return BroadcastRunner(model, cache, options)
