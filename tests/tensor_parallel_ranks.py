@@ -60,3 +60,27 @@ def _rank_entry(main: RankMain, rank: int, world_size: int, port: int, arg: Any)
         raise
     finally:
         dist.destroy_process_group()
+
+
+def run_in_child(main: Callable[[Any], None], arg: Any, *, limit_s: float = 120.0) -> None:
+    """Call ``main(arg)`` in a fresh process (torch on one thread) that joins no group itself,
+    for code that starts its own ranks; fails when it fails or is still running after
+    ``limit_s`` seconds (then it and its own children are killed with it)."""
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=_child_entry, args=(main, arg))
+    process.start()
+    process.join(limit_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        raise AssertionError(f"the child still ran after {limit_s} s (a collective hung); killed")
+    assert process.exitcode == 0, f"the child failed (exit code {process.exitcode})"
+
+
+def _child_entry(main: Callable[[Any], None], arg: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        main(arg)
+    except BaseException:
+        traceback.print_exc()
+        raise

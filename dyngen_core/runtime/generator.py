@@ -35,6 +35,7 @@ from dyngen_core.runtime.overlap import InFlight, TokenFeed, token_feed
 from dyngen_core.runtime.runner import ModelRunner
 from dyngen_core.runtime.speculator import Speculator, build_speculator
 from dyngen_core.runtime.tensor_parallel import BroadcastRunner, RunnerOptions
+from dyngen_core.runtime.workers import TensorParallelWorkers, WorkerSpec
 from dyngen_core.sampling.step import SampledStep, StepSampler
 from dyngen_core.text.detokenize import TokenPieces
 from dyngen_core.text.stop import StopIndexes
@@ -141,6 +142,7 @@ class DynamicGenerator:
             model, cache, draft_model, draft_cache, num_draft_tokens, use_ngram_draft,
             attention_backend, cuda_graphs, max_batch_size)
         self._in_flight: InFlight | None = None
+        self._workers: TensorParallelWorkers | None = None  # set by from_model_dir
         self._records: dict[int, JobRecord] = {}
         self._finished_results: list[Result] = []
         self._next_job_id = 0
@@ -149,23 +151,44 @@ class DynamicGenerator:
     def from_model_dir(cls, model_dir: str | Path, *, cache_tokens: int = 32768,
                        cache_mode: str = "fp16", device: Any = None, dtype: Any = None,
                        progress: bool = False, draft_model_dir: str | Path | None = None,
-                       **options: Any) -> DynamicGenerator:
+                       tensor_parallel: int = 1, **options: Any) -> DynamicGenerator:
         """Load model, tokenizer and a cache of ``cache_tokens`` tokens in ``cache_mode``;
         ``draft_model_dir``: also load a draft model from that folder (same device and dtype)
-        for speculative decoding. ``options`` are the constructor's keyword arguments."""
-        model = Model.load(model_dir, device=device, dtype=dtype, progress=progress)
-        cache = Cache(model, max_tokens=cache_tokens, mode=cache_mode)
-        if draft_model_dir is not None:
-            options["draft_model"] = Model.load(draft_model_dir, device=model.device,
-                                                dtype=model.dtype, progress=progress)
-        return cls(model=model, cache=cache, tokenizer=Tokenizer.from_model_dir(model_dir),
-                   **options)
+        for speculative decoding. ``options`` are the constructor's keyword arguments.
+
+        tensor_parallel: split the model over that many processes of this host, one per GPU
+            (`model.parallel`): this process becomes rank 0 and starts the others
+            (`workers.TensorParallelWorkers`); `close` ends them. The draft model stays whole
+            on rank 0."""
+        workers = None
+        if tensor_parallel > 1:
+            workers = TensorParallelWorkers.start(tensor_parallel, WorkerSpec(
+                Path(model_dir), device, dtype, cache_tokens, cache_mode))
+        try:
+            model = Model.load(model_dir, device=device, dtype=dtype, progress=progress,
+                               tensor_parallel=tensor_parallel)
+            cache = Cache(model, max_tokens=cache_tokens, mode=cache_mode)
+            if draft_model_dir is not None:
+                options["draft_model"] = Model.load(draft_model_dir, device=model.device,
+                                                    dtype=model.dtype, progress=progress)
+            generator = cls(model=model, cache=cache,
+                            tokenizer=Tokenizer.from_model_dir(model_dir), **options)
+        except BaseException:
+            if workers is not None:
+                workers.kill()
+            raise
+        generator._workers = workers
+        return generator
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers of a split model (their loops return); a no-op for
-        a model in one process. A closed split generator cannot run steps."""
+        """Stop the tensor-parallel workers of a split model (their loops return; those
+        `from_model_dir` started are waited for, and this process leaves the group); a no-op
+        for a model in one process. A closed split generator cannot run steps."""
         if isinstance(self._runner, BroadcastRunner):
             self._runner.close()
+        if self._workers is not None:
+            workers, self._workers = self._workers, None
+            workers.stop()
 
     # ---- queue -------------------------------------------------------------------------------
 
