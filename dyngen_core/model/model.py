@@ -19,8 +19,22 @@ from torch import nn
 from dyngen_core.config import ModelConfig
 from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
+from dyngen_core.model.layer_split import (
+    free_bytes,
+    head_nbytes,
+    layer_nbytes,
+    resolve_device_map,
+    split_layers,
+)
 from dyngen_core.model.layers import DecoderLayer, GatedMLP, Placement, RMSNorm, empty_parameter
-from dyngen_core.model.loader import checked_layout, find_weight_files, load_weights, read_inventory
+from dyngen_core.model.loader import (
+    TensorInfo,
+    TensorSlot,
+    checked_layout,
+    find_weight_files,
+    load_weights,
+    read_inventory,
+)
 from dyngen_core.model.parallel import (
     SINGLE,
     TensorParallel,
@@ -130,7 +144,8 @@ class Model(nn.Module):
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None,
              dtype: str | torch.dtype | None = None, progress: bool = False,
-             tensor_parallel: int = 1) -> Model:
+             tensor_parallel: int = 1,
+             device_map: str | Sequence[str | torch.device] | None = None) -> Model:
         """Load a Hugging Face model folder (config.json + safetensors, single or sharded).
 
         model_dir: the folder holding config.json and the .safetensors files.
@@ -144,6 +159,12 @@ class Model(nn.Module):
             one rank of a torch.distributed group of that size (torchrun, an initialised
             default group, or dyngen's workers); on CUDA each rank takes the GPU of its local
             rank (LOCAL_RANK, else the rank), and NCCL is the backend; gloo on the CPU.
+        device_map: split the decoder layers over devices instead (`layer_split`): "auto"
+            (every visible GPU) or a list of devices; layers go out in proportion to each
+            GPU's free memory (CPU devices count as equals), the embedding and lm_head stay
+            on the first device, and a cache puts each layer's pages on its layer's device.
+            It adds capacity, not speed (one device computes at a time); use
+            ``tensor_parallel`` for speed. With ``tensor_parallel`` or ``device``: ValueError.
 
         The folder is untrusted: config.json and the checkpoint headers are checked against
         each other before anything is allocated, so a bad folder fails in milliseconds.
@@ -157,6 +178,10 @@ class Model(nn.Module):
         config = ModelConfig.from_model_dir(folder)
         inventory = read_inventory(find_weight_files(folder))
         layout = checked_layout(inventory, config)  # before anything is allocated
+        if device_map is not None:
+            return cls._load_split(folder, config, inventory, layout, device_map, device=device,
+                                   dtype=dtype, progress=progress,
+                                   tensor_parallel=tensor_parallel)
         target = resolve_device(device)
         parallel = join_tensor_parallel(tensor_parallel, target)
         if parallel.size > 1:
@@ -164,6 +189,29 @@ class Model(nn.Module):
             layout = checked_layout(inventory, config, parallel)
         model = cls(config, device=target, dtype=resolve_dtype(dtype, config.torch_dtype, target),
                     model_dir=folder, parallel=parallel)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        load_weights(params, layout, inventory, progress=progress,
+                     description=f"Loading {folder.name}")
+        return model.eval()
+
+    @classmethod
+    def _load_split(cls, folder: Path, config: ModelConfig, inventory: dict[str, TensorInfo],
+                    layout: dict[str, TensorSlot],
+                    device_map: str | Sequence[str | torch.device], *,
+                    device: str | torch.device | None, dtype: str | torch.dtype | None,
+                    progress: bool, tensor_parallel: int) -> Model:
+        """`load` with the layers split over the devices of ``device_map``."""
+        if tensor_parallel != 1 or (device is not None and device != "auto"):
+            raise ValueError("device_map places the model itself: pass neither device nor "
+                             "tensor_parallel with it")
+        devices = resolve_device_map(device_map)
+        target = devices[0]
+        resolved_dtype = resolve_dtype(dtype, config.torch_dtype, target)
+        indices = split_layers(config.num_layers, [free_bytes(d) for d in devices],
+                               layer_bytes=layer_nbytes(config, resolved_dtype),
+                               head_bytes=head_nbytes(config, resolved_dtype))
+        model = cls(config, device=target, dtype=resolved_dtype,
+                    layer_devices=[devices[i] for i in indices], model_dir=folder)
         params = dict(model.named_parameters(remove_duplicate=False))
         load_weights(params, layout, inventory, progress=progress,
                      description=f"Loading {folder.name}")
