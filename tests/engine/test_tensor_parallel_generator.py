@@ -2,14 +2,16 @@
 
 Rank 0 builds the DynamicGenerator; rank 1 serves its steps (`serve_tensor_parallel_worker`).
 The prompts share a long prefix (dedup and prompt-cache hits) and the cache is small enough to
-preempt running jobs; steps overlap (decode inputs reach rank 1 by a tensor broadcast). The page
-invariant is checked on rank 0 after the run, as the engine fixtures do.
+preempt running jobs. Two runs: one whose steps overlap (decode inputs reach rank 1 by a tensor
+broadcast), and one with n-gram drafts that rank 0 verifies (rank 1 runs the verify forwards).
+The page invariant is checked on rank 0 after each run, as the engine fixtures do.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,23 +24,25 @@ PAGE_SIZE = 16
 CACHE_TOKENS = 8 * PAGE_SIZE
 SHARED = TRAINING_TEXT[:160]
 PROMPTS = [SHARED + tail for tail in (" Elias", " The mayor", " Once", " Time", " Pack")]
+RUNS = ({}, {"use_ngram_draft": True})
 
 
 def make_cache(model: Model) -> Cache:
     return Cache(model, max_tokens=CACHE_TOKENS, page_size=PAGE_SIZE)
 
 
-def generate(model: Model, folder: Path) -> tuple[list[str], dict[str, int]]:
-    """Greedy texts of PROMPTS and the run's page stats (rank 0, or one process)."""
+def generate(model: Model, folder: Path, **options: Any) -> tuple[list[str], dict[str, int]]:
+    """Greedy texts of PROMPTS and the run's page and draft stats (rank 0, or one process)."""
     generator = DynamicGenerator(model, make_cache(model), Tokenizer.from_model_dir(folder),
-                                 attention_backend="sdpa", max_batch_size=4)
+                                 attention_backend="sdpa", max_batch_size=4, **options)
     try:
         texts = generator.generate(PROMPTS, max_new_tokens=10, add_bos=True,
                                    stop_conditions=[], gen_settings=SamplerSettings.greedy())
         generator.check_invariant()
         stats = generator.stats()
         return texts, {"preemptions": stats.preemptions,
-                       "reused": stats.prefill_tokens_reused}
+                       "reused": stats.prefill_tokens_reused,
+                       "drafts": stats.draft_tokens_accepted + stats.draft_tokens_rejected}
     finally:
         generator.close()
 
@@ -47,22 +51,27 @@ def rank_main(rank: int, world_size: int, job: tuple[Path, Path]) -> None:
     folder, out = job
     model = Model.load(folder, tensor_parallel=world_size)
     if rank == 0:
-        texts, stats = generate(model, folder)
-        (out / "rank0.json").write_text(json.dumps([texts, stats]), encoding="utf-8")
+        runs = [generate(model, folder, **options) for options in RUNS]
+        (out / "rank0.json").write_text(json.dumps(runs), encoding="utf-8")
     else:
-        steps = serve_tensor_parallel_worker(model, make_cache(model))
-        (out / "steps.txt").write_text(str(steps), encoding="utf-8")
+        steps = [serve_tensor_parallel_worker(model, make_cache(model)) for _ in RUNS]
+        (out / "steps.json").write_text(json.dumps(steps), encoding="utf-8")
 
 
 def test_tensor_parallel_generator_matches_one_process(engine_model_dir: Path,
                                                        tmp_path: Path) -> None:
     run_ranks(rank_main, 2, (engine_model_dir, tmp_path), limit_s=150)
-    alone, stats = generate(Model.load(engine_model_dir), engine_model_dir)
-    assert stats["preemptions"] > 0 and stats["reused"] > 0, stats
-    split, split_stats = json.loads((tmp_path / "rank0.json").read_text(encoding="utf-8"))
-    assert split == alone
-    assert split_stats == stats
-    assert int((tmp_path / "steps.txt").read_text(encoding="utf-8")) > 0
+    model = Model.load(engine_model_dir)
+    alone = [generate(model, engine_model_dir, **options) for options in RUNS]
+    split = json.loads((tmp_path / "rank0.json").read_text(encoding="utf-8"))
+    (plain_texts, plain_stats), (draft_texts, draft_stats) = alone
+    assert plain_stats["preemptions"] > 0 and plain_stats["reused"] > 0, plain_stats
+    assert split[0] == [plain_texts, plain_stats]
+    # Draft lengths follow measured step times, so the drafted run's page history may vary:
+    # its text must not, and it must have drafted.
+    assert split[1][0] == draft_texts == plain_texts
+    assert split[1][1]["drafts"] > 0 and draft_stats["drafts"] > 0
+    assert all(steps > 0 for steps in json.loads((tmp_path / "steps.json").read_text()))
 
 
 def test_tensor_parallel_needs_a_group(engine_model_dir: Path,
