@@ -1,8 +1,9 @@
 """A model split over two gloo ranks computes the logits of the same model in one process.
 
-Two tiny models cover both KV-head layouts: a Llama with biases on every projection, 2 KV heads
+Tiny models cover both KV-head layouts: a Llama with biases on every projection, 2 KV heads
 (sharded: one per rank) and a vocabulary of 511 (the last vocabulary shard padded); a Qwen2
-with tied embeddings, q/k/v biases and 1 KV head (replicated on both ranks). Each runs the same
+with tied embeddings, q/k/v biases and 1 KV head (replicated on both ranks); a Qwen3 (per-head
+q/k norms, head_dim 32 apart from hidden_size / heads). Each runs the same
 steps through the real paged path (ForwardBatch, an fp16 storage of small shuffled pages, the
 sdpa backend): two prompts, one prefilled whole and one in two chunks beside the other's
 decodes, then decode steps of both.
@@ -31,6 +32,7 @@ CASES = {
     "kv_heads_sharded": ("llama", {"num_key_value_heads": 2, "attention_bias": True,
                                    "vocab_size": 511}),
     "kv_heads_replicated": ("qwen2", {"num_key_value_heads": 1}),
+    "qk_norm": ("qwen3", {"num_key_value_heads": 2}),
 }
 
 
