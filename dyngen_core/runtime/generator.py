@@ -119,6 +119,9 @@ class DynamicGenerator:
         num_draft_tokens: int = 4,
         use_ngram_draft: bool = False,
     ) -> None:
+        if draft_model is not None and draft_model.parallel.size > 1:
+            raise ValueError("the draft model runs whole on rank 0: load it without "
+                             "tensor_parallel")
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer

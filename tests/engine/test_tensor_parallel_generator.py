@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from dyngen_core import Cache, DynamicGenerator, Model, SamplerSettings, Tokenizer
+from dyngen_core.model.parallel import TensorParallel
 from dyngen_core.runtime.tensor_parallel import serve_tensor_parallel_worker
 from tests.tensor_parallel_ranks import run_ranks
 from tests.tiny_models import TRAINING_TEXT
@@ -79,3 +80,15 @@ def test_tensor_parallel_needs_a_group(engine_model_dir: Path,
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         Model.load(engine_model_dir, tensor_parallel=2)
+
+
+def test_tensor_parallel_misuse_is_refused(engine_model_dir: Path) -> None:
+    """A split draft model, and a worker loop over a model in one process, fail at once."""
+    model = Model.load(engine_model_dir)
+    draft = Model.load(engine_model_dir)
+    draft.parallel = TensorParallel(rank=0, size=2)
+    tokenizer = Tokenizer.from_model_dir(engine_model_dir)
+    with pytest.raises(ValueError, match="draft model runs whole on rank 0"):
+        DynamicGenerator(model, make_cache(model), tokenizer, draft_model=draft)
+    with pytest.raises(ValueError, match="ranks 1 and up"):
+        serve_tensor_parallel_worker(model, make_cache(model))
