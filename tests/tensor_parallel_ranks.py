@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import os
 import socket
 import traceback
 from collections.abc import Callable
@@ -25,15 +26,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(main: RankMain, world_size: int, arg: Any, *, limit_s: float = 120.0) -> None:
+def run_ranks(main: RankMain, world_size: int, arg: Any, *, limit_s: float = 120.0,
+              torchrun_env: bool = False) -> None:
     """Call ``main(rank, world_size, arg)`` on ``world_size`` processes joined in a gloo group
     (the default group; torch on one thread each). ``main`` must be a module-level function.
+    torchrun_env: do not join the group; set the variables torchrun sets (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and let ``main`` join it (through Model.load).
 
     Raises AssertionError naming the ranks that failed (their tracebacks are on stderr) or
     that were still running after ``limit_s`` seconds (killed)."""
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=_rank_entry, args=(main, rank, world_size, port, arg))
+    ranks = [context.Process(target=_rank_entry,
+                             args=(main, rank, world_size, port, arg, torchrun_env))
              for rank in range(world_size)]
     for process in ranks:
         process.start()
@@ -49,17 +54,23 @@ def run_ranks(main: RankMain, world_size: int, arg: Any, *, limit_s: float = 120
     assert not failed, f"ranks {failed} failed (exit codes {[ranks[r].exitcode for r in failed]})"
 
 
-def _rank_entry(main: RankMain, rank: int, world_size: int, port: int, arg: Any) -> None:
+def _rank_entry(main: RankMain, rank: int, world_size: int, port: int, arg: Any,
+                torchrun_env: bool) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    if torchrun_env:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         main(rank, world_size, arg)
     except BaseException:
         traceback.print_exc()
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_in_child(main: Callable[[Any], None], arg: Any, *, limit_s: float = 120.0) -> None:

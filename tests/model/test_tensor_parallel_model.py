@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import SdpaBackend
@@ -72,6 +73,7 @@ def rank_main(rank: int, world_size: int, job: tuple[list[Path], Path]) -> None:
     folders, out = job
     for i, folder in enumerate(folders):
         model = Model.load(folder, tensor_parallel=world_size)
+        assert model.parallel.rank == rank and dist.get_backend() == "gloo"
         logits = run_steps(model)
         expected_heads = shard_heads(model.config, model.parallel).num_kv_heads
         assert model.local_config.num_kv_heads == expected_heads
@@ -88,7 +90,8 @@ def case_dirs(tiny_model_factory: Callable[..., Path]) -> list[Path]:
 
 def test_tensor_parallel_logits_equal_single_process(case_dirs: list[Path],
                                                      tmp_path: Path) -> None:
-    run_ranks(rank_main, 2, (case_dirs, tmp_path), limit_s=150)
+    # The ranks join the group as under torchrun: from its variables, inside Model.load.
+    run_ranks(rank_main, 2, (case_dirs, tmp_path), limit_s=150, torchrun_env=True)
     for i, (folder, name) in enumerate(zip(case_dirs, CASES, strict=True)):
         alone = run_steps(Model.load(folder))
         split = torch.load(tmp_path / f"{i}.pt")
