@@ -3,7 +3,7 @@
 Tiny models cover both KV-head layouts: a Llama with biases on every projection, 2 KV heads
 (sharded: one per rank) and a vocabulary of 511 (the last vocabulary shard padded); a Qwen2
 with tied embeddings, q/k/v biases and 1 KV head (replicated on both ranks); a Qwen3 (per-head
-q/k norms, head_dim 32 apart from hidden_size / heads). Each runs the same
+q/k norms, head_dim 32 apart from hidden_size / heads), also over a q4 cache. Each runs the same
 steps through the real paged path (ForwardBatch, an fp16 storage of small shuffled pages, the
 sdpa backend): two prompts, one prefilled whole and one in two chunks beside the other's
 decodes, then decode steps of both.
@@ -29,11 +29,16 @@ from tests.tensor_parallel_ranks import run_ranks
 
 PAGE_SIZE = 16
 TOLERANCE = 1e-4
+# A quantized cache may round a key one code step apart where the two computations differ in
+# the last bit; a wrong head layout would be off by the logits' own size (about 3).
+QUANTIZED_TOLERANCE = 5e-3
+# name: (architecture, config overrides, cache mode)
 CASES = {
     "kv_heads_sharded": ("llama", {"num_key_value_heads": 2, "attention_bias": True,
-                                   "vocab_size": 511}),
-    "kv_heads_replicated": ("qwen2", {"num_key_value_heads": 1}),
-    "qk_norm": ("qwen3", {"num_key_value_heads": 2}),
+                                   "vocab_size": 511}, "fp16"),
+    "kv_heads_replicated": ("qwen2", {"num_key_value_heads": 1}, "fp16"),
+    "qk_norm": ("qwen3", {"num_key_value_heads": 2}, "fp16"),
+    "q4_cache": ("qwen3", {"num_key_value_heads": 2}, "q4"),
 }
 
 
@@ -57,9 +62,10 @@ def steps(vocab: int) -> list[list[SequenceSlice]]:
     return plan
 
 
-def run_steps(model: Model) -> list[torch.Tensor]:
-    """The logits of every step of `steps` (rank 0's, or the empty ones of other ranks)."""
-    cache = Cache(model, max_tokens=12 * PAGE_SIZE, page_size=PAGE_SIZE)
+def run_steps(model: Model, mode: str) -> list[torch.Tensor]:
+    """The logits of every step of `steps` over a cache of ``mode`` (rank 0's, or the empty
+    ones of other ranks). Quantized modes calibrate their key offsets on every rank."""
+    cache = Cache(model, max_tokens=12 * PAGE_SIZE, page_size=PAGE_SIZE, mode=mode)
     logits = []
     for slices in steps(model.config.vocab_size):
         batch = build_forward_batch(StepPlan(slices=slices), PAGE_SIZE, model.device)
@@ -71,10 +77,10 @@ def rank_main(rank: int, world_size: int, job: tuple[list[Path], Path]) -> None:
     """One rank: load each model split over the group, run the steps, and (rank 0) save the
     logits beside the model; checks the cache holds only this rank's KV heads."""
     folders, out = job
-    for i, folder in enumerate(folders):
+    for i, (folder, (_, _, mode)) in enumerate(zip(folders, CASES.values(), strict=True)):
         model = Model.load(folder, tensor_parallel=world_size)
         assert model.parallel.rank == rank and dist.get_backend() == "gloo"
-        logits = run_steps(model)
+        logits = run_steps(model, mode)
         expected_heads = shard_heads(model.config, model.parallel).num_kv_heads
         assert model.local_config.num_kv_heads == expected_heads
         if rank == 0:
@@ -85,21 +91,23 @@ def rank_main(rank: int, world_size: int, job: tuple[list[Path], Path]) -> None:
 
 @pytest.fixture(scope="module")
 def case_dirs(tiny_model_factory: Callable[..., Path]) -> list[Path]:
-    return [tiny_model_factory(arch, **overrides) for arch, overrides in CASES.values()]
+    return [tiny_model_factory(arch, **overrides) for arch, overrides, _ in CASES.values()]
 
 
 def test_tensor_parallel_logits_equal_single_process(case_dirs: list[Path],
                                                      tmp_path: Path) -> None:
     # The ranks join the group as under torchrun: from its variables, inside Model.load.
     run_ranks(rank_main, 2, (case_dirs, tmp_path), limit_s=150, torchrun_env=True)
-    for i, (folder, name) in enumerate(zip(case_dirs, CASES, strict=True)):
-        alone = run_steps(Model.load(folder))
+    for i, (folder, (name, (_, _, mode))) in enumerate(zip(case_dirs, CASES.items(),
+                                                            strict=True)):
+        alone = run_steps(Model.load(folder), mode)
+        tolerance = TOLERANCE if mode == "fp16" else QUANTIZED_TOLERANCE
         split = torch.load(tmp_path / f"{i}.pt")
         assert len(split) == len(alone)
         for step, (ours, ref) in enumerate(zip(split, alone, strict=True)):
             assert ours.shape == ref.shape, (name, step)
             diff = (ours - ref).abs().max().item()
-            assert diff <= TOLERANCE, f"{name} step {step}: max abs diff {diff:.2e}"
+            assert diff <= tolerance, f"{name} step {step}: max abs diff {diff:.2e}"
 
 
 def test_tensor_parallel_heads_shard_or_replicate(case_dirs: list[Path]) -> None:
