@@ -56,12 +56,15 @@ def run_steps(model: Model) -> list[torch.Tensor]:
 
 
 def test_layer_split_over_two_cpu_devices_keeps_logits(tiny_model_factory) -> None:
+    # "cpu" and "cpu:0" are the same memory but compare as two devices, so the map is seen.
     folder: Path = tiny_model_factory("llama", num_hidden_layers=3)
-    split = Model.load(folder, device_map=["cpu", "cpu"])
-    assert split.layer_devices == [torch.device("cpu")] * 3
+    first, second = torch.device("cpu"), torch.device("cpu", 0)
+    split = Model.load(folder, device_map=[first, second])
+    assert split.device == first
+    assert split.layer_devices == [first, first, second]
     assert len({id(layer.input_norm.weight) for layer in split.layers}) == 3
     whole = run_steps(Model.load(folder))
     for ours, ref in zip(run_steps(split), whole, strict=True):
         assert torch.equal(ours, ref)
     with pytest.raises(ValueError, match="neither device nor tensor_parallel"):
-        Model.load(folder, device="cpu", device_map=["cpu", "cpu"])
+        Model.load(folder, device="cpu", device_map=[first, second])
