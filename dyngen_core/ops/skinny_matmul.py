@@ -3,8 +3,9 @@ Triton kernels that stream W once with 16-byte loads and no split-K reduce launc
 (``F.linear``), and the routing the layers call.
 
 `linear(x, weight, bias, skinny_rows=...)` is what the layers call: it takes the Triton path
-only for a 2-D CUDA x in bf16/fp16 (weight in the same dtype) with 1..skinny_rows rows;
-everything else (CPU, float32, prefill) is ``F.linear`` unchanged. ``skinny_rows`` is 0 (off)
+only for a 2-D CUDA x in bf16/fp16 (weight in the same dtype) with 1..skinny_rows rows; on the
+CPU, products of up to `CPU_SWAPPED_MAX_ROWS` rows are `cpu_linear` (the weight as the long
+side of the output); everything else is ``F.linear`` unchanged. ``skinny_rows`` is 0 (off)
 unless the model is told otherwise (`Model.set_skinny_matmul`, or the runner's and generator's
 ``skinny_matmul_rows``), and is resolved to 0 where triton cannot run (`skinny_rows_for`).
 
@@ -128,13 +129,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            skinny_rows: int = 0) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the Triton kernel when x is a 2-D CUDA tensor of
     1..``skinny_rows`` rows in bf16/fp16 with weight (and bias) in the same dtype, both
-    contiguous along K. ``skinny_rows``: the cut-off (0: always ``F.linear``); resolve it with
+    contiguous along K, and as `cpu_linear` for a 2-D CPU x of at most `CPU_SWAPPED_MAX_ROWS`
+    rows. ``skinny_rows``: the cut-off (0: always ``F.linear`` on CUDA); resolve it with
     `skinny_rows_for` once, not per call."""
     if skinny_rows and _routable(x, weight, bias, skinny_rows):
         if torch.compiler.is_compiling():
             return torch.ops.dyngen.skinny_linear(x, weight, bias)
         return skinny_linear(x, weight, bias)
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_SWAPPED_MAX_ROWS:
+        return cpu_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# On the CPU, products of at most this many rows run with the weight as the long side of the
+# output (`cpu_linear`); above it ``F.linear`` is as fast (BENCHMARKS.md, "CPU products").
+CPU_SWAPPED_MAX_ROWS = 128
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) for a CPU x [M, K] with few rows, computed as the [N, M]
+    product weight @ x^T: the CPU BLAS then streams the weight once, where ``F.linear``'s
+    small-M product costs up to 3-4× (the same products, summed in another order). y is
+    contiguous [M, N]."""
+    if bias is None:
+        out = torch.mm(weight, x.t())
+    else:
+        out = torch.addmm(bias.unsqueeze(1), weight, x.t())
+    return out.t().contiguous()
 
 
 def _routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
