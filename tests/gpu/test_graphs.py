@@ -49,13 +49,10 @@ def _eager_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
     return runner.model.forward(batch, runner.cache.storage, runner.backend)
 
 
-@pytest.mark.parametrize(("mode", "compiled"), [("fp16", False), ("q4", False), ("fp16", True)])
-def test_graph_decode_equals_eager(gpu_model: Model, mode: str, compiled: bool) -> None:
-    cache = Cache(gpu_model, max_tokens=64 * PAGE, mode=mode, page_size=PAGE)
-    runner = ModelRunner(gpu_model, cache, get_backend("triton", gpu_model.device),
-                         max_batch_size=8, compile_decode=compiled)
-    assert isinstance(runner.graphs, StepGraphs)
-    prompt_lens = [3, 14, 30]  # 3 sequences: the bucket of 4 pads one row
+def _prefilled(runner: ModelRunner, prompt_lens: list[int]
+               ) -> tuple[list[list[int]], list[list[int]]]:
+    """Prefill one sequence per prompt length (five pages each) eagerly; their page tables and
+    tokens, each ending with its first greedy token."""
     tables = [[1 + 5 * i + p for p in range(5)] for i in range(len(prompt_lens))]
     tokens = [[(7 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate(prompt_lens)]
     prefill = StepPlan([SequenceSlice(i, tokens[i], 0, tables[i], sample=True)
@@ -64,6 +61,17 @@ def test_graph_decode_equals_eager(gpu_model: Model, mode: str, compiled: bool) 
     assert first is not None
     for i in range(len(prompt_lens)):
         tokens[i].append(int(first[i].argmax()))
+    return tables, tokens
+
+
+@pytest.mark.parametrize(("mode", "compiled"), [("fp16", False), ("q4", False), ("fp16", True)])
+def test_graph_decode_equals_eager(gpu_model: Model, mode: str, compiled: bool) -> None:
+    cache = Cache(gpu_model, max_tokens=64 * PAGE, mode=mode, page_size=PAGE)
+    runner = ModelRunner(gpu_model, cache, get_backend("triton", gpu_model.device),
+                         max_batch_size=8, compile_decode=compiled)
+    assert isinstance(runner.graphs, StepGraphs)
+    prompt_lens = [3, 14, 30]  # 3 sequences: the bucket of 4 pads one row
+    tables, tokens = _prefilled(runner, prompt_lens)
     for step in range(6):  # crosses page boundaries (16, 32) for the longer sequences
         plan = StepPlan([SequenceSlice(i, [tokens[i][-1]], len(tokens[i]) - 1, tables[i], True)
                          for i in range(len(prompt_lens))])
@@ -113,14 +121,7 @@ def test_graph_verify_equals_eager(gpu_model: Model, mode: str) -> None:
                          max_batch_size=8)
     assert isinstance(runner.graphs, StepGraphs) and runner.slots is None
     prompt_lens = [3, 13, 29]  # 3 sequences: the bucket of 4 has an empty row
-    tables = [[1 + 5 * i + p for p in range(5)] for i in range(len(prompt_lens))]
-    tokens = [[(7 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate(prompt_lens)]
-    prefill = StepPlan([SequenceSlice(i, tokens[i], 0, tables[i], sample=True)
-                        for i in range(len(prompt_lens))])
-    first = runner.run(prefill)
-    assert first is not None
-    for i in range(len(prompt_lens)):
-        tokens[i].append(int(first[i].argmax()))
+    tables, tokens = _prefilled(runner, prompt_lens)
     drafts_per_step = [(4, 0, 2), (0, 3, 4), (1, 1, 0), (2, 4, 3)]  # drafts cross pages 16, 32
     for step, lengths in enumerate(drafts_per_step):
         plan = StepPlan([SequenceSlice(i, [tokens[i][-1]], len(tokens[i]) - 1, tables[i], True,
