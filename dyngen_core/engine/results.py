@@ -44,6 +44,15 @@ class Result(Mapping[str, Any]):
     def __init__(self, **data: Any) -> None:
         self._data = data
 
+    def raise_for_error(self) -> None:
+        """Raise the engine's error when this is the final result of a job that failed
+        (eos_reason "error"): the exception the job failed with, else a RuntimeError."""
+        if self["eos"] and str(self["eos_reason"]) == "error":
+            error = self.get("error")
+            if isinstance(error, BaseException):
+                raise error
+            raise RuntimeError(f"the dyngen engine failed this job: {error!r}")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
         """A result over ``data`` as it is (not copied: the caller hands it over)."""

@@ -62,7 +62,7 @@ class RunningJobs:
         it."""
         for index, stream in enumerate(self._streams):
             first = await anext(stream)
-            raise_for_error(first)
+            first.raise_for_error()
             self._first[index] = first
 
     def cancel(self) -> None:
@@ -78,7 +78,7 @@ class RunningJobs:
         if len(self._streams) == 1:
             if self._first[0] is None or not self._first[0]["eos"]:
                 async for result in self._streams[0]:
-                    raise_for_error(result)
+                    result.raise_for_error()
                     yield 0, result
             return
         async for tagged in self._merged():
@@ -95,7 +95,7 @@ class RunningJobs:
                 for future in done:
                     index = waiting.pop(future)
                     result = future.result()
-                    raise_for_error(result)
+                    result.raise_for_error()
                     yield index, result
                     if not result["eos"]:
                         waiting[asyncio.ensure_future(anext(open_streams[index]))] = index
@@ -104,10 +104,3 @@ class RunningJobs:
                 future.cancel()
 
 
-def raise_for_error(result: Result) -> None:
-    """Raise the engine's error for a job that failed (final result, eos_reason "error")."""
-    if result["eos"] and str(result["eos_reason"]) == "error":
-        error = result.get("error")
-        if isinstance(error, BaseException):
-            raise error
-        raise RuntimeError(f"the dyngen engine failed this job: {error!r}")

@@ -37,7 +37,7 @@ def iterate_results(handle: JobHandle, timeout: float | None = None) -> Iterator
     def results() -> Iterator[Result]:
         try:
             for result in stream:
-                raise_for_error(result)
+                result.raise_for_error()
                 yield result
         except TimeoutError as exc:
             raise _timed_out(timeout) from exc
@@ -55,7 +55,7 @@ def aiterate_results(handle: JobHandle, timeout: float | None = None) -> AsyncIt
     async def results() -> AsyncIterator[Result]:
         try:
             async for result in stream:
-                raise_for_error(result)
+                result.raise_for_error()
                 yield result
         except TimeoutError as exc:
             raise _timed_out(timeout) from exc
@@ -68,15 +68,6 @@ def aiterate_results(handle: JobHandle, timeout: float | None = None) -> AsyncIt
 def _timed_out(timeout: float | None) -> TimeoutError:
     return TimeoutError(f"generation did not finish within timeout={timeout} s; the job was "
                         "cancelled (raise `timeout` or lower `max_tokens`)")
-
-
-def raise_for_error(result: Result) -> None:
-    """Raise the engine's error when a job failed (eos_reason "error")."""
-    if result["eos"] and str(result["eos_reason"]) == "error":
-        error = result.get("error")
-        if isinstance(error, BaseException):
-            raise error
-        raise RuntimeError(f"the dyngen engine failed this job: {error!r}")
 
 
 def usage_metadata(result: Result) -> UsageMetadata:
