@@ -23,6 +23,7 @@ Pure Python: the generator feeds it token histories and step timings.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,13 @@ def accept_sampled(drafts: Sequence[int], accepted: Sequence[bool],
     return [*run, replacements[-1]]
 
 
+@functools.cache
+def _key_masks(max_n: int, min_n: int, bits: int) -> tuple[int, ...]:
+    """The key masks of the n-grams an `NgramIndex` looks up, longest first (one tuple shared
+    by every job's index: at 256 jobs, an object each would be one more cache miss a job)."""
+    return tuple((1 << bits * n) - 1 for n in range(max_n, min_n - 1, -1))
+
+
 class NgramIndex:
     """Prompt-lookup drafts for one job: the continuation of the most recent earlier occurrence
     of the job's last ``n`` tokens, longest ``n`` first (``max_n`` down to ``min_n``).
@@ -90,9 +98,7 @@ class NgramIndex:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n; got min_n={min_n}, "
                              f"max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
-        bits = self.TOKEN_BITS
-        # Key masks of the n-grams looked up, longest first.
-        self._masks = [(1 << bits * n) - 1 for n in range(max_n, min_n - 1, -1)]
+        self._masks = _key_masks(max_n, min_n, self.TOKEN_BITS)
         self._next: dict[int, int] = {}
         self._indexed = 0
         self._key = 0  # the key of the max_n-gram ending at ``_indexed`` (not in the table)
