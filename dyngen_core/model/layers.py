@@ -16,8 +16,7 @@ from dyngen_core.config import ModelConfig
 from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model.parallel import SINGLE, TensorParallel, row_parallel_linear
-from dyngen_core.model.rope import apply_rotary
-from dyngen_core.ops.fused_ops import add_rms_norm, rms_norm, silu_mul
+from dyngen_core.ops.fused_ops import add_rms_norm, rms_norm, rotary, silu_mul
 from dyngen_core.ops.skinny_matmul import linear
 
 
@@ -83,7 +82,8 @@ class GatedMLP(nn.Module):
 class Attention(nn.Module):
     """Fused q/k/v projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rotary
     embedding, then the attention backend over the paged cache, then the output projection.
-    ``skinny_rows``: as in `GatedMLP`, for the q/k/v and output projections."""
+    ``skinny_rows``: as in `GatedMLP`, for the q/k/v and output projections. ``fused`` (set by
+    `Model.set_fused_ops`) rotates q and k in one Triton kernel (`fused_ops.rotary`)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, place: Placement,
                  parallel: TensorParallel = SINGLE) -> None:
@@ -103,6 +103,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, place) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, place) if config.qk_norm else None
         self.skinny_rows = 0
+        self.fused = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, storage: KVStorage,
@@ -124,13 +125,14 @@ class Attention(nn.Module):
             # q and k are adjacent in the fused output: rotate both heads' sets in one pass
             # (the same arithmetic, half the small per-layer ops).
             q_k = qkv[:, :self.split_sizes[0] + self.split_sizes[1]]
-            rotated = apply_rotary(q_k.view(tokens, heads + self.num_kv_heads, self.head_dim),
-                                   cos, sin)
+            rotated = rotary(q_k.view(tokens, heads + self.num_kv_heads, self.head_dim),
+                             cos, sin, fused=self.fused)
             return rotated[:, :heads], rotated[:, heads:]
         q, k, _ = qkv.split(self.split_sizes, dim=-1)
         q = self.q_norm(q.view(tokens, heads, self.head_dim))
         k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return (rotary(q, cos, sin, fused=self.fused),
+                rotary(k, cos, sin, fused=self.fused))
 
 
 class DecoderLayer(nn.Module):

@@ -26,7 +26,14 @@ from dyngen_core.model.layer_split import (
     resolve_device_map,
     split_layers,
 )
-from dyngen_core.model.layers import DecoderLayer, GatedMLP, Placement, RMSNorm, empty_parameter
+from dyngen_core.model.layers import (
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    Placement,
+    RMSNorm,
+    empty_parameter,
+)
 from dyngen_core.model.loader import (
     TensorInfo,
     TensorSlot,
@@ -108,8 +115,9 @@ class Model(nn.Module):
         return weight
 
     def set_fused_ops(self, enabled: bool | None = None) -> None:
-        """Run RMSNorm (with the residual add in front of it) and SiLU-and-mul of bf16/fp16
-        activations as one Triton kernel each (`ops.fused_ops`) instead of the torch ops.
+        """Run RMSNorm (with the residual add in front of it), SiLU-and-mul and the rotary
+        embedding of bf16/fp16 activations as one Triton kernel each (`ops.fused_ops`)
+        instead of the torch ops.
 
         enabled: None (what a new model starts with, `fused_ops.DEFAULT_FUSED_OPS`) turns them
             on for the layers on a CUDA device with triton installed; True turns them on
@@ -122,7 +130,7 @@ class Model(nn.Module):
         for layer, layer_device in zip(self.layers, self.layer_devices, strict=True):
             fused = fused_ops_for(torch.device(layer_device), enabled)
             for module in layer.modules():
-                if isinstance(module, (RMSNorm, GatedMLP)):
+                if isinstance(module, (RMSNorm, GatedMLP, Attention)):
                     module.fused = fused
 
     def set_skinny_matmul(self, max_rows: int) -> None:

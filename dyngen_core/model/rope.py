@@ -1,5 +1,5 @@
 """Rotary position embedding: inverse frequencies (with config.json's ``rope_scaling``),
-per-position cos/sin, and applying them to q and k.
+and per-position cos/sin (`ops.fused_ops.rotary` applies them to q and k).
 
 Uses the "rotate half" layout of Hugging Face Llama checkpoints (the first and second halves of
 each head form the pairs). Each scaling type reproduces the transformers computation of the same
@@ -37,20 +37,10 @@ class RotaryEmbedding:
         """cos and sin, each [T, head_dim], for int positions [T], cast to ``dtype``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        cos = angles.cos() * self.attention_factor
-        sin = angles.sin() * self.attention_factor
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by per-token cos/sin [T, head_dim]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
 
 
 def _rope_type(config: ModelConfig) -> str:

@@ -1,10 +1,11 @@
-"""The decoder's element-wise ops (RMSNorm, the residual add in front of it, SiLU-and-mul): one
-Triton kernel each, its torch twin, and the routing the layers call.
+"""The decoder's element-wise ops (RMSNorm, the residual add in front of it, SiLU-and-mul, the
+rotary embedding of q and k): one Triton kernel each, its torch twin, and the routing the
+layers call.
 
-Unfused, an RMSNorm is ~6 torch kernels with float32 intermediates and SiLU-and-mul 2, plus two
-residual adds per layer. The kernels read and write each tensor once, rounding where the torch
-ops round (float32 arithmetic on half inputs, one rounding per torch op), so only the order of
-the norm's sum of squares differs:
+Unfused, an RMSNorm is ~6 torch kernels with float32 intermediates, SiLU-and-mul 2 and the
+rotary embedding 5, plus two residual adds per layer. The kernels read and write each tensor
+once, rounding where the torch ops round (float32 arithmetic on half inputs, one rounding per
+torch op), so only the order of the norm's sum of squares differs:
 
 - `rms_norm_kernel`: h = x + out rounded to the dtype (written when ``HAS_RESIDUAL``), then
   normed = (h32 * rsqrt(mean(h32^2) + eps)) rounded to the dtype, then y = weight * normed
@@ -13,8 +14,12 @@ the norm's sum of squares differs:
   3-D view [A, B, N] (per-head q/k of a fused projection) needs no copy; outputs are contiguous.
 - `silu_mul_kernel`: y = (silu(gate) rounded) * up rounded, gate and up the two halves of each
   [2 * I] row; program (row, block) writes ``BLOCK`` columns of one row.
+- `rotary_kernel`: y = x * cos + rotate_half(x) * sin with each product and the sum rounded to
+  the dtype, as the torch ops round (so it equals them bit for bit on CUDA); program (token,
+  block) rotates ``BLOCK_H`` heads of one token. Input heads may be strided (the q and k heads
+  of a fused projection); the output is contiguous [T, H, D].
 
-`rms_norm`, `add_rms_norm` and `silu_mul` take ``fused``: the layer's resolved setting
+`rms_norm`, `add_rms_norm`, `silu_mul` and `rotary` take ``fused``: the layer's resolved setting
 (`fused_ops_for`, from `Model.set_fused_ops`). With it, bf16/fp16 operands of supported shapes
 run the kernels; float32, other shapes, ``fused=False`` and code traced by ``torch.compile``
 run the torch twins (inductor fuses the torch ops itself, which an opaque custom op would
@@ -53,6 +58,8 @@ NORM_WARP_ELEMENTS = 512
 # SiLU-and-mul launches: columns per program and warps (4 bf16 per thread).
 SILU_BLOCK = 512
 SILU_WARPS = 4
+# Rotary launches: at most this many elements (heads x head_dim) a program.
+ROTARY_PROGRAM_ELEMENTS = 2048
 
 
 def fused_ops_for(device: torch.device, enabled: bool | None) -> bool:
@@ -81,6 +88,24 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the two halves of the last dimension."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by per-token cos/sin [T, head_dim] (the halves of each
+    head are the rotated pairs, as transformers' ``rotate_half``)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+           fused: bool = False) -> torch.Tensor:
+    """`rotary_torch` of x [T, H, D]; one `rotary_kernel` launch when ``fused``, x is bf16/fp16
+    contiguous along D, cos and sin are contiguous [T, D] in x's dtype and D / 2 is a power of
+    two. Either way the result is a new contiguous [T, H, D] tensor."""
+    if fused and _rotary_routable(x, cos, sin):
+        return launch_rotary(x, cos, sin)
+    return rotary_torch(x, cos, sin)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -156,6 +181,29 @@ def launch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One `rotary_kernel` launch (operands as `rotary` routes them, unchecked): heads per
+    program fill `ROTARY_PROGRAM_ELEMENTS`."""
+    tokens, heads, dim = x.shape
+    block_h = max(1, min(_next_pow2(heads), ROTARY_PROGRAM_ELEMENTS // dim))
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with launch_device(x.device):
+        rotary_kernel[(tokens, -(-heads // block_h))](
+            x, cos, sin, y, heads, x.stride(0), x.stride(1), cos.stride(0),
+            HALF=dim // 2, BLOCK_H=block_h, num_warps=max(1, min(8, block_h * dim // 512)),
+        )
+    return y
+
+
+def _rotary_routable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    half = x.shape[-1] // 2 if x.dim() == 3 else 0
+    return (not torch.compiler.is_compiling() and x.dtype in HALF_DTYPES and x.dim() == 3
+            and x.stride(-1) == 1 and x.numel() > 0 and half > 0 and half & (half - 1) == 0
+            and 2 * half == x.shape[-1]
+            and all(t.dtype == x.dtype and t.dim() == 2 and t.shape == (x.shape[0], x.shape[2])
+                    and t.stride(1) == 1 and t.stride(0) == cos.stride(0) for t in (cos, sin)))
+
+
 def _norm_routable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # Compiling first: no shape or stride checks (guards) in a traced graph.
     return (not torch.compiler.is_compiling() and x.dtype in HALF_DTYPES
@@ -206,3 +254,28 @@ def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr
     silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
     y = silu.to(tl.float32) * up.to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, stride_xt, stride_xh, stride_ct,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (t, b) rotates heads [b * BLOCK_H, (b + 1) * BLOCK_H) of token t (module
+    docstring): first half x1 * c - x2 * s, second half x2 * c + x1 * s, each term rounded."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < heads)[:, None] & (offs_d < HALF)[None, :]
+    x_first = x_ptr + token * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(x_first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_first + HALF, mask=mask, other=0.0).to(tl.float32)
+    table = token * stride_ct + offs_d
+    c1 = tl.load(cos_ptr + table).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + table + HALF).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + table).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + table + HALF).to(tl.float32)[None, :]
+    dtype = y_ptr.dtype.element_ty
+    first = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
+    second = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    y_first = y_ptr + (token * heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
+    tl.store(y_first, first.to(dtype), mask=mask)
+    tl.store(y_first + HALF, second.to(dtype), mask=mask)

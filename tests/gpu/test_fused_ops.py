@@ -1,5 +1,5 @@
-"""The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`ops.fused_ops`) against their
-torch twins: bf16 and fp16, hidden sizes 96 and 4096, 1 and 37 rows, with and without the
+"""The fused RMSNorm (+ residual add), SiLU-and-mul and rotary kernels (`ops.fused_ops`) against
+their torch twins: bf16 and fp16, hidden sizes 96 and 4096, 1 and 37 rows, with and without the
 residual, strided 3-D rows (per-head q/k of a fused projection), other launch shapes (the module
 constants patched); the routing
 (which calls take the kernels, that torch.compile traces the torch ops), the option through
@@ -23,7 +23,8 @@ from dyngen_core.kv.attention import SdpaBackend  # noqa: E402
 from dyngen_core.kv.attention.base import build_forward_batch  # noqa: E402
 from dyngen_core.kv.cache import Cache  # noqa: E402
 from dyngen_core.model import Model  # noqa: E402
-from dyngen_core.model.layers import GatedMLP, RMSNorm  # noqa: E402
+from dyngen_core.model.layers import Attention, GatedMLP, RMSNorm  # noqa: E402
+from dyngen_core.model.rope import RotaryEmbedding  # noqa: E402
 from dyngen_core.ops import fused_ops as fo  # noqa: E402
 from dyngen_core.runtime.runner import ModelRunner  # noqa: E402
 from tests.gpu.conftest import interpreter_mode  # noqa: E402
@@ -139,6 +140,48 @@ def test_silu_mul_launch_shapes_and_strided_rows(device: torch.device,
     _assert_rounds_like(y, fo.silu_mul_torch(gate_up))
 
 
+def _cos_sin(tokens: int, dim: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, ...]:
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=4 * dim,
+                         intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2,
+                         head_dim=dim)
+    positions = torch.randint(0, 40_000, (tokens,), generator=torch.Generator().manual_seed(dim))
+    return RotaryEmbedding(config, device).cos_sin(positions.to(device), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [16, 128])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rotary_equals_the_torch_ops(device: torch.device, dtype: torch.dtype, dim: int,
+                                     tokens: int) -> None:
+    """q and k heads as one strided view of the fused q/k/v rows (what `Attention` passes),
+    and a contiguous head set; on CUDA bit for bit (same roundings, no sums to reorder)."""
+    heads, kv_heads = 32, 8
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, device=device, seed=dim,
+                 scale=4.0)
+    cos, sin = _cos_sin(tokens, dim, dtype, device)
+    q_k = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    for x in (q_k, q_k[:, heads:].contiguous()):
+        y = fo.rotary(x, cos, sin, fused=True)
+        reference = fo.rotary_torch(x, cos, sin)
+        assert y.is_contiguous() and y.shape == x.shape
+        if device.type == "cuda" or dtype == torch.float16:
+            assert torch.equal(y, reference)
+        # The interpreter truncates to bf16, and the sum cancels: an element can be off by a
+        # unit of its terms' last place, not of its own, so bf16 is checked as a whole there.
+        error = ((y.double() - reference.double()).norm() / reference.double().norm()).item()
+        assert error < 1e-2, f"relative error {error}"
+
+
+def test_rotary_launch_shapes(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads per program that do not divide the head count (the last program's head mask)."""
+    x = _randn(5, 11, 32, dtype=torch.float16, device=device, seed=18)
+    cos, sin = _cos_sin(5, 32, torch.float16, device)
+    for elements in (32, 128, 4096):
+        monkeypatch.setattr(fo, "ROTARY_PROGRAM_ELEMENTS", elements)
+        assert torch.equal(fo.launch_rotary(x, cos, sin), fo.rotary_torch(x, cos, sin))
+
+
 def _recorder(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
     """Wrap ``fused_ops.<name>`` to record the shapes of its first argument."""
     calls: list[tuple[int, ...]] = []
@@ -171,6 +214,16 @@ def test_routing_takes_the_kernels_only_for_half_precision(
     fo.rms_norm(x.t(), weight[:3], EPS, fused=True)  # not contiguous along N
     fo.silu_mul(x[0], fused=True)  # not 2-D
     assert len(norms) == 2 and len(silus) == 1
+    rotations = _recorder(monkeypatch, "launch_rotary")
+    heads = _randn(3, 4, 16, dtype=torch.bfloat16, device=device, seed=19)
+    cos, sin = _cos_sin(3, 16, torch.bfloat16, device)
+    fo.rotary(heads, cos, sin, fused=True)
+    fo.rotary(heads, cos, sin, fused=False)
+    fo.rotary(heads.float(), cos.float(), sin.float(), fused=True)
+    fo.rotary(heads, cos.float(), sin.float(), fused=True)  # mixed dtypes
+    odd = _randn(3, 4, 24, dtype=torch.bfloat16, device=device, seed=20)  # D / 2 = 12
+    fo.rotary(odd, *_cos_sin(3, 24, torch.bfloat16, device), fused=True)
+    assert rotations == [(3, 4, 16)]
 
 
 def test_torch_compile_traces_the_torch_ops(device: torch.device,
@@ -180,23 +233,27 @@ def test_torch_compile_traces_the_torch_ops(device: torch.device,
 
     monkeypatch.setattr(fo, "launch_rms_norm", no_launch)
     monkeypatch.setattr(fo, "launch_silu_mul", no_launch)
+    monkeypatch.setattr(fo, "launch_rotary", no_launch)
     x = _randn(5, 32, dtype=torch.bfloat16, device=device, seed=11)
     weight = _randn(32, dtype=torch.bfloat16, device=device, seed=12)
 
+    cos, sin = _cos_sin(5, 16, torch.bfloat16, device)
+
     def step(x: torch.Tensor) -> torch.Tensor:
         normed, h = fo.add_rms_norm(x, x, weight, EPS, fused=True)
-        return fo.silu_mul(fo.rms_norm(normed + h, weight, EPS, fused=True), fused=True)
+        mixed = fo.silu_mul(fo.rms_norm(normed + h, weight, EPS, fused=True), fused=True)
+        return fo.rotary(mixed.view(5, 1, 16), cos, sin, fused=True)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     reference = fo.silu_mul_torch(fo.rms_norm_torch(
         fo.rms_norm_torch(x + x, weight, EPS) + (x + x), weight, EPS))
-    assert torch.equal(compiled(x), reference)
+    assert torch.equal(compiled(x), fo.rotary_torch(reference.view(5, 1, 16), cos, sin))
 
 
 def _fused_flags(model: Model) -> list[bool]:
     return [module.fused for module in model.modules()
-            if isinstance(module, (RMSNorm, GatedMLP))]
+            if isinstance(module, (RMSNorm, GatedMLP, Attention))]
 
 
 def test_option_reaches_every_norm_and_mlp(device: torch.device,
@@ -205,7 +262,7 @@ def test_option_reaches_every_norm_and_mlp(device: torch.device,
     assert set(_fused_flags(model)) == {device.type == "cuda"}  # the default: CUDA only
     cache = Cache(model, max_tokens=512)
     ModelRunner(model, cache, SdpaBackend(), cuda_graphs=False, fused_ops=True)
-    assert set(_fused_flags(model)) == {True} and len(_fused_flags(model)) == 1 + 2 * 5
+    assert set(_fused_flags(model)) == {True} and len(_fused_flags(model)) == 1 + 2 * 6
     ModelRunner(model, cache, SdpaBackend(), cuda_graphs=False)  # None: left as it is
     assert set(_fused_flags(model)) == {True}
     ModelRunner(model, cache, SdpaBackend(), cuda_graphs=False, fused_ops=False)
@@ -232,8 +289,8 @@ def _random_model(device: torch.device, dtype: torch.dtype) -> Model:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_model_with_kernels_matches_the_torch_ops(device: torch.device, dtype: torch.dtype,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 2-layer Qwen3 (per-head q/k norms) over a 37-token prompt: every norm, residual add
-    and SiLU-and-mul through the kernels, hidden states as with the torch ops (in bf16 under
+    """A 2-layer Qwen3 (per-head q/k norms) over a 37-token prompt: every norm, residual add,
+    SiLU-and-mul and rotation through the kernels, hidden states as with the torch ops (in bf16 under
     the interpreter, which truncates to bf16, a few units of the last place apart)."""
     model = _random_model(device, dtype)
     cache = Cache(model, max_tokens=512)
@@ -243,10 +300,11 @@ def test_model_with_kernels_matches_the_torch_ops(device: torch.device, dtype: t
     reference = model.forward_hidden(batch, cache.storage, SdpaBackend())
     norms, silus = _recorder(monkeypatch, "launch_rms_norm"), _recorder(monkeypatch,
                                                                          "launch_silu_mul")
+    rotations = _recorder(monkeypatch, "launch_rotary")
     model.set_fused_ops(True)
     hidden = model.forward_hidden(batch, cache.storage, SdpaBackend())
-    # Per layer: input norm, q norm, k norm, post-attention norm; SiLU-and-mul.
-    assert len(norms) == 2 * 4 and len(silus) == 2
+    # Per layer: input norm, q norm, k norm, post-attention norm; SiLU-and-mul; q and k rotated.
+    assert len(norms) == 2 * 4 and len(silus) == 2 and len(rotations) == 2 * 2
     error = ((hidden.double() - reference.double()).norm() / reference.double().norm()).item()
     tolerance = 5e-2 if interpreter_mode() and dtype == torch.bfloat16 else 1e-2
     assert error < tolerance, f"relative error {error}"
