@@ -34,12 +34,20 @@ _TINY = 1e-45
 
 @dataclass
 class ChoiceDelta:
-    """What one result added to a choice."""
+    """What one result added to a choice (a stream chunk's), or, added up with `add`, what
+    all of them did (a whole choice's)."""
 
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+
+    def add(self, later: ChoiceDelta) -> None:
+        """Append what ``later`` added (its finish reason, when it has one, ends the choice)."""
+        self.content += later.content
+        self.tool_calls += later.tool_calls
+        self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
 
 
 @dataclass
