@@ -28,15 +28,16 @@ from dyngen_core.serve.jobs import PreparedPrompt, prepare_chat, prepare_complet
 from dyngen_core.serve.metrics import ServerMetrics
 from dyngen_core.serve.options import ServeOptions
 from dyngen_core.serve.responses import (
+    CHAT_CHUNK,
+    COMPLETION_CHUNK,
     ChoiceDelta,
     ChoiceOutput,
-    chat_chunk,
     chat_logprobs,
     chat_message,
-    completion_chunk,
     completion_logprobs,
     new_id,
     now,
+    stream_chunk,
     tool_call_dict,
     usage,
 )
@@ -181,7 +182,8 @@ class GenerationRoutes:
         with_usage = body.include_usage
 
         def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
-            return _event(chat_chunk(response_id, created, model, choices, usage_, with_usage))
+            return _event(stream_chunk(CHAT_CHUNK, response_id, created, model, choices, usage_,
+                                       with_usage))
 
         def choice(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
             return _chat_delta(index, delta, run.outputs[index].num_calls, body.logprobs)
@@ -199,8 +201,8 @@ class GenerationRoutes:
         offsets = [0] * len(run.outputs)
 
         def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
-            return _event(completion_chunk(response_id, created, model, choices, usage_,
-                                           with_usage))
+            return _event(stream_chunk(COMPLETION_CHUNK, response_id, created, model, choices,
+                                       usage_, with_usage))
 
         def choice(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
             if not (delta.content or delta.finish_reason or delta.logprobs):
