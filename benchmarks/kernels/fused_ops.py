@@ -1,8 +1,8 @@
 """The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`ops.fused_ops`) against the
 torch ops they replace, for Llama-3-8B shapes in bf16: per shape, the element-wise set of one
 forward (32 layers), and end to end an 8,030-token prefill forward and decode CUDA-graph steps
-of the random 32-layer model with the kernels off, on except the rotary embedding, and on. Other launch shapes: ``--set
-fused_ops.SILU_BLOCK=1024`` etc.
+of the random 32-layer model with the kernels off, on except the rotary embedding, and on.
+Other launch shapes: ``--set fused_ops.SILU_BLOCK=1024`` etc.
 
 Floors (H200 copy bandwidth 4.25 TB/s, bytes read + written once; no FLOP floor matters):
 
