@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dyngen_core.engine.plan import StepPlan
-from dyngen_core.kv.attention import get_backend
+from dyngen_core.kv.attention import AttentionBackend, get_backend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.model.parallel import TensorParallel
@@ -83,6 +83,26 @@ class StepChannel:
         the device group (on CUDA, NCCL: no host wait)."""
         source = 0 if self.parallel.group is None else dist.get_global_rank(self.parallel.group, 0)
         dist.broadcast(tensor, src=source, group=self.parallel.group)
+
+
+def build_runner(model: Model, cache: Cache, attention_backend: str | AttentionBackend, *,
+                 cuda_graphs: bool, max_batch_size: int, compile_decode: bool,
+                 skinny_matmul_rows: int | None) -> ModelRunner | BroadcastRunner:
+    """A generator's runner for its target model: a `ModelRunner`, or for a split model, rank
+    0's `BroadcastRunner` (which needs the attention backend by name, to build the same one on
+    every rank: ValueError otherwise)."""
+    if model.parallel.size == 1:
+        return ModelRunner(
+            model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
+            max_batch_size=max_batch_size, compile_decode=compile_decode,
+            skinny_matmul_rows=skinny_matmul_rows,
+        )
+    if not isinstance(attention_backend, str):
+        raise ValueError("a tensor-parallel model takes the attention backend by name "
+                         "(\"auto\", \"sdpa\", \"triton\", \"flash\"): every rank builds its own")
+    options = RunnerOptions(attention_backend, cuda_graphs, max_batch_size, compile_decode,
+                            skinny_matmul_rows)
+    return BroadcastRunner(model, cache, options)
 
 
 class BroadcastRunner:
