@@ -110,7 +110,7 @@ def channel_rank(rank: int, port: int, reps: int) -> None:
             print(f"{name:>13}: object {old:.3f} ms, packed {new:.3f} ms ({old / new:.1f}x)")
         else:
             _timed(partial(_receive_object, channel), reps)
-            _timed(partial(channel.receive, torch.device("cpu")), reps)
+            _timed(channel.receive, reps)
     dist.destroy_process_group()
 
 

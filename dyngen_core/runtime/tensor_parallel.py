@@ -115,7 +115,7 @@ class StepChannel:
     def send_step(self, plan: StepPlan, feed: TokenFeed | None) -> None:
         """Rank 0: send ``plan`` and its feed (values on the CPU go in the message; on a
         device, by a device broadcast after it)."""
-        words = [0, _Kind.STEP, _Feed.NONE, 0]
+        words = [0, _Kind.STEP.value, _Feed.NONE.value, 0]
         encode_plan(plan, words)
         values = None
         if feed is not None:
@@ -123,22 +123,23 @@ class StepChannel:
             words[3] = len(feed.targets)
             words += feed.targets
             if values.device.type == "cpu":
-                words[2] = _Feed.INLINE
+                words[2] = _Feed.INLINE.value
                 words += values.tolist()
                 values = None
             else:
-                words[2] = _Feed.DEVICE
+                words[2] = _Feed.DEVICE.value
         self._send_words(words)
         if values is not None:
             self.broadcast_tensor(values.to(torch.int64))
 
     def send_stop(self) -> None:
         """Rank 0: end the other ranks' loops."""
-        self._send_words([0, _Kind.STOP, _Feed.NONE, 0])
+        self._send_words([0, _Kind.STOP.value, _Feed.NONE.value, 0])
 
-    def receive(self, device: torch.device) -> StepMessage | None:
-        """Other ranks: the next step rank 0 sent (blocks until it comes), its fed values
-        received too (on ``device`` when they came by a device broadcast); None for a stop."""
+    def receive(self) -> StepMessage | None:
+        """Other ranks: the next step rank 0 sent (blocks until it comes), None for a stop. A
+        step ``on_device`` is followed by its fed values' device broadcast, which the caller
+        receives next (`broadcast_tensor`)."""
         words = self._receive_words()
         if words[1] == _Kind.STOP:
             return None
@@ -247,7 +248,7 @@ def serve_tensor_parallel_worker(model: Model, cache: Cache) -> int:
                            "come first; every rank must run the same dyngen version")
     runner = options.build(model, cache)
     steps = 0
-    while (message := channel.receive(model.device)) is not None:
+    while (message := channel.receive()) is not None:
         runner.run(message.plan, _received_feed(channel, message, model.device))
         steps += 1
     return steps

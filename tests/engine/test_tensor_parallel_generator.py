@@ -133,7 +133,7 @@ def channel_main(rank: int, world_size: int, out: Path) -> None:
         channel.send_stop()
         return
     received = []
-    while (message := channel.receive(torch.device("cpu"))) is not None:
+    while (message := channel.receive()) is not None:
         received.append([message.plan == plan for plan in CHANNEL_PLANS]
                         + [message.feed_targets, message.feed_values])
     out.write_text(json.dumps(received), encoding="utf-8")

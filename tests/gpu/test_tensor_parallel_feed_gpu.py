@@ -34,10 +34,10 @@ def rank_main(rank: int, world_size: int, out: Path) -> None:
         channel.send_step(PLAN, TokenFeed(ids, [0, 1], [2, 0]))
         channel.send_stop()
         return
-    message = channel.receive(device)
+    message = channel.receive()
     assert message is not None and message.on_device and message.feed_values is None
     feed = _received_feed(channel, message, device)  # what the worker loop feeds its runner
-    assert feed is not None and channel.receive(device) is None
+    assert feed is not None and channel.receive() is None
     out.write_text(json.dumps([message.plan == PLAN, feed.targets, feed.ids.tolist(),
                                feed.ids.device.type, feed.in_order]), encoding="utf-8")
 
