@@ -11,8 +11,9 @@ Two parts, both over 2 spawned gloo ranks with torch on one thread each:
   decodes of 1, 8 and 64 jobs (2 pages each, fed in order) and one 2048-token prefill chunk.
 * ``engine`` (``--engine``): a generator over a tiny random Llama (2 layers, hidden 64), split
   over 2 ranks by `DynamicGenerator.from_model_dir(tensor_parallel=2)` and in one process,
-  greedy decoding of 8 prompts; ms per step for each and the difference. The tiny model makes
-  the forward small, so the difference is mostly the plan's trip and the all-reduces.
+  greedy decoding of 8 prompts; ms per step for each, rank 0's time sending each step, and the
+  difference. The tiny model makes the forward small, so the difference is mostly the step's
+  trip and the forward's collectives.
 
     python benchmarks/tp_plan_broadcast.py [--reps 300] [--engine]
 
@@ -41,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.model.parallel import TensorParallel  # noqa: E402
+from dyngen_core.runtime.generator import DynamicGenerator  # noqa: E402
 from dyngen_core.runtime.overlap import TokenFeed  # noqa: E402
-from dyngen_core.runtime.tensor_parallel import StepChannel  # noqa: E402
+from dyngen_core.runtime.tensor_parallel import BroadcastRunner, StepChannel  # noqa: E402
 from dyngen_core.runtime.workers import _free_port  # noqa: E402
 
 
@@ -125,30 +127,53 @@ def run_channel(reps: int) -> None:
 
 
 def run_engine(steps: int) -> None:
-    from dyngen_core import DynamicGenerator, SamplerSettings
+    from dyngen_core import SamplerSettings
     from tests.tiny_models import TRAINING_TEXT, write_tiny_model
 
     torch.set_num_threads(1)
     folder = write_tiny_model(tempfile.mkdtemp(prefix="tp_bench_"), arch="llama", seed=3)
     prompts = [TRAINING_TEXT[40 * i:40 * i + 60] for i in range(8)]
+    greedy = SamplerSettings.greedy()
     per_step = {}
     for size in (1, 2):
         generator = DynamicGenerator.from_model_dir(
             folder, cache_tokens=4096, device="cpu", tensor_parallel=size,
             attention_backend="sdpa")
+        sends = _time_sends(generator)
         try:
             generator.generate(prompts, max_new_tokens=4, add_bos=True, stop_conditions=[],
-                               gen_settings=SamplerSettings.greedy())  # warm-up
+                               gen_settings=greedy)  # warm-up
+            sends.clear()
             start = time.perf_counter()
             generator.generate(prompts, max_new_tokens=steps, add_bos=True,
-                               stop_conditions=[], gen_settings=SamplerSettings.greedy())
+                               stop_conditions=[], gen_settings=greedy)
             elapsed = time.perf_counter() - start
         finally:
             generator.close()
         per_step[size] = elapsed / steps * 1e3
-        print(f"engine tensor_parallel={size}: {per_step[size]:.2f} ms per step "
+        sent = f", of which {sum(sends) / len(sends) * 1e3:.2f} ms sending the step" \
+            if sends else ""
+        print(f"engine tensor_parallel={size}: {per_step[size]:.2f} ms per step{sent} "
               f"({steps} steps of 8 jobs, prefill included)")
     print(f"engine split - whole: {per_step[2] - per_step[1]:.2f} ms per step")
+
+
+def _time_sends(generator: DynamicGenerator) -> list[float]:
+    """The seconds each of rank 0's step sends takes, from now on (empty for one process)."""
+    times: list[float] = []
+    runner = generator._runner
+    if not isinstance(runner, BroadcastRunner):
+        return times
+    channel = runner.channel
+    send = channel.send_step
+
+    def timed(*args: object) -> None:
+        start = time.perf_counter()
+        send(*args)
+        times.append(time.perf_counter() - start)
+
+    channel.send_step = timed  # type: ignore[method-assign]
+    return times
 
 
 def main() -> None:
