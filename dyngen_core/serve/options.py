@@ -66,7 +66,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_options(args: argparse.Namespace, model_dir: str) -> ServeOptions:
     """`ServeOptions` from parsed ``dyngen serve`` arguments (engine ones included)."""
     engine = {name: getattr(args, name) for name in ("device", "dtype", "cache_tokens",
-                                                      "cache_mode", "max_batch_size")
+                                                      "cache_mode", "max_batch_size",
+                                                      "tensor_parallel")
               if getattr(args, name, None) is not None}
     return ServeOptions(
         model_dir=model_dir,
