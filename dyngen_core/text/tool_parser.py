@@ -151,6 +151,7 @@ class ToolCallParser:
         held, self._pending = "".join(self._waiting) + self._pending, ""
         self._waiting, self._last = [], ""
         scanner = self._json
+        scanner.close()
         if self._mode == "json":
             cut_call = not scanner.done and '"name"' in scanner.raw
             if scanner.found_any or cut_call:
@@ -316,8 +317,10 @@ def _calls_from_value(value: Any) -> list[ToolCall]:
 
 
 class _JsonCallScanner:
-    """Follows a JSON call list (or one call object) as it streams, returning each call object
-    as soon as its closing brace arrives. Tracks nesting and strings, nothing more.
+    """Follows a JSON call list (or call objects) as it streams, returning each call object
+    as soon as its closing brace arrives. Tracks nesting and strings, nothing more. Call
+    objects may follow one another, separated by spaces or ``;`` (Llama 3.2 writes parallel
+    calls as ``{call}; {call}``); the value ends at the first other character after one.
 
     ``raw`` is the text fed up to the value's end, ``tail`` what came after it; both are kept
     in pieces and joined when read, so feeding costs time linear in the text. With ``names``,
@@ -332,6 +335,7 @@ class _JsonCallScanner:
         self._in_string = False
         self._escaped = False
         self._is_list: bool | None = None
+        self._gap: list[str] | None = None  # after a call object: spaces and ';' so far
         self.done = False
         self.found_any = False
 
@@ -343,10 +347,26 @@ class _JsonCallScanner:
     def tail(self) -> str:
         return _joined(self._tail)
 
+    @property
+    def complete(self) -> bool:
+        """The value read so far is whole: the output may end here."""
+        return self.done or self._gap is not None
+
+    def close(self) -> None:
+        """The output ended: spaces or separators held after the last call are its tail."""
+        if self._gap is not None:
+            self._tail += self._gap
+            self._gap, self.done = None, True
+
     def feed(self, text: str) -> list[ToolCall]:
         if self.done:
             self._tail.append(text)
             return []
+        if self._gap is not None:
+            rest = self._after_gap(text)
+            if rest is None:
+                return []
+            text = rest
         calls: list[ToolCall] = []
         item_from = 0 if self._item is not None else None
         for at, ch in enumerate(text):
@@ -366,10 +386,13 @@ class _JsonCallScanner:
                     self._item = item_from = None
                     calls += self._close_item(body)
                 if self._depth == 0:
-                    self.done = True
                     self._raw.append(text[:at + 1])
-                    self._tail.append(text[at + 1:])
-                    return calls
+                    if self._is_list:
+                        self.done = True
+                        self._tail.append(text[at + 1:])
+                        return calls
+                    self._gap = []  # another call object may follow
+                    return calls + self.feed(text[at + 1:])
         self._raw.append(text)
         if self._item is not None and item_from is not None:
             self._item.append(text[item_from:])
@@ -377,6 +400,23 @@ class _JsonCallScanner:
 
     def _string_char(self, ch: str) -> bool:
         return _string_step(self, ch)
+
+    def _after_gap(self, text: str) -> str | None:
+        """Read ``text`` after a call object: the text from the next object's ``{`` on, or
+        None (all of it spaces or separators, held; or the value ended before other text)."""
+        assert self._gap is not None
+        for at, ch in enumerate(text):
+            if ch.isspace() or ch == ";":
+                continue
+            self._raw.append("".join(self._gap) + text[:at])  # the separators are the calls'
+            self._gap = None
+            if ch == "{":
+                return text[at:]
+            self.done = True
+            self._tail.append(text[at:])
+            return None
+        self._gap.append(text)
+        return None
 
     def _close_item(self, body: str) -> list[ToolCall]:
         try:
@@ -527,6 +567,7 @@ class _FencedCall:
 
     def calls(self) -> list[ToolCall]:
         """The calls, when the whole output was one fenced call of bound tools (else none)."""
+        self._json.close()
         whole = self._json.done and self._closing in ("", _FENCE)
         return self._found if whole else []
 

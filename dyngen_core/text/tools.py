@@ -251,8 +251,8 @@ def tool_choice_constraint(
 
     "required" or a tool name: calls only, in the model's own format, so the model writes what
     it was trained to: hermes ``<tool_call>\n{call}\n</tool_call>`` blocks (one per call),
-    llama one ``{"name", "parameters"}`` object (after ``<|python_tag|>`` or not; Llama's
-    format has one call a turn), mistral ``[TOOL_CALLS] [calls]``, mistral_v11
+    llama ``{"name", "parameters"}`` objects separated by ``"; "`` (after ``<|python_tag|>``
+    or not), mistral ``[TOOL_CALLS] [calls]``, mistral_v11
     ``[TOOL_CALLS]name[ARGS]{arguments}`` per call; "json" is `tool_calls_schema` (a JSON
     call list, the fallback prompt's format). A name allows exactly one call of that tool;
     "required" one or more of any (exactly one unless ``parallel``).
@@ -287,11 +287,6 @@ def _forced_grammar(tools: Sequence[ToolSpec], parallel: bool, tool_format: Tool
     """The Lark grammar of a forced call of ``tools`` in ``tool_format`` (not "json"): calls
     only, one unless ``parallel``."""
     rules = _call_rules(tools, parallel, tool_format)
-    if tool_format.name == "llama":
-        # One call, its <|python_tag|> optional (Llama writes it for some calls only).
-        rules = [rule for rule in rules if not rule.startswith("native:")]
-        opener = "" if tool_format.marker_id is None else f"<[{tool_format.marker_id}]>? "
-        rules.append(f"native: {opener}one")
     return "\n".join(["start: native", *rules]) + "\n"
 
 
@@ -323,8 +318,12 @@ def _call_rules(tools: Sequence[ToolSpec], parallel: bool, tool_format: ToolForm
             names.append(f"call{i}")
         rules.append(f"call: {' | '.join(names)}")
         rules.append("native: call+" if parallel else "native: call")
-    elif tool_format.name == "llama" and tool_format.marker_id is not None:
-        rules.append(f"native: {opener} one")
+    elif tool_format.name == "llama":
+        # Call objects, "; " between them (Llama 3.2's parallel calls), the <|python_tag|>
+        # before them optional (Llama writes it for some calls only).
+        calls = 'one ("; " one)*' if parallel else "one"
+        tag = "" if tool_format.marker_id is None else f"{opener}? "
+        rules.append(f"native: {tag}{calls}")
     return rules
 
 

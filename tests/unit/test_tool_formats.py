@@ -182,12 +182,31 @@ def test_parallel_calls_in_each_format() -> None:
         MISTRAL_V11: '[TOOL_CALLS]get_weather[ARGS]{"location": "San Francisco, CA"}'
                      '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
         None: f"```json\n[{WEATHER_CALL}, {add}]\n```",
+        # Llama 3.2: call objects separated by "; " (after <|python_tag|> or bare).
+        LLAMA: f'<|python_tag|>{LLAMA_WEATHER}; {LLAMA_ADD}',
+        ToolFormat("llama"): f"{LLAMA_WEATHER}; {LLAMA_ADD}\n",
+        ToolFormat(): f"{WEATHER_CALL}\n{add}",
     }
     for tool_format, text in texts.items():
         for seed in range(10):
             streamed = _streamed(text, seed, tool_format)
             assert [c.name for c in streamed.calls] == ["get_weather", "add"]
             assert streamed.content.strip() == "" and len({c.id for c in streamed.calls}) == 2
+
+
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"location": "San Francisco, CA"}}'
+
+
+def test_text_after_a_sequence_of_call_objects_is_content() -> None:
+    """A call sequence ends at the first character that is neither a space, ';' nor '{'."""
+    text = f"{LLAMA_WEATHER}; {LLAMA_ADD}; Done."
+    for seed in range(10):
+        streamed = _streamed(text, seed, ToolFormat("llama"))
+        assert [c.name for c in streamed.calls] == ["get_weather", "add"]
+        assert streamed.content == "Done." and not streamed.invalid
+    cut = parse_tool_calls(f'{LLAMA_WEATHER}; {{"name": "add", "para', NAMES,
+                           ToolFormat("llama"))
+    assert [c.name for c in cut.calls] == ["get_weather"] and len(cut.invalid) == 1
 
 
 MENTIONS = [
@@ -396,6 +415,8 @@ FORCED_ALLOWS = {
         ("required", f"<|python_tag|>{LLAMA_PARIS}", True, ["get_weather"]),
         ("required", LLAMA_PARIS, True, ["get_weather"]),
         ("add", LLAMA_ADD, True, ["add"]),
+        # Llama 3.2's parallel calls.
+        ("required", f"<|python_tag|>{LLAMA_PARIS}; {LLAMA_ADD}", True, ["get_weather", "add"]),
     ],
     MISTRAL_TEMPLATE: [
         ("required", f"[TOOL_CALLS] [{WEATHER_PARIS}, {ADD_CALL}]", True, ["get_weather", "add"]),
@@ -421,7 +442,8 @@ FORCED_REFUSES = {
     LLAMA31_TEMPLATE: [
         ("required", f"[{WEATHER_PARIS}]", True),
         ("required", WEATHER_PARIS, True),  # "arguments" is not Llama's key
-        ("required", f"{LLAMA_PARIS}; {LLAMA_ADD}", True),  # one call a turn
+        ("required", f"{LLAMA_PARIS}; {LLAMA_ADD}", False),  # one call unless parallel
+        ("required", f"{LLAMA_PARIS};{LLAMA_ADD}", True),  # "; " exactly
         ("add", LLAMA_PARIS, True),
     ],
     MISTRAL_TEMPLATE: [
