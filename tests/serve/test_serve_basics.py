@@ -53,7 +53,7 @@ def test_options_name_the_model_after_its_folder_and_refuse_an_empty_key() -> No
 def test_requests_normalize_stop_and_prompts() -> None:
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                  stop="END")
-    assert chat.stop == ["END"] and chat.token_budget is None
+    assert chat.stop == ["END"] and chat.token_budget is None and not chat.ignore_eos
     assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
     assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
 
@@ -64,11 +64,13 @@ def test_the_serve_command_reads_its_options(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     args = build_parser().parse_args(["serve", "--model", "/m/Demo", "--port", "0",
-                                      "--cache-tokens", "4096", "--max-batch-size", "8"])
+                                      "--cache-tokens", "4096", "--max-batch-size", "8",
+                                      "--max-chunk-size", "512"])
     options = serve_options(args, args.model)
     assert (options.model_name, options.port, options.api_key) == ("Demo", 0, "from-env")
     assert options.engine_options.cache_tokens == 4096
     assert options.engine_options.max_batch_size == 8
+    assert options.engine_options.max_chunk_size == 512
     args = build_parser().parse_args(["serve", "--model", "/m/Demo", "--api-key", "given",
                                       "--served-model-name", "x"])
     assert serve_options(args, args.model).api_key == "given"
