@@ -3,7 +3,9 @@
 Prints tok/s for: dyngen's generator (end to end, and its decode phase alone), the bare decode
 step replayed from a CUDA graph (eager kernels, and torch.compile'd), and transformers'
 ``generate``. The memory roofline is the weight bytes one step reads over the device-to-device
-copy bandwidth measured in the same run; the target is >= 80 % of it.
+copy bandwidth measured in the same run; the target is >= 80 % of it. With default options it
+also reports the generator's start-up: the cache and graph capture (``setup_s``) and the first
+job, which compiles the Triton kernels (``first_job_s``); `load_time.py` measures the load.
 
     python benchmarks/decode_batch1.py [--layers 32] [--new-tokens 256] [--no-compile] [--no-hf]
                                        [--compiled-only]
@@ -63,9 +65,14 @@ def main() -> None:
         report_graph_step(model, True, context, common, roofline_tps)
         compiled_generator(model, tokenizer, config, args.new_tokens, common, roofline_tps)
         return
+    synchronize()
+    start = time.perf_counter()
     generator = make_generator(model, tokenizer, cache_tokens=8192)
+    synchronize()
+    setup_s = time.perf_counter() - start
     prompt = random_prompts(1, PROMPT, config["vocab_size"], seed=1)
-    run_jobs(generator, prompt, 8)  # warm-up: compiles the prefill kernels
+    first_job_s = run_jobs(generator, prompt, 8).wall  # warm-up: compiles the prefill kernels
+    report("decode_batch1.startup", setup_s=setup_s, first_job_s=first_job_s, **common)
     run = run_jobs(generator, random_prompts(1, PROMPT, config["vocab_size"], 2),
                    args.new_tokens)
     dyngen_tps = run.tok_s

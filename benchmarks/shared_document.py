@@ -3,7 +3,9 @@
 Wall time and prefill tokens with dedup (and the prompt cache) on, with both off, and for the
 same 64 jobs without the document; then transformers' static batched ``generate`` on the full
 prompts (in batches of ``--hf-batch``). Target: with dedup, <= 1.3x the time of the jobs
-without the document.
+without the document; and the time the document adds (dedup run - no-document run) <= 1.5x the
+document's prefill floor: its layers' matrix products (2 FLOP per weight and token) plus its
+causal attention (2 n^2 H D a layer), both at the bf16 matmul rate measured in the same run.
 
     python benchmarks/shared_document.py [--layers 32] [--questions 64] [--skip-off] [--no-hf]
 """
@@ -23,6 +25,7 @@ from _common import (
     free_memory,
     hf_model,
     make_generator,
+    matmul_rate,
     random_model,
     random_prompts,
     report,
@@ -54,6 +57,19 @@ def run_case(name: str, model: Any, tokenizer: Any, prompts: list[list[int]],
     del generator
     free_memory()
     return run.wall
+
+
+def document_prefill_floor(config: dict[str, Any], tokens: int, rate: float) -> float:
+    """Seconds of the document's prefill at ``rate`` FLOP/s: the decoder layers' products (no
+    lm_head: a prefill computes logits only for sampled rows) and its causal attention."""
+    hidden, heads, dim = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+    kv_heads, inter = config["num_key_value_heads"], config["intermediate_size"]
+    layer_weights = hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden \
+        + 3 * hidden * inter
+    layers = config["num_hidden_layers"]
+    products = 2 * layer_weights * layers * tokens
+    attention = 2 * tokens**2 * heads * dim * layers
+    return (products + attention) / rate
 
 
 def run_transformers(config: dict[str, Any], prompts: list[list[int]], batch: int,
@@ -95,6 +111,12 @@ def main() -> None:
     alone = run_case("no_document", model, tokenizer, questions)
     dedup = run_case("dedup_on", model, tokenizer, with_document)
     report("shared_document.dedup_over_no_document", ratio=dedup / alone, target=1.3)
+    if device.type == "cuda":
+        rate = matmul_rate(device)
+        floor = document_prefill_floor(config, DOCUMENT, rate)
+        report("shared_document.document_cost_over_floor", added_s=dedup - alone,
+               floor_s=floor, ratio=(dedup - alone) / floor, matmul_TFLOPs=rate / 1e12,
+               target=1.5)
     if not args.skip_off:
         off = run_case("dedup_off", model, tokenizer, with_document, dedup=False,
                        prompt_cache=False)

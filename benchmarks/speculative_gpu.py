@@ -17,7 +17,7 @@
     random rejections at that rate, the draft model's forwards run for their cost.
 
     python benchmarks/speculative_gpu.py [--parts verify,oracle,wrong,pair] [--small]
-        [--layers N] [--new-tokens 128] [--alpha 0.89]
+        [--layers N] [--new-tokens 128] [--alpha 0.89] [--batches 1,8,32,128,256]
 
 ``--small`` runs every part on a small model (a smoke run; on the CPU too).
 """
@@ -340,6 +340,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.89)
+    parser.add_argument("--batches", default="1,8,32,128,256",
+                        help="batch sizes of the always-wrong part, comma-separated")
     args = parser.parse_args()
     device = torch.device(args.device)
     parts = args.parts.split(",")
@@ -353,7 +355,8 @@ def main() -> None:
         if "oracle" in parts:
             oracle(decisive(model), tokenizer, args.new_tokens, args.k)
         if "wrong" in parts:
-            always_wrong(model, tokenizer, small_batches or [1, 8, 32, 128, 256],
+            always_wrong(model, tokenizer,
+                         small_batches or [int(b) for b in args.batches.split(",")],
                          args.new_tokens)
         del model
         free_memory()

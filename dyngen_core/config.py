@@ -423,6 +423,11 @@ class EngineOptions(BaseModel):
             main cache's pages, in fp16). None: no draft model.
         use_ngram_draft: draft by prompt lookup instead (no second model).
         num_draft_tokens: the most drafts a job offers per step.
+        tensor_parallel: split the model over that many processes of this host, one per GPU
+            (`DynamicGenerator.from_model_dir`): the engine's process is rank 0 and starts
+            the others; closing the engine ends them. 1 (default): one process. Must be at
+            least 1, and the model must split over it (checked when the engine is built).
+            A process runs one engine with tensor_parallel > 1 at a time.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -441,3 +446,4 @@ class EngineOptions(BaseModel):
     draft_model_dir: str | None = None
     use_ngram_draft: bool = False
     num_draft_tokens: int = Field(default=4, ge=1, le=16)
+    tensor_parallel: int = Field(default=1, ge=1)

@@ -1,8 +1,8 @@
 """The fused RMSNorm (+ residual add) and SiLU-and-mul kernels (`ops.fused_ops`) against the
 torch ops they replace, for Llama-3-8B shapes in bf16: per shape, the element-wise set of one
 forward (32 layers), and end to end an 8,030-token prefill forward and decode CUDA-graph steps
-of the random 32-layer model with the kernels on and off. Other launch shapes: ``--set
-fused_ops.SILU_BLOCK=1024`` etc.
+of the random 32-layer model with the kernels off, on except the rotary embedding, and on.
+Other launch shapes: ``--set fused_ops.SILU_BLOCK=1024`` etc.
 
 Floors (H200 copy bandwidth 4.25 TB/s, bytes read + written once; no FLOP floor matters):
 
@@ -56,6 +56,8 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention import get_backend  # noqa: E402
 from dyngen_core.kv.attention.base import build_forward_batch  # noqa: E402
 from dyngen_core.kv.cache import Cache  # noqa: E402
+from dyngen_core.model import Model  # noqa: E402
+from dyngen_core.model.layers import Attention  # noqa: E402
 from dyngen_core.ops import fused_ops as fo  # noqa: E402
 
 BANDWIDTH = 4.25e12
@@ -157,9 +159,22 @@ def layer_set(results: dict[Case, dict[str, float]], rows_list: list[int]) -> li
     return lines
 
 
+VARIANTS = ("torch", "no_rotary", "fused")  # end to end: torch ops; kernels but rotary; all
+
+
+def set_variant(model: Model, variant: str) -> None:
+    """Every element-wise op through torch (``torch``), through the kernels (``fused``), or
+    through the kernels except the rotary embedding (``no_rotary``: its A/B)."""
+    model.set_fused_ops(variant != "torch")
+    if variant == "no_rotary":
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.fused = False
+
+
 def end_to_end(layers: int, prefill: int, device: torch.device) -> list[str]:
     """The random Llama-3-8B (``layers`` layers): one ``prefill``-token forward (eager, median
-    of 3) and decode graph steps at batch 1 and 64 (1024-token contexts), kernels off vs on."""
+    of 3) and decode graph steps at batch 1 and 64 (1024-token contexts), in each `VARIANTS`."""
     model = random_model({**LLAMA3_8B, "num_hidden_layers": layers}, device)
     backend = get_backend("triton", device)
     cache = Cache(model, max_tokens=(prefill // 256 + 2) * 256, mode="fp16")
@@ -168,8 +183,8 @@ def end_to_end(layers: int, prefill: int, device: torch.device) -> list[str]:
                                    sample=True)])
     batch = build_forward_batch(plan, cache.page_size, device)
     lines, timings = [], {}
-    for fused in (False, True):
-        model.set_fused_ops(fused)
+    for variant in VARIANTS:
+        set_variant(model, variant)
         times = []
         for _ in range(4):
             torch.cuda.synchronize()
@@ -177,19 +192,20 @@ def end_to_end(layers: int, prefill: int, device: torch.device) -> list[str]:
             model(batch, cache.storage, backend)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        timings[("prefill", fused)] = sorted(times[1:])[1]
+        timings[("prefill", variant)] = sorted(times[1:])[1]
     del cache
     free_memory()
     for size in (1, 64):
-        for fused in (False, True):
-            model.set_fused_ops(fused)
-            timings[(f"decode b{size}", fused)] = graph_step(model, size, 1024, False)[0]
+        for variant in VARIANTS:
+            set_variant(model, variant)
+            timings[(f"decode b{size}", variant)] = graph_step(model, size, 1024, False)[0]
     for name in ("prefill", "decode b1", "decode b64"):
-        off, on = timings[(name, False)], timings[(name, True)]
+        off, partial_on, on = (timings[(name, variant)] for variant in VARIANTS)
         report("fused_ops_e2e", step=name, layers=layers, torch_ms=off * 1e3,
-               fused_ms=on * 1e3, device=device_name())
+               no_rotary_ms=partial_on * 1e3, fused_ms=on * 1e3, device=device_name())
         lines.append(f"{name:10} {prefill if name == 'prefill' else '':>5} {off * 1e3:>9.3f}ms "
-                     f"{on * 1e3:>9.3f}ms {'':>10} {off / on:>5.2f}")
+                     f"{on * 1e3:>9.3f}ms {'':>10} {off / on:>5.2f}  "
+                     f"(rotary unfused {partial_on * 1e3:.3f}ms)")
     return lines
 
 

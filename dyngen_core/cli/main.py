@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,21 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32")
     parser.add_argument("--cache-tokens", type=int, default=16384, help="KV cache size")
     parser.add_argument("--cache-mode", default="fp16", choices=("fp16", "q8", "q6", "q4"))
+    parser.add_argument("--tensor-parallel", type=_ranks, default=1, metavar="N",
+                        help="split the model over N processes of this host, one per GPU "
+                        "(default: 1, one process)")
+
+
+def _ranks(text: str) -> int:
+    """A --tensor-parallel value: an integer of at least 1 (argparse reports the error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of ranks; use an integer "
+                                         ">= 1")
+    return value
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,15 +110,22 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
-def _generator(args: argparse.Namespace) -> Any:
+@contextmanager
+def _generator(args: argparse.Namespace) -> Iterator[Any]:
+    """The command's generator, closed when the command ends (a split model's workers end)."""
     from dyngen_core.cli.convert.demo import fetch_demo_model
     from dyngen_core.runtime.generator import DynamicGenerator
 
     model_dir = args.model or fetch_demo_model()
-    return DynamicGenerator.from_model_dir(
+    generator = DynamicGenerator.from_model_dir(
         model_dir, cache_tokens=args.cache_tokens, cache_mode=args.cache_mode,
         device=args.device, dtype=args.dtype, progress=True,
+        tensor_parallel=args.tensor_parallel,
     )
+    try:
+        yield generator
+    finally:
+        generator.close()
 
 
 def _settings(args: argparse.Namespace) -> Any:
@@ -140,18 +163,19 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    generator = _generator(args)
-    tokenizer = generator.tokenizer
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
-        for p in args.prompt
-    ]
-    if len(prompts) == 1:
-        _stream(generator, tokenizer.encode(prompts[0], encode_special_tokens=args.chat), args)
-        return 0
-    texts = generator.generate(prompts, max_new_tokens=args.max_new_tokens,
-                               gen_settings=_settings(args), seed=args.seed,
-                               encode_special_tokens=args.chat)
+    with _generator(args) as generator:
+        tokenizer = generator.tokenizer
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
+            for p in args.prompt
+        ]
+        if len(prompts) == 1:
+            _stream(generator, tokenizer.encode(prompts[0], encode_special_tokens=args.chat),
+                    args)
+            return 0
+        texts = generator.generate(prompts, max_new_tokens=args.max_new_tokens,
+                                   gen_settings=_settings(args), seed=args.seed,
+                                   encode_special_tokens=args.chat)
     for prompt, text in zip(args.prompt, texts):
         print(f"### {prompt}\n{text}\n")
     return 0
@@ -164,7 +188,13 @@ def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    generator = _generator(args)
+    with _generator(args) as generator:
+        _chat(generator, args)
+    return 0
+
+
+def _chat(generator: Any, args: argparse.Namespace) -> None:
+    """Read user messages from stdin until an empty line or EOF, streaming each reply."""
     tokenizer = generator.tokenizer
     messages: list[dict[str, str]] = []
     if args.system:
@@ -180,7 +210,6 @@ def _run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": final["full_completion"]})
         print(f"[{final['new_tokens']} tokens, {final['cached_tokens']} prompt tokens cached]",
               file=sys.stderr)
-    return 0
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,29 +220,34 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    with _generator(args) as generator:
+        print(f"{'jobs':>6} {'prefill s':>10} {'decode tok/s':>13} {'total tok/s':>12}")
+        for n in (int(x) for x in args.batch_sizes.split(",")):
+            _bench_batch(generator, n, args)
+    return 0
+
+
+def _bench_batch(generator: Any, n: int, args: argparse.Namespace) -> None:
+    """Run ``n`` greedy jobs of synthetic prompts at once and print their rates."""
     from dyngen_core.engine.job import Job
     from dyngen_core.engine.settings import SamplerSettings
 
-    generator = _generator(args)
     vocab = generator.model.config.vocab_size
-    print(f"{'jobs':>6} {'prefill s':>10} {'decode tok/s':>13} {'total tok/s':>12}")
-    for n in (int(x) for x in args.batch_sizes.split(",")):
-        jobs = [Job(input_ids=[(7 * i + 13 * j) % vocab for j in range(args.prompt_tokens)],
-                    max_new_tokens=args.new_tokens, stop_conditions=[],
-                    gen_settings=SamplerSettings.greedy()) for i in range(n)]
-        generator.enqueue(jobs)
-        start = time.perf_counter()
-        first_token: float | None = None
-        while generator.num_remaining_jobs():
-            for r in generator.iterate():
-                if first_token is None and r.get("token_ids"):
-                    first_token = time.perf_counter()
-        end = time.perf_counter()
-        first_token = first_token or end
-        decode_rate = n * (args.new_tokens - 1) / max(end - first_token, 1e-9)
-        print(f"{n:>6} {first_token - start:>10.2f} {decode_rate:>13.1f} "
-              f"{n * args.new_tokens / (end - start):>12.1f}")
-    return 0
+    jobs = [Job(input_ids=[(7 * i + 13 * j) % vocab for j in range(args.prompt_tokens)],
+                max_new_tokens=args.new_tokens, stop_conditions=[],
+                gen_settings=SamplerSettings.greedy()) for i in range(n)]
+    generator.enqueue(jobs)
+    start = time.perf_counter()
+    first_token: float | None = None
+    while generator.num_remaining_jobs():
+        for r in generator.iterate():
+            if first_token is None and r.get("token_ids"):
+                first_token = time.perf_counter()
+    end = time.perf_counter()
+    first_token = first_token or end
+    decode_rate = n * (args.new_tokens - 1) / max(end - first_token, 1e-9)
+    print(f"{n:>6} {first_token - start:>10.2f} {decode_rate:>13.1f} "
+          f"{n * args.new_tokens / (end - start):>12.1f}")
 
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -110,6 +110,24 @@ def join_tensor_parallel(size: int, device: torch.device) -> TensorParallel:
     return TensorParallel(rank=dist.get_rank(), size=size, group=world_group, control=control)
 
 
+def check_tensor_parallel(size: int, config: ModelConfig, device: torch.device) -> None:
+    """Raise ValueError, naming ``tensor_parallel``, when ``size`` ranks cannot split the model
+    of ``config`` on ``device``: ``size`` below 1; heads or intermediate size that do not
+    split over ``size`` (`local_config`'s checks); on CUDA, more ranks than visible GPUs (one
+    rank per GPU). Needs no process group, so a caller can check before starting ranks."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel={size!r}; use 1 (one process) or more ranks, an "
+                         "integer")
+    if size == 1:
+        return
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if size > visible:
+            raise ValueError(f"tensor_parallel={size} needs one GPU per rank but {visible} "
+                             f"GPU(s) are visible; use tensor_parallel <= {visible}")
+    local_config(config, TensorParallel(rank=0, size=size))
+
+
 @dataclass(frozen=True)
 class HeadShard:
     """The attention heads one rank computes: query heads ``[q_start, q_start + num_heads)``

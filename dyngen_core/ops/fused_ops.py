@@ -15,9 +15,10 @@ torch op), so only the order of the norm's sum of squares differs:
 - `silu_mul_kernel`: y = (silu(gate) rounded) * up rounded, gate and up the two halves of each
   [2 * I] row; program (row, block) writes ``BLOCK`` columns of one row.
 - `rotary_kernel`: y = x * cos + rotate_half(x) * sin with each product and the sum rounded to
-  the dtype, as the torch ops round (so it equals them bit for bit on CUDA); program (token,
-  block) rotates ``BLOCK_H`` heads of one token. Input heads may be strided (the q and k heads
-  of a fused projection); the output is contiguous [T, H, D].
+  the dtype, as the torch ops round (the compiler may keep a product in float32: then the
+  result is closer to the exact one than theirs); program (token, block) rotates ``BLOCK_H``
+  heads of one token. Input heads may be strided (the q and k heads of a fused projection);
+  the output is contiguous [T, H, D].
 
 `rms_norm`, `add_rms_norm`, `silu_mul` and `rotary` take ``fused``: the layer's resolved setting
 (`fused_ops_for`, from `Model.set_fused_ops`). With it, bf16/fp16 operands of supported shapes

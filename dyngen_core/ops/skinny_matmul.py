@@ -251,15 +251,8 @@ def skinny_reduce_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    offs_m, offs_n, offs_k, x_ptrs, w_ptrs = _tile_pointers(
+        x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
@@ -278,20 +271,29 @@ def skinny_dot_kernel(
 ):
     """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N] through tl.dot
     (BLOCK_M and BLOCK_N at least 16)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    offs_m, offs_n, offs_k, x_ptrs, w_ptrs = _tile_pointers(
+        x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
         acc = tl.dot(w, tl.trans(x), acc)
     _store(tl.trans(acc), bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _tile_pointers(x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n, m)'s row, column and K offsets, and the pointers to its first x [BLOCK_M,
+    BLOCK_K] and W [BLOCK_N, BLOCK_K] tiles; rows past M or N read the last row (in bounds,
+    and never stored)."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    return offs_m, offs_n, offs_k, x_ptrs, w_ptrs
 
 
 @triton.jit

@@ -150,7 +150,8 @@ class BackgroundGenerator:
 
     def close(self) -> None:
         """Stop the engine thread. Unfinished jobs fail with EngineStoppedError, and later
-        submits raise it. Waits (up to 30 s) for the step in progress to end. Safe to call more
+        submits raise it; the generator is closed (`DynamicGenerator.close`: a split model's
+        workers end). Waits (up to 30 s) for the step in progress to end. Safe to call more
         than once and from any thread."""
         with self._lock:
             self._closed = True
@@ -271,8 +272,8 @@ class BackgroundGenerator:
             logger.exception("emptying the stopped engine failed")
 
     def _end(self) -> None:
-        """Fail the handed-over, admitting and running jobs, and empty the engine (it runs no
-        more jobs)."""
+        """Fail the handed-over, admitting and running jobs, empty the engine (it runs no
+        more jobs) and close its generator."""
         with self._lock:
             waiting, self._incoming = self._incoming, []
         running = [(handle.job, handle) for handle in self._handles.values()]
@@ -280,6 +281,7 @@ class BackgroundGenerator:
         self._admitting, self._handles = [], {}
         self.generator.clear_queue()
         self._stats = self.generator.stats()
+        self.generator.close()  # a split model's workers end with the engine
 
 
 class _SharedGenerators:
@@ -308,34 +310,58 @@ class _SharedGenerators:
             engine.close()
 
     def _generator(self, folder: str, options: EngineOptions) -> DynamicGenerator:
+        if options.tensor_parallel > 1:
+            return self._split_generator(folder, options)
         model = self._model(folder, options)
         draft = options.draft_model_dir
         return DynamicGenerator(
             model=model,
             cache=Cache(model, max_tokens=options.cache_tokens, mode=options.cache_mode),
             tokenizer=Tokenizer.from_model_dir(folder),
-            max_batch_size=options.max_batch_size,
-            max_chunk_size=options.max_chunk_size,
-            dedup=options.dedup,
-            prompt_cache=options.prompt_cache,
-            attention_backend=options.attention_backend,
-            cuda_graphs=options.cuda_graphs,
-            compile_decode=options.compile_decode,
             draft_model=None if draft is None else self._model(str(Path(draft).resolve()),
                                                                options),
-            use_ngram_draft=options.use_ngram_draft,
-            num_draft_tokens=options.num_draft_tokens,
+            **_generator_options(options),
         )
+
+    def _split_generator(self, folder: str, options: EngineOptions) -> DynamicGenerator:
+        """A generator over a model split over ``options.tensor_parallel`` ranks, with workers
+        of its own (`DynamicGenerator.from_model_dir`); its weights are not shared with other
+        engines. A process belongs to one group at a time: RuntimeError while another split
+        engine runs."""
+        others = [key for key, engine in self._by_key.items()
+                  if key[1].tensor_parallel > 1 and engine.running]
+        if others:
+            raise RuntimeError(
+                f"an engine with tensor_parallel={others[0][1].tensor_parallel} already runs "
+                f"for {others[0][0]} in this process, and a process runs one split engine at "
+                "a time; close it first (BackgroundGenerator.close) or ask for its options")
+        return DynamicGenerator.from_model_dir(
+            folder, cache_tokens=options.cache_tokens, cache_mode=options.cache_mode,
+            device=_auto(options.device), dtype=_auto(options.dtype),
+            draft_model_dir=options.draft_model_dir, tensor_parallel=options.tensor_parallel,
+            **_generator_options(options))
 
     def _model(self, folder: str, options: EngineOptions) -> Model:
         key = (folder, options.device, options.dtype)
         if key not in self._models:
-            self._models[key] = Model.load(
-                folder,
-                device=None if options.device == "auto" else options.device,
-                dtype=None if options.dtype == "auto" else options.dtype,
-            )
+            self._models[key] = Model.load(folder, device=_auto(options.device),
+                                           dtype=_auto(options.dtype))
         return self._models[key]
+
+
+def _auto(value: str) -> str | None:
+    """An EngineOptions device or dtype as `Model.load` takes it ("auto": None)."""
+    return None if value == "auto" else value
+
+
+def _generator_options(options: EngineOptions) -> dict[str, Any]:
+    """The `DynamicGenerator` keyword arguments that ``options`` sets (the model, cache,
+    tokenizer and draft model aside)."""
+    return dict(max_batch_size=options.max_batch_size, max_chunk_size=options.max_chunk_size,
+                dedup=options.dedup, prompt_cache=options.prompt_cache,
+                attention_backend=options.attention_backend, cuda_graphs=options.cuda_graphs,
+                compile_decode=options.compile_decode, use_ngram_draft=options.use_ngram_draft,
+                num_draft_tokens=options.num_draft_tokens)
 
 
 _REGISTRY = _SharedGenerators()
@@ -349,13 +375,20 @@ def shared_generator(model_dir: str | Path, **options: Any) -> BackgroundGenerat
     model_dir: the model folder (any spelling of the same path gives the same engine).
     options: `EngineOptions` fields (cache_tokens, cache_mode, device, dtype, max_batch_size,
         max_chunk_size, attention_backend, dedup, prompt_cache, cuda_graphs, compile_decode,
-        draft_model_dir, use_ngram_draft, num_draft_tokens), or
-        ``engine_options=EngineOptions(...)``.
+        draft_model_dir, use_ngram_draft, num_draft_tokens, tensor_parallel), or
+        ``engine_options=EngineOptions(...)``. An invalid value raises pydantic's
+        ValidationError naming the field.
 
     The same folder with the same options gives the same engine, whichever adapter asks, so the
     weights load once and every caller shares one job queue. An engine that was closed or
     stopped on an error is replaced by a new one over the same loaded weights, with a new
     cache (the old cache's memory is freed once nothing holds the old engine).
+
+    With ``tensor_parallel=N`` (N > 1) the engine's model is split over N processes of this
+    host that the engine starts (this one is rank 0) and ends when it is closed (at the
+    latest when the process exits); such an engine loads its own weights, and a process runs
+    one at a time (RuntimeError while another runs). ValueError when the model does not split
+    over N ranks.
     """
     opts = options.pop("engine_options", None) or EngineOptions(**options)
     return _REGISTRY.get(model_dir, opts)

@@ -27,15 +27,14 @@ from dyngen_core.engine.results import EosReason, GeneratorStats, Result, stream
 from dyngen_core.engine.scheduler import Scheduler
 from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.errors import JobError, JobTooLargeError
-from dyngen_core.kv.attention import AttentionBackend, get_backend
+from dyngen_core.kv.attention import AttentionBackend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.runtime.generate import run_generate
 from dyngen_core.runtime.overlap import InFlight, TokenFeed, token_feed
-from dyngen_core.runtime.runner import ModelRunner
 from dyngen_core.runtime.speculator import Speculator, build_speculator
-from dyngen_core.runtime.tensor_parallel import BroadcastRunner, RunnerOptions
-from dyngen_core.runtime.workers import TensorParallelWorkers, WorkerSpec
+from dyngen_core.runtime.tensor_parallel import BroadcastRunner, build_runner
+from dyngen_core.runtime.workers import TensorParallelWorkers, WorkerSpec, workers_for
 from dyngen_core.sampling.step import SampledStep, StepSampler
 from dyngen_core.text.detokenize import TokenPieces
 from dyngen_core.text.stop import StopIndexes
@@ -128,7 +127,7 @@ class DynamicGenerator:
         self._scheduler = Scheduler(cache.config, SchedulerConfig(
             max_batch_size=max_batch_size, max_chunk_size=max_chunk_size, dedup=dedup,
             prompt_cache=prompt_cache))
-        self._runner = _build_runner(model, cache, attention_backend, cuda_graphs=cuda_graphs,
+        self._runner = build_runner(model, cache, attention_backend, cuda_graphs=cuda_graphs,
                                      max_batch_size=max_batch_size, compile_decode=compile_decode,
                                      skinny_matmul_rows=skinny_matmul_rows)
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(
@@ -161,13 +160,12 @@ class DynamicGenerator:
 
         tensor_parallel: split the model over that many processes of this host, one per GPU
             (`model.parallel`): this process becomes rank 0 and starts the others
-            (`workers.TensorParallelWorkers`); `close` ends them. The draft model stays whole
-            on rank 0."""
-        workers = None
-        if tensor_parallel > 1:
-            workers = TensorParallelWorkers.start(tensor_parallel, WorkerSpec(
-                Path(model_dir), device, dtype, cache_tokens, cache_mode))
-        try:
+            (`workers.workers_for`); `close` ends them. The draft model stays whole on rank
+            0. ValueError, before any process starts, for a value below 1 or one the model
+            cannot be split over (heads or intermediate size that do not divide; on CUDA,
+            more ranks than visible GPUs)."""
+        spec = WorkerSpec(Path(model_dir), device, dtype, cache_tokens, cache_mode)
+        with workers_for(tensor_parallel, spec) as workers:
             model = Model.load(model_dir, device=device, dtype=dtype, progress=progress,
                                tensor_parallel=tensor_parallel)
             cache = Cache(model, max_tokens=cache_tokens, mode=cache_mode)
@@ -176,10 +174,6 @@ class DynamicGenerator:
                                                     dtype=model.dtype, progress=progress)
             generator = cls(model=model, cache=cache,
                             tokenizer=Tokenizer.from_model_dir(model_dir), **options)
-        except BaseException:
-            if workers is not None:
-                workers.kill()
-            raise
         generator._workers = workers
         return generator
 
@@ -584,21 +578,3 @@ class DynamicGenerator:
         order). See `dyngen_core.runtime.generate.run_generate` for every keyword argument."""
         return run_generate(self, prompt, max_new_tokens, **kwargs)
 
-
-def _build_runner(model: Model, cache: Cache, attention_backend: str | AttentionBackend, *,
-                  cuda_graphs: bool, max_batch_size: int, compile_decode: bool,
-                  skinny_matmul_rows: int | None) -> ModelRunner | BroadcastRunner:
-    """The target's runner: a `ModelRunner`, or for a split model, rank 0's `BroadcastRunner`
-    (which needs the attention backend by name, to build the same one on every rank)."""
-    if model.parallel.size == 1:
-        return ModelRunner(
-            model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
-            max_batch_size=max_batch_size, compile_decode=compile_decode,
-            skinny_matmul_rows=skinny_matmul_rows,
-        )
-    if not isinstance(attention_backend, str):
-        raise ValueError("a tensor-parallel model takes the attention backend by name "
-                         "(\"auto\", \"sdpa\", \"triton\", \"flash\"): every rank builds its own")
-    options = RunnerOptions(attention_backend, cuda_graphs, max_batch_size, compile_decode,
-                            skinny_matmul_rows)
-    return BroadcastRunner(model, cache, options)

@@ -6,23 +6,31 @@ other ranks before running it. The other ranks run `serve_tensor_parallel_worker
 receives each plan and runs the same `ModelRunner` forward over their shard of the model and
 cache, so every collective of the forward meets its partner. Only rank 0 gets logits and
 samples; a decode input that is still on rank 0's device (an overlapped step's sampled token,
-`overlap.TokenFeed`) reaches the other ranks by a device broadcast, without waiting on the
-host.
+`overlap.TokenFeed`) reaches the other ranks inside the step's message on the CPU, and by a
+device broadcast on a GPU (without waiting on the host).
 
 Messages travel over the group's gloo ``control`` group (host memory): first the runner's
 options (so that every rank builds the same runner and captures the same CUDA graphs), then
-one `StepMessage` per step, then None to stop.
+one step per message, then a stop. A step is one broadcast of a fixed-size int64 tensor: the
+plan's words (`engine.plan_codec`), the fed targets and, when the sampled ids are on the CPU,
+their values (a second broadcast carries the rest of a message longer than the tensor). On a
+GPU the fed values follow as a device broadcast instead. A decode step thus costs one
+collective on the host instead of three (``broadcast_object_list``'s two, around pickling,
+then the fed ids'): 2-7 times less time on the dev CPU (BENCHMARKS.md, "Tensor-parallel plan
+broadcast").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
 from dyngen_core.engine.plan import StepPlan
-from dyngen_core.kv.attention import get_backend
+from dyngen_core.engine.plan_codec import decode_plan, encode_plan
+from dyngen_core.kv.attention import AttentionBackend, get_backend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.model.parallel import TensorParallel
@@ -49,40 +57,150 @@ class RunnerOptions:
             compile_decode=self.compile_decode, skinny_matmul_rows=self.skinny_matmul_rows)
 
 
+# Words in a message's first broadcast: a decode step of 64 jobs fits (8 KiB cost about what
+# one word costs over gloo); a longer message sends the rest in a second broadcast.
+FIRST_WORDS = 1024
+
+
+class _Kind(IntEnum):
+    STOP = 0
+    STEP = 1
+
+
+class _Feed(IntEnum):
+    """Where a step's fed values are: none, in the message, or in a device broadcast."""
+
+    NONE = 0
+    INLINE = 1
+    DEVICE = 2
+
+
+# Message header: [total words, kind, feed mode, feed length].
+_HEADER = 4
+
+
 @dataclass(frozen=True)
 class StepMessage:
-    """One step for the other ranks: the plan, and where its fed inputs go (``feed_targets``,
-    None without a feed; the values follow as a device broadcast of ``feed_dtype``)."""
+    """One step for the other ranks: the plan, where its fed inputs go (``feed_targets``), and
+    their values when they came in the message (``feed_values``; None with ``on_device``: a
+    device broadcast of int64 follows)."""
 
     plan: StepPlan
     feed_targets: list[int] | None = None
-    feed_dtype: torch.dtype | None = None
+    feed_values: list[int] | None = None
+    on_device: bool = False
 
 
 class StepChannel:
-    """Rank 0 -> every other rank, in order: host objects over the group's control group."""
+    """Rank 0 -> every other rank, in order, over the group's control group: the runner
+    options once (an object), then steps and a stop (int64 tensors)."""
 
     def __init__(self, parallel: TensorParallel) -> None:
         if parallel.size < 2:
             raise ValueError("a StepChannel joins two or more ranks; this model is not split")
         self.parallel = parallel
         self._source = 0 if parallel.control is None else dist.get_global_rank(parallel.control, 0)
+        self._first = torch.zeros(FIRST_WORDS, dtype=torch.int64)
 
-    def send(self, message: object) -> None:
-        """Rank 0: hand ``message`` to every other rank."""
-        dist.broadcast_object_list([message], src=self._source, group=self.parallel.control)
+    def send_options(self, options: RunnerOptions) -> None:
+        """Rank 0: hand the runner options to every other rank."""
+        dist.broadcast_object_list([options], src=self._source, group=self.parallel.control)
 
-    def receive(self) -> object:
-        """Other ranks: the next message rank 0 sent (blocks until it comes)."""
+    def receive_options(self) -> object:
+        """Other ranks: the options rank 0 sent (checked by the caller)."""
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=self._source, group=self.parallel.control)
         return box[0]
+
+    def send_step(self, plan: StepPlan, feed: TokenFeed | None) -> None:
+        """Rank 0: send ``plan`` and its feed (values on the CPU go in the message; on a
+        device, by a device broadcast after it)."""
+        words = [0, _Kind.STEP.value, _Feed.NONE.value, 0]
+        encode_plan(plan, words)
+        values = None
+        if feed is not None:
+            values = _fed_values(feed)
+            words[3] = len(feed.targets)
+            words += feed.targets
+            if values.device.type == "cpu":
+                words[2] = _Feed.INLINE.value
+                words += values.tolist()
+                values = None
+            else:
+                words[2] = _Feed.DEVICE.value
+        self._send_words(words)
+        if values is not None:
+            self.broadcast_tensor(values.to(torch.int64))
+
+    def send_stop(self) -> None:
+        """Rank 0: end the other ranks' loops."""
+        self._send_words([0, _Kind.STOP.value, _Feed.NONE.value, 0])
+
+    def receive(self) -> StepMessage | None:
+        """Other ranks: the next step rank 0 sent (blocks until it comes), None for a stop. A
+        step ``on_device`` is followed by its fed values' device broadcast, which the caller
+        receives next (`broadcast_tensor`)."""
+        words = self._receive_words()
+        if words[1] == _Kind.STOP:
+            return None
+        if words[1] != _Kind.STEP:
+            raise RuntimeError(f"rank 0 sent a message of kind {words[1]} where a step comes; "
+                               "every rank must run the same dyngen version")
+        plan, at = decode_plan(words, _HEADER)
+        mode, count = words[2], words[3]
+        if mode == _Feed.NONE:
+            return StepMessage(plan)
+        targets = words[at:at + count]
+        if mode == _Feed.INLINE:
+            return StepMessage(plan, targets, words[at + count:at + 2 * count])
+        return StepMessage(plan, targets, None, on_device=True)
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> None:
         """Rank 0's ``tensor`` into every other rank's ``tensor`` (same shape and dtype), over
         the device group (on CUDA, NCCL: no host wait)."""
         source = 0 if self.parallel.group is None else dist.get_global_rank(self.parallel.group, 0)
         dist.broadcast(tensor, src=source, group=self.parallel.group)
+
+    def _send_words(self, words: list[int]) -> None:
+        words[0] = len(words)
+        head = min(len(words), FIRST_WORDS)
+        self._first[:head] = torch.tensor(words[:head], dtype=torch.int64)
+        self._broadcast(self._first)
+        if len(words) > FIRST_WORDS:
+            self._broadcast(torch.tensor(words[FIRST_WORDS:], dtype=torch.int64))
+
+    def _receive_words(self) -> list[int]:
+        self._broadcast(self._first)
+        total = int(self._first[0])
+        words: list[int] = self._first[:min(total, FIRST_WORDS)].tolist()
+        if total > FIRST_WORDS:
+            rest = torch.empty(total - FIRST_WORDS, dtype=torch.int64)
+            self._broadcast(rest)
+            words += rest.tolist()
+        return words
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=self._source, group=self.parallel.control)
+
+
+def build_runner(model: Model, cache: Cache, attention_backend: str | AttentionBackend, *,
+                 cuda_graphs: bool, max_batch_size: int, compile_decode: bool,
+                 skinny_matmul_rows: int | None) -> ModelRunner | BroadcastRunner:
+    """A generator's runner for its target model: a `ModelRunner`, or for a split model, rank
+    0's `BroadcastRunner` (which needs the attention backend by name, to build the same one on
+    every rank: ValueError otherwise)."""
+    if model.parallel.size == 1:
+        return ModelRunner(
+            model, cache, get_backend(attention_backend, model.device), cuda_graphs=cuda_graphs,
+            max_batch_size=max_batch_size, compile_decode=compile_decode,
+            skinny_matmul_rows=skinny_matmul_rows,
+        )
+    if not isinstance(attention_backend, str):
+        raise ValueError("a tensor-parallel model takes the attention backend by name "
+                         "(\"auto\", \"sdpa\", \"triton\", \"flash\"): every rank builds its own")
+    options = RunnerOptions(attention_backend, cuda_graphs, max_batch_size, compile_decode,
+                            skinny_matmul_rows)
+    return BroadcastRunner(model, cache, options)
 
 
 class BroadcastRunner:
@@ -97,7 +215,7 @@ class BroadcastRunner:
                 "only rank 0 builds the DynamicGenerator"
             )
         self.channel = StepChannel(model.parallel)
-        self.channel.send(options)  # before our runner: both ranks capture graphs together
+        self.channel.send_options(options)  # before our runner: both ranks capture graphs together
         self.runner = options.build(model, cache)
         self.closed = False
 
@@ -105,19 +223,14 @@ class BroadcastRunner:
         if self.closed:
             raise RuntimeError("this generator was closed (its tensor-parallel workers have "
                                "stopped); build a new one")
-        if feed is None:
-            self.channel.send(StepMessage(plan))
-        else:
-            values = _fed_values(feed)
-            self.channel.send(StepMessage(plan, feed.targets, values.dtype))
-            self.channel.broadcast_tensor(values)
+        self.channel.send_step(plan, feed)
         return self.runner.run(plan, feed)
 
     def close(self) -> None:
         """Stop the other ranks' loops (once)."""
         if not self.closed:
             self.closed = True
-            self.channel.send(None)
+            self.channel.send_stop()
 
 
 def serve_tensor_parallel_worker(model: Model, cache: Cache) -> int:
@@ -129,15 +242,13 @@ def serve_tensor_parallel_worker(model: Model, cache: Cache) -> int:
         raise ValueError("serve_tensor_parallel_worker runs on ranks 1 and up of a model "
                          "loaded with tensor_parallel > 1; rank 0 builds the generator")
     channel = StepChannel(parallel)
-    options = channel.receive()
+    options = channel.receive_options()
     if not isinstance(options, RunnerOptions):
         raise RuntimeError(f"rank 0 sent {type(options).__name__} where the runner options "
                            "come first; every rank must run the same dyngen version")
     runner = options.build(model, cache)
     steps = 0
     while (message := channel.receive()) is not None:
-        if not isinstance(message, StepMessage):
-            raise RuntimeError(f"rank 0 sent {type(message).__name__} where a step comes")
         runner.run(message.plan, _received_feed(channel, message, model.device))
         steps += 1
     return steps
@@ -153,11 +264,16 @@ def _fed_values(feed: TokenFeed) -> torch.Tensor:
 
 def _received_feed(channel: StepChannel, message: StepMessage,
                    device: torch.device) -> TokenFeed | None:
-    """The feed of a received step, its values taken from rank 0's broadcast."""
+    """The feed of a received step: its values from the message, or from rank 0's device
+    broadcast."""
     targets = message.feed_targets
-    if targets is None or message.feed_dtype is None:
+    if targets is None:
         return None
-    values = torch.empty(len(targets), dtype=message.feed_dtype, device=device)
-    channel.broadcast_tensor(values)
+    if message.on_device:
+        values = torch.empty(len(targets), dtype=torch.int64, device=device)
+        channel.broadcast_tensor(values)
+    else:
+        assert message.feed_values is not None
+        values = torch.tensor(message.feed_values, dtype=torch.int64, device=device)
     rows = list(range(len(targets)))
     return TokenFeed(values, targets, rows, in_order=targets == rows)

@@ -13,6 +13,8 @@ import datetime
 import multiprocessing
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -20,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dyngen_core.config import ModelConfig
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.model.model import resolve_device
-from dyngen_core.model.parallel import backend_for
+from dyngen_core.model.parallel import backend_for, check_tensor_parallel
 from dyngen_core.runtime.tensor_parallel import serve_tensor_parallel_worker
 
 # How long a rank waits for the others to join the group or answer a collective.
@@ -98,6 +101,27 @@ class TensorParallelWorkers:
         if failed:
             raise RuntimeError(f"tensor-parallel worker rank(s) {failed} failed or hung "
                                "(their errors are on stderr)")
+
+
+@contextmanager
+def workers_for(size: int, spec: WorkerSpec) -> Iterator[TensorParallelWorkers | None]:
+    """The workers of a model split over ``size`` ranks, for the body that loads rank 0's
+    part and builds its generator: None for ``size == 1``; else, once `check_tensor_parallel`
+    has accepted ``size`` for the model of ``spec`` (ValueError naming tensor_parallel before
+    any process starts), ranks 1 .. size-1 started and this process joined as rank 0. If the
+    body raises, the workers are killed and the group left. The caller stops them later
+    (`TensorParallelWorkers.stop`)."""
+    if size == 1:
+        yield None
+        return
+    check_tensor_parallel(size, ModelConfig.from_model_dir(spec.model_dir),
+                          resolve_device(spec.device))
+    workers = TensorParallelWorkers.start(size, spec)
+    try:
+        yield workers
+    except BaseException:
+        workers.kill()
+        raise
 
 
 def _backend(spec: WorkerSpec) -> str:

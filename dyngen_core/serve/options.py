@@ -69,7 +69,7 @@ def serve_options(args: argparse.Namespace, model_dir: str) -> ServeOptions:
     """`ServeOptions` from parsed ``dyngen serve`` arguments (engine ones included)."""
     engine = {name: getattr(args, name) for name in ("device", "dtype", "cache_tokens",
                                                       "cache_mode", "max_batch_size",
-                                                      "max_chunk_size")
+                                                      "max_chunk_size", "tensor_parallel")
               if getattr(args, name, None) is not None}
     return ServeOptions(
         model_dir=model_dir,

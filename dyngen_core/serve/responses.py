@@ -34,12 +34,20 @@ _TINY = 1e-45
 
 @dataclass
 class ChoiceDelta:
-    """What one result added to a choice."""
+    """What one result added to a choice (a stream chunk's), or, added up with `add`, what
+    all of them did (a whole choice's)."""
 
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+
+    def add(self, later: ChoiceDelta) -> None:
+        """Append what ``later`` added (its finish reason, when it has one, ends the choice)."""
+        self.content += later.content
+        self.tool_calls += later.tool_calls
+        self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
 
 
 @dataclass
@@ -207,23 +215,17 @@ def chat_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
     return message
 
 
-def chat_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-               usage_: dict[str, Any] | None = None, with_usage: bool = False
-               ) -> dict[str, Any]:
-    """One ``chat.completion.chunk``."""
-    chunk: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk",
-                             "created": created, "model": model, "system_fingerprint": None,
-                             "choices": choices}
-    if with_usage:
-        chunk["usage"] = usage_
-    return chunk
+# The ``object`` of a streamed chunk, by endpoint.
+CHAT_CHUNK = "chat.completion.chunk"
+COMPLETION_CHUNK = "text_completion"
 
 
-def completion_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                     usage_: dict[str, Any] | None = None, with_usage: bool = False
-                     ) -> dict[str, Any]:
-    """One streamed ``text_completion`` object."""
-    chunk: dict[str, Any] = {"id": response_id, "object": "text_completion",
+def stream_chunk(object_type: str, response_id: str, created: int, model: str,
+                 choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None,
+                 with_usage: bool = False) -> dict[str, Any]:
+    """One streamed object, a `CHAT_CHUNK` or a `COMPLETION_CHUNK` (``object_type``); with
+    ``with_usage`` it carries ``usage_`` (null in every chunk but the last)."""
+    chunk: dict[str, Any] = {"id": response_id, "object": object_type,
                              "created": created, "model": model, "system_fingerprint": None,
                              "choices": choices}
     if with_usage:

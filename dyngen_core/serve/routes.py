@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -28,41 +28,25 @@ from dyngen_core.serve.jobs import PreparedPrompt, prepare_chat, prepare_complet
 from dyngen_core.serve.metrics import ServerMetrics
 from dyngen_core.serve.options import ServeOptions
 from dyngen_core.serve.responses import (
+    CHAT_CHUNK,
+    COMPLETION_CHUNK,
     ChoiceDelta,
     ChoiceOutput,
-    chat_chunk,
     chat_logprobs,
     chat_message,
-    completion_chunk,
     completion_logprobs,
     new_id,
     now,
+    stream_chunk,
     tool_call_dict,
     usage,
 )
 from dyngen_core.serve.schemas import ChatCompletionRequest, CompletionRequest
-from dyngen_core.tools import ToolCall
 
 logger = logging.getLogger(__name__)
 
 # The status of a request whose client left (nobody reads it; it shows in access logs).
 CLIENT_CLOSED = 499
-
-
-@dataclass
-class _Choice:
-    """A whole (non-streamed) choice, merged from its deltas."""
-
-    content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def add(self, delta: ChoiceDelta) -> None:
-        self.content += delta.content
-        self.calls += delta.tool_calls
-        self.logprobs += delta.logprobs
-        self.finish_reason = delta.finish_reason or self.finish_reason
 
 
 @dataclass
@@ -110,7 +94,7 @@ class GenerationRoutes:
         return JSONResponse({
             "id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
             "model": self.options.model_name, "system_fingerprint": None,
-            "choices": [{"index": i, "message": chat_message(c.content, c.calls),
+            "choices": [{"index": i, "message": chat_message(c.content, c.tool_calls),
                          "logprobs": chat_logprobs(c.logprobs if body.logprobs else None),
                          "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
             "usage": run.usage()})
@@ -164,9 +148,10 @@ class GenerationRoutes:
 
     # ---- whole answers -----------------------------------------------------------------------
 
-    async def _collect(self, run: _Run, request: Request) -> list[_Choice] | None:
-        """Every choice, whole; None when the client left first (the jobs are cancelled)."""
-        choices = [_Choice() for _ in run.outputs]
+    async def _collect(self, run: _Run, request: Request) -> list[ChoiceDelta] | None:
+        """Every choice, whole (its deltas added up); None when the client left first (the
+        jobs are cancelled)."""
+        choices = [ChoiceDelta() for _ in run.outputs]
 
         async def gather() -> None:
             async for index, result in run.running.results():
@@ -197,7 +182,8 @@ class GenerationRoutes:
         with_usage = body.include_usage
 
         def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
-            return _event(chat_chunk(response_id, created, model, choices, usage_, with_usage))
+            return _event(stream_chunk(CHAT_CHUNK, response_id, created, model, choices, usage_,
+                                       with_usage))
 
         def choice(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
             return _chat_delta(index, delta, run.outputs[index].num_calls, body.logprobs)
@@ -215,8 +201,8 @@ class GenerationRoutes:
         offsets = [0] * len(run.outputs)
 
         def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
-            return _event(completion_chunk(response_id, created, model, choices, usage_,
-                                           with_usage))
+            return _event(stream_chunk(COMPLETION_CHUNK, response_id, created, model, choices,
+                                       usage_, with_usage))
 
         def choice(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
             if not (delta.content or delta.finish_reason or delta.logprobs):

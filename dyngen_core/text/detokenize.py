@@ -66,14 +66,17 @@ class TokenPieces:
 
     tokenizer: anything with ``decode``.
     added_ids: ids of added (special or control) tokens, never put in the table.
-    num_ids: fill the table for ids ``0 .. num_ids - 1`` now (0: fill lazily, id by id, in
-        `lookup`).
+    num_ids: fill the table for ids ``0 .. num_ids - 1`` now; ids outside that range are then
+        never simple and never stored (a model may sample ids past its tokenizer's vocabulary,
+        from padded embedding rows, and the table is shared by every job: it must not grow).
+        0: fill lazily, id by id, in `lookup`, with no bound.
     """
 
     def __init__(self, tokenizer: Decoder, added_ids: Iterable[int] = (), *,
                  num_ids: int = 0) -> None:
         self._tokenizer = tokenizer
         self._added = frozenset(added_ids)
+        self._num_ids = num_ids
         # id -> (text after another token, text alone), or None when the id is not simple.
         self.table: dict[int, tuple[str, str] | None] = {}
         # The same two texts in lists indexed by id (None: not simple, or not filled yet): the
@@ -112,11 +115,12 @@ class TokenPieces:
                    num_ids=backend.get_vocab_size(with_added_tokens=True))
 
     def fill(self, token_ids: Iterable[int]) -> None:
-        """Put the entries of ``token_ids`` in the table (ids already there are kept)."""
+        """Put the entries of ``token_ids`` in the table (ids already there are kept, and ids
+        outside a filled table's range are left out)."""
         table, added, decode = self.table, self._added, self._tokenizer.decode
-        after, alone = self.after, self.alone
+        after, alone, num_ids = self.after, self.alone, self._num_ids
         for token_id in token_ids:
-            if token_id in table:
+            if token_id in table or num_ids and not 0 <= token_id < num_ids:
                 continue
             entry = table[token_id] = None if token_id in added else _entry(
                 decode([token_id]), decode([token_id, token_id]))
@@ -133,7 +137,7 @@ class TokenPieces:
         if cached is not _UNSEEN:
             return cached  # type: ignore[return-value]
         self.fill((token_id,))
-        return self.table[token_id]
+        return self.table.get(token_id)  # absent: outside a filled table's range
 
 
 def _entry(alone: str, twice: str) -> tuple[str, str] | None:

@@ -1,19 +1,24 @@
 """Reading tool calls out of model output, whole or as it streams (see `dyngen_core.text.tools` for
-the output format). Pure Python."""
+the output format, `dyngen_core.text.tool_formats` for the models' own formats). Pure Python."""
 
 from __future__ import annotations
 
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dyngen_core.errors import JobError
-
-_TAG_OPEN = "<tool_call>"
-_TAG_CLOSE = "</tool_call>"
+from dyngen_core.text.tool_formats import (
+    ARGS_TAG,
+    MISTRAL_TAG,
+    TAG_CLOSE,
+    TAG_OPEN,
+    ToolFormat,
+    markers_read,
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,12 @@ def call_dict(call: Mapping[str, Any]) -> dict[str, Any]:
     return {"name": function["name"], "arguments": arguments}
 
 
+_FENCE = "```"
+# The longest tool name read between [TOOL_CALLS] and [ARGS] (Mistral v11) before the call is
+# given up as invalid.
+_NAME_LIMIT = 256
+
+
 @dataclass
 class ToolStreamDelta:
     """What one `ToolCallParser.push` (or `finish`) revealed: text to show and calls completed."""
@@ -62,91 +73,6 @@ class ToolStreamDelta:
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     invalid: list[InvalidToolCall] = field(default_factory=list)
-
-
-_PYTHON_TAG = "<|python_tag|>"
-_MISTRAL_TAG = "[TOOL_CALLS]"
-_ARGS_TAG = "[ARGS]"
-_FENCE = "```"
-# The markers each format's calls start with; formats without one of their own read them all.
-_MARKERS = {"hermes": (_TAG_OPEN,), "llama": (_PYTHON_TAG,), "mistral": (_MISTRAL_TAG,),
-            "mistral_v11": (_MISTRAL_TAG,)}
-_ALL_MARKERS = (_TAG_OPEN, _PYTHON_TAG, _MISTRAL_TAG)
-FORMAT_NAMES = ("json", "hermes", "llama", "mistral", "mistral_v11")
-# The longest tool name read between [TOOL_CALLS] and [ARGS] (Mistral v11) before the call is
-# given up as invalid.
-_NAME_LIMIT = 256
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    """How a model writes tool calls, as its chat template shows it (`tool_format_for`).
-
-    name: "hermes" (``<tool_call>{...}</tool_call>`` blocks: Qwen2/2.5/3, Hermes), "llama" (a
-    bare ``{"name", "parameters"}`` object, maybe after ``<|python_tag|>``: Llama 3.1-3.3),
-    "mistral" (``[TOOL_CALLS]`` then a JSON list of calls: Mistral v3/v7 templates),
-    "mistral_v11" (``[TOOL_CALLS]name[ARGS]{arguments}`` per call, back to back: the newer
-    Mistral templates), or "json" (no format of its own: dyngen's JSON call list, the fallback
-    prompt's format).
-    marker_id, end_id, args_id: the ids of the marker that opens a call, of ``</tool_call>``
-    (hermes) and of ``[ARGS]`` (mistral_v11), where each is one token of the vocabulary, else
-    None.
-    """
-
-    name: str = "json"
-    marker_id: int | None = None
-    end_id: int | None = None
-    args_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.name not in FORMAT_NAMES:
-            raise JobError(f"unknown tool call format {self.name!r}; use one of "
-                           f"{', '.join(map(repr, FORMAT_NAMES))}")
-
-    @property
-    def marker(self) -> str | None:
-        """The text that opens a call in this format, or None ("json")."""
-        markers = _MARKERS.get(self.name)
-        return markers[0] if markers else None
-
-    @property
-    def closer(self) -> str | None:
-        """The text that closes a call in this format (``</tool_call>``), or None."""
-        return _TAG_CLOSE if self.name == "hermes" else None
-
-    @property
-    def args_marker(self) -> str | None:
-        """The text between a call's name and its arguments (``[ARGS]``), or None."""
-        return _ARGS_TAG if self.name == "mistral_v11" else None
-
-    @property
-    def marker_ids(self) -> tuple[int, ...]:
-        """The token ids of this format's markers that are single tokens."""
-        ids = (self.marker_id, self.end_id, self.args_id)
-        return tuple(i for i in ids if i is not None)
-
-
-def tool_format_for(template: str | None,
-                    piece_to_id: Callable[[str], int | None] | None = None) -> ToolFormat:
-    """The tool call format a chat template teaches, read from the template's text:
-    ``[TOOL_CALLS]`` is Mistral's (with ``[ARGS]`` too, Mistral v11's), ``<tool_call>``
-    Hermes' (Qwen), ``<|python_tag|>`` or Llama's ``"parameters"`` instruction Llama's; a
-    template that renders no tools, or none of these, gets "json". ``piece_to_id`` (a
-    tokenizer's) finds the markers' token ids."""
-    if not template or not re.search(r"\btools\b", template):
-        return ToolFormat()
-    if _MISTRAL_TAG in template:
-        name = "mistral_v11" if _ARGS_TAG in template else "mistral"
-    elif _TAG_OPEN in template:
-        name = "hermes"
-    elif _PYTHON_TAG in template or '"parameters": dictionary of argument' in template:
-        name = "llama"
-    else:
-        return ToolFormat()
-    marker = _MARKERS[name][0]
-    lookup = piece_to_id or (lambda _piece: None)
-    return ToolFormat(name, lookup(marker), lookup(_TAG_CLOSE) if name == "hermes" else None,
-                      lookup(_ARGS_TAG) if name == "mistral_v11" else None)
 
 
 class ToolCallParser:
@@ -170,13 +96,12 @@ class ToolCallParser:
     def __init__(self, tool_names: Iterable[str] | None = None,
                  tool_format: ToolFormat | None = None) -> None:
         self._names = frozenset(tool_names) if tool_names is not None else None
-        own = _MARKERS.get(tool_format.name) if tool_format is not None else None
-        self._markers = own or _ALL_MARKERS
+        self._markers = markers_read(tool_format)
         self._named_calls = tool_format is not None and tool_format.name == "mistral_v11"
         self._named: _NamedCall | None = None
         # After a marked call: spaces are held, shown only if text follows (not another call).
         self._after_call = False
-        self._longest = max(len(m) for m in (*self._markers, _TAG_CLOSE))
+        self._longest = max(len(m) for m in (*self._markers, TAG_CLOSE))
         self._pending = ""       # text not yet classified or not yet released
         self._mode = "start"     # "start", "text", "json", "tag", "fence", "named"
         # While only spaces came ("start") or a <tool_call> block is open ("tag"), pushed text
@@ -199,7 +124,7 @@ class ToolCallParser:
             pass
         if (self._mode in ("start", "tag") or self._after_call) and self._pending:
             self._waiting, self._pending = [self._pending], ""
-            self._last = self._waiting[0][-len(_TAG_CLOSE):]
+            self._last = self._waiting[0][-len(TAG_CLOSE):]
         self.calls += delta.calls
         self.invalid += delta.invalid
         return delta
@@ -210,14 +135,14 @@ class ToolCallParser:
         if self._mode == "start":
             waiting = not text.strip()
         elif self._mode == "tag":
-            waiting = _TAG_CLOSE not in self._last + text
+            waiting = TAG_CLOSE not in self._last + text
         elif self._after_call:
             waiting = not text.strip()
         else:
             return False
         if waiting:
             self._waiting.append(text)
-            self._last = (self._last + text)[-len(_TAG_CLOSE):]
+            self._last = (self._last + text)[-len(TAG_CLOSE):]
         return waiting
 
     def finish(self) -> ToolStreamDelta:
@@ -280,10 +205,10 @@ class ToolCallParser:
             self._pending, self._mode = self._fence.raw(), "text"
             return True
         if self._mode == "tag":
-            end = self._pending.find(_TAG_CLOSE)
+            end = self._pending.find(TAG_CLOSE)
             if end < 0:
                 return False
-            body, self._pending = self._pending[:end], self._pending[end + len(_TAG_CLOSE):]
+            body, self._pending = self._pending[:end], self._pending[end + len(TAG_CLOSE):]
             self._mode, self._after_call = "text", True
             try:
                 delta.calls += _calls_from_value(_loads_call(body))
@@ -314,7 +239,7 @@ class ToolCallParser:
     def _open_marker(self, marker: str, rest: str) -> None:
         """A call marker was read; ``rest`` is the text after it."""
         self._pending = rest
-        if marker == _TAG_OPEN:
+        if marker == TAG_OPEN:
             self._mode = "tag"
         elif self._named_calls:  # [TOOL_CALLS]name[ARGS]{...}
             self._mode, self._named = "named", _NamedCall()
@@ -483,16 +408,16 @@ class _NamedCall:
     def raw(self) -> str:
         """The call's text as read (for an invalid call)."""
         if self._args is None or not self._marked:
-            return _MISTRAL_TAG + self._name + _joined(self._args or [])
-        return f"{_MISTRAL_TAG}{self._name}{_ARGS_TAG}{_joined(self._args)}"
+            return MISTRAL_TAG + self._name + _joined(self._args or [])
+        return f"{MISTRAL_TAG}{self._name}{ARGS_TAG}{_joined(self._args)}"
 
     def feed(self, text: str) -> str | None:
         """Add output; the text after the call once it is complete, else None."""
         if self._args is None:
             self._name += text
-            args_at, brace_at = self._name.find(_ARGS_TAG), self._name.find("{")
+            args_at, brace_at = self._name.find(ARGS_TAG), self._name.find("{")
             if args_at >= 0 and (brace_at < 0 or args_at < brace_at):
-                text = self._name[args_at + len(_ARGS_TAG):]
+                text = self._name[args_at + len(ARGS_TAG):]
                 self._name, self._marked = self._name[:args_at], True
             elif brace_at >= 0:
                 text, self._name = self._name[brace_at:], self._name[:brace_at]

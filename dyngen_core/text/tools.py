@@ -1,6 +1,7 @@
 """Tool calling for every front end: tool specs, tool_choice, the prompt, the output format and
-the constraint that forces calls. The parser that reads calls out of model output (whole or
-streamed) lives in `dyngen_core.text.tool_parser` and is re-exported here.
+the constraint that forces calls. The models' own call formats live in
+`dyngen_core.text.tool_formats`, the parser that reads calls out of model output (whole or
+streamed) in `dyngen_core.text.tool_parser`; both are re-exported here.
 
 Framework-neutral and pure Python (no torch, no LangChain, no LlamaIndex): the adapters convert
 their own tool and message types to the plain dicts used here.
@@ -31,16 +32,15 @@ from typing import Any
 from dyngen_core.errors import JobError
 from dyngen_core.text.constraints import Constraint
 from dyngen_core.text.tokenizer import Tokenizer
+from dyngen_core.text.tool_formats import ToolFormat, tool_format_for
 from dyngen_core.text.tool_parser import (
     InvalidToolCall,
     ToolCall,
     ToolCallParser,
-    ToolFormat,
     ToolStreamDelta,
     call_dict,
     new_call_id,
     parse_tool_calls,
-    tool_format_for,
 )
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")

@@ -155,22 +155,26 @@ def _cos_sin(tokens: int, dim: int, dtype: torch.dtype,
 def test_rotary_equals_the_torch_ops(device: torch.device, dtype: torch.dtype, dim: int,
                                      tokens: int) -> None:
     """q and k heads as one strided view of the fused q/k/v rows (what `Attention` passes),
-    and a contiguous head set; on CUDA bit for bit (same roundings, no sums to reorder)."""
+    and a contiguous head set: against float64, at least as close as the torch ops (the kernel
+    rounds each product like them, unless the compiler keeps a product in float32)."""
     heads, kv_heads = 32, 8
     qkv = _randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, device=device, seed=dim,
                  scale=4.0)
     cos, sin = _cos_sin(tokens, dim, dtype, device)
     q_k = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
     for x in (q_k, q_k[:, heads:].contiguous()):
-        y = fo.rotary(x, cos, sin, fused=True)
-        reference = fo.rotary_torch(x, cos, sin)
-        assert y.is_contiguous() and y.shape == x.shape
-        if device.type == "cuda" or dtype == torch.float16:
-            assert torch.equal(y, reference)
-        # The interpreter truncates to bf16, and the sum cancels: an element can be off by a
-        # unit of its terms' last place, not of its own, so bf16 is checked as a whole there.
-        error = ((y.double() - reference.double()).norm() / reference.double().norm()).item()
-        assert error < 1e-2, f"relative error {error}"
+        _assert_rotary_close(fo.rotary(x, cos, sin, fused=True), x, cos, sin)
+
+
+def _assert_rotary_close(y: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> None:
+    assert y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype
+    exact = fo.rotary_torch(x.double(), cos.double(), sin.double())
+    ours, torch_ops = (((out.double() - exact).norm() / exact.norm()).item()
+                       for out in (y, fo.rotary_torch(x, cos, sin)))
+    # The interpreter truncates to bf16 (`_assert_rounds_like`).
+    bound = 1e-2 if interpreter_mode() and x.dtype == torch.bfloat16 else 1.25 * torch_ops
+    assert ours <= bound + 1e-7, f"relative error {ours} (torch ops {torch_ops})"
 
 
 def test_rotary_launch_shapes(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -179,7 +183,7 @@ def test_rotary_launch_shapes(device: torch.device, monkeypatch: pytest.MonkeyPa
     cos, sin = _cos_sin(5, 32, torch.float16, device)
     for elements in (32, 128, 4096):
         monkeypatch.setattr(fo, "ROTARY_PROGRAM_ELEMENTS", elements)
-        assert torch.equal(fo.launch_rotary(x, cos, sin), fo.rotary_torch(x, cos, sin))
+        _assert_rotary_close(fo.launch_rotary(x, cos, sin), x, cos, sin)
 
 
 def _recorder(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
@@ -290,8 +294,8 @@ def _random_model(device: torch.device, dtype: torch.dtype) -> Model:
 def test_model_with_kernels_matches_the_torch_ops(device: torch.device, dtype: torch.dtype,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A 2-layer Qwen3 (per-head q/k norms) over a 37-token prompt: every norm, residual add,
-    SiLU-and-mul and rotation through the kernels, hidden states as with the torch ops (in bf16 under
-    the interpreter, which truncates to bf16, a few units of the last place apart)."""
+    SiLU-and-mul and rotation through the kernels, hidden states as with the torch ops (in bf16
+    under the interpreter, which truncates to bf16, a few units of the last place apart)."""
     model = _random_model(device, dtype)
     cache = Cache(model, max_tokens=512)
     plan = StepPlan([SequenceSlice(0, list(range(1, 38)), 0, [1], sample=True)])

@@ -1,8 +1,8 @@
 """Routing of the matrix products between ``F.linear`` and the Triton skinny matmul, on the CPU:
 which products take the kernel (checked on fake CUDA tensors, so no GPU is needed), that CPU
-products give ``F.linear``'s values (few rows through `cpu_linear`, more exactly), how the option reaches every layer through
-`Model.set_skinny_matmul` and the runner, and the custom op's fake implementation under
-symbolic shapes (torch.export)."""
+products give ``F.linear``'s values (few rows through `cpu_linear`, more exactly), how the
+option reaches every layer through `Model.set_skinny_matmul` and the runner, and the custom
+op's fake implementation under symbolic shapes (torch.export)."""
 
 from __future__ import annotations
 

@@ -58,6 +58,7 @@ def test_a_greedy_chat_reply_is_the_engines_and_streams_the_same(
         model=MODEL, messages=QUESTION, max_tokens=10, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     usage = chunks[-1].usage
@@ -119,9 +120,10 @@ def test_completions_take_several_prompts_and_stream(client: Any) -> None:
     assert all(len(c.logprobs.tokens) == 6 for c in reply.choices)
     assert reply.choices[0].logprobs.tokens[0] in reply.choices[0].text
     assert reply.usage.completion_tokens == 12
-    streamed = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6,
-                                         temperature=0, stream=True)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6,
+                                              temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+    assert {c.object for c in streamed} == {"text_completion"}
 
 
 def test_a_prompt_of_token_ids_and_ignore_eos(client: Any, engine: BackgroundGenerator

@@ -125,6 +125,23 @@ def test_filled_table_equals_the_lazy_lookups(name: str) -> None:
     assert any(entry is not None for entry in filled.table.values())
 
 
+def test_ids_past_the_vocabulary_leave_a_filled_table_as_it_is() -> None:
+    """A model may sample ids past its tokenizer's vocabulary (padded embedding rows); the
+    table every job shares stays the vocabulary's, and such ids take the slow path."""
+    tokenizer = byte_level()
+    pieces = TokenPieces.build(tokenizer)  # a table of this test's own, like the shared one
+    assert pieces is not None
+    size = tokenizer.vocab_size
+    ids = tokenizer.encode("hello world") + [size, size + 3, -1] + tokenizer.encode(" again")
+    assert [pieces.lookup(i) for i in (size, size + 3, -1)] == [None] * 3
+    pieces.fill([size + 7])
+    detok = IncrementalDetokenizer(tokenizer, pieces=pieces)
+    assert "".join(_chunks(detok, [i for i in ids if i >= 0], True)) == tokenizer.decode(
+        [i for i in ids if i >= 0])
+    assert sorted(pieces.table) == list(range(size))
+    assert len(pieces.after) == len(pieces.alone) == size
+
+
 def _with_decoder(decoder: Any) -> Tokenizer:
     data = json.loads(byte_level().backend.to_str())
     data["decoder"] = json.loads(decoder.__getstate__())

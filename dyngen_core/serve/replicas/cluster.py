@@ -19,19 +19,20 @@ logger = logging.getLogger(__name__)
 APP_NAME = "dyngen"
 
 
-def gpus_per_replica(options: ReplicaOptions) -> float:
-    """The GPUs each replica reserves: the option when given, else 1 when the connected Ray
-    cluster has GPUs (one engine per GPU), else 0."""
+def gpus_per_replica(options: ReplicaOptions, tensor_parallel: int = 1) -> float:
+    """The GPUs each replica reserves: the option when given, else ``tensor_parallel`` (one
+    per rank of the replica's engine) when the connected Ray cluster has GPUs, else 0."""
     if options.gpus_per_replica is not None:
         return options.gpus_per_replica
-    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    return float(tensor_parallel) if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
 def deploy(serve_options: ServeOptions, replica_options: ReplicaOptions) -> None:
     """Deploy the replicas on the connected Ray cluster (``ray.init`` was called), with Serve's
     proxy listening on the server's host and port; returns once every replica is up."""
     serve.start(http_options={"host": serve_options.host, "port": serve_options.port})
-    app = build_replicas_app(serve_options, replica_options, gpus_per_replica(replica_options))
+    gpus = gpus_per_replica(replica_options, serve_options.engine_options.tensor_parallel)
+    app = build_replicas_app(serve_options, replica_options, gpus)
     serve.run(app, name=APP_NAME, route_prefix="/")
 
 

@@ -27,8 +27,8 @@ class ReplicaOptions:
     imbalance_threshold: page-hash routing falls back to the least-loaded replica when the
         longest and the shortest replica queue (ongoing requests) differ by more than this.
     cpus_per_replica: CPUs Ray reserves for each replica (its torch threads on CPU).
-    gpus_per_replica: GPUs Ray reserves for each replica; None: 1 when the cluster has GPUs,
-        else 0.
+    gpus_per_replica: GPUs Ray reserves for each replica; None: the engine's tensor_parallel
+        (1 by default) when the cluster has GPUs, else 0.
     ray_address: the Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None:
         $RAY_ADDRESS when set, else a new local Ray instance.
     max_ongoing_requests: the most requests Ray Serve sends one replica at once (the rest wait
@@ -72,7 +72,8 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                        f"{DEFAULT_IMBALANCE_THRESHOLD})")
     group.add_argument("--cpus-per-replica", type=float, default=1.0)
     group.add_argument("--gpus-per-replica", type=float, default=None,
-                       help="default: 1 when the Ray cluster has GPUs, else 0")
+                       help="default: --tensor-parallel (1) when the Ray cluster has GPUs, "
+                       "else 0")
     group.add_argument("--ray-address", default=None,
                        help=f"Ray cluster to join (default: ${RAY_ADDRESS_ENV} when set, else "
                        "a new local Ray instance)")

@@ -95,9 +95,11 @@ class ChatDynGen(BaseChatModel):
         streaming: make invoke stream internally (so callbacks see each token).
         timeout: seconds a call may take; the job is then cancelled and TimeoutError raised.
         engine_options: an `EngineOptions`; its fields (cache_tokens, cache_mode, device, dtype,
-            max_batch_size, max_chunk_size, attention_backend, dedup, prompt_cache, and for
-            speculative decoding draft_model_dir, use_ngram_draft, num_draft_tokens) may also
-            be given flat to the constructor.
+            max_batch_size, max_chunk_size, attention_backend, dedup, prompt_cache, for
+            speculative decoding draft_model_dir, use_ngram_draft, num_draft_tokens, and
+            tensor_parallel: split the model over that many processes of this host, one per
+            GPU) may also be given flat to the constructor. A bad value raises pydantic's
+            ValidationError naming the field.
 
     Per-call options: the generation fields, ``model`` (another model folder, same engine
     options), ``constraint`` (any `Job` constraint: JSON schema, pydantic class, regex,

@@ -32,6 +32,10 @@ def test_engine_options_given_flat_are_validated_by_engine_options(
     assert merged.engine_options == EngineOptions(cache_tokens=4096, dedup=False)
     with pytest.raises(ValidationError, match="cache_mode"):
         cls(model_dir=str(model_dir), cache_mode="q3")
+    split = cls(model_dir=str(model_dir), tensor_parallel=2)
+    assert split.engine_options == EngineOptions(tensor_parallel=2)
+    with pytest.raises(ValidationError, match="tensor_parallel"):
+        cls(model_dir=str(model_dir), tensor_parallel=0)
 
 
 @pytest.mark.parametrize("cls", [ChatDynGen, DynGenLLM])

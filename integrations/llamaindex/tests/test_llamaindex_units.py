@@ -38,6 +38,8 @@ def test_engine_options_are_validated_by_engine_options_before_any_load() -> Non
         DynGenLLM(model_dir="/nonexistent", cache_tokens=1)
     with pytest.raises(ValidationError, match="max_batch_size"):
         DynGenLLM(model_dir="/nonexistent", engine_options={"max_batch_size": 0})
+    with pytest.raises(ValidationError, match="tensor_parallel"):
+        DynGenLLM(model_dir="/nonexistent", tensor_parallel=-1)
 
 
 def test_flat_engine_options_win_over_an_engine_options_object() -> None:
@@ -48,6 +50,8 @@ def test_flat_engine_options_win_over_an_engine_options_object() -> None:
          "dedup": True})
     assert data["engine_options"] == EngineOptions(cache_tokens=512, dedup=True)
     assert "dedup" not in data
+    data = DynGenLLM._gather_engine_options({"model_dir": "m", "tensor_parallel": 2})
+    assert data["engine_options"] == EngineOptions(tensor_parallel=2)
 
 
 def test_a_missing_model_folder_is_a_clear_error() -> None:

@@ -90,12 +90,8 @@ def shared_prefix_kernel(
         q = load_scaled_queries(q_ptr, q_rows, row_valid, dims, rot_ptr, scale_log2, K_BITS,
                                 HEAD_DIM, BLOCK_M, HEAD_PAD)
 
-        chunk = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * chunk
-        kv_hi = tl.minimum(kv_lo + chunk, prefix)
-        # Members share the prefix's page ids, so the first member's page-table row serves all.
-        leader = tl.load(member_seq_ptr + first)
-        table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
+        kv_lo, kv_hi, table_row = _split_keys(prefix, split, NUM_SPLITS, first, member_seq_ptr,
+                                              page_table_ptr, stride_pt, BLOCK_N)
         # Shared prefixes are planned over unquantized pages only: no head rows, no window.
         m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
         m_i, l_i, acc = attend_key_range(
@@ -110,6 +106,20 @@ def shared_prefix_kernel(
         tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
                  mask=row_valid[:, None])
         tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
+
+
+@triton.jit
+def _split_keys(prefix, split, num_splits, first, member_seq_ptr, page_table_ptr, stride_pt,
+                BLOCK_N: tl.constexpr):
+    """The keys [kv_lo, kv_hi) of a group's ``prefix`` shared keys that split ``split`` of
+    ``num_splits`` attends (whole BLOCK_N tiles; empty for late splits of a short prefix), and
+    the group's page-table row: members share the prefix's page ids, so the row of its first
+    member (``first`` in ``member_seq``) serves all."""
+    chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, prefix)
+    leader = tl.load(member_seq_ptr + first)
+    return kv_lo, kv_hi, page_table_ptr + leader.to(tl.int64) * stride_pt
 
 
 @triton.jit
@@ -193,11 +203,8 @@ def prefix_tiles_kernel(
         q_rows = token.to(tl.int64) * stride_qt + head * stride_qh
         q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
                     mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-        chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
-        kv_lo = split * chunk
-        kv_hi = tl.minimum(kv_lo + chunk, prefix)
-        leader = tl.load(member_seq_ptr + first)
-        table_row = page_table_ptr + leader.to(tl.int64) * stride_pt
+        kv_lo, kv_hi, table_row = _split_keys(prefix, split, num_splits, first, member_seq_ptr,
+                                              page_table_ptr, stride_pt, BLOCK_N)
         m_i, l_i, acc = initial_state(BLOCK_M, HEAD_PAD)
         for n0 in range(kv_lo, kv_hi, BLOCK_N):
             page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)

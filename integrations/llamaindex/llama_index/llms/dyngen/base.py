@@ -79,8 +79,9 @@ class DynGenLLM(FunctionCallingLLM):
         engine_options: an `EngineOptions` (or dict); or give its fields directly
             (cache_tokens, cache_mode, device, dtype, max_batch_size, max_chunk_size,
             attention_backend, dedup, prompt_cache; for speculative decoding
-            draft_model_dir, use_ngram_draft, num_draft_tokens), which win over
-            ``engine_options``.
+            draft_model_dir, use_ngram_draft, num_draft_tokens; tensor_parallel to split
+            the model over that many processes of this host, one per GPU), which win over
+            ``engine_options``; a bad value raises pydantic's ValidationError naming it.
             LLMs on the same folder with the same engine options share one engine — with
             each other and with dyngen's LangChain classes.
 
