@@ -120,13 +120,19 @@ def hf_model(config: dict[str, Any], device: torch.device, attn: str = "sdpa") -
 def word_tokenizer(vocab_size: int) -> Tokenizer:
     """A word-level tokenizer with ids 0..vocab_size-1 ("t0", "t1", ...): detokenization and stop
     handling run as for a real model, without downloading one."""
+    return Tokenizer(word_tokenizer_backend(vocab_size))
+
+
+def word_tokenizer_backend(vocab_size: int) -> Any:
+    """`word_tokenizer`'s `tokenizers.Tokenizer` (its ``save`` writes a tokenizer.json that
+    `Tokenizer.from_model_dir` reads)."""
     import tokenizers
     from tokenizers import models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     backend = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return Tokenizer(backend)
+    return backend
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -2,7 +2,7 @@
 concurrent streaming clients through ``dyngen serve``, against the same jobs on the engine
 in-process.
 
-    python benchmarks/serve.py [--model DIR] [--requests 256] [--clients 64]
+    python benchmarks/serve.py [--workload chat] [--model DIR] [--requests 256] [--clients 64]
                                [--new-tokens 32] [--cache-tokens 32768] [--device auto]
                                [--rounds 3]
 
@@ -18,6 +18,10 @@ best round against best round (a shared machine's other load only ever adds time
 Replies must be equal on both sides (greedy), else the script exits 1.
 
 Prints one ``BENCH {...}`` JSON line per side and round, and one for the overhead.
+
+``--workload throughput`` runs benchmarks/throughput.py's workload (random Llama-3-8B-shape
+model, 256 prompts of 512 token ids, 128 new tokens each) through the server against
+in-process instead: see benchmarks/serve_throughput.py, which takes its own arguments.
 """
 
 from __future__ import annotations
@@ -144,34 +148,53 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(args: argparse.Namespace, model_dir: str, port: int) -> subprocess.Popen[bytes]:
-    import httpx
+def start_server(model_dir: str, port: int, options: list[str],
+                 wait_s: float = 300.0) -> subprocess.Popen[bytes]:
+    """``dyngen serve`` on ``model_dir`` in a child process, serving `MODEL_NAME` on ``port``
+    with the engine ``options`` (command-line arguments); returns once /health answers."""
+    server = launch_server(model_dir, port, options)
+    wait_for_health(server, port, wait_s)
+    return server
 
+
+def launch_server(model_dir: str, port: int, options: list[str]) -> subprocess.Popen[bytes]:
+    """`start_server` without waiting: the child process, loading its model."""
     command = [sys.executable, "-m", "dyngen_core", "serve", "--model", model_dir,
-               "--port", str(port), "--served-model-name", MODEL_NAME,
-               "--cache-tokens", str(args.cache_tokens), "--max-batch-size",
-               str(args.clients), "--log-level", "warning"]
-    if args.device:
-        command += ["--device", args.device]
+               "--port", str(port), "--served-model-name", MODEL_NAME, "--log-level",
+               "warning", *options]
     paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    server = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + 300
+    return subprocess.Popen(command, env=env)
+
+
+def wait_for_health(server: subprocess.Popen[bytes], port: int, wait_s: float) -> None:
+    """Return once the server on ``port`` answers /health; kill it and exit if it ends or
+    does not answer within ``wait_s`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SystemExit(f"dyngen serve exited with {server.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     server.kill()
-    raise SystemExit("dyngen serve did not answer /health within 300 s")
+    raise SystemExit(f"dyngen serve did not answer /health within {wait_s:.0f} s")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload = argparse.ArgumentParser(add_help=False)
+    workload.add_argument("--workload", choices=("chat", "throughput"), default="chat")
+    chosen, rest = workload.parse_known_args()
+    if chosen.workload == "throughput":
+        from serve_throughput import main as throughput_main
+
+        return throughput_main(rest)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[workload])
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--clients", type=int, default=64)
@@ -202,7 +225,9 @@ def main() -> int:
     asyncio.run(run_in_process(engine, [chat_ids(q) for q in warmup], args.new_tokens,
                                args.clients))
     port = free_port()
-    server = start_server(args, args.model, port)
+    engine_args = ["--cache-tokens", str(args.cache_tokens), "--max-batch-size",
+                   str(args.clients)] + (["--device", args.device] if args.device else [])
+    server = start_server(args.model, port, engine_args)
     url = f"http://127.0.0.1:{port}"
     walls: dict[str, list[float]] = {"in_process": [], "server": []}
     try:

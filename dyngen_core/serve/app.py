@@ -43,6 +43,7 @@ def create_app(engine: BackgroundGenerator, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="dyngen", version=dyngen_core.__version__,
                   description="OpenAI-compatible API over dyngen's dynamic-batching engine")
     metrics = ServerMetrics()
+    app.state.server_metrics = metrics  # engine replicas report it to their ingress
     routes = GenerationRoutes(EngineBridge(engine), options, metrics)
     guarded = [Depends(_key_check(options.api_key))] if options.api_key else []
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"],

@@ -187,10 +187,13 @@ def _jobs(engine: BackgroundGenerator, request: GenerationRequest, prompt: list[
           budget: int | None, constraint: Any, top_logprobs: int | None,
           prompt_param: str = "messages", decode_special_tokens: bool = False) -> list[Job]:
     """One job per choice: choice i samples with seed + i when a seed is given;
-    ``decode_special_tokens`` where the tool call markers are special tokens."""
+    ``decode_special_tokens`` where the tool call markers are special tokens. The jobs stop
+    at the tokenizer's end-of-sequence ids (unless the request says ``ignore_eos``) and the
+    request's stop strings."""
     max_tokens = _max_tokens(engine, len(prompt), budget, prompt_param)
     settings = sampler_settings(request, engine.generation_defaults)
-    stops = [*engine.tokenizer.eos_token_ids, *request.stop]
+    eos = () if request.ignore_eos else engine.tokenizer.eos_token_ids
+    stops = [*eos, *request.stop]
     jobs = []
     for index in range(request.n):
         with blame("messages" if prompt_param == "messages" else prompt_param):

@@ -30,6 +30,40 @@ PREFIX = "dyngen_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+# One sample of a family: (name suffix such as "" or "_sum", labels, value).
+Sample = tuple[str, tuple[tuple[str, str], ...], float]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family: its name, Prometheus type, help text and samples. Picklable, so
+    engine replicas send theirs to the ingress (`dyngen_core.serve.replicas.metrics`)."""
+
+    name: str
+    kind: str
+    help: str
+    samples: tuple[Sample, ...]
+
+    def labelled(self, name: str, value: str) -> Family:
+        """The family with ``name="value"`` added to every sample's labels."""
+        return Family(self.name, self.kind, self.help, tuple(
+            (suffix, ((name, value), *labels), number)
+            for suffix, labels, number in self.samples))
+
+
+def render(families: list[Family]) -> str:
+    """Families in Prometheus' text exposition format."""
+    lines: list[str] = []
+    for family in families:
+        lines.append(f"# HELP {family.name} {family.help}")
+        lines.append(f"# TYPE {family.name} {family.kind}")
+        for suffix, labels, value in family.samples:
+            shown = ",".join(f'{key}="{_escape(text)}"' for key, text in labels)
+            lines.append(f"{family.name}{suffix}{{{shown}}} {value}" if shown
+                         else f"{family.name}{suffix} {value}")
+    return "\n".join(lines) + "\n"
+
+
 @dataclass
 class ServerMetrics:
     """The server's own counts.
@@ -55,32 +89,31 @@ class ServerMetrics:
 
     def render(self, stats: GeneratorStats, model_name: str) -> str:
         """Every metric, engine's and server's, in Prometheus' text format."""
-        lines: list[str] = []
-        model = f'model="{_escape(model_name)}"'
+        return render(self.families(stats, model_name))
+
+    def families(self, stats: GeneratorStats, model_name: str) -> list[Family]:
+        """Every metric, engine's (labelled by model) and server's."""
+        model = (("model", model_name),)
         values = stats.as_dict()
-        for name, (kind, text) in ENGINE_METRICS.items():
-            metric = PREFIX + name + ("_total" if kind == "counter" else "")
-            _declare(lines, metric, kind, text)
-            lines.append(f"{metric}{{{model}}} {values[name]}")
-        metric = PREFIX + "http_requests_total"
-        _declare(lines, metric, "counter", "finished HTTP requests by endpoint and status")
-        for (endpoint, status), count in sorted(self.requests.items()):
-            lines.append(f'{metric}{{endpoint="{_escape(endpoint)}",status="{status}"}} {count}')
-        _declare(lines, PREFIX + "http_requests_in_flight", "gauge", "requests being answered")
-        lines.append(f"{PREFIX}http_requests_in_flight {self.in_flight}")
-        _declare(lines, PREFIX + "client_disconnects_total", "counter",
-                 "requests whose client left early (jobs cancelled)")
-        lines.append(f"{PREFIX}client_disconnects_total {self.disconnects}")
-        metric = PREFIX + "time_to_first_token_seconds"
-        _declare(lines, metric, "summary", "arrival to first token, streaming requests")
-        lines.append(f"{metric}_sum {self.first_token_seconds_sum}")
-        lines.append(f"{metric}_count {self.first_token_count}")
-        return "\n".join(lines) + "\n"
-
-
-def _declare(lines: list[str], metric: str, kind: str, text: str) -> None:
-    lines.append(f"# HELP {metric} {text}")
-    lines.append(f"# TYPE {metric} {kind}")
+        families = [Family(PREFIX + name + ("_total" if kind == "counter" else ""), kind, text,
+                           (("", model, values[name]),))
+                    for name, (kind, text) in ENGINE_METRICS.items()]
+        families += [
+            Family(PREFIX + "http_requests_total", "counter",
+                   "finished HTTP requests by endpoint and status",
+                   tuple(("", (("endpoint", endpoint), ("status", str(status))), count)
+                         for (endpoint, status), count in sorted(self.requests.items()))),
+            Family(PREFIX + "http_requests_in_flight", "gauge", "requests being answered",
+                   (("", (), self.in_flight),)),
+            Family(PREFIX + "client_disconnects_total", "counter",
+                   "requests whose client left early (jobs cancelled)",
+                   (("", (), self.disconnects),)),
+            Family(PREFIX + "time_to_first_token_seconds", "summary",
+                   "arrival to first token, streaming requests",
+                   (("_sum", (), self.first_token_seconds_sum),
+                    ("_count", (), self.first_token_count))),
+        ]
+        return families
 
 
 def _escape(value: str) -> str:

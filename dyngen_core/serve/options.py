@@ -58,6 +58,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients pass (default: the folder's name)")
     parser.add_argument("--max-batch-size", type=int, default=256, help="most running jobs")
+    parser.add_argument("--max-chunk-size", type=int, default=None,
+                        help="most prompt tokens prefilled per step (default: the engine's)")
     parser.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
@@ -67,7 +69,7 @@ def serve_options(args: argparse.Namespace, model_dir: str) -> ServeOptions:
     """`ServeOptions` from parsed ``dyngen serve`` arguments (engine ones included)."""
     engine = {name: getattr(args, name) for name in ("device", "dtype", "cache_tokens",
                                                       "cache_mode", "max_batch_size",
-                                                      "tensor_parallel")
+                                                      "max_chunk_size", "tensor_parallel")
               if getattr(args, name, None) is not None}
     return ServeOptions(
         model_dir=model_dir,

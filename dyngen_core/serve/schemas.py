@@ -2,7 +2,8 @@
 (`ChatCompletionRequest`) and ``/v1/completions`` (`CompletionRequest`).
 
 Fields follow OpenAI's API reference; dyngen extensions (``top_k``, ``min_p``,
-``repetition_penalty``) are marked. A value out of range or of the wrong type is a 400 naming
+``repetition_penalty``, and vLLM's ``ignore_eos`` for benchmarks that need fixed lengths) are
+marked. A value out of range or of the wrong type is a 400 naming
 the field. Fields OpenAI defines that the server does not implement (``best_of`` > n,
 ``suffix``, ``echo``, audio, images) are refused with a 400 naming them rather than ignored;
 fields OpenAI clients send that change nothing here (``user``, ``metadata``, ``store``,
@@ -121,6 +122,9 @@ class GenerationRequest(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = Field(default=False, description="dyngen extension, as vLLM's: "
+                             "generate past the model's end-of-sequence tokens (until "
+                             "max_tokens or a stop string)")
     user: str | None = None
 
     @field_validator("stop", mode="before")

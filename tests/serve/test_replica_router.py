@@ -144,6 +144,31 @@ def test_round_robin_takes_each_replica_in_turn() -> None:
     assert [_first(router, replicas, request) for _ in range(4)] == ["a", "b", "c", "a"]
 
 
+def test_a_metrics_probe_goes_to_the_replica_it_names(demo_model_dir: Path) -> None:
+    from dyngen_core.serve.replicas.metrics import MetricsProbe
+
+    rotating = RoundRobinRouter(deployment_id=DEPLOYMENT,
+                                handle_source=DeploymentHandleSource.UNKNOWN)
+    rotating.initialize_state()
+    replicas = [StandInReplica("a", queue=0), StandInReplica("b", queue=9)]
+
+    def ranks(router: Any, target: str) -> list[list[str]]:
+        async def choose() -> Any:
+            number = str(next(_ids))
+            pending = PendingRequest(args=[MetricsProbe(target)], kwargs={},
+                                     metadata=RequestMetadata(request_id=number,
+                                                              internal_request_id=number))
+            return await router.choose_replicas(replicas, pending)
+
+        return [[r.replica_id.unique_id for r in rank] for rank in asyncio.run(choose())]
+
+    for router in (_router(demo_model_dir), rotating):
+        assert [ranks(router, target) for target in ("b", "a", "b")] == [[["b"]], [["a"]],
+                                                                          [["b"]]]
+        # A probe for a replica that is gone is routed as any request (another answers).
+        assert len(ranks(router, "z")) == 2
+
+
 def test_the_serve_command_reads_the_replica_options(monkeypatch: pytest.MonkeyPatch) -> None:
     from dyngen_core.cli.main import build_parser
     from dyngen_core.serve.replicas.options import replica_options

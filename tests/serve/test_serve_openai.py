@@ -126,6 +126,28 @@ def test_completions_take_several_prompts_and_stream(client: Any) -> None:
     assert {c.object for c in streamed} == {"text_completion"}
 
 
+def test_a_prompt_of_token_ids_and_ignore_eos(client: Any, engine: BackgroundGenerator
+                                              ) -> None:
+    """A prompt given as token ids (as OpenAI's API allows) runs as its text does; with
+    ``ignore_eos`` a reply pushed onto the end-of-sequence token still runs to max_tokens."""
+    text = "The capital of France is"
+    ids = engine.tokenizer.encode(text)
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    eos = {str(engine.tokenizer.eos_token_ids[0]): 100}
+    ended = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=5,
+                                      temperature=0, logit_bias=eos)
+    assert [c.finish_reason for c in ended.choices] == ["stop", "stop"]
+    assert ended.usage.completion_tokens == 2
+    forced = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=5,
+                                       temperature=0, logit_bias=eos,
+                                       extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in forced.choices] == ["length", "length"]
+    assert forced.usage.completion_tokens == 10
+
+
 def test_a_named_tool_choice_forces_that_call_streamed_or_not(client: Any) -> None:
     ask = [{"role": "user", "content": "What is 2 plus 3?"}]
     reply = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, ADD],

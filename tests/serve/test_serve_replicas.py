@@ -17,7 +17,8 @@ Checked: page-hash routing reuses at least 1.8 times the prompt tokens round-rob
 the server reports as ``usage.prompt_tokens_details.cached_tokens``); each document's questions
 stay on one replica; every reply through the replicas equals the single engine's greedy reply;
 through the ingress, a streamed reply equals the unstreamed one, the model list and an
-OpenAI-shaped 400 come back.
+OpenAI-shaped 400 come back, and ``/metrics`` shows each replica's engine and request figures,
+labelled by replica, and their sums.
 """
 
 from __future__ import annotations
@@ -177,6 +178,37 @@ def _streamed_and_errors(port: int) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def _metrics(port: int) -> dict[str, float]:
+    """The ingress's /metrics: each sample line's name and labels -> its value."""
+    reply = httpx.get(f"http://127.0.0.1:{port}/{ROUTER}/metrics", timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in reply.text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def _check_metrics(samples: dict[str, float], hashed: list[dict[str, Any]]) -> None:
+    """Each replica's figures are labelled with its id and add up to the deployment's: each
+    replica counted the chat requests the workload saw it answer."""
+    chat = 'endpoint="/v1/chat/completions",status="200"'
+    assert samples["dyngen_replicas"] == 2
+    for replica in {r["replica"] for r in hashed}:
+        answered = sum(r["replica"] == replica for r in hashed)
+        assert samples[f'dyngen_http_requests_total{{replica="{replica}",{chat}}}'] == answered
+        assert samples[f'dyngen_prefill_tokens_reused_total{{replica="{replica}",'
+                       f'model="{MODEL}"}}'] > 0
+    assert samples[f"dyngen_replicas_http_requests_total{{{chat}}}"] == len(hashed)
+    for name in ("prefill_tokens_reused_total", "prefill_tokens_computed_total",
+                 "pages_total", "pages_free"):
+        each = [v for k, v in samples.items() if k.startswith(f"dyngen_{name}{{replica=")]
+        assert len(each) == 2
+        assert samples[f'dyngen_replicas_{name}{{model="{MODEL}"}}'] == sum(each)
+
+
 def _round_robin(model_dir: Path) -> list[dict[str, Any]]:
     """The workload over two in-process engines configured as the replicas, request i on
     engine i % 2, two at a time: each request's greedy reply and cached prompt tokens."""
@@ -220,6 +252,7 @@ def test_page_hash_routing_reuses_far_more_than_round_robin(
         deployed = time.perf_counter()
         try:
             hashed = _run_workload(ray_serve, ROUTER)
+            samples = _metrics(ray_serve)
             streamed = _streamed_and_errors(ray_serve)
         finally:
             serve.delete(ROUTER)
@@ -236,3 +269,4 @@ def test_page_hash_routing_reuses_far_more_than_round_robin(
     texts = [r["text"] for r in rotated]
     assert [r["text"] for r in hashed] == texts
     assert streamed == texts[0]
+    _check_metrics(samples, hashed)

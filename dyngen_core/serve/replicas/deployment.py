@@ -8,8 +8,9 @@ Two deployments:
   id). Its handle routes with `PageHashRouter` (or `RoundRobinRouter`).
 - `ReplicaIngress` (one replica, no CPU reserved): the HTTP endpoint on Serve's proxy. It
   forwards every request, whole, through the engine deployment's handle, where the router picks
-  the replica, and streams the reply back; ``/metrics`` alone is not forwarded (a 404 saying
-  why: one replica's figures would pass for all).
+  the replica, and streams the reply back. ``/metrics`` alone is not forwarded: the ingress asks
+  every replica for its metric families and shows them together, labelled by replica, with
+  their sums (`metrics`).
 
 Users can deploy the same application themselves (``serve.run(build_replicas_app(...))``), or
 bind `engine_deployment` under an ingress of their own and call
@@ -32,17 +33,22 @@ from ray.serve.deployment import Application, Deployment
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from dyngen_core import PAGE_SIZE
+from dyngen_core.serve.metrics import CONTENT_TYPE
 from dyngen_core.serve.options import ServeOptions
 from dyngen_core.serve.replicas.forwarding import ForwardedRequest, ResponseStart, answer
+from dyngen_core.serve.replicas.metrics import (
+    MetricsProbe,
+    ReplicaReport,
+    aggregate,
+    gather_reports,
+    known_replicas,
+)
 from dyngen_core.serve.replicas.options import ReplicaOptions
 from dyngen_core.serve.replicas.router import PageHashRouter, RoundRobinRouter
 
 # The response header naming the replica that answered.
 REPLICA_HEADER = "x-dyngen-replica"
 ENGINE_DEPLOYMENT = "dyngen-engine"
-NO_METRICS = ("the engine replicas' metrics are not aggregated at the ingress: each replica "
-              "serves its own engine's at /metrics in its process, and Ray Serve exports "
-              "request counts and latencies per replica on Ray's metrics port\n")
 INGRESS_DEPLOYMENT = "dyngen-ingress"
 
 
@@ -64,12 +70,22 @@ class EngineReplica:
                              f"hashes pages of {page_size}; build the app with page_size="
                              f"{actual}")
         self.app = create_app(self.engine, options)
+        self.model_name = options.model_name
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def answer(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The response to ``request``: a `ResponseStart`, then the body's chunks."""
         async for part in answer(self.app, request, ((REPLICA_HEADER, self.replica_id),)):
             yield part
+
+    async def metrics(self, probe: MetricsProbe) -> AsyncIterator[ReplicaReport]:
+        """This replica's metric families (its engine's stats, its server's request counts),
+        as a stream of one item: the ingress asks through the streaming handle it forwards
+        with, whose router is running (a second handle starts a router of its own on its first
+        call, which took over 5 s on a busy machine). The router sends ``probe`` here when it
+        names this replica."""
+        families = self.app.state.server_metrics.families(self.engine.stats(), self.model_name)
+        yield ReplicaReport(self.replica_id, tuple(families))
 
     def check_health(self) -> None:
         """Serve's health check: fails once the engine has stopped (Serve then replaces the
@@ -101,11 +117,21 @@ class ReplicaIngress:
 
     def __init__(self, engines: DeploymentHandle) -> None:
         self.engines = engines.options(stream=True)
+        self.app_name = serve.get_replica_context().app_name
 
     @ingress_app.get("/metrics", include_in_schema=False)
     async def metrics(self) -> PlainTextResponse:
-        """Not forwarded: one replica's engine figures would pass for the whole deployment's."""
-        return PlainTextResponse(NO_METRICS, status_code=404)
+        """Every engine replica's metrics, labelled by replica, and their sums."""
+        reports = await gather_reports(self._report, lambda: known_replicas(self.app_name))
+        return PlainTextResponse(aggregate(reports), media_type=CONTENT_TYPE)
+
+    async def _report(self, replica_id: str | None) -> ReplicaReport:
+        reply = cast(DeploymentResponseGenerator,
+                     self.engines.metrics.remote(MetricsProbe(replica_id)))
+        reports = [report async for report in reply]
+        if len(reports) != 1 or not isinstance(reports[0], ReplicaReport):
+            raise RuntimeError(f"a replica answered a metrics probe with {reports!r:.200}")
+        return reports[0]
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST"], include_in_schema=False)
     async def forward(self, path: str, request: Request) -> StreamingResponse:

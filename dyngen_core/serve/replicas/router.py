@@ -20,6 +20,10 @@ Replies ranks of one replica each: Serve tries them in order and skips a replica
 full (``max_ongoing_requests``), so a full favourite spills to the next best.
 
 `RoundRobinRouter` sends requests to each replica in turn (a baseline for measurements).
+
+Both send a metrics probe (`metrics.MetricsProbe`) to the replica it names, and publish the
+replicas they route to (`metrics.publish_replicas`), so that the ingress can gather every
+replica's metrics.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from dyngen_core import PAGE_SIZE, Tokenizer, prefix_hashes
 from dyngen_core.serve.replicas.forwarding import ForwardedRequest
+from dyngen_core.serve.replicas.metrics import probe_target, publish_replicas
 from dyngen_core.serve.replicas.options import DEFAULT_IMBALANCE_THRESHOLD
 from dyngen_core.serve.replicas.prefixes import RoutedPrefixes
 from dyngen_core.serve.replicas.prompts import routing_prompt
@@ -42,7 +47,24 @@ PROBE_DEADLINE_S = 0.5
 _MAX_KEPT_REQUESTS = 4096
 
 
-class PageHashRouter(RequestRouter):
+class ReplicaProbeRouter(RequestRouter):
+    """What both routers share: a metrics probe goes to the replica it names, and the replicas
+    routed to are published for the ingress (`metrics.publish_replicas`)."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        publish_replicas(self.app_name, (r.replica_id.unique_id for r in replicas))
+
+    def pinned(self, candidate_replicas: list[RunningReplica],
+               pending_request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+        """The one rank for a metrics probe naming a candidate replica; None otherwise (then
+        the router ranks as usual: a probe for a replica gone answers from another one)."""
+        target = None if pending_request is None else probe_target(pending_request.args)
+        chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+        return [chosen] if target is not None and chosen else None
+
+
+class PageHashRouter(ReplicaProbeRouter):
     """Routes by the longest run of matching prompt page hashes; see the module's docstring.
 
     Its ``request_router_kwargs`` (`initialize_state`): model_dir, page_size,
@@ -71,6 +93,9 @@ class PageHashRouter(RequestRouter):
         """Ranks of one replica each, best first (see the module's docstring)."""
         if not candidate_replicas:
             return []
+        pinned = self.pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
         hashes = self._request_hashes(pending_request)
         queues = await self._queue_lens(candidate_replicas)
         busiest, idlest = max(queues.values()), min(queues.values())
@@ -135,7 +160,7 @@ class PageHashRouter(RequestRouter):
         return {key: int(value or 0) for key, value in queues.items()}
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(ReplicaProbeRouter):
     """Sends requests to each replica in turn (by replica id order), whatever they hold."""
 
     def initialize_state(self, **_: Any) -> None:
@@ -148,6 +173,9 @@ class RoundRobinRouter(RequestRouter):
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         if not ordered:
             return []
+        pinned = self.pinned(ordered, pending_request)
+        if pinned is not None:
+            return pinned
         start = self._turn % len(ordered)
         self._turn += 1
         return [[replica] for replica in ordered[start:] + ordered[:start]]
