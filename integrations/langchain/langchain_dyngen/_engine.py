@@ -9,6 +9,7 @@ process, so every object pointed at the same folder shares one model, cache and 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,14 @@ if TYPE_CHECKING:
     from dyngen_core import BackgroundGenerator
 
 ENGINE_OPTION_NAMES: frozenset[str] = frozenset(EngineOptions.model_fields)
+# Where a model object finds its folder when none is passed; serialized objects name this
+# variable instead of the folder, which belongs to one machine (as an API key would).
+MODEL_DIR_ENV = "DYNGEN_MODEL_DIR"
+
+
+def model_dir_from_env() -> str:
+    """The default of ``model_dir``: ``$DYNGEN_MODEL_DIR``, or '' when it is unset."""
+    return os.environ.get(MODEL_DIR_ENV, "")
 
 
 def gather_engine_options(data: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +52,16 @@ def gather_engine_options(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def with_plain_engine_options(serialized: Any) -> Any:
+    """A model object's `to_json` output with its ``engine_options`` as a dict of the options
+    that differ from the defaults (an `EngineOptions` is not LangChain-serializable; the
+    constructor reads the dict back)."""
+    kwargs = serialized.get("kwargs") if isinstance(serialized, dict) else None
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("engine_options"), EngineOptions):
+        kwargs["engine_options"] = kwargs["engine_options"].model_dump(exclude_defaults=True)
+    return serialized
+
+
 def reject_unknown_arguments(
     class_name: str, data: Mapping[str, Any], accepted: Iterable[str]
 ) -> None:
@@ -59,6 +78,11 @@ def reject_unknown_arguments(
 
 def check_model_dir(model_dir: str | Path) -> str:
     """The folder as a string, after checking it holds a model (``config.json``)."""
+    if not str(model_dir):
+        raise ModelFolderError(
+            f"no model folder: pass model_dir=... or set {MODEL_DIR_ENV}; "
+            "`dyngen fetch-demo-model` prints the demo one's"
+        )
     folder = Path(model_dir).expanduser()
     if not (folder / "config.json").is_file():
         raise ModelFolderError(

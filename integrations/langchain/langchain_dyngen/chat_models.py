@@ -31,14 +31,17 @@ from langchain_dyngen._batch import coalesced_batch, run_coroutine_blocking, sub
 from langchain_dyngen._chat_output import ChatChunker
 from langchain_dyngen._engine import (
     ENGINE_OPTION_NAMES,
+    MODEL_DIR_ENV,
     check_model_dir,
     engine_for,
     gather_engine_options,
     generation_fields,
     identifying_params,
     langsmith_params,
+    model_dir_from_env,
     model_name_for,
     reject_unknown_arguments,
+    with_plain_engine_options,
 )
 from langchain_dyngen._messages import render_chat, tool_specs
 from langchain_dyngen._params import COMMON_CALL_OPTIONS, Generation, take_call_options
@@ -90,7 +93,9 @@ class ChatDynGen(BaseChatModel):
         stop: strings that end the reply (cut from it); a call's ``stop`` replaces them.
 
     Other fields:
-        model_dir: the model folder (Hugging Face layout: config.json, safetensors, tokenizer).
+        model_dir: the model folder (Hugging Face layout: config.json, safetensors, tokenizer);
+            default ``$DYNGEN_MODEL_DIR``. Serialized (``dumpd``), the object names that
+            variable in place of the folder; ``load(..., secrets_from_env=True)`` reads it back.
         model_name: the name reported in response metadata (default: the folder's name).
         streaming: make invoke stream internally (so callbacks see each token).
         timeout: seconds a call may take; the job is then cancelled and TimeoutError raised.
@@ -113,7 +118,7 @@ class ChatDynGen(BaseChatModel):
     as ``input_token_details["cache_read"]``.
     """
 
-    model_dir: str
+    model_dir: str = Field(default_factory=model_dir_from_env, validate_default=True)
     model_name: str | None = None
     max_tokens: int = Field(default=256, ge=1)
     temperature: float | None = None
@@ -143,6 +148,21 @@ class ChatDynGen(BaseChatModel):
     @classmethod
     def _check_model_dir(cls, value: Any) -> str:
         return check_model_dir(value)
+
+    # ---- serialization ---------------------------------------------------------------------
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        # The folder belongs to one machine: dumpd writes the variable's name, and load reads
+        # the folder from it (secrets_from_env=True, or a secrets_map).
+        return {"model_dir": MODEL_DIR_ENV}
+
+    def to_json(self) -> Any:
+        return with_plain_engine_options(super().to_json())
 
     # ---- identity ------------------------------------------------------------------------
 

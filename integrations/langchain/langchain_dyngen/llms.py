@@ -15,14 +15,17 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from dyngen_core import EngineOptions, Result, Tokenizer
 from langchain_dyngen._engine import (
     ENGINE_OPTION_NAMES,
+    MODEL_DIR_ENV,
     check_model_dir,
     engine_for,
     gather_engine_options,
     generation_fields,
     identifying_params,
     langsmith_params,
+    model_dir_from_env,
     model_name_for,
     reject_unknown_arguments,
+    with_plain_engine_options,
 )
 from langchain_dyngen._params import COMMON_CALL_OPTIONS, take_call_options
 from langchain_dyngen._params import Generation as GenerationRequest
@@ -48,13 +51,14 @@ class DynGenLLM(BaseLLM):
         llm.invoke("The capital of France is")
         llm.batch([f"{n} + {n} =" for n in range(100)])
 
-    Fields: ``model_dir``, ``model_name``, ``max_tokens``, ``temperature``, ``top_p``,
-    ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``timeout`` and
-    ``engine_options`` (or its fields given flat) mean what they mean for `ChatDynGen`. Per-call
-    options: the generation fields, ``model`` (another folder) and ``constraint``.
+    Fields: ``model_dir`` (default: ``$DYNGEN_MODEL_DIR``), ``model_name``, ``max_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``,
+    ``stop``, ``timeout`` and ``engine_options`` (or its fields given flat) mean what they mean
+    for `ChatDynGen`. Per-call options: the generation fields, ``model`` (another folder) and
+    ``constraint``.
     """
 
-    model_dir: str
+    model_dir: str = Field(default_factory=model_dir_from_env, validate_default=True)
     model_name: str | None = None
     max_tokens: int = Field(default=256, ge=1)
     temperature: float | None = None
@@ -81,6 +85,18 @@ class DynGenLLM(BaseLLM):
     @classmethod
     def _check_model_dir(cls, value: Any) -> str:
         return check_model_dir(value)
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        # As ChatDynGen's: the folder is read from the variable when loaded.
+        return {"model_dir": MODEL_DIR_ENV}
+
+    def to_json(self) -> Any:
+        return with_plain_engine_options(super().to_json())
 
     @property
     def _llm_type(self) -> str:

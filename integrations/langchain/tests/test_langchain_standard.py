@@ -23,6 +23,7 @@ from langchain_core.messages import AIMessage
 from langchain_dyngen import ChatDynGen
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
+from syrupy.assertion import SnapshotAssertion
 
 
 class TestChatDynGenUnit(ChatModelUnitTests):
@@ -48,6 +49,16 @@ class TestChatDynGenUnit(ChatModelUnitTests):
     @property
     def supports_json_mode(self) -> bool:
         return True
+
+    @property
+    def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+        # The folder from $DYNGEN_MODEL_DIR; serialized objects name that variable (test_serdes).
+        folder = self.demo_params["model_dir"]
+        return {"DYNGEN_MODEL_DIR": folder}, {}, {"model_dir": folder}
+
+    def test_serdes(self, model: BaseChatModel, snapshot: SnapshotAssertion,
+                    serdes_round_trip: Any) -> None:
+        serdes_round_trip(self, model, snapshot)
 
 
 # Evidence: what SmolLM2-135M-Instruct answered (greedy) in these tests.
@@ -100,6 +111,16 @@ class TestChatDynGenIntegration(ChatModelIntegrationTests):
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[Any]]:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        # Anthropic-format tools and content blocks (text, tool_use, thinking): text only.
+        return True
+
+    @property
+    def enable_vcr_tests(self) -> bool:
+        # A local engine makes no HTTP requests to record: the test streams a reply.
+        return True
 
     @property
     def model_override_value(self) -> str:

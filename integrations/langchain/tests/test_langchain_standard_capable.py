@@ -8,7 +8,7 @@ the reference) and select the marker::
         pytest -m capable_model integrations/langchain/tests/test_langchain_standard_capable.py
 
 Without the variable every test here is skipped. No test is marked xfail: a capable model
-passes them all (the multimodal ones are off, as dyngen's models are text-only). The model
+passes them all. Only the multimodal ones are skipped, as dyngen's models are text-only. The model
 answers in its own tool call format (its chat template's), which the adapter reads and steers.
 """
 
@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_dyngen import ChatDynGen
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
+from syrupy.assertion import SnapshotAssertion
 
 CAPABLE_MODEL_ENV = "DYNGEN_CAPABLE_MODEL_DIR"
 
@@ -58,6 +60,15 @@ class TestCapableChatDynGenUnit(ChatModelUnitTests):
     def supports_json_mode(self) -> bool:
         return True
 
+    @property
+    def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+        folder = capable_params()["model_dir"]
+        return {"DYNGEN_MODEL_DIR": folder}, {}, {"model_dir": folder}
+
+    def test_serdes(self, model: BaseChatModel, snapshot: SnapshotAssertion,
+                    serdes_round_trip: Any) -> None:
+        serdes_round_trip(self, model, snapshot)
+
 
 class TestCapableChatDynGenIntegration(ChatModelIntegrationTests):
     @property
@@ -75,3 +86,11 @@ class TestCapableChatDynGenIntegration(ChatModelIntegrationTests):
     @property
     def model_override_value(self) -> str:
         return capable_params()["model_dir"]
+
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        return True
+
+    @property
+    def enable_vcr_tests(self) -> bool:
+        return True
