@@ -94,3 +94,39 @@ def test_bind_tools_checks_tool_choice_at_bind_time(model_dir: Path) -> None:
         chat.bind_tools([add], tool_choice="multiply")
     with pytest.raises(ValueError, match="method must be"):
         chat.with_structured_output({"type": "object"}, method="xml")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cls", [ChatDynGen, DynGenLLM])
+def test_the_folder_comes_from_the_environment_when_not_given(
+        cls: type, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DYNGEN_MODEL_DIR", raising=False)
+    with pytest.raises(ModelFolderError, match="DYNGEN_MODEL_DIR"):
+        cls()
+    monkeypatch.setenv("DYNGEN_MODEL_DIR", str(model_dir))
+    assert cls().model_dir == str(model_dir)
+    monkeypatch.setenv("DYNGEN_MODEL_DIR", str(model_dir / "missing"))
+    with pytest.raises(ModelFolderError, match="not a model folder"):
+        cls()
+
+
+@pytest.mark.parametrize("cls", [ChatDynGen, DynGenLLM])
+def test_objects_serialize_without_their_folder_and_load_back(
+        cls: type, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from langchain_core.load import dumpd, dumps, load
+
+    model = cls(model_dir=str(model_dir), max_tokens=12, cache_tokens=4096, tensor_parallel=1,
+                stop=["\n"])
+    data = dumpd(model)
+    assert str(model_dir) not in dumps(model)
+    assert data["kwargs"]["model_dir"] == {"lc": 1, "type": "secret", "id": ["DYNGEN_MODEL_DIR"]}
+    assert data["kwargs"]["engine_options"] == {"cache_tokens": 4096}
+    monkeypatch.setenv("DYNGEN_MODEL_DIR", str(model_dir))
+    loaded = load(data, valid_namespaces=["langchain_dyngen"], allowed_objects=[cls],
+                  secrets_from_env=True)
+    assert type(loaded) is cls and loaded.dict() == model.dict()
+    elsewhere = model_dir / "copy"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}")
+    moved = load(data, valid_namespaces=["langchain_dyngen"], allowed_objects=[cls],
+                 secrets_map={"DYNGEN_MODEL_DIR": str(elsewhere)})
+    assert moved.model_dir == str(elsewhere) and moved.max_tokens == 12
