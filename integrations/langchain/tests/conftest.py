@@ -8,18 +8,13 @@ cumulative across tests: tests compare before/after snapshots and wait for the e
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 import time
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
-from langchain_core.language_models import BaseChatModel
-from langchain_core.load import dumpd, load
-from syrupy.assertion import SnapshotAssertion
 
 # The engine options of every test object, so the run loads the demo model once. They match
 # the LlamaIndex adapter's tests, so a whole-project run shares that engine too.
@@ -109,30 +104,3 @@ def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Generator[
         function = getattr(item, "obj", None)
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(function):
             item.add_marker(pytest.mark.asyncio)
-
-
-@pytest.fixture
-def serdes_round_trip() -> Callable[[Any, BaseChatModel, SnapshotAssertion], None]:
-    """The standard suite's serialization test, loading the way a user loads a partner class.
-
-    langchain-tests' `test_serdes` loads with ``allowed_objects="all"``, which admits only the
-    classes in langchain-core's own mapping of partner packages; a package outside it (as
-    langchain-dyngen is) is refused whatever it implements. A user admits such a class by naming
-    it (``allowed_objects=[ChatDynGen]``, langchain-core's documented way), so the returned
-    function runs the same checks (the serialized form against its snapshot, and the loaded
-    object equal to the original) with the class named. Its arguments: the standard unit-test
-    class (its ``init_from_env_params`` and ``chat_model_class``), its model fixture, and the
-    snapshot fixture."""
-    return _serdes_round_trip
-
-
-def _serdes_round_trip(suite: Any, model: BaseChatModel, snapshot: SnapshotAssertion) -> None:
-    assert suite.chat_model_class.is_lc_serializable()
-    env_params, _model_params, _expected = suite.init_from_env_params
-    with mock.patch.dict(os.environ, env_params):
-        serialized = dumpd(model)
-        assert serialized == snapshot(name="serialized")
-        loaded = load(dumpd(model), valid_namespaces=model.get_lc_namespace()[:1],
-                      allowed_objects=[suite.chat_model_class], secrets_from_env=True)
-        assert type(loaded) is type(model)
-        assert model.dict() == loaded.dict()

@@ -25,6 +25,14 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from syrupy.assertion import SnapshotAssertion
 
+# langchain-tests loads with allowed_objects="all", which admits only the partner classes of
+# langchain-core's own list: any package outside it is refused, whatever it implements. Loading
+# with the class named (allowed_objects=[ChatDynGen], how a user loads an outside class) passes:
+# test_langchain_construction.py::test_objects_serialize_without_their_folder_and_load_back.
+SERDES_ALLOWLIST = (
+    "langchain-core's allowed_objects='all' admits only its own list of partner classes; "
+    "ChatDynGen serializes and loads with allowed_objects=[ChatDynGen]"
+)
 
 class TestChatDynGenUnit(ChatModelUnitTests):
     @pytest.fixture(autouse=True)
@@ -56,9 +64,9 @@ class TestChatDynGenUnit(ChatModelUnitTests):
         folder = self.demo_params["model_dir"]
         return {"DYNGEN_MODEL_DIR": folder}, {}, {"model_dir": folder}
 
-    def test_serdes(self, model: BaseChatModel, snapshot: SnapshotAssertion,
-                    serdes_round_trip: Any) -> None:
-        serdes_round_trip(self, model, snapshot)
+    @pytest.mark.xfail(reason=SERDES_ALLOWLIST, raises=ValueError, strict=True)
+    def test_serdes(self, model: BaseChatModel, snapshot: SnapshotAssertion) -> None:
+        super().test_serdes(model, snapshot)
 
 
 # Evidence: what SmolLM2-135M-Instruct answered (greedy) in these tests.

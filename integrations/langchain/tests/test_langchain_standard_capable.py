@@ -7,8 +7,10 @@ the reference) and select the marker::
     DYNGEN_CAPABLE_MODEL_DIR=~/.cache/dyngen/Qwen2.5-Coder-1.5B-Instruct \\
         pytest -m capable_model integrations/langchain/tests/test_langchain_standard_capable.py
 
-Without the variable every test here is skipped. No test is marked xfail: a capable model
-passes them all. Only the multimodal ones are skipped, as dyngen's models are text-only. The model
+Without the variable every test here is skipped. A capable model passes them all; the
+multimodal ones are skipped (dyngen's models are text-only), and `test_serdes` is an expected
+failure that no package outside langchain-core's list of partner classes can pass (see
+`SERDES_ALLOWLIST`). The model
 answers in its own tool call format (its chat template's), which the adapter reads and steers.
 """
 
@@ -41,6 +43,15 @@ def capable_params() -> dict[str, Any]:
     return {"model_dir": str(folder), "cache_tokens": 8192, "max_batch_size": 8}
 
 
+# langchain-tests loads with allowed_objects="all", which admits only the partner classes of
+# langchain-core's own list: any package outside it is refused, whatever it implements. Loading
+# with the class named (allowed_objects=[ChatDynGen], how a user loads an outside class) passes:
+# test_langchain_construction.py::test_objects_serialize_without_their_folder_and_load_back.
+SERDES_ALLOWLIST = (
+    "langchain-core's allowed_objects='all' admits only its own list of partner classes; "
+    "ChatDynGen serializes and loads with allowed_objects=[ChatDynGen]"
+)
+
 class TestCapableChatDynGenUnit(ChatModelUnitTests):
     @property
     def chat_model_class(self) -> type[ChatDynGen]:
@@ -65,9 +76,9 @@ class TestCapableChatDynGenUnit(ChatModelUnitTests):
         folder = capable_params()["model_dir"]
         return {"DYNGEN_MODEL_DIR": folder}, {}, {"model_dir": folder}
 
-    def test_serdes(self, model: BaseChatModel, snapshot: SnapshotAssertion,
-                    serdes_round_trip: Any) -> None:
-        serdes_round_trip(self, model, snapshot)
+    @pytest.mark.xfail(reason=SERDES_ALLOWLIST, raises=ValueError, strict=True)
+    def test_serdes(self, model: BaseChatModel, snapshot: SnapshotAssertion) -> None:
+        super().test_serdes(model, snapshot)
 
 
 class TestCapableChatDynGenIntegration(ChatModelIntegrationTests):
