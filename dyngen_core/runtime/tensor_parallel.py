@@ -16,8 +16,7 @@ plan's words (`engine.plan_codec`), the fed targets and, when the sampled ids ar
 their values (a second broadcast carries the rest of a message longer than the tensor). On a
 GPU the fed values follow as a device broadcast instead. A decode step thus costs one
 collective on the host instead of three (``broadcast_object_list``'s two, around pickling,
-then the fed ids'): 2-7 times less time on the dev CPU (BENCHMARKS.md, "Tensor-parallel plan
-broadcast").
+then the fed ids'; BENCHMARKS.md, "Tensor-parallel plan broadcast").
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ ENGINE_OPTION_NAMES: frozenset[str] = frozenset(EngineOptions.model_fields)
 # Where a model object finds its folder when none is passed; serialized objects name this
 # variable instead of the folder, which belongs to one machine (as an API key would).
 MODEL_DIR_ENV = "DYNGEN_MODEL_DIR"
+# Both model classes' `lc_secrets`: dumpd writes the variable's name for the folder, and load
+# reads the folder from it (secrets_from_env=True, or a secrets_map).
+SERIALIZED_SECRETS = {"model_dir": MODEL_DIR_ENV}
 
 
 def model_dir_from_env() -> str:

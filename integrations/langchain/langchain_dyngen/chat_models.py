@@ -31,7 +31,7 @@ from langchain_dyngen._batch import coalesced_batch, run_coroutine_blocking, sub
 from langchain_dyngen._chat_output import ChatChunker
 from langchain_dyngen._engine import (
     ENGINE_OPTION_NAMES,
-    MODEL_DIR_ENV,
+    SERIALIZED_SECRETS,
     check_model_dir,
     engine_for,
     gather_engine_options,
@@ -157,9 +157,7 @@ class ChatDynGen(BaseChatModel):
 
     @property
     def lc_secrets(self) -> dict[str, str]:
-        # The folder belongs to one machine: dumpd writes the variable's name, and load reads
-        # the folder from it (secrets_from_env=True, or a secrets_map).
-        return {"model_dir": MODEL_DIR_ENV}
+        return dict(SERIALIZED_SECRETS)
 
     def to_json(self) -> Any:
         return with_plain_engine_options(super().to_json())

@@ -15,7 +15,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from dyngen_core import EngineOptions, Result, Tokenizer
 from langchain_dyngen._engine import (
     ENGINE_OPTION_NAMES,
-    MODEL_DIR_ENV,
+    SERIALIZED_SECRETS,
     check_model_dir,
     engine_for,
     gather_engine_options,
@@ -92,8 +92,7 @@ class DynGenLLM(BaseLLM):
 
     @property
     def lc_secrets(self) -> dict[str, str]:
-        # As ChatDynGen's: the folder is read from the variable when loaded.
-        return {"model_dir": MODEL_DIR_ENV}
+        return dict(SERIALIZED_SECRETS)
 
     def to_json(self) -> Any:
         return with_plain_engine_options(super().to_json())
