@@ -140,3 +140,31 @@ def test_the_ingress_asks_every_known_replica_and_leaves_out_a_silent_one() -> N
     reports = asyncio.run(gather_reports(ask, lambda: known, timeout_s=0.2))
     assert sorted(r.replica_id for r in reports) == ["a", "b"]
     assert asked[0] is None and sorted(asked[1:3]) == ["a", "c"]
+
+
+def test_the_ingress_asks_each_replica_outside_the_scrape_s_request_context() -> None:
+    """Serve gives a handle call the request id of the caller's context: each probe must run
+    in a context of its own, or concurrent probes share an id and Serve's router spins."""
+    import asyncio
+    import contextvars
+
+    from dyngen_core.serve.replicas.metrics import ReplicaReport, gather_reports
+
+    request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id",
+                                                                           default=None)
+    seen: list[str | None] = []
+
+    async def ask(replica: str | None) -> ReplicaReport:
+        seen.append(request_id.get())
+        request_id.set(f"probe of {replica}")
+        return _report(replica or "a", 1, 1, 1)
+
+    async def scrape() -> list[ReplicaReport]:
+        request_id.set("the scrape")
+        reports = await gather_reports(ask, lambda: ["a", "b"])
+        assert request_id.get() == "the scrape"
+        return reports
+
+    reports = asyncio.run(scrape())
+    assert sorted(r.replica_id for r in reports) == ["a", "b"]
+    assert seen == [None, None]

@@ -22,6 +22,7 @@ replica first, which starts the router.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections import defaultdict
@@ -129,12 +130,19 @@ async def gather_reports(ask: Callable[[str | None], Awaitable[ReplicaReport]],
                          timeout_s: float = PROBE_TIMEOUT_S) -> list[ReplicaReport]:
     """Every known replica's report, asked for all at once (``ask(replica_id)``), each within
     ``timeout_s``. With no replica known yet, any one is asked first (that starts the router),
-    then the others it knows of. A replica that fails or is late is left out (logged)."""
+    then the others it knows of. A replica that fails or is late is left out (logged).
+
+    Each ask runs in a task of its own whose context variables start empty (`_isolated`):
+    Serve's router matches a routed replica to its request by the request id a handle call
+    takes from the caller's request context, so concurrent calls made from one request share
+    an id; all but one then never get a replica and their routing loops spin, stalling every
+    request the router handles."""
     reports: dict[str, ReplicaReport] = {}
     wanted: list[str | None] = list(known()) or [None]
     for _ in range(2):
-        answers = await asyncio.gather(*(asyncio.wait_for(ask(r), timeout_s) for r in wanted),
-                                       return_exceptions=True)
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(_isolated(ask(r)), timeout_s) for r in wanted),
+            return_exceptions=True)
         for replica, answer in zip(wanted, answers):
             if isinstance(answer, ReplicaReport):
                 reports.setdefault(answer.replica_id, answer)
@@ -144,3 +152,9 @@ async def gather_reports(ask: Callable[[str | None], Awaitable[ReplicaReport]],
         if not wanted:
             break
     return list(reports.values())
+
+
+def _isolated(call: Awaitable[ReplicaReport]) -> asyncio.Future[ReplicaReport]:
+    """``call`` as a task in an empty `contextvars.Context` (none of the caller's variables;
+    a task copies the context it is created in)."""
+    return contextvars.Context().run(asyncio.ensure_future, call)
