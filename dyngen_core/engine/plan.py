@@ -81,6 +81,23 @@ class StepPlan:
         return not self.slices and not self.copies
 
 
+# The job id of `warm_up_plan`'s slice (no job has it).
+WARM_UP_JOB_ID = -1
+
+
+def warm_up_plan(max_tokens: int, page_size: int, num_pages: int) -> StepPlan:
+    """A prefill of ``min(max_tokens, num_pages * page_size)`` tokens (id 0) from position 0
+    through pages ``0, 1, ...``, sampling its last row, for a generator to run before its first
+    job: it writes only those pages' slots, which no job reads before writing its own, so the
+    engine's first real prefill of that size no longer pays the device's one-time costs."""
+    if max_tokens < 1 or page_size < 1 or num_pages < 1:
+        raise ValueError(f"a warm-up prefill needs tokens, pages and slots; got max_tokens="
+                         f"{max_tokens}, page_size={page_size}, num_pages={num_pages}")
+    tokens = min(max_tokens, num_pages * page_size)
+    pages = list(range(-(-tokens // page_size)))
+    return StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * tokens, 0, pages, True)])
+
+
 @dataclass
 class SampledTokens:
     """What sampling produced for one slice: the accepted tokens (one, or several with drafts),

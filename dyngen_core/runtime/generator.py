@@ -21,7 +21,14 @@ from typing import Any
 
 from dyngen_core.config import SchedulerConfig
 from dyngen_core.engine.job import Job
-from dyngen_core.engine.plan import PENDING_TOKEN, SampledTokens, StepOutcome, StepPlan
+from dyngen_core.engine.plan import (
+    PENDING_TOKEN,
+    WARM_UP_JOB_ID,
+    SampledTokens,
+    StepOutcome,
+    StepPlan,
+    warm_up_plan,
+)
 from dyngen_core.engine.record import JobRecord
 from dyngen_core.engine.results import EosReason, GeneratorStats, Result, streaming_result
 from dyngen_core.engine.scheduler import Scheduler
@@ -58,7 +65,8 @@ class DynamicGenerator:
         tokenizer: the model's `Tokenizer`.
         max_batch_size: most jobs running at once (more wait in the queue).
         max_chunk_size: most prompt tokens prefilled per step across jobs; decodes of running
-            jobs share the same forward.
+            jobs share the same forward. On CUDA the generator prefills a chunk of this size
+            (into free pages) before any job, so the first large batch runs at full speed.
         dedup: share identical prompt pages among running jobs (prefill them once).
         prompt_cache: keep finished jobs' pages so later prompts with the same prefix reuse them.
         attention_backend: "auto", "sdpa", "triton", "flash" or a backend built with options.
@@ -148,6 +156,8 @@ class DynamicGenerator:
         self._records: dict[int, JobRecord] = {}
         self._finished_results: list[Result] = []
         self._next_job_id = 0
+        if model.device.type == "cuda":
+            self._warm_up(min(max_chunk_size, model.config.max_position_embeddings))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, *, cache_tokens: int = 32768,
@@ -176,6 +186,17 @@ class DynamicGenerator:
                             tokenizer=Tokenizer.from_model_dir(model_dir), **options)
         generator._workers = workers
         return generator
+
+    def _warm_up(self, max_tokens: int) -> None:
+        """Prefill ``max_tokens`` tokens into free pages before any job (`plan.warm_up_plan`),
+        through the draft model too: on CUDA the first prefill of a size pays one-time costs
+        (the caching allocator's growth, the matrix library's choices for new shapes, kernel
+        compiles) that would otherwise fall on the first large batch users send."""
+        plan = warm_up_plan(max_tokens, self.cache.page_size, self.cache.num_pages)
+        self._runner.run(plan)
+        if self._speculator is not None:
+            self._speculator.follow(plan)
+            self._speculator.forget(WARM_UP_JOB_ID)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers of a split model (their loops return; those
