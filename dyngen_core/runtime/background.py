@@ -24,7 +24,7 @@ from dyngen_core.errors import EngineStoppedError
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.runtime.generator import DynamicGenerator
-from dyngen_core.runtime.handle import JobHandle
+from dyngen_core.runtime.handle import JobHandle, Wakeups
 from dyngen_core.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -249,16 +249,22 @@ class BackgroundGenerator:
         self._deliver(results)
 
     def _deliver(self, results: list[Result]) -> None:
-        for result in results:
-            owner = self._handles.get(result["job"].job_id)
-            if owner is None:
-                continue
-            if result["eos"]:
-                del self._handles[result["job"].job_id]
-            try:
-                owner._push(result)
-            except Exception:  # noqa: BLE001 - a consumer's failure must not stop the engine
-                logger.exception("delivering a result to %r failed", owner)
+        """Hand the step's results to their handles; the event loops waiting on them are woken
+        once each, after the last (`Wakeups`)."""
+        wakeups = Wakeups()
+        try:
+            for result in results:
+                owner = self._handles.get(result["job"].job_id)
+                if owner is None:
+                    continue
+                if result["eos"]:
+                    del self._handles[result["job"].job_id]
+                try:
+                    owner._push(result, wakeups)
+                except Exception:  # noqa: BLE001 - a consumer's failure must not stop the engine
+                    logger.exception("delivering a result to %r failed", owner)
+        finally:
+            wakeups.send()
 
     def _stop(self, cause: BaseException) -> None:
         """The engine thread ends on ``cause``: fail every unfinished job, refuse new ones."""

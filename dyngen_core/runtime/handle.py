@@ -36,6 +36,35 @@ if TYPE_CHECKING:
 _Waiter = tuple[asyncio.AbstractEventLoop, asyncio.Event]
 
 
+class Wakeups:
+    """The event-loop waiters one engine step's results wake, woken together at its end
+    (`send`): one ``call_soon_threadsafe`` per event loop instead of one per job, so a step of
+    256 streaming jobs costs the engine thread one wake-up write, not 256."""
+
+    def __init__(self) -> None:
+        self._events: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+
+    def add(self, waiters: list[_Waiter]) -> None:
+        for loop, event in waiters:
+            self._events.setdefault(loop, []).append(event)
+
+    def send(self) -> None:
+        """Set every added event from its own loop (skipping loops closed by now: their
+        tasks were cancelled)."""
+        events, self._events = self._events, {}
+        for loop, group in events.items():
+            if not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(_set_all, group)
+                except RuntimeError:
+                    pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
 class JobHandle:
     """Results of one job submitted to a `BackgroundGenerator` (which builds the handles).
 
@@ -58,17 +87,20 @@ class JobHandle:
         self._results: list[Result] = []
         self._final: Result | None = None
         self._error: BaseException | None = None
-        self._waiters: list[_Waiter] = []
+        self._waiters: list[_Waiter] = []  # woken by every result
+        self._end_waiters: list[_Waiter] = []  # woken when the job ends
         self.cancel_requested = False
 
     # ---- producer side (the engine) ----------------------------------------------------------
 
-    def _push(self, result: Result) -> None:
+    def _push(self, result: Result, wakeups: Wakeups | None = None) -> None:
+        """Add ``result``; the event loops waiting for it are woken now, or by ``wakeups``
+        when given (the engine sends it at the end of the step)."""
         with self._cond:
             self._results.append(result)
             if result["eos"]:
                 self._final = result
-            self._wake()
+            self._wake(wakeups)
 
     def _fail(self, error: BaseException) -> None:
         """End the job with ``error`` (ignored once the job has ended)."""
@@ -86,16 +118,19 @@ class JobHandle:
                           time_generate=0.0, accepted_draft_tokens=0,
                           rejected_draft_tokens=0))
 
-    def _wake(self) -> None:
+    def _wake(self, wakeups: Wakeups | None = None) -> None:
+        """Wake the threads and (through ``wakeups``, or at once) the event loops waiting for
+        a result; those waiting for the end only when the job has ended. Call under the lock."""
         self._cond.notify_all()
-        for loop, event in self._waiters:
-            # A consumer's loop may be closed by now (its task was cancelled): skip it.
-            if not loop.is_closed():
-                try:
-                    loop.call_soon_threadsafe(event.set)
-                except RuntimeError:
-                    pass
-        self._waiters.clear()
+        waiters, self._waiters = self._waiters, []
+        if self.done:
+            waiters += self._end_waiters
+            self._end_waiters = []
+        if waiters:
+            sender = wakeups or Wakeups()
+            sender.add(waiters)
+            if wakeups is None:
+                sender.send()
 
     # ---- consumer side -----------------------------------------------------------------------
 
@@ -131,18 +166,27 @@ class JobHandle:
         with self._cond:
             if not self._cond.wait_for(lambda: self.done, timeout=timeout):
                 raise self._timed_out(timeout)
-            if self._error is not None:
-                raise self._error
-            assert self._final is not None
-            return self._final
+            return self._ended()
 
     async def aresult(self, timeout: float | None = None) -> Result:
-        """Await the job's final result without blocking the event loop."""
-        final: Result | None = None
-        async for result in self.astream(timeout):
-            final = result
-        assert final is not None
-        return final
+        """Await the job's final result without blocking the event loop (woken once, when
+        the job ends, not by every result)."""
+        deadline = _deadline(timeout)
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self.done:
+                    return self._ended()
+                waiter = (loop, asyncio.Event())
+                self._end_waiters.append(waiter)
+            await self._wait(waiter, self._end_waiters, deadline, timeout)
+
+    def _ended(self) -> Result:
+        """The final result of an ended job, or its error (call under the lock)."""
+        if self._error is not None:
+            raise self._error
+        assert self._final is not None
+        return self._final
 
     def text(self, timeout: float | None = None) -> str:
         """Block until the job ends; return its completion text."""
@@ -177,7 +221,7 @@ class JobHandle:
                 else:
                     self._waiters.append(waiter)
             if waiter is not None:
-                await self._wait(waiter, deadline, timeout)
+                await self._wait(waiter, self._waiters, deadline, timeout)
                 continue
             index += len(batch)
             for result in _until_eos(batch):
@@ -185,9 +229,10 @@ class JobHandle:
             if batch[-1]["eos"]:
                 return
 
-    async def _wait(self, waiter: _Waiter, deadline: float | None,
+    async def _wait(self, waiter: _Waiter, registry: list[_Waiter], deadline: float | None,
                     timeout: float | None) -> None:
-        """Wait for the engine to set ``waiter``'s event; always unregisters it."""
+        """Wait for the engine to set ``waiter``'s event; always takes it out of
+        ``registry`` (``_waiters`` or ``_end_waiters``)."""
         try:
             if deadline is None:
                 await waiter[1].wait()
@@ -197,8 +242,8 @@ class JobHandle:
             raise self._timed_out(timeout) from None
         finally:
             with self._cond:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+                if waiter in registry:
+                    registry.remove(waiter)
 
     def _ready(self, index: int) -> bool:
         return index < len(self._results) or self._error is not None

@@ -84,6 +84,17 @@ class RunningJobs:
         async for tagged in self._merged():
             yield tagged
 
+    async def collected(self) -> AsyncIterator[tuple[int, Result]]:
+        """Every job's results, tagged like `results`, once every job has ended: for whole
+        answers, whose handler then wakes once per job instead of once per token (raises the
+        first failed job's error)."""
+        for handle in self.handles:
+            await handle.aresult()
+        for index, handle in enumerate(self.handles):
+            for result in handle.stream():  # ended: every result is there
+                result.raise_for_error()
+                yield index, result
+
     async def _merged(self) -> AsyncIterator[tuple[int, Result]]:
         open_streams = {i: s for i, s in enumerate(self._streams)
                         if self._first[i] is None or not self._first[i]["eos"]}  # type: ignore[index]

@@ -154,7 +154,7 @@ class GenerationRoutes:
         choices = [ChoiceDelta() for _ in run.outputs]
 
         async def gather() -> None:
-            async for index, result in run.running.results():
+            async for index, result in run.running.collected():
                 choices[index].add(run.outputs[index].feed(result))
 
         collecting = asyncio.ensure_future(gather())

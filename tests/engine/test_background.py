@@ -317,10 +317,10 @@ def test_generation_defaults_and_the_largest_job_come_from_the_engine(engine):
 def test_a_consumer_side_exception_never_stops_the_engine(engine, monkeypatch):
     push = JobHandle._push
 
-    def push_or_fail(handle, result):
+    def push_or_fail(handle, result, *rest):
         if handle.job.identifier == 31:
             raise RuntimeError("the consumer broke")
-        push(handle, result)
+        push(handle, result, *rest)
 
     monkeypatch.setattr(JobHandle, "_push", push_or_fail)
     engine.submit(_job(31))
