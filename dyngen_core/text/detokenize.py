@@ -229,7 +229,7 @@ class IncrementalDetokenizer:
         ``simple_window`` is not None and ``pieces.after[token_id]`` is a text (not None, the id
         within the list), that text is the token's, and storing the id in ``simple_window[0]``
         is all this call would do."""
-        if self.simple_window is not None:
+        if self.simple_window is not None and token_id >= 0:  # (-1 would index from the end)
             try:  # the lists cover the whole vocabulary (`TokenPieces.build`)
                 text = self._after[token_id]
             except IndexError:

@@ -115,7 +115,7 @@ class JobStream:
             return self._end(self._release_all(), EosReason.STOP_TOKEN, token_id)
         window = self.detok.simple_window
         text = None
-        if window is not None:
+        if window is not None and token_id >= 0:  # (-1 would index from the end)
             try:
                 text = self._after[token_id]
             except IndexError:

@@ -189,3 +189,15 @@ def test_held_text_is_the_longest_possible_stop_start(stops: list[str],
         seen += chunk
         assert matcher.held_text == held_oracle(seen, stops)
         assert seen.endswith(matcher.held_text)
+
+
+def test_a_negative_token_id_never_reads_the_last_vocabulary_entry() -> None:
+    """The fast path indexes a list by token id: -1 (the planner's pending-token mark) must not
+    come back as the last token's text; it takes the decoding path, which refuses it."""
+    tokenizer = byte_level()
+    pieces = tokenizer.token_pieces()
+    assert pieces is not None
+    fast = IncrementalDetokenizer(tokenizer, pieces=pieces)
+    assert pieces.after[-1]  # what the unguarded fast path would have returned
+    with pytest.raises((ValueError, OverflowError)):
+        fast.add_token(-1)
