@@ -110,6 +110,10 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
+class OptionError(DynGenError, ValueError):
+    """A command-line option the model or machine cannot take (printed as one line)."""
+
+
 @contextmanager
 def _generator(args: argparse.Namespace) -> Iterator[Any]:
     """The command's generator, closed when the command ends (a split model's workers end)."""
@@ -117,11 +121,16 @@ def _generator(args: argparse.Namespace) -> Iterator[Any]:
     from dyngen_core.runtime.generator import DynamicGenerator
 
     model_dir = args.model or fetch_demo_model()
-    generator = DynamicGenerator.from_model_dir(
-        model_dir, cache_tokens=args.cache_tokens, cache_mode=args.cache_mode,
-        device=args.device, dtype=args.dtype, progress=True,
-        tensor_parallel=args.tensor_parallel,
-    )
+    try:
+        generator = DynamicGenerator.from_model_dir(
+            model_dir, cache_tokens=args.cache_tokens, cache_mode=args.cache_mode,
+            device=args.device, dtype=args.dtype, progress=True,
+            tensor_parallel=args.tensor_parallel,
+        )
+    except ValueError as exc:  # an option this model or machine cannot take: one clear line
+        if isinstance(exc, DynGenError):
+            raise
+        raise OptionError(str(exc)) from exc
     try:
         yield generator
     finally:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from dyngen_core import DynamicGenerator, EngineOptions, Job, SamplerSettings, shared_generator
-from dyngen_core.cli.main import build_parser
+from dyngen_core.cli.main import build_parser, main
 from dyngen_core.serve.options import serve_options
 from tests.tensor_parallel_ranks import run_in_child
 from tests.tiny_models import TRAINING_TEXT
@@ -96,3 +96,13 @@ def test_tensor_parallel_reaches_the_command_line(capsys: pytest.CaptureFixture[
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--tensor-parallel", bad])
         assert "--tensor-parallel" in capsys.readouterr().err
+
+
+def test_the_command_line_refuses_a_split_the_model_cannot_take_in_one_line(
+        engine_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["generate", "hi", "--model", str(engine_model_dir), "--device", "cpu",
+                   "--tensor-parallel", "3"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and len(error) == 1 and "Traceback" not in error[0]
+    assert error[0].startswith("dyngen generate: error: ") and "tensor_parallel=3" in error[0]
+    assert not dist.is_initialized()
