@@ -22,7 +22,9 @@ for phase in "$@"; do
     env) run 60 env.log bash -c "nvidia-smi -L; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
     tests)
       xdist=""; $PY -c "import xdist" 2>/dev/null && xdist="-n 6"
-      run 420 tests.log $PY -m pytest -q -p no:cacheprovider $xdist -rs tests/gpu ;;
+      # pyproject's addopts name a syrupy option, and the device image has no syrupy.
+      run 420 tests.log $PY -m pytest -q -p no:cacheprovider -o addopts=--import-mode=importlib \
+        $xdist -rs tests/gpu ;;
     smoke)
       run 60 smoke.log $PY benchmarks/decode_batch1.py --small --new-tokens 16 --no-hf
       run 60 smoke.log $PY benchmarks/long_context.py --small --context 2048 --batches 1,4 --steps 3
