@@ -27,6 +27,8 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from syrupy.assertion import SnapshotAssertion
 
+from integrations.langchain.tests.standard_suite import SERDES_ALLOWLIST
+
 CAPABLE_MODEL_ENV = "DYNGEN_CAPABLE_MODEL_DIR"
 
 pytestmark = [
@@ -42,15 +44,6 @@ def capable_params() -> dict[str, Any]:
     folder = Path(os.environ.get(CAPABLE_MODEL_ENV, "")).expanduser()
     return {"model_dir": str(folder), "cache_tokens": 8192, "max_batch_size": 8}
 
-
-# langchain-tests loads with allowed_objects="all", which admits only the partner classes of
-# langchain-core's own list: any package outside it is refused, whatever it implements. Loading
-# with the class named (allowed_objects=[ChatDynGen], how a user loads an outside class) passes:
-# test_langchain_construction.py::test_objects_serialize_without_their_folder_and_load_back.
-SERDES_ALLOWLIST = (
-    "langchain-core's allowed_objects='all' admits only its own list of partner classes; "
-    "ChatDynGen serializes and loads with allowed_objects=[ChatDynGen]"
-)
 
 class TestCapableChatDynGenUnit(ChatModelUnitTests):
     @property
