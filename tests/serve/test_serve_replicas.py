@@ -178,23 +178,18 @@ def _streamed_and_errors(port: int) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def _metrics(port: int, replicas: int = 2, scrapes: int = 5) -> dict[str, float]:
-    """The ingress's /metrics: each sample line's name and labels -> its value. A scrape
-    leaves out a replica that is late to report (`gather_reports`), so up to ``scrapes``
-    scrapes, 2 s apart, are made until ``replicas`` replicas answered one."""
-    for attempt in range(scrapes):
-        reply = httpx.get(f"http://127.0.0.1:{port}/{ROUTER}/metrics", timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert reply.headers["content-type"].startswith("text/plain")
-        samples = {}
-        for line in reply.text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                samples[key] = float(value)
-        if samples.get("dyngen_replicas") == replicas or attempt == scrapes - 1:
-            return samples
-        time.sleep(2.0)
-    raise AssertionError("unreachable")
+def _metrics(port: int) -> dict[str, float]:
+    """The ingress's /metrics (one scrape): each sample line's name and labels -> its
+    value."""
+    reply = httpx.get(f"http://127.0.0.1:{port}/{ROUTER}/metrics", timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in reply.text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
 
 
 def _check_metrics(samples: dict[str, float], hashed: list[dict[str, Any]]) -> None:
