@@ -122,15 +122,16 @@ class JobHandle:
         """Wake the threads and (through ``wakeups``, or at once) the event loops waiting for
         a result; those waiting for the end only when the job has ended. Call under the lock."""
         self._cond.notify_all()
-        waiters, self._waiters = self._waiters, []
-        if self.done:
-            waiters += self._end_waiters
+        if self.done and self._end_waiters:
+            self._waiters += self._end_waiters
             self._end_waiters = []
-        if waiters:
-            sender = wakeups or Wakeups()
-            sender.add(waiters)
-            if wakeups is None:
-                sender.send()
+        if not self._waiters:  # the common case: nobody waits on an event loop
+            return
+        sender = wakeups or Wakeups()
+        sender.add(self._waiters)
+        self._waiters = []
+        if wakeups is None:
+            sender.send()
 
     # ---- consumer side -----------------------------------------------------------------------
 
