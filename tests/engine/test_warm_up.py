@@ -5,6 +5,7 @@ pages, so jobs after it produce what they produce without it, whatever the cache
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,20 +37,45 @@ def test_the_warm_up_plan_prefills_the_largest_chunk_that_fits_from_page_zero() 
 
 
 def _jobs() -> list[Job]:
+    """Greedy jobs sharing a prefix, a seeded sampled job, a regex-constrained job and one the
+    run cancels (`_tokens`)."""
     rng = random.Random(5)
     shared = [rng.randrange(10, 500) for _ in range(300)]
-    return [Job(input_ids=shared + [rng.randrange(10, 500) for _ in range(9 + i)],
-                max_new_tokens=6, stop_conditions=[], gen_settings=SamplerSettings.greedy(),
-                identifier=i) for i in range(5)]
+    greedy = SamplerSettings.greedy()
+    jobs = [Job(input_ids=shared + [rng.randrange(10, 500) for _ in range(9 + i)],
+                max_new_tokens=6, stop_conditions=[], gen_settings=greedy, identifier=i)
+            for i in range(3)]
+    jobs.append(Job(input_ids=shared[:40], max_new_tokens=6, stop_conditions=[], seed=7,
+                    gen_settings=SamplerSettings(temperature=0.9, top_p=0.9), identifier=3))
+    jobs.append(Job(input_ids=shared[:20], max_new_tokens=8, gen_settings=greedy,
+                    constraint=re.compile(r"[0-9]{3}-[a-c]{2}"), identifier=4))
+    jobs.append(Job(input_ids=shared[:60], max_new_tokens=40, stop_conditions=[],
+                    gen_settings=greedy, identifier=CANCELLED))
+    return jobs
 
 
-def _tokens(generator: DynamicGenerator) -> dict[int, list[int]]:
-    generator.enqueue(_jobs())
-    finals: dict[int, list[int]] = {}
+# The job `_tokens` cancels after the first step.
+CANCELLED = 5
+
+
+def _tokens(generator: DynamicGenerator) -> dict[int, tuple[str, list[int]]]:
+    """Each job's end reason and tokens; `CANCELLED` is cancelled after the first step."""
+    jobs = _jobs()
+    generator.enqueue(jobs)
+    finals: dict[int, tuple[str, list[int]]] = {}
+    tokens: dict[int, list[int]] = {job.identifier: [] for job in jobs}
+    steps = 0
     while generator.num_remaining_jobs():
         for result in generator.iterate():
+            tokens[result["identifier"]] += result.get("token_ids", [])
             if result["eos"]:
-                finals[result["identifier"]] = result["token_ids"]
+                identifier = result["identifier"]
+                finals[identifier] = (result["eos_reason"], tokens[identifier])
+        steps += 1
+        if steps == 1:
+            generator.cancel(jobs[CANCELLED])
+    assert finals[CANCELLED][0] == "cancelled" and finals[4][0] != "cancelled"
+    assert all(len(finals[i][1]) == 6 for i in range(4))  # every token, not the last one's
     return finals
 
 
