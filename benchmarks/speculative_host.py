@@ -38,7 +38,6 @@ import cProfile
 import gc
 import hashlib
 import importlib.util
-import inspect
 import json
 import os
 import pstats
@@ -125,9 +124,7 @@ class Simulation:
             self.records[job_id] = JobRecord(job=job, stream=NoStream(), settings=GREEDY,
                                              seed=job_id, speculative=True)
             self.tables[job_id] = list(range(job_id * pages, (job_id + 1) * pages))
-        # Trees since the batched prompt lookup keep histories on a device; older ones take none.
-        takes_device = "device" in inspect.signature(module.NgramDrafter).parameters
-        drafter = module.NgramDrafter(args.device) if takes_device else module.NgramDrafter()
+        drafter = module.NgramDrafter()
         self.speculator = module.Speculator(drafter, args.draft_tokens, PAGE_SIZE)
         # The drafter's cost stays what the drafter says (0 for lookups): measured, it would let
         # one tree's slower drafting switch jobs off that the other's keeps on, and the trees
@@ -238,9 +235,6 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--text", choices=("copy", "random"), default="copy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu",
-                        help="where the n-gram drafter keeps and searches histories (the target "
-                             "model's device in the engine)")
     parser.add_argument("--modes", default="all,off")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout whose speculator runs beside this one's")

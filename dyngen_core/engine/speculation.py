@@ -1,6 +1,5 @@
-"""Speculative decoding's control plane: which drafts a verify step keeps, how long each job's
-draft is, and when drafting pays for the step it makes longer (the n-gram lookup itself runs on
-the model's device: `runtime.prompt_lookup`).
+"""Speculative decoding's control plane: where drafts come from without a model (n-gram
+lookup), how long each job's draft is, and when drafting pays for the step it makes longer.
 
 A verify step feeds a job its last token plus ``k`` drafts and samples all ``k + 1`` rows; the
 drafts accepted (see `accept_run`) and one more token come out of one forward. Whether a draft
@@ -19,11 +18,12 @@ batches, where a forward's cost grows with its tokens, draft little or nothing. 
 drafts keep failing stops drafting and only probes one token now and then
 (`DraftStats.PROBE_INTERVAL`), so a drafter that is always wrong costs almost nothing.
 
-Pure Python: the generator feeds it acceptance counts and step timings.
+Pure Python: the generator feeds it token histories and step timings.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +63,102 @@ def accept_sampled(drafts: Sequence[int], accepted: Sequence[bool],
             return [*run, replacement]
         run.append(draft)
     return [*run, replacements[-1]]
+
+
+@functools.cache
+def _key_masks(max_n: int, min_n: int, bits: int) -> tuple[int, ...]:
+    """The key masks of the n-grams an `NgramIndex` looks up, longest first (one tuple shared
+    by every job's index: at 256 jobs, an object each would be one more cache miss a job)."""
+    return tuple((1 << bits * n) - 1 for n in range(max_n, min_n - 1, -1))
+
+
+class NgramIndex:
+    """Prompt-lookup drafts for one job: the continuation of the most recent earlier occurrence
+    of the job's last ``n`` tokens, longest ``n`` first (``max_n`` down to ``min_n``).
+
+    The index is built incrementally from the job's history (prompt and accepted tokens,
+    `sync`), so proposing costs a few dictionary lookups per job and step whatever the
+    context length. A continuation that runs into the end of the history goes on with its
+    own proposed tokens (a repeating pattern keeps repeating).
+
+    One dictionary maps every indexed n-gram to the position after its latest occurrence. An
+    n-gram's key is an int packing its tokens, ``TOKEN_BITS`` bits each (token + 1, so that a
+    shorter n-gram never has a longer one's key), the newest token lowest: the key of the
+    ``max_n``-gram ending at a position holds every shorter suffix's key in its low bits, and
+    one shift per token rolls it on. Token ids must lie in ``[0, 2 ** TOKEN_BITS - 1)``.
+    """
+
+    TAIL = 4
+    TOKEN_BITS = 21
+
+    __slots__ = ("max_n", "min_n", "_masks", "_next", "_indexed", "_key", "_tail")
+
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n; got min_n={min_n}, "
+                             f"max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self._masks = _key_masks(max_n, min_n, self.TOKEN_BITS)
+        self._next: dict[int, int] = {}
+        self._indexed = 0
+        self._key = 0  # the key of the max_n-gram ending at ``_indexed`` (not in the table)
+        self._tail: Sequence[int] = []  # the last tokens indexed, to notice a rewind
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Index the tokens appended since the last call. A history that no longer ends in
+        what was indexed (a rewind, perhaps followed by new tokens) is indexed afresh."""
+        done, length = self._indexed, len(history)
+        if length < done or history[done - len(self._tail):done] != self._tail:
+            self._next.clear()
+            self._indexed = done = 0
+            self._key = 0
+        if length == done:
+            return
+        table, masks, key, bits = self._next, self._masks, self._key, self.TOKEN_BITS
+        full, limit = masks[0], (1 << bits) - 1
+        for end in range(done, length):
+            # The n-grams ending just before ``end`` (all in ``key``) are followed by
+            # history[end]. Near the start, a mask longer than ``end`` tokens gives the key of
+            # the ``end`` tokens there, shorter than ``min_n`` for the first few: `propose`
+            # never looks such a key up.
+            for mask in masks:
+                table[key & mask] = end
+            token = history[end]
+            if not 0 <= token < limit:
+                self._indexed, self._key, self._tail = 0, 0, []
+                table.clear()
+                raise ValueError(f"token id {token} at position {end} is outside the n-gram "
+                                 f"index's range [0, {limit})")
+            key = ((key << bits) | (token + 1)) & full
+        self._indexed, self._key = length, key
+        self._tail = history[-self.TAIL:]
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens after ``history`` (which `sync` has indexed); empty when
+        no suffix of it occurred before."""
+        length = len(history)
+        if k <= 0 or length < self.min_n:
+            return []
+        key = self._key if length == self._indexed else self._key_of(history)
+        get = self._next.get
+        for mask in self._masks:
+            # A mask longer than the history keeps the whole history's key: the same lookup
+            # as the history's own length.
+            start = get(key & mask)
+            if start is not None:
+                if start + k <= length:
+                    return list(history[start:start + k])
+                # The continuation reaches the end: it repeats with period length - start.
+                period = list(history[start:])
+                return (period * (k // len(period) + 1))[:k]
+        return []
+
+    def _key_of(self, history: Sequence[int]) -> int:
+        """The key of the last ``max_n`` tokens of ``history`` (fewer when it is shorter)."""
+        key, bits = 0, self.TOKEN_BITS
+        for token in history[-self.max_n:]:
+            key = (key << bits) | (token + 1)
+        return key
 
 
 @dataclass(slots=True)
@@ -204,4 +300,4 @@ class StepCostModel:
         return min(1.0, draft_cost / (per_token_of_batch + 1e-12) if ratio > 0 else 1.0)
 
 
-__all__ = ["DraftStats", "StepCostModel", "accept_run", "accept_sampled"]
+__all__ = ["DraftStats", "NgramIndex", "StepCostModel", "accept_run", "accept_sampled"]

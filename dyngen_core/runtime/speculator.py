@@ -9,8 +9,7 @@ cost (`engine.speculation`).
 
 Drafters:
 
-- `NgramDrafter`: prompt lookup over the job's own history (prompt and output), every
-  drafting job in one batched search on the model's device; no model.
+- `NgramDrafter`: prompt lookup over the job's own history (prompt and output); no model.
 - `ModelDrafter`: a smaller model of the same vocabulary. It drafts greedily for greedy and
   seeded jobs (whose output is then plain decoding's), and samples for unseeded sampled jobs
   from its own distribution ``q`` (the job's temperature and top-k), which the verify step's
@@ -37,11 +36,10 @@ import torch
 
 from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
 from dyngen_core.engine.record import JobRecord
-from dyngen_core.engine.speculation import DraftStats, StepCostModel
+from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel
 from dyngen_core.kv.attention import AttentionBackend, get_backend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
-from dyngen_core.runtime.prompt_lookup import PromptLookup
 from dyngen_core.runtime.runner import ModelRunner
 from dyngen_core.sampling.rng import perturb, row_keys, seed_key
 from dyngen_core.text.constraints import bitmask_to_bool
@@ -119,31 +117,38 @@ class Drafter(Protocol):
 
 
 class NgramDrafter:
-    """Prompt-lookup drafts (`prompt_lookup.PromptLookup`: every drafting job's lookup in one
-    batched search over histories kept on ``device``).
+    """Prompt-lookup drafts (`engine.speculation.NgramIndex`), one index per job.
 
-    device: the target model's device.
     max_n / min_n: the longest and shortest suffix looked up.
     """
 
     cost_ratio = 0.0
     samples = False
 
-    def __init__(self, device: torch.device | str = "cpu", max_n: int = 4,
-                 min_n: int = 1) -> None:
-        self.lookup = PromptLookup(device, max_n, min_n)
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        NgramIndex(max_n, min_n)  # checks the sizes
+        self.max_n, self.min_n = max_n, min_n
+        self._indexes: dict[int, NgramIndex] = {}
 
     def follow(self, plan: StepPlan) -> None:
         return None
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        return [_new_tuple(Draft, (tokens, None)) for tokens in self.lookup.draft(requests)]
+        indexes, out = self._indexes, []
+        for request in requests:
+            index = indexes.get(request.job_id)
+            if index is None:
+                index = indexes[request.job_id] = NgramIndex(self.max_n, self.min_n)
+            history = request.history
+            index.sync(history)
+            out.append(_new_tuple(Draft, (index.propose(history, request.length), None)))
+        return out
 
     def settle(self, job_id: int, valid: int) -> None:
         return None
 
     def forget(self, job_id: int) -> None:
-        self.lookup.forget(job_id)
+        self._indexes.pop(job_id, None)
 
 
 class ModelDrafter:
@@ -477,7 +482,7 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, not {num_draft_tokens!r}")
     if draft_model is None:
-        return Speculator(NgramDrafter(model.device), num_draft_tokens, cache.page_size)
+        return Speculator(NgramDrafter(), num_draft_tokens, cache.page_size)
     if draft_cache is None:
         draft_cache = Cache(draft_model, max_tokens=cache.max_tokens, page_size=cache.page_size)
     drafter = ModelDrafter(

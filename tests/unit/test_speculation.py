@@ -1,12 +1,15 @@
-"""The torch-free parts of speculative decoding: the accept rule, each job's draft length and the
-step cost model."""
+"""The torch-free parts of speculative decoding: the accept rule, the n-gram index, each job's
+draft length and the step cost model."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from dyngen_core.engine.speculation import (
     DraftStats,
+    NgramIndex,
     StepCostModel,
     accept_run,
     accept_sampled,
@@ -20,6 +23,79 @@ def test_accept_run_keeps_drafts_while_they_equal_the_draws():
     assert accept_run([], [3]) == [3]
     with pytest.raises(ValueError, match="one token per draft plus one"):
         accept_run([1, 2], [1, 2])
+
+
+def test_ngram_index_proposes_the_latest_continuation_of_the_longest_suffix():
+    index = NgramIndex(max_n=3, min_n=1)
+    history = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
+    index.sync(history)
+    # "1 2 3" occurred at the start, followed by 4 9 2 ...
+    assert index.propose(history, 3) == [4, 9, 2]
+    # A continuation reaching the end of the history repeats its own proposal.
+    loop = [7, 8, 7, 8, 7]
+    index = NgramIndex(max_n=2, min_n=1)
+    index.sync(loop)
+    assert index.propose(loop, 5) == [8, 7, 8, 7, 8]
+    assert NgramIndex().propose([1, 2, 3], 4) == []  # nothing repeats
+
+
+def test_ngram_index_follows_appends_and_rewinds():
+    index = NgramIndex(max_n=2, min_n=2)
+    history = [1, 2, 3]
+    index.sync(history)
+    assert index.propose(history, 2) == []
+    history += [1, 2]
+    index.sync(history)
+    assert index.propose(history, 2) == [3, 1]
+    del history[-2:]  # a rewind, then new tokens: the index starts over
+    history += [5, 3, 1]
+    index.sync(history)
+    assert index.propose(history, 1) == []  # "3 1" (stale: followed by 2) never occurred
+    with pytest.raises(ValueError, match="min_n"):
+        NgramIndex(max_n=1, min_n=2)
+
+
+def latest_continuation(history: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """What `NgramIndex.propose` must answer, by scanning: the continuation of the latest
+    earlier occurrence of the longest suffix (``max_n`` down to ``min_n`` tokens)."""
+    length = len(history)
+    for n in range(min(max_n, length), min_n - 1, -1):
+        for end in range(length - 1, n - 1, -1):
+            if history[end - n:end] == history[length - n:]:
+                out: list[int] = []
+                for j in range(end, end + k):
+                    out.append(history[j] if j < length else out[j - length])
+                return out
+    return []
+
+
+@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 2), (1, 1), (5, 3)])
+def test_ngram_index_synced_step_by_step_matches_a_scan(max_n, min_n):
+    """Appends of one or more tokens and rewinds (as deep as `NgramIndex.TAIL`, then new
+    tokens) between syncs: every proposal equals the scan's."""
+    rng = random.Random(max_n * 10 + min_n)
+    vocab = 4  # few tokens: suffixes recur, continuations run into the end
+    for _ in range(20):
+        index = NgramIndex(max_n=max_n, min_n=min_n)
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        for _ in range(40):
+            if history and rng.random() < 0.2:
+                del history[-rng.randint(1, min(NgramIndex.TAIL, len(history))):]
+            history += [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+            index.sync(history)
+            k = rng.randint(0, 6)
+            assert index.propose(history, k) == latest_continuation(history, k, max_n, min_n)
+
+
+def test_ngram_index_rejects_token_ids_outside_its_range():
+    index = NgramIndex()
+    with pytest.raises(ValueError, match="outside the n-gram index's range"):
+        index.sync([1, 2, -1])
+    with pytest.raises(ValueError, match="outside the n-gram index's range"):
+        index.sync([1, 2 ** NgramIndex.TOKEN_BITS])
+    history = [1, 2, 1]
+    index.sync(history)  # a failed sync leaves nothing half indexed
+    assert index.propose(history, 2) == [2, 1]
 
 
 def test_draft_length_follows_acceptance_and_probes_when_drafts_fail():
