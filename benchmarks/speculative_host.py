@@ -1,7 +1,8 @@
 """Host cost of n-gram drafting per step at 256 jobs: `Speculator.propose` and `settle`.
 
     python benchmarks/speculative_host.py [--jobs 256] [--prompt-tokens 512] [--steps 300]
-        [--modes all,off] [--text copy|random] [--baseline TREE] [--profile 25]
+        [--modes all,off] [--text copy|random] [--shared-prompt] [--baseline TREE]
+        [--profile 25]
 
 No model: each job's "target" output is fixed in advance, after a random prompt of
 --prompt-tokens tokens: ``copy`` text copies spans of what came before (4 to 24 tokens) between
@@ -18,7 +19,9 @@ drafts pay (with an n-gram drafter, all of them); ``off``: the cost model says d
 (jobs only probe one token every `DraftStats.PROBE_INTERVAL` steps). Figures are medians over
 the steps after --warmup, per step for all jobs (``propose_ms``, ``settle_ms``, ``total_ms``;
 ``drafter_ms``: the part of ``propose_ms`` spent in the drafter, the rest being the speculator's
-own per-job work;
+own per-job work; ``first_ms``: the first step's ``propose``, where every job's prompt is
+indexed (``--shared-prompt``: every prompt is one document, whose pages the jobs share as
+deduplicated jobs do, plus a few tokens of the job's own);
 ``total_cpu_ms``: the same in this thread's CPU time, which leaves out the time other processes
 of a loaded machine held the core).
 
@@ -59,8 +62,11 @@ from dyngen_core.runtime import speculator as this_speculator  # noqa: E402
 
 GREEDY = SamplerSettings.greedy()
 PAGE_SIZE = 256
+# With --shared-prompt, the tokens of each prompt after the shared document.
+QUESTION_TOKENS = 16
 # Per-step figures reported as the median of the rounds' medians.
-MEDIANS = ("propose_ms", "settle_ms", "drafter_ms", "total_ms", "total_cpu_ms", "mean_total_ms")
+MEDIANS = ("propose_ms", "settle_ms", "drafter_ms", "first_ms", "total_ms", "total_cpu_ms",
+           "mean_total_ms")
 
 
 class NoStream:
@@ -74,10 +80,10 @@ class NoStream:
 
 
 def target_text(rng: random.Random, prompt_tokens: int, total: int, vocab: int,
-                copy: bool) -> list[int]:
-    """A random prompt, then (``copy``) copies of earlier spans between short random runs, or
-    random tokens; ``total`` tokens in all."""
-    text = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+                copy: bool, document: list[int]) -> list[int]:
+    """A random prompt (``document`` first, then random tokens), then (``copy``) copies of
+    earlier spans between short random runs, or random tokens; ``total`` tokens in all."""
+    text = document + [rng.randrange(vocab) for _ in range(prompt_tokens - len(document))]
     while len(text) < total:
         text.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 4)))
         if copy:
@@ -112,8 +118,12 @@ class Simulation:
     def __init__(self, module: ModuleType, args: argparse.Namespace, mode: str) -> None:
         rng = random.Random(args.seed)
         total = args.prompt_tokens + (args.warmup + args.steps) * (args.draft_tokens + 1) + 1
+        # --shared-prompt: every prompt begins with one document, its last QUESTION_TOKENS
+        # tokens the job's own; the document's full pages are shared (deduplicated).
+        shared = max(0, args.prompt_tokens - QUESTION_TOKENS) if args.shared_prompt else 0
+        document = [rng.randrange(args.vocab) for _ in range(shared)]
         self.texts = [target_text(rng, args.prompt_tokens, total, args.vocab,
-                                  args.text == "copy") for _ in range(args.jobs)]
+                                  args.text == "copy", document) for _ in range(args.jobs)]
         self.records: dict[int, JobRecord] = {}
         self.tables: dict[int, list[int]] = {}
         pages = total // PAGE_SIZE + 2
@@ -123,7 +133,8 @@ class Simulation:
             job.job_id = job_id
             self.records[job_id] = JobRecord(job=job, stream=NoStream(), settings=GREEDY,
                                              seed=job_id, speculative=True)
-            self.tables[job_id] = list(range(job_id * pages, (job_id + 1) * pages))
+            own = list(range((job_id + 1) * pages, (job_id + 2) * pages))
+            self.tables[job_id] = list(range(shared // PAGE_SIZE)) + own[shared // PAGE_SIZE:]
         drafter = module.NgramDrafter()
         self.speculator = module.Speculator(drafter, args.draft_tokens, PAGE_SIZE)
         # The drafter's cost stays what the drafter says (0 for lookups): measured, it would let
@@ -152,6 +163,7 @@ class Simulation:
         self.propose_s: list[float] = []
         self.settle_s: list[float] = []
         self.drafter_s: list[float] = []
+        self.first_s: float | None = None  # the first step's propose: every prompt indexed
         self.cpu_s: list[float] = []  # propose and settle, this thread's CPU time
         self.drafting: list[int] = []
 
@@ -191,6 +203,8 @@ class Simulation:
             settle_cpu = time.thread_time() - began_cpu
             if profile is not None:
                 profile.disable()
+        if self.first_s is None:
+            self.first_s = proposed - started
         if measure:
             self.propose_s.append(proposed - started)
             self.settle_s.append(settle)
@@ -204,6 +218,7 @@ class Simulation:
             "propose_ms": round(statistics.median(self.propose_s) * 1e3, 4),
             "settle_ms": round(statistics.median(self.settle_s) * 1e3, 4),
             "drafter_ms": round(statistics.median(self.drafter_s) * 1e3, 4),
+            "first_ms": round((self.first_s or 0.0) * 1e3, 4),
             "total_ms": round(statistics.median(totals) * 1e3, 4),
             "total_cpu_ms": round(statistics.median(self.cpu_s) * 1e3, 4),
             "mean_total_ms": round(statistics.fmean(totals) * 1e3, 4),
@@ -235,6 +250,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--text", choices=("copy", "random"), default="copy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shared-prompt", action="store_true",
+                        help="every prompt is one document plus the job's own "
+                             f"{QUESTION_TOKENS} tokens, the document's pages shared")
     parser.add_argument("--modes", default="all,off")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout whose speculator runs beside this one's")

@@ -86,23 +86,44 @@ class NgramIndex:
     shorter n-gram never has a longer one's key), the newest token lowest: the key of the
     ``max_n``-gram ending at a position holds every shorter suffix's key in its low bits, and
     one shift per token rolls it on. Token ids must lie in ``[0, 2 ** TOKEN_BITS - 1)``.
+
+    base: an index of the first tokens of this job's history (`sync`ed with exactly them, and
+        never again), shared with other jobs whose histories begin with the same tokens (a
+        document many questions are asked about): this index then holds only the n-grams
+        ending after them and looks up the base's after its own (whose occurrences are later),
+        so its proposals are those of an index of the whole history. A rewind into the base's
+        tokens drops the base and indexes the whole history afresh.
     """
 
     TAIL = 4
     TOKEN_BITS = 21
 
-    __slots__ = ("max_n", "min_n", "_masks", "_next", "_indexed", "_key", "_tail")
+    __slots__ = ("max_n", "min_n", "_masks", "_next", "_indexed", "_key", "_tail", "_base")
+    max_n: int
+    min_n: int
 
-    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 1, base: NgramIndex | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n; got min_n={min_n}, "
                              f"max_n={max_n}")
+        if base is not None and (base.max_n, base.min_n) != (max_n, min_n):
+            raise ValueError(f"a base index must look up the same n-gram sizes: its "
+                             f"({base.max_n}, {base.min_n}) against ({max_n}, {min_n})")
         self.max_n, self.min_n = max_n, min_n
         self._masks = _key_masks(max_n, min_n, self.TOKEN_BITS)
         self._next: dict[int, int] = {}
+        self._base: dict[int, int] | None = None
         self._indexed = 0
         self._key = 0  # the key of the max_n-gram ending at ``_indexed`` (not in the table)
         self._tail: Sequence[int] = []  # the last tokens indexed, to notice a rewind
+        if base is not None:
+            self._base = base._next
+            self._indexed, self._key, self._tail = base._indexed, base._key, base._tail
+
+    @property
+    def indexed(self) -> int:
+        """How many leading tokens of the history are indexed."""
+        return self._indexed
 
     def sync(self, history: Sequence[int]) -> None:
         """Index the tokens appended since the last call. A history that no longer ends in
@@ -110,6 +131,7 @@ class NgramIndex:
         done, length = self._indexed, len(history)
         if length < done or history[done - len(self._tail):done] != self._tail:
             self._next.clear()
+            self._base = None
             self._indexed = done = 0
             self._key = 0
         if length == done:
@@ -125,7 +147,7 @@ class NgramIndex:
                 table[key & mask] = end
             token = history[end]
             if not 0 <= token < limit:
-                self._indexed, self._key, self._tail = 0, 0, []
+                self._indexed, self._key, self._tail, self._base = 0, 0, [], None
                 table.clear()
                 raise ValueError(f"token id {token} at position {end} is outside the n-gram "
                                  f"index's range [0, {limit})")
@@ -141,10 +163,13 @@ class NgramIndex:
             return []
         key = self._key if length == self._indexed else self._key_of(history)
         get = self._next.get
+        base = self._base
         for mask in self._masks:
             # A mask longer than the history keeps the whole history's key: the same lookup
             # as the history's own length.
             start = get(key & mask)
+            if start is None and base is not None:
+                start = base.get(key & mask)
             if start is not None:
                 if start + k <= length:
                     return list(history[start:start + k])

@@ -116,19 +116,45 @@ class Drafter(Protocol):
         """The job ended."""
 
 
+class SharedPrefix:
+    """A run of full pages that jobs' histories begin with (their ids and tokens), and once a
+    second job begins with them, the n-gram index of their tokens those jobs share
+    (`NgramDrafter`)."""
+
+    __slots__ = ("pages", "tokens", "index", "users")
+
+    def __init__(self, pages: tuple[int, ...], tokens: list[int]) -> None:
+        self.pages, self.tokens = pages, tokens
+        self.index: NgramIndex | None = None
+        self.users = 0
+
+
 class NgramDrafter:
     """Prompt-lookup drafts (`engine.speculation.NgramIndex`), one index per job.
 
+    Jobs whose histories begin with the same full pages (one document asked several questions:
+    deduplicated, its pages have the same ids in every job's page table) share one index of
+    those pages' tokens, the base of each later job's own index: a document is indexed twice
+    (by the first job, and as the shared base when a second job comes), not once a job, and
+    held twice at most. A job's pages are matched by id and then by content (a page id freed
+    and reused holds other tokens), so sharing never changes a draft; a job that shares with no
+    other keeps a plain index.
+
     max_n / min_n: the longest and shortest suffix looked up.
+    page_size: the cache's page size.
     """
 
     cost_ratio = 0.0
     samples = False
 
-    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 1, page_size: int = 256) -> None:
         NgramIndex(max_n, min_n)  # checks the sizes
-        self.max_n, self.min_n = max_n, min_n
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, not {page_size}")
+        self.max_n, self.min_n, self.page_size = max_n, min_n, page_size
         self._indexes: dict[int, NgramIndex] = {}
+        self._prefixes: dict[int, list[SharedPrefix]] = {}  # by their first page id
+        self._prefix_of: dict[int, SharedPrefix] = {}  # job -> the prefix its index extends
 
     def follow(self, plan: StepPlan) -> None:
         return None
@@ -138,7 +164,7 @@ class NgramDrafter:
         for request in requests:
             index = indexes.get(request.job_id)
             if index is None:
-                index = indexes[request.job_id] = NgramIndex(self.max_n, self.min_n)
+                index = indexes[request.job_id] = self._new_index(request)
             history = request.history
             index.sync(history)
             out.append(_new_tuple(Draft, (index.propose(history, request.length), None)))
@@ -149,6 +175,47 @@ class NgramDrafter:
 
     def forget(self, job_id: int) -> None:
         self._indexes.pop(job_id, None)
+        prefix = self._prefix_of.pop(job_id, None)
+        if prefix is not None:
+            prefix.users -= 1
+            if not prefix.users:
+                shared = self._prefixes[prefix.pages[0]]
+                shared.remove(prefix)
+                if not shared:
+                    del self._prefixes[prefix.pages[0]]
+
+    def shared_prefixes(self) -> tuple[int, int]:
+        """How many prefixes are known, and how many of them have a shared index."""
+        known = [prefix for shared in self._prefixes.values() for prefix in shared]
+        return len(known), sum(prefix.index is not None for prefix in known)
+
+    def _new_index(self, request: DraftRequest) -> NgramIndex:
+        """A job's index: over the shared index of the longest known prefix of full pages its
+        history begins with (building that index when this is the prefix's second job), or a
+        plain index, its full pages before its last token (its prompt's, at its first draft)
+        then known as a prefix."""
+        history, table, size = request.history, request.page_table, self.page_size
+        full = min((len(history) - 1) // size, len(table))
+        if full < 1:
+            return NgramIndex(self.max_n, self.min_n)
+        best: SharedPrefix | None = None
+        for prefix in self._prefixes.get(table[0], ()):
+            count = len(prefix.pages)
+            if count <= full and (best is None or count > len(best.pages)) \
+                    and tuple(table[:count]) == prefix.pages \
+                    and history[:count * size] == prefix.tokens:
+                best = prefix
+        if best is None:
+            best = SharedPrefix(tuple(table[:full]), list(history[:full * size]))
+            self._prefixes.setdefault(table[0], []).append(best)
+        best.users += 1
+        self._prefix_of[request.job_id] = best
+        if best.users == 1:
+            return NgramIndex(self.max_n, self.min_n)
+        if best.index is None:
+            best.index = NgramIndex(self.max_n, self.min_n)
+            best.index.sync(best.tokens)
+        return NgramIndex(self.max_n, self.min_n, base=best.index)
 
 
 class ModelDrafter:
@@ -482,7 +549,8 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, not {num_draft_tokens!r}")
     if draft_model is None:
-        return Speculator(NgramDrafter(), num_draft_tokens, cache.page_size)
+        return Speculator(NgramDrafter(page_size=cache.page_size), num_draft_tokens,
+                          cache.page_size)
     if draft_cache is None:
         draft_cache = Cache(draft_model, max_tokens=cache.max_tokens, page_size=cache.page_size)
     drafter = ModelDrafter(
@@ -494,4 +562,4 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
 
 
 __all__ = ["Draft", "DraftRequest", "DraftSampling", "Drafter", "ModelDrafter", "NgramDrafter",
-           "Speculator", "build_speculator"]
+           "SharedPrefix", "Speculator", "build_speculator"]

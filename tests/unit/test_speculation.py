@@ -87,6 +87,33 @@ def test_ngram_index_synced_step_by_step_matches_a_scan(max_n, min_n):
             assert index.propose(history, k) == latest_continuation(history, k, max_n, min_n)
 
 
+@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 2), (1, 1)])
+def test_an_index_extending_a_base_proposes_what_a_whole_index_proposes(max_n, min_n):
+    """An index over a base (an index of the history's first tokens, shared) proposes the
+    scan's drafts through appends and rewinds, including rewinds into the base's tokens (then
+    it indexes the whole history itself); the base is never changed."""
+    rng = random.Random(max_n * 7 + min_n)
+    vocab = 4
+    for _ in range(20):
+        prefix = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        base = NgramIndex(max_n=max_n, min_n=min_n)
+        base.sync(prefix)
+        snapshot = (base.indexed, dict(base._next))
+        index = NgramIndex(max_n=max_n, min_n=min_n, base=base)
+        assert index.indexed == len(prefix)
+        history = list(prefix)
+        for _ in range(30):
+            if rng.random() < 0.15:
+                del history[-rng.randint(1, min(NgramIndex.TAIL, len(history))):]
+            history += [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+            index.sync(history)
+            k = rng.randint(0, 6)
+            assert index.propose(history, k) == latest_continuation(history, k, max_n, min_n)
+        assert (base.indexed, base._next) == snapshot
+    with pytest.raises(ValueError, match="same n-gram sizes"):
+        NgramIndex(max_n=3, min_n=1, base=NgramIndex(max_n=4, min_n=1))
+
+
 def test_ngram_index_rejects_token_ids_outside_its_range():
     index = NgramIndex()
     with pytest.raises(ValueError, match="outside the n-gram index's range"):
