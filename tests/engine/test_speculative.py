@@ -376,3 +376,38 @@ def test_a_prompt_cached_to_its_page_end_drafts_within_its_pages(make_generator,
     assert again["again"]["final"]["cached_tokens"] > 0
     for got in (first["first"], again["again"]):
         assert_same_output(plain["first"], got, model, prompt, drafter)
+
+
+def test_ngram_jobs_on_one_document_share_its_index(make_generator, speculative, engine_parts):
+    """Four greedy jobs asking about one 600-token document (two full pages, deduplicated):
+    from the second job on they draft over one shared index of those pages, and every job's
+    output is plain decoding's."""
+    model, tokenizer = engine_parts
+    document = tokenizer.encode(REPEAT * 60)[:600]
+    rng = random.Random(8)
+    prompts = [document + [rng.randrange(10, 500) for _ in range(5 + i)] for i in range(4)]
+
+    def jobs() -> list[Job]:
+        return [Job(input_ids=prompt, max_new_tokens=12, stop_conditions=[],
+                    gen_settings=SamplerSettings.greedy(), identifier=i)
+                for i, prompt in enumerate(prompts)]
+
+    expected = run_tokens(make_generator(), jobs())
+    generator = speculative("ngram")
+    drafter = generator.speculator.drafter
+    batch = jobs()
+    generator.enqueue(batch)
+    seen = set()
+    got: dict[Any, dict[str, Any]] = {job.identifier: {"tokens": []} for job in batch}
+    while generator.num_remaining_jobs():
+        for r in generator.iterate():
+            got[r["identifier"]]["tokens"].extend(r.get("token_ids", []))
+            if r["eos"]:
+                got[r["identifier"]]["final"] = r
+        seen.add(drafter.shared_prefixes())
+    assert (1, 1) in seen  # one prefix known, with its shared index
+    assert drafter.shared_prefixes() == (0, 0)  # the jobs ended: nothing is kept
+    assert generator.stats().draft_tokens_accepted > 0
+    for job in batch:
+        assert_same_output(expected[job.identifier], got[job.identifier], model, job.input_ids,
+                           job.identifier)
