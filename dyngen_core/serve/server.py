@@ -8,7 +8,6 @@ its event loop runs the endpoints, while the engine steps on its own thread (the
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from types import TracebackType
@@ -23,11 +22,6 @@ from dyngen_core.serve.options import ServeOptions
 # How long `ServerThread` waits for uvicorn to start listening, and to stop.
 _START_WAIT_S = 60.0
 _STOP_WAIT_S = 30.0
-# The thread switch interval of a server's process (Python's default: 5 ms). The event loop
-# (requests, streams) and the engine thread share one interpreter: while the loop is busy, the
-# engine thread waits for the loop to give up the GIL, up to a whole interval, before it can
-# launch its next step, and the device idles meanwhile.
-SERVER_SWITCH_INTERVAL_S = 0.0005
 
 
 def build_app(options: ServeOptions) -> FastAPI:
@@ -38,9 +32,7 @@ def build_app(options: ServeOptions) -> FastAPI:
 
 
 def run_server(options: ServeOptions) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM). The process is the server's own: its
-    thread switch interval becomes `SERVER_SWITCH_INTERVAL_S`."""
-    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
+    """Serve until interrupted (Ctrl-C or SIGTERM)."""
     app = build_app(options)
     uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
                 timeout_graceful_shutdown=5)

@@ -79,27 +79,6 @@ def test_the_serve_command_reads_its_options(monkeypatch: pytest.MonkeyPatch) ->
     assert serve_options(args, args.model).model_name == "x"
 
 
-def test_the_server_process_shortens_its_thread_switch_interval(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`run_server` owns its process: the engine thread must not wait a default 5 ms
-    interval for a busy event loop to give up the GIL."""
-    import sys
-
-    from dyngen_core.serve import server
-
-    served: list[Any] = []
-    monkeypatch.setattr(server, "build_app", lambda options: "the app")
-    monkeypatch.setattr(server.uvicorn, "run", lambda app, **kw: served.append(app))
-    before = sys.getswitchinterval()
-    try:
-        server.run_server(ServeOptions(model_dir="/m/Demo"))
-        assert served == ["the app"]
-        assert sys.getswitchinterval() == pytest.approx(server.SERVER_SWITCH_INTERVAL_S)
-        assert server.SERVER_SWITCH_INTERVAL_S < before
-    finally:
-        sys.setswitchinterval(before)
-
-
 def test_validation_errors_name_the_field_inside_a_union() -> None:
     from pydantic import ValidationError
 

@@ -22,7 +22,6 @@ prompt from the `ForwardedRequest` argument.
 # annotations at runtime, and Serve's ingress wrapper resolves them outside this module.
 import asyncio
 import math
-import sys
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -63,10 +62,6 @@ class EngineReplica:
     def __init__(self, options: ServeOptions, page_size: int = PAGE_SIZE) -> None:
         from dyngen_core import shared_generator
         from dyngen_core.serve.app import create_app
-        from dyngen_core.serve.server import SERVER_SWITCH_INTERVAL_S
-
-        # The replica's actor process is the server's own, as `run_server`'s is.
-        sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
 
         self.engine = shared_generator(options.model_dir, engine_options=options.engine_options)
         actual = self.engine.generator.cache.page_size
