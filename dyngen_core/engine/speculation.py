@@ -193,6 +193,11 @@ class DraftStats:
     Each verify step counts the drafts tried and accepted: positions up to the first rejection
     are trials, the rejected one included. ``alpha`` is the decayed acceptance rate; it starts
     from ``PRIOR_TRIALS`` trials at ``prior``, which decay like the rest.
+
+    An offer the drafter had no draft for (an n-gram lookup that found nothing) is a miss
+    (`miss`): after `MAX_MISSES` in a row the job's drafts do not pay, as when they fail, until
+    a probe finds one. Without this a job whose text never repeats would ask every step at no
+    verify cost, but the engine gives up overlapping a step while any job may draft.
     """
 
     prior: float = 0.6
@@ -203,15 +208,18 @@ class DraftStats:
     total_rejected: int = 0
     probe_interval: int = 16
     probing: bool = False  # the last offer was a probe
+    misses: int = 0  # offers in a row the drafter had no draft for
     alpha: float = field(default=0.0, init=False)  # accepted / trials, kept up to date
 
     DECAY = 0.8
     PRIOR_TRIALS = 2.0
     # A job whose drafts do not pay tries a one-token draft once ``probe_interval`` steps have
-    # passed since its last draft: `PROBE_INTERVAL` at first and after a probe that was
-    # accepted, twice the last interval (up to `MAX_PROBE_INTERVAL`) after one that was not.
+    # passed since its last draft (at the next multiple of `PROBE_INTERVAL`, `next_probe`):
+    # `PROBE_INTERVAL` at first and after a probe that was accepted, twice the last interval
+    # (up to `MAX_PROBE_INTERVAL`) after one that was not.
     PROBE_INTERVAL = 16
     MAX_PROBE_INTERVAL = 256
+    MAX_MISSES = 8
 
     def __post_init__(self) -> None:
         if self.trials < 0:
@@ -220,8 +228,13 @@ class DraftStats:
 
     @property
     def next_probe(self) -> int:
-        """The engine step at which a job whose drafts do not pay probes next."""
-        return self.last_offer + self.probe_interval
+        """The engine step at which a job whose drafts do not pay probes next: the first
+        multiple of `PROBE_INTERVAL` ``probe_interval`` steps or more after its last offer.
+        Probes of all jobs fall on the same steps: the step before a probe gives up overlap
+        (the probe needs its tokens on the host), so that is at most one step in
+        `PROBE_INTERVAL` whatever the batch, not one for every job's own schedule."""
+        due = self.last_offer + self.probe_interval
+        return -(-due // self.PROBE_INTERVAL) * self.PROBE_INTERVAL
 
     def record(self, proposed: int, accepted: int) -> None:
         """Count one verify step that offered ``proposed`` drafts and accepted ``accepted``."""
@@ -230,18 +243,34 @@ class DraftStats:
         self.alpha = self.accepted / trials if trials > 0 else 0.0
         self.total_accepted += accepted
         self.total_rejected += proposed - accepted
+        self.misses = 0
         if self.probing:
-            self.probing = False
-            self.probe_interval = (self.PROBE_INTERVAL if accepted
-                                   else min(2 * self.probe_interval, self.MAX_PROBE_INTERVAL))
+            self._probed(bool(accepted))
+
+    def miss(self) -> None:
+        """Count an offer the drafter had no draft for (a probe that finds none failed)."""
+        self.misses += 1
+        if self.probing:
+            self._probed(False)
+
+    def _probed(self, accepted: bool) -> None:
+        self.probing = False
+        self.probe_interval = (self.PROBE_INTERVAL if accepted
+                               else min(2 * self.probe_interval, self.MAX_PROBE_INTERVAL))
+
+    def pays(self, threshold: float) -> bool:
+        """Whether a first draft position pays against ``threshold`` (and the drafter has not
+        missed `MAX_MISSES` offers in a row)."""
+        return self.alpha > threshold and self.misses < self.MAX_MISSES
 
     def length(self, max_tokens: int, threshold: float, step: int) -> int:
         """How many drafts to offer at engine step ``step``: positions ``j`` while
-        ``alpha ** j > threshold``, at most ``max_tokens``; when none would pay, one probe
-        token once ``probe_interval`` steps passed since the last offer (so none when
-        ``alpha <= threshold`` and `probe_due` is false)."""
+        ``alpha ** j > threshold``, at most ``max_tokens``; when none would pay (or after
+        `MAX_MISSES` misses in a row), one probe token once ``probe_interval`` steps passed
+        since the last offer (so none when neither `pays` nor `probe_due`)."""
         alpha, k, survive = self.alpha, 0, 1.0
-        while k < max_tokens:
+        paying = max_tokens if self.misses < self.MAX_MISSES else 0
+        while k < paying:
             survive *= alpha
             if survive <= threshold:
                 break
@@ -255,7 +284,7 @@ class DraftStats:
 
     def probe_due(self, step: int) -> bool:
         """Whether a job whose drafts do not pay may probe at engine step ``step``."""
-        return step - self.last_offer >= self.probe_interval
+        return step >= self.next_probe
 
 
 @dataclass

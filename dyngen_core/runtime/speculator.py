@@ -425,7 +425,7 @@ class Speculator:
                 if job_id not in on:
                     self._note_probe(stats)
                 continue
-            if stats.alpha <= threshold and not stats.probe_due(step):
+            if not stats.pays(threshold) and not stats.probe_due(step):
                 on.discard(job_id)  # what `stats.length` says: no draft pays, no probe due
                 self._note_probe(stats)
                 continue
@@ -455,7 +455,9 @@ class Speculator:
             tokens = draft.tokens
             keep = len(tokens) if record.matcher is None else allowed_prefix(record.matcher,
                                                                              tokens)
-            if keep:
+            if not keep:  # nothing to verify: the offer missed
+                self._stats[record.job_id].miss()
+            else:
                 # The drafter's lists are its answer's own: no copy unless cut.
                 sl.draft_ids = record.draft_ids = tokens if keep == len(tokens) else tokens[:keep]
                 record.draft_probs = None if draft.probs is None else draft.probs[:keep]
@@ -489,13 +491,15 @@ class Speculator:
 
     def settle(self, record: JobRecord, run_length: int) -> None:
         """Count a verify step of ``record`` that yielded ``run_length`` tokens (call after
-        they reached its history), and clear its drafts."""
+        they reached its history), and clear its drafts. A job that offered no draft in the
+        step (it decoded one token beside the drafting jobs) has nothing to count."""
         proposed = len(record.draft_ids)
-        accepted = run_length - 1
-        stats = self._stats.get(record.job_id) or self._stats_of(record.job_id)
-        stats.record(proposed, accepted)
-        self.accepted += accepted
-        self.rejected += proposed - accepted
+        if proposed:
+            accepted = run_length - 1
+            stats = self._stats.get(record.job_id) or self._stats_of(record.job_id)
+            stats.record(proposed, accepted)
+            self.accepted += accepted
+            self.rejected += proposed - accepted
         self.drafter.settle(record.job_id, len(record.history) - 1)
         record.draft_ids = ()
         record.draft_probs = None

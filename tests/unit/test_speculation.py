@@ -167,6 +167,42 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
     assert stats.probe_interval == DraftStats.PROBE_INTERVAL
 
 
+def test_offers_the_drafter_misses_stop_drafting_until_a_probe_finds_one():
+    """A drafter with nothing to offer (an n-gram lookup that finds no earlier occurrence) is
+    asked `MAX_MISSES` times, then only probed, at multiples of `PROBE_INTERVAL`, backing off
+    while probes miss; a draft found resets the count."""
+    stats = DraftStats()
+    for step in range(1, DraftStats.MAX_MISSES + 1):
+        assert stats.pays(0.05) and stats.length(4, threshold=0.05, step=step) == 4
+        stats.miss()
+    assert not stats.pays(0.05)
+    # The last offer was at step 8: the first probe is at the first multiple of 16 after 24.
+    step = DraftStats.MAX_MISSES + 1
+    while not stats.length(4, threshold=0.05, step=step):
+        step += 1
+    assert step == 2 * DraftStats.PROBE_INTERVAL and stats.probing
+    stats.miss()  # the probe missed: the interval doubles, the next probe is aligned too
+    assert stats.probe_interval == 2 * DraftStats.PROBE_INTERVAL
+    assert stats.next_probe == 4 * DraftStats.PROBE_INTERVAL
+    assert stats.length(4, threshold=0.05, step=stats.next_probe) == 1
+    stats.record(proposed=1, accepted=1)  # the probe found a draft, and it was accepted
+    assert stats.misses == 0 and stats.probe_interval == DraftStats.PROBE_INTERVAL
+    assert stats.pays(0.05)
+
+
+def test_probes_of_all_jobs_fall_on_the_same_steps():
+    """Jobs whose last offers were at different steps probe at the same multiples of
+    `PROBE_INTERVAL`: the steps before probes, which give up overlap, are few."""
+    due = set()
+    for last in range(1, 40):
+        stats = DraftStats(last_offer=last)
+        stats.misses = DraftStats.MAX_MISSES
+        due.add(stats.next_probe)
+        assert stats.next_probe % DraftStats.PROBE_INTERVAL == 0
+        assert stats.next_probe >= last + DraftStats.PROBE_INTERVAL
+    assert due == {32, 48, 64}
+
+
 def test_step_cost_model_fits_fixed_and_per_token_costs():
     model = StepCostModel(decay=1.0)
     assert model.ratio() == model.prior_ratio
