@@ -1,7 +1,7 @@
 """Host cost of n-gram drafting per step at 256 jobs: `Speculator.propose` and `settle`.
 
     python benchmarks/speculative_host.py [--jobs 256] [--prompt-tokens 512] [--steps 300]
-        [--modes all,off] [--text copy|random] [--shared-prompt] [--baseline TREE]
+        [--modes all,off,costed] [--text copy|random] [--shared-prompt] [--baseline TREE]
         [--profile 25]
 
 No model: each job's "target" output is fixed in advance, after a random prompt of
@@ -16,14 +16,18 @@ generator does (`JobRecord.on_token`) and, when any job drafted, settles every j
 
 Modes: ``all``: the speculator's cost model says drafting is free, so every job drafts whose
 drafts pay (with an n-gram drafter, all of them); ``off``: the cost model says drafts never pay
-(jobs only probe one token every `DraftStats.PROBE_INTERVAL` steps). Figures are medians over
-the steps after --warmup, per step for all jobs (``propose_ms``, ``settle_ms``, ``total_ms``;
-``drafter_ms``: the part of ``propose_ms`` spent in the drafter, the rest being the speculator's
-own per-job work; ``first_ms``: the first step's ``propose``, where every job's prompt is
-indexed (``--shared-prompt``: every prompt is one document, whose pages the jobs share as
-deduplicated jobs do, plus a few tokens of the job's own);
-``total_cpu_ms``: the same in this thread's CPU time, which leaves out the time other processes
-of a loaded machine held the core).
+(jobs only probe one token every `DraftStats.PROBE_INTERVAL` steps); ``costed``: the cost model
+of an 8B-like step (`STEP_SECONDS`), where drafts pay as acceptance earns them.
+
+Figures are medians over the steps after --warmup, per step for all jobs: ``propose_ms``,
+``settle_ms``, ``total_ms``; ``drafter_ms``, the part of ``propose_ms`` spent in the drafter (the
+rest is the speculator's own per-job work); ``total_cpu_ms``, the total in this thread's CPU
+time, which leaves out the time other processes of a loaded machine held the core. Also:
+``first_ms``, the first step's ``propose``, where every job's prompt is indexed
+(``--shared-prompt``: every prompt is one document, whose pages the jobs share as deduplicated
+jobs do, plus a few tokens of the job's own); ``overlap_lost``, the share of steps after which
+the speculator wants the next step's inputs on the host (`Speculator.wants_tokens`), where the
+engine gives up overlapping steps.
 
 Each tree runs --rounds fresh simulations, alternating with the other tree's; the figures
 reported are the medians of the rounds' medians. ``--baseline TREE``: also run TREE's
@@ -64,6 +68,12 @@ GREEDY = SamplerSettings.greedy()
 PAGE_SIZE = 256
 # With --shared-prompt, the tokens of each prompt after the shared document.
 QUESTION_TOKENS = 16
+# What the speculator's cost model is shown a step of N tokens costs, by mode. all: the same
+# whatever it feeds, and enough that drafting's own measured cost stays small beside it (a
+# 256-job decode step of an 8B model on the H200 is ~10 ms); off: only what it feeds; costed:
+# an 8B-like step, 4 ms plus 20 us a token (drafts pay where acceptance earns them).
+STEP_SECONDS = {"all": lambda tokens: 20e-3, "off": lambda tokens: 1e-6 * tokens,
+                "costed": lambda tokens: 4e-3 + 20e-6 * tokens}
 # Per-step figures reported as the median of the rounds' medians.
 MEDIANS = ("propose_ms", "settle_ms", "drafter_ms", "first_ms", "total_ms", "total_cpu_ms",
            "mean_total_ms")
@@ -154,11 +164,7 @@ class Simulation:
         drafter.draft = timed_draft
         for _ in range(8):
             for tokens in (256, 1024):
-                # all: a step costs the same whatever it feeds, and enough that drafting's own
-                # measured cost (`Speculator.draft_cost_ratio`) stays small beside it (a
-                # 256-job decode step of an 8B model on the H200 is ~10 ms); off: only what
-                # it feeds.
-                self.speculator.costs.record(tokens, 20e-3 if mode == "all" else 1e-6 * tokens)
+                self.speculator.costs.record(tokens, STEP_SECONDS[mode](tokens))
         self.digest = hashlib.sha256()
         self.propose_s: list[float] = []
         self.settle_s: list[float] = []
@@ -166,6 +172,7 @@ class Simulation:
         self.first_s: float | None = None  # the first step's propose: every prompt indexed
         self.cpu_s: list[float] = []  # propose and settle, this thread's CPU time
         self.drafting: list[int] = []
+        self.no_overlap: list[bool] = []  # the next step needs this one's tokens on the host
 
     def step(self, measure: bool, profile: cProfile.Profile | None = None) -> None:
         """One decode (or verify) step of every job."""
@@ -211,6 +218,7 @@ class Simulation:
             self.drafter_s.append(self.draft_s)
             self.cpu_s.append(proposed_cpu - started_cpu + settle_cpu)
             self.drafting.append(sum(bool(sl.draft_ids) for sl in plan.slices))
+            self.no_overlap.append(speculator.wants_tokens())
 
     def figures(self) -> dict[str, Any]:
         totals = [p + s for p, s in zip(self.propose_s, self.settle_s, strict=True)]
@@ -223,6 +231,7 @@ class Simulation:
             "total_cpu_ms": round(statistics.median(self.cpu_s) * 1e3, 4),
             "mean_total_ms": round(statistics.fmean(totals) * 1e3, 4),
             "drafting_jobs_per_step": round(statistics.fmean(self.drafting), 1),
+            "overlap_lost": round(statistics.fmean(self.no_overlap), 4),
             "accepted": self.speculator.accepted, "rejected": self.speculator.rejected,
             "final_context": round(statistics.fmean(len(r.history)
                                                     for r in self.records.values())),
