@@ -118,8 +118,7 @@ class Drafter(Protocol):
 
 class SharedPrefix:
     """A run of full pages that jobs' histories begin with (their ids and tokens), and once a
-    second job begins with them, the n-gram index of their tokens those jobs share
-    (`NgramDrafter`)."""
+    job extends it, the n-gram index of their tokens (`NgramDrafter`)."""
 
     __slots__ = ("pages", "tokens", "index", "users")
 
@@ -134,11 +133,11 @@ class NgramDrafter:
 
     Jobs whose histories begin with the same full pages (one document asked several questions:
     deduplicated, its pages have the same ids in every job's page table) share one index of
-    those pages' tokens, the base of each later job's own index: a document is indexed twice
-    (by the first job, and as the shared base when a second job comes), not once a job, and
-    held twice at most. A job's pages are matched by id and then by content (a page id freed
-    and reused holds other tokens), so sharing never changes a draft; a job that shares with no
-    other keeps a plain index.
+    those pages' tokens, the base of each later job's own index, whatever pages follow them (a
+    question longer than the document's last partial page): a document is indexed twice (by
+    the first job, and as the shared base when a second job comes), not once a job. A job's
+    pages are matched by id and then by content (a page id freed and reused holds other
+    tokens), so sharing never changes a draft; a job that shares no page keeps a plain index.
 
     max_n / min_n: the longest and shortest suffix looked up.
     page_size: the cache's page size.
@@ -190,32 +189,49 @@ class NgramDrafter:
         return len(known), sum(prefix.index is not None for prefix in known)
 
     def _new_index(self, request: DraftRequest) -> NgramIndex:
-        """A job's index: over the shared index of the longest known prefix of full pages its
-        history begins with (building that index when this is the prefix's second job), or a
-        plain index, its full pages before its last token (its prompt's, at its first draft)
-        then known as a prefix."""
+        """A job's index. Its full pages before its last token (its prompt's, at its first
+        draft) are matched against the known prefixes: the longest run of leading pages it
+        shares with one of them (by id, then by content) becomes a shared prefix if it is not
+        one already, and the job's index extends that prefix's index (built on its first use).
+        A job that shares no page keeps a plain index, its pages then known as a prefix."""
         history, table, size = request.history, request.page_table, self.page_size
         full = min((len(history) - 1) // size, len(table))
         if full < 1:
             return NgramIndex(self.max_n, self.min_n)
-        best: SharedPrefix | None = None
-        for prefix in self._prefixes.get(table[0], ()):
-            count = len(prefix.pages)
-            if count <= full and (best is None or count > len(best.pages)) \
-                    and tuple(table[:count]) == prefix.pages \
-                    and history[:count * size] == prefix.tokens:
-                best = prefix
-        if best is None:
-            best = SharedPrefix(tuple(table[:full]), list(history[:full * size]))
-            self._prefixes.setdefault(table[0], []).append(best)
-        best.users += 1
-        self._prefix_of[request.job_id] = best
-        if best.users == 1:
+        pages = tuple(table[:full])
+        best, shared = None, 0
+        for prefix in self._prefixes.get(pages[0], ()):
+            common = _common_length(prefix.pages, pages)
+            if common > shared or (common == shared and len(prefix.pages) == common):
+                best, shared = prefix, common
+        if best is None or history[:shared * size] != best.tokens[:shared * size]:
+            # No page shared (or its id was freed and reused for other tokens).
+            self._share(SharedPrefix(pages, list(history[:full * size])), request.job_id)
             return NgramIndex(self.max_n, self.min_n)
+        if len(best.pages) != shared:  # the pages this job shares with another: a new prefix
+            best = SharedPrefix(pages[:shared], best.tokens[:shared * size])
+        self._share(best, request.job_id)
         if best.index is None:
             best.index = NgramIndex(self.max_n, self.min_n)
             best.index.sync(best.tokens)
         return NgramIndex(self.max_n, self.min_n, base=best.index)
+
+    def _share(self, prefix: SharedPrefix, job_id: int) -> None:
+        """Count ``job_id`` as a user of ``prefix`` (known from its first user on)."""
+        if not prefix.users:
+            self._prefixes.setdefault(prefix.pages[0], []).append(prefix)
+        prefix.users += 1
+        self._prefix_of[job_id] = prefix
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
 
 
 class ModelDrafter:

@@ -379,35 +379,56 @@ def test_a_prompt_cached_to_its_page_end_drafts_within_its_pages(make_generator,
 
 
 def test_ngram_jobs_on_one_document_share_its_index(make_generator, speculative, engine_parts):
-    """Four greedy jobs asking about one 600-token document (two full pages, deduplicated):
-    from the second job on they draft over one shared index of those pages, and every job's
-    output is plain decoding's."""
+    """Jobs asking about one 600-token document (two full pages, deduplicated), in a mixture:
+    greedy ones (one whose question fills a full page of its own), a seeded sampled one, one
+    constrained to a choice, and one cancelled mid-run. From the second job on they draft over
+    one shared index of the document's pages; every finished job's output is plain
+    decoding's, and the drafter keeps nothing once they end."""
     model, tokenizer = engine_parts
     document = tokenizer.encode(REPEAT * 60)[:600]
     rng = random.Random(8)
-    prompts = [document + [rng.randrange(10, 500) for _ in range(5 + i)] for i in range(4)]
+
+    def prompt(question: int) -> list[int]:
+        return document + [rng.randrange(10, 500) for _ in range(question)]
+
+    prompts = {"short": prompt(5), "also-short": prompt(8), "long-question": prompt(300),
+               "sampled": prompt(6), "choice": prompt(7), "cancelled": prompt(9)}
 
     def jobs() -> list[Job]:
-        return [Job(input_ids=prompt, max_new_tokens=12, stop_conditions=[],
-                    gen_settings=SamplerSettings.greedy(), identifier=i)
-                for i, prompt in enumerate(prompts)]
+        greedy, sampled = SamplerSettings.greedy(), SamplerSettings(temperature=0.8, top_k=20)
+        out = [Job(input_ids=prompts[name], max_new_tokens=12, stop_conditions=[],
+                   gen_settings=greedy, identifier=name)
+               for name in ("short", "also-short", "long-question", "cancelled")]
+        out.append(Job(input_ids=prompts["sampled"], max_new_tokens=12, stop_conditions=[],
+                       gen_settings=sampled, seed=3, identifier="sampled"))
+        out.append(Job(input_ids=prompts["choice"], max_new_tokens=8, gen_settings=sampled,
+                       seed=5, identifier="choice", constraint=["yes", "no", "maybe later"]))
+        return out
 
     expected = run_tokens(make_generator(), jobs())
     generator = speculative("ngram")
     drafter = generator.speculator.drafter
     batch = jobs()
+    by_id = {job.identifier: job for job in batch}
     generator.enqueue(batch)
     seen = set()
     got: dict[Any, dict[str, Any]] = {job.identifier: {"tokens": []} for job in batch}
+    step = 0
     while generator.num_remaining_jobs():
+        if step == 4:
+            generator.cancel(by_id["cancelled"])
+        step += 1
         for r in generator.iterate():
             got[r["identifier"]]["tokens"].extend(r.get("token_ids", []))
             if r["eos"]:
                 got[r["identifier"]]["final"] = r
         seen.add(drafter.shared_prefixes())
-    assert (1, 1) in seen  # one prefix known, with its shared index
+    assert any(known >= 1 and shared == 1 for known, shared in seen)  # the document's pages
     assert drafter.shared_prefixes() == (0, 0)  # the jobs ended: nothing is kept
     assert generator.stats().draft_tokens_accepted > 0
+    assert got["cancelled"]["final"]["eos_reason"] == "cancelled"
+    assert got["choice"]["final"]["full_completion"] in ("yes", "no", "maybe later")
     for job in batch:
-        assert_same_output(expected[job.identifier], got[job.identifier], model, job.input_ids,
-                           job.identifier)
+        if job.identifier != "cancelled":
+            assert_same_output(expected[job.identifier], got[job.identifier], model,
+                               job.input_ids, job.identifier)

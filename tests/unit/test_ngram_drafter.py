@@ -51,20 +51,28 @@ def test_a_reused_page_id_with_other_tokens_is_not_shared():
     assert drafter.shared_prefixes() == (2, 0)  # two prefixes, neither shared
 
 
-def test_a_job_shares_the_longest_prefix_it_begins_with():
+def test_jobs_share_the_pages_they_have_in_common_whatever_follows():
+    """Questions longer than the document's last partial page fill full pages of their own:
+    the jobs still share the document's pages (the longest run of leading pages in common)."""
     rng = random.Random(1)
     document = [rng.randrange(50) for _ in range(2 * PAGE)]
-    long_question = document + [rng.randrange(50) for _ in range(PAGE + 2)]  # a third full page
     drafter = NgramDrafter(page_size=PAGE)
-    drafter.draft([ask(0, long_question, [1, 2, 3, 4])])  # its prefix: pages 1, 2, 3
-    short = document + [7, 8]
-    drafter.draft([ask(1, short, [1, 2, 9])])  # pages 1, 2: not a prefix of 1, 2, 3
-    assert drafter.shared_prefixes() == (2, 0)
-    again = document + [rng.randrange(50) for _ in range(3)]
-    assert [d.tokens for d in drafter.draft([ask(2, again, [1, 2, 10])])] == [alone(again)]
-    assert drafter.shared_prefixes() == (2, 1)  # job 2 shares job 1's two-page prefix
+
+    def question(length: int) -> list[int]:
+        return document + [rng.randrange(50) for _ in range(length)]
+
+    first = question(PAGE + 2)  # a third full page of its own
+    assert [d.tokens for d in drafter.draft([ask(0, first, [1, 2, 3, 4])])] == [alone(first)]
+    assert drafter.shared_prefixes() == (1, 0)  # pages 1, 2, 3 known, not shared yet
+    second = question(2)
+    assert [d.tokens for d in drafter.draft([ask(1, second, [1, 2, 9])])] == [alone(second)]
+    assert drafter.shared_prefixes() == (2, 1)  # pages 1, 2 shared by jobs 0 and 1
+    third = question(PAGE + 3)
+    assert [d.tokens for d in drafter.draft([ask(2, third, [1, 2, 10, 11])])] == [alone(third)]
+    assert drafter.shared_prefixes() == (2, 1)  # job 2 extends the same two pages
     drafter.forget(1)
     assert drafter.shared_prefixes() == (2, 1)  # still used by job 2
     drafter.forget(2)
+    assert drafter.shared_prefixes() == (1, 0)
     drafter.forget(0)
     assert drafter.shared_prefixes() == (0, 0)
