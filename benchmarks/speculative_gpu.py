@@ -10,7 +10,8 @@
     since with plain random weights a verify forward and a one-token decode part at bf16
     near-ties, after which no recorded continuation is the oracle's.
 (c) ``wrong``: a drafter that is always wrong, batch 1 to 256: tok/s with speculation on
-    against off (target >= 0.97: the draft length falls to zero and steps overlap again).
+    against off (target >= 0.97: the draft length falls to zero and steps overlap again). A
+    timed run that captured a CUDA graph (a verify graph's first use) is run again.
 (d) ``pair``: the Qwen2.5-Coder pair's shapes (28-layer 1.5B target, 24-layer 0.5B draft), random
     weights: the draft step's cost over the target's (plain decodes of each), and the speedup
     at an acceptance rate ``--alpha`` (the CPU-measured one) as the oracle drafter with
@@ -106,6 +107,57 @@ class WrongDrafter(OracleDrafter):
         super().__init__(recorded, prompt_lens, alpha=0.0)
 
 
+class Phases:
+    """Where a generator's steps go, for a diagnosis (the generator's own methods wrapped, so
+    this reads private attributes): steps, verify steps by query length (``verify_q5``: the
+    longest draft 4), steps that did not overlap the next, the host seconds inside the runner
+    (verify and plain steps apart), the drafter, and the sampler's start; ``reset`` between
+    runs."""
+
+    def __init__(self, generator: DynamicGenerator) -> None:
+        self.counts: dict[str, float] = {}
+        runner, sampler = generator._runner, generator._sampler
+        self._wrap(runner, "run", lambda plan, *a, **k: "plain" if not any(
+            s.draft_ids for s in plan.slices) else
+            f"verify_q{1 + max(len(s.draft_ids) for s in plan.slices)}")
+        self._wrap(sampler, "start", lambda *a, **k: "sample")
+        may_overlap = generator._may_overlap
+
+        def overlap() -> bool:
+            result = may_overlap()
+            self.counts["steps"] = self.counts.get("steps", 0) + 1
+            self.counts["no_overlap"] = self.counts.get("no_overlap", 0) + (not result)
+            return result
+
+        generator._may_overlap = overlap  # type: ignore[method-assign]
+        if generator.speculator is not None:
+            self._speculator = generator.speculator
+
+    def _wrap(self, owner: Any, name: str, label: Any) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                key = label(*args, **kwargs)
+                self.counts[key + "_ms"] = (self.counts.get(key + "_ms", 0.0)
+                                            + (time.perf_counter() - began) * 1e3)
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+        setattr(owner, name, timed)
+
+    def draft_timer(self, drafter: Any) -> Any:
+        """``drafter`` with its ``draft`` timed into these counts."""
+        self._wrap(drafter, "draft", lambda *a, **k: "draft")
+        return drafter
+
+    def reset(self) -> dict[str, float]:
+        counts, self.counts = self.counts, {}
+        return {k: round(v, 3) for k, v in counts.items()}
+
+
 def generate(generator: DynamicGenerator, prompts: list[list[int]], new_tokens: int
              ) -> tuple[float, dict[int, list[int]], dict[str, int]]:
     """Greedy jobs of exactly ``new_tokens`` tokens: (seconds, tokens by job id, draft counts).
@@ -178,28 +230,45 @@ def own_continuation(generator: DynamicGenerator, prompts: list[list[int]], new_
     time the last run's output, until a run makes the very tokens it was offered (a verify
     forward and a one-token decode may pick different tokens at near-ties, after which a
     recorded continuation is wrong; the speculative run's own continuation is the oracle).
-    The measured run is the second in a row that made its offered tokens, so it replays only
-    verify graphs the run before it captured. Returns the last run's seconds, tokens, whether
-    they were the offered ones, and its draft counts."""
+    The measured run is one that made its offered tokens and captured no CUDA graph (a run's
+    draft lengths, and so its verify graphs, may differ from the last one's). Returns the last
+    run's seconds, tokens, whether they were the offered ones, and its draft counts."""
     assert generator.speculator is not None
-    matched = previous = False
+    matched = False
     runs = 0
     while runs < attempts:
         runs += 1
         generator.speculator.drafter = make_drafter(truth)
-        before = generator.stats()
+        before, captures = generator.stats(), captured(generator)
         seconds, got, _ = generate(generator, prompts, new_tokens)
         after = generator.stats()
         output = next(iter(got.values()))
         matched = output == truth
         truth = output
-        if matched and previous:  # the run before took the same steps: no graph captured now
+        if matched and captured(generator) == captures:
             break
-        previous = matched
     counts = {"accepted": after.draft_tokens_accepted - before.draft_tokens_accepted,
               "rejected": after.draft_tokens_rejected - before.draft_tokens_rejected,
               "runs": runs}
     return seconds, truth, matched, counts
+
+
+def captured(generator: DynamicGenerator) -> int:
+    """The CUDA graphs the generator's runner captured so far (a verify graph is captured the
+    first time its batch bucket and draft length come up: a run that captured one timed the
+    capture too)."""
+    return generator._runner.graph_captures
+
+
+def timed_run(generator: DynamicGenerator, prompts: list[list[int]], new_tokens: int,
+              attempts: int = 4) -> float:
+    """`generate`'s seconds of a run that captured no CUDA graph (run again while one did)."""
+    for _ in range(attempts):
+        captures = captured(generator)
+        seconds = generate(generator, prompts, new_tokens)[0]
+        if captured(generator) == captures:
+            break
+    return seconds
 
 
 def _every_job(tokens: list[int], count: int = 64) -> dict[int, list[int]]:
@@ -237,13 +306,23 @@ def oracle(model: Model, tokenizer: Any, new_tokens: int, k: int) -> None:
     del plain
     free_memory()
     spec = with_drafter(model, tokenizer, prompts, None, k)
-    seconds, got, offered, counts = own_continuation(
-        spec, prompts, new_tokens, recorded[1],
-        lambda truth: OracleDrafter(_every_job(truth), _every_job(CONTEXT)))
+    phases = Phases(spec)
+    runs: list[dict[str, float]] = []
+
+    def oracle_drafter(truth: list[int]) -> OracleDrafter:
+        runs.append(phases.reset())
+        return OracleDrafter(_every_job(truth), _every_job(CONTEXT))
+
+    seconds, got, offered, counts = own_continuation(spec, prompts, new_tokens, recorded[1],
+                                                     oracle_drafter)
     rate = new_tokens / seconds
     report("speculative_gpu.oracle", k=k, plain_tok_s=base, speculative_tok_s=rate,
            speedup=rate / base, drafts_were_output=offered,
-           **_agreement(model, prompts[0], recorded[1], got), **counts)
+           **_agreement(model, prompts[0], recorded[1], got), **counts,
+           phases=phases.reset(), earlier_runs_phases=runs[1:],
+           step_ms_predicted=[round((spec.speculator.costs.predict(n) or 0.0) * 1e3, 4)
+                              for n in (1, 1 + k)],
+           threshold=spec.speculator.costs.threshold(1, spec.speculator.draft_cost_ratio))
     del spec
     free_memory()
 
@@ -281,9 +360,9 @@ def always_wrong(model: Model, tokenizer: Any, batches: Sequence[int], new_token
         for generator in (plain, spec):  # the warm-ups also capture the verify graphs
             generate(generator, prompts, new_tokens)
         off, on = [], []
-        for _ in range(repeats):
-            off.append(generate(plain, prompts, new_tokens)[0])
-            on.append(generate(spec, prompts, new_tokens)[0])
+        for _ in range(repeats):  # runs that captured a graph are run again
+            off.append(timed_run(plain, prompts, new_tokens))
+            on.append(timed_run(spec, prompts, new_tokens))
         off_s, on_s = sorted(off)[len(off) // 2], sorted(on)[len(on) // 2]
         stats = spec.stats()
         report("speculative_gpu.always_wrong", batch=batch, off_tok_s=batch * new_tokens / off_s,
@@ -315,7 +394,9 @@ def pair(device: torch.device, new_tokens: int, alpha: float, k: int, small: boo
         free_memory()
     plain = make_generator(target, tokenizer, cache_tokens=4096)
     generate(plain, prompts, 8)
+    phases = Phases(plain)
     base_seconds, _, _ = generate(plain, prompts, new_tokens)
+    plain_phases = phases.reset()
     del plain
     free_memory()
     spec = make_generator(target, tokenizer, cache_tokens=4096, draft_model=draft,
@@ -323,14 +404,26 @@ def pair(device: torch.device, new_tokens: int, alpha: float, k: int, small: boo
     assert spec.speculator is not None
     inner = spec.speculator.drafter
     assert isinstance(inner, ModelDrafter)
-    seconds, got, offered, counts = own_continuation(
-        spec, prompts, new_tokens, truth,
-        lambda own: OracleDrafter(_every_job(own), _every_job(CONTEXT), alpha=alpha,
-                                  inner=inner))
+    phases = Phases(spec)
+    runs: list[dict[str, float]] = []
+
+    def oracle_drafter(own: list[int]) -> OracleDrafter:
+        runs.append(phases.reset())
+        return phases.draft_timer(OracleDrafter(_every_job(own), _every_job(CONTEXT),
+                                                alpha=alpha, inner=inner))
+
+    seconds, got, offered, counts = own_continuation(spec, prompts, new_tokens, truth,
+                                                     oracle_drafter)
     report("speculative_gpu.pair", alpha=alpha, k=k, draft_over_target=costs["draft"] /
            costs["target"], plain_tok_s=new_tokens / base_seconds,
            speculative_tok_s=new_tokens / seconds, speedup=base_seconds / seconds,
-           drafts_were_output=offered, **_agreement(target, prompts[0], truth, got), **counts)
+           drafts_were_output=offered, **_agreement(target, prompts[0], truth, got), **counts,
+           draft_cost_ratio=spec.speculator.draft_cost_ratio,
+           step_ms_predicted=[round((spec.speculator.costs.predict(n) or 0.0) * 1e3, 4)
+                              for n in (1, 1 + k)],
+           threshold=spec.speculator.costs.threshold(1, spec.speculator.draft_cost_ratio),
+           plain_phases=plain_phases,
+           speculative_phases=phases.reset(), earlier_runs_phases=runs[1:])
 
 
 def main() -> None:
