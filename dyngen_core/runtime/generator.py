@@ -355,12 +355,13 @@ class DynamicGenerator:
                 verify = self._draft(plan)
                 feed = token_feed(plan, self._in_flight)
                 records = self._sampling_records(plan, feed)
-                started = time.perf_counter()
+                started, captures = time.perf_counter(), self._runner.graph_captures
                 logits = self._runner.run(plan, feed)
                 self._land(out)  # the previous step's tokens: wait, apply, emit
                 sampled = self._sampler.start(logits, records, overlap=self._may_overlap(),
                                               verify=verify)
-                self._apply(plan, sampled, out, started)
+                self._apply(plan, sampled, out,
+                            started if self._runner.graph_captures == captures else None)
         return out + self._take_finished()
 
     @contextmanager
@@ -406,13 +407,14 @@ class DynamicGenerator:
         return [records[s.job_id] for s in plan.slices if s.sample]
 
     def _apply(self, plan: StepPlan, sampled: SampledStep, out: list[Result],
-               started: float) -> None:
+               started: float | None) -> None:
         """Apply a sampled step: with its tokens still on the device, as placeholders (the step
         is then in flight until the next `iterate` lands it); else at once, with its results.
         A drafter's cost model learns from the decode and verify steps whose tokens are on
-        the host (forward and sampling timed from ``started``; prefill chunks would fit the
-        cost of prompts, not of drafts)."""
-        if self._speculator is not None and sampled.ids is None \
+        the host (forward and sampling timed from ``started``; None: a step that captured a
+        CUDA graph, whose time is mostly that; prefill chunks would fit the cost of prompts,
+        not of drafts)."""
+        if self._speculator is not None and sampled.ids is None and started is not None \
                 and not any(s.is_prefill for s in plan.slices):
             self._speculator.costs.record(plan.num_tokens, time.perf_counter() - started)
         if sampled.ids is not None and sampled.records:

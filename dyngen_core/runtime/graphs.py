@@ -198,6 +198,8 @@ class StepGraphs:
         # decode graphs are captured on first use.
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self._pool: _POOL_HANDLE | None = None
+        # Graphs captured so far: a step that captured one took a one-time cost, not its own.
+        self.captures = 0
         with self._capture_mode():
             for size in reversed(self.buckets):  # largest first: smaller ones reuse its memory
                 self._capture(size, 1, with_tables=False)
@@ -327,6 +329,7 @@ class StepGraphs:
             logits = self._step(batch)
         self._pool = graph.pool()
         self._graphs[(size, query_len, with_tables)] = _Graph(graph, logits, batch)
+        self.captures += 1
         torch.cuda.synchronize(self.device)
 
     def _stage_decode(self, plan: StepPlan, bucket: int, seq_slots: Sequence[int] | None,

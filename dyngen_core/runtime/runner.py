@@ -64,6 +64,12 @@ class ModelRunner:
             verify_steps=self.slots is None,
         ) if cuda_graphs else None
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (0 without graphs): a step during which this grew
+        paid a one-time capture (verify graphs are captured on first use)."""
+        return 0 if self.graphs is None else self.graphs.captures
+
     @torch.inference_mode()
     def run(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor | None:
         """Copy pages, then run every slice in one forward; None when no slice samples.

@@ -218,6 +218,11 @@ class BroadcastRunner:
         self.runner = options.build(model, cache)
         self.closed = False
 
+    @property
+    def graph_captures(self) -> int:
+        """`ModelRunner.graph_captures` of rank 0's runner."""
+        return self.runner.graph_captures
+
     def run(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor | None:
         if self.closed:
             raise RuntimeError("this generator was closed (its tensor-parallel workers have "

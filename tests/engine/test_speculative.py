@@ -432,3 +432,42 @@ def test_ngram_jobs_on_one_document_share_its_index(make_generator, speculative,
         if job.identifier != "cancelled":
             assert_same_output(expected[job.identifier], got[job.identifier], model,
                                job.input_ids, job.identifier)
+
+
+class CapturingRunner:
+    """A runner whose forwards number ``captured_at`` count as capturing a CUDA graph."""
+
+    def __init__(self, inner: Any, captured_at: set[int]) -> None:
+        self.inner, self.captured_at = inner, captured_at
+        self.calls = self.graph_captures = 0
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.graph_captures += self.calls in self.captured_at
+        return self.inner.run(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_step_that_captures_a_graph_does_not_teach_the_cost_model(speculative, engine_parts):
+    """A verify graph is captured the first time its shape is seen: that step's time is the
+    capture's, so the drafter's cost model must not learn from it (a few such steps had made
+    it predict a 600 ms step and switch drafting off for good)."""
+    generator = speculative("ngram")
+    assert generator.speculator is not None
+    learned: list[int] = []
+    record = generator.speculator.costs.record
+    generator.speculator.costs.record = lambda tokens, seconds: (  # type: ignore[method-assign]
+        learned.append(tokens), record(tokens, seconds))
+    generator._runner = CapturingRunner(generator._runner, captured_at={2, 3})
+    steps = []
+    generator.enqueue(Job(input_ids=engine_parts[1].encode(REPEAT), max_new_tokens=12,
+                          gen_settings=SamplerSettings.greedy()))
+    while generator.num_remaining_jobs():
+        before = len(learned)
+        generator.iterate()
+        steps.append(len(learned) - before)
+    assert steps[1] == steps[2] == 0  # the capturing steps (calls 2 and 3) taught nothing
+    assert sum(steps) > 0  # the others did
+    generator.check_invariant()
