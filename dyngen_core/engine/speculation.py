@@ -16,7 +16,10 @@ the extra cost of one draft token (plus the drafter's own cost per token) over t
 batch takes per token it makes. Small batches of a memory-bound model draft long; large
 batches, where a forward's cost grows with its tokens, draft little or nothing. A job whose
 drafts keep failing stops drafting and only probes one token now and then
-(`DraftStats.PROBE_INTERVAL`), so a drafter that is always wrong costs almost nothing.
+(`DraftStats.PROBE_INTERVAL`), and never so often that its probes cost more than
+`DraftStats.PROBE_BUDGET` of its tokens' time (a probe costs the threshold, in produced tokens,
+which a slow drafter or a large batch raises above 1), so a drafter that is always wrong, or too
+slow to pay, costs almost nothing.
 
 Pure Python: the generator feeds it token histories and step timings.
 """
@@ -24,6 +27,7 @@ Pure Python: the generator feeds it token histories and step timings.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -216,9 +220,13 @@ class DraftStats:
     # A job whose drafts do not pay tries a one-token draft once ``probe_interval`` steps have
     # passed since its last draft (at the next multiple of `PROBE_INTERVAL`, `next_probe`):
     # `PROBE_INTERVAL` at first and after a probe that was accepted, twice the last interval
-    # (up to `MAX_PROBE_INTERVAL`) after one that was not.
+    # (up to `MAX_PROBE_INTERVAL`) after one that was not; and at least as many steps as keep
+    # the probe's expected cost within `PROBE_BUDGET` of the tokens made meanwhile (up to
+    # `MAX_PROBE_WAIT`, so that a cost measured once too high is measured again).
     PROBE_INTERVAL = 16
     MAX_PROBE_INTERVAL = 256
+    PROBE_BUDGET = 0.01
+    MAX_PROBE_WAIT = 1024
     MAX_MISSES = 8
 
     def __post_init__(self) -> None:
@@ -226,14 +234,18 @@ class DraftStats:
             self.accepted, self.trials = self.prior * self.PRIOR_TRIALS, self.PRIOR_TRIALS
         self.alpha = self.accepted / self.trials if self.trials > 0 else 0.0
 
-    @property
-    def next_probe(self) -> int:
-        """The engine step at which a job whose drafts do not pay probes next: the first
-        multiple of `PROBE_INTERVAL` ``probe_interval`` steps or more after its last offer.
-        Probes of all jobs fall on the same steps: the step before a probe gives up overlap
-        (the probe needs its tokens on the host), so that is at most one step in
+    def next_probe(self, threshold: float) -> int:
+        """The engine step at which a job whose drafts do not pay (against ``threshold``, the
+        step's `StepCostModel.threshold`) probes next: the first multiple of `PROBE_INTERVAL`
+        at least ``probe_interval`` steps after its last offer, and at least the steps over
+        which the probe's expected net cost (``threshold - alpha`` produced tokens: a draft
+        token's cost less the token it makes when accepted) is `PROBE_BUDGET` of the tokens
+        made. Probes of all jobs fall on the same steps: the step before a probe gives up
+        overlap (the probe needs its tokens on the host), so that is at most one step in
         `PROBE_INTERVAL` whatever the batch, not one for every job's own schedule."""
-        due = self.last_offer + self.probe_interval
+        cost = math.ceil((threshold - self.alpha) / self.PROBE_BUDGET)
+        wait = max(self.probe_interval, min(cost, self.MAX_PROBE_WAIT))
+        due = self.last_offer + wait
         return -(-due // self.PROBE_INTERVAL) * self.PROBE_INTERVAL
 
     def record(self, proposed: int, accepted: int) -> None:
@@ -266,8 +278,8 @@ class DraftStats:
     def length(self, max_tokens: int, threshold: float, step: int) -> int:
         """How many drafts to offer at engine step ``step``: positions ``j`` while
         ``alpha ** j > threshold``, at most ``max_tokens``; when none would pay (or after
-        `MAX_MISSES` misses in a row), one probe token once ``probe_interval`` steps passed
-        since the last offer (so none when neither `pays` nor `probe_due`)."""
+        `MAX_MISSES` misses in a row), one probe token once its probe is due (`next_probe`;
+        so none when neither `pays` nor `probe_due`)."""
         alpha, k, survive = self.alpha, 0, 1.0
         paying = max_tokens if self.misses < self.MAX_MISSES else 0
         while k < paying:
@@ -275,16 +287,17 @@ class DraftStats:
             if survive <= threshold:
                 break
             k += 1
-        self.probing = k == 0 and max_tokens > 0 and self.probe_due(step)
+        self.probing = k == 0 and max_tokens > 0 and self.probe_due(step, threshold)
         if self.probing:
             k = 1
         if k:
             self.last_offer = step
         return k
 
-    def probe_due(self, step: int) -> bool:
-        """Whether a job whose drafts do not pay may probe at engine step ``step``."""
-        return step >= self.next_probe
+    def probe_due(self, step: int, threshold: float) -> bool:
+        """Whether a job whose drafts do not pay (against ``threshold``) may probe at engine
+        step ``step``."""
+        return step >= self.next_probe(threshold)
 
 
 @dataclass
@@ -295,6 +308,12 @@ class StepCostModel:
     prior_ratio: ``fixed / per_token`` assumed until steps of different sizes were measured
         (a memory-bound forward: one token costs a small part of a step).
     """
+
+    # The least a draft position must survive to be offered, whatever the fit says: an
+    # offered draft also gives up overlapping the next step with this one (the verify step's
+    # tokens must reach the host), a cost these steps' times do not show, and at batch 1 a
+    # forward's extra tokens cost next to nothing (a fit there may even say they are free).
+    MIN_SURVIVAL = 0.1
 
     prior_ratio: float = 64.0
     decay: float = 0.98
@@ -347,11 +366,13 @@ class StepCostModel:
     def threshold(self, batch: int, drafter_ratio: float = 0.0) -> float:
         """The survival probability a draft token must beat in a step of ``batch`` jobs: its
         cost (one more token of the forward, plus ``drafter_ratio`` steps of the drafter per
-        draft position, shared by the batch) over what the batch pays per token it makes."""
-        ratio = self.ratio()
-        per_token_of_batch = (ratio + batch) / batch  # a step's cost per job, in token costs
-        draft_cost = 1.0 + drafter_ratio * (ratio + batch) / batch
-        return min(1.0, draft_cost / (per_token_of_batch + 1e-12) if ratio > 0 else 1.0)
+        draft position, shared by the batch) over what the batch pays per token it makes.
+        Above 1 no draft pays (a drafter too slow, or a batch whose forward costs by its
+        tokens); its size is then still what a one-token probe costs, in produced tokens.
+        Never below `MIN_SURVIVAL`."""
+        per_token_of_batch = (self.ratio() + batch) / batch  # a step's cost per job, in tokens
+        cost = (1.0 + drafter_ratio * per_token_of_batch) / per_token_of_batch
+        return max(self.MIN_SURVIVAL, cost)
 
 
 __all__ = ["DraftStats", "NgramIndex", "StepCostModel", "accept_run", "accept_sampled"]

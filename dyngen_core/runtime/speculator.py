@@ -27,7 +27,9 @@ any draft is cut before the first token the constraint forbids (it could not be 
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -386,8 +388,12 @@ class Speculator:
     page_size: the cache's page size (a slice drafts no further than its pages reach).
     """
 
-    # How fast the measured draft cost follows new measurements (weight of the newest).
-    DRAFT_COST_WEIGHT = 0.1
+    # The measured draft cost is the median of the last `DRAFT_COST_SAMPLES` passes' costs,
+    # the drafter's own estimate counted `DRAFT_COST_PRIOR` times until passes replace it: a
+    # pass that pays a one-time cost (the first indexing of prompts, a kernel's compilation)
+    # moves it little, and a drafter slower than its estimate is seen within a few passes.
+    DRAFT_COST_SAMPLES = 8
+    DRAFT_COST_PRIOR = 3
 
     def __init__(self, drafter: Drafter, max_draft_tokens: int, page_size: int) -> None:
         if max_draft_tokens < 1:
@@ -397,10 +403,13 @@ class Speculator:
         self.page_size = page_size
         self.costs = StepCostModel()
         # One draft position's cost over a target decode step of the same jobs: the drafter's
-        # own estimate, then measured (the drafter's time over the cost model's step time)
-        # while ``measure_draft_cost``; benchmarks that pin it turn the measuring off.
+        # own estimate, then measured (the drafter's time over the cost model's step time, the
+        # median of recent passes) while ``measure_draft_cost``; benchmarks that pin it turn
+        # the measuring off.
         self.draft_cost_ratio = drafter.cost_ratio
         self.measure_draft_cost = True
+        self._draft_costs = deque([self.draft_cost_ratio] * self.DRAFT_COST_PRIOR,
+                                  maxlen=self.DRAFT_COST_SAMPLES)
         self._stats: dict[int, DraftStats] = {}
         self.accepted = self.rejected = 0
         self._steps = 0
@@ -439,11 +448,11 @@ class Speculator:
                 # No input on the host yet: a job that drafts (or is new) stays on, so the
                 # next step has its tokens; any other may probe when due.
                 if job_id not in on:
-                    self._note_probe(stats)
+                    self._note_probe(stats, threshold)
                 continue
-            if not stats.pays(threshold) and not stats.probe_due(step):
+            if not stats.pays(threshold) and not stats.probe_due(step, threshold):
                 on.discard(job_id)  # what `stats.length` says: no draft pays, no probe due
-                self._note_probe(stats)
+                self._note_probe(stats, threshold)
                 continue
             # Drafts stop before max_new_tokens and inside the slice's pages (a prompt's last
             # token, fed alone after a prompt-cache hit, has no page reserved past it).
@@ -453,7 +462,7 @@ class Speculator:
             length = stats.length(min(self.max_draft_tokens, room), threshold, step)
             if length == 0:
                 on.discard(job_id)
-                self._note_probe(stats)
+                self._note_probe(stats, threshold)
                 continue
             on.add(job_id)
             sampling = self._sampling(record) if drafter.samples else None
@@ -480,8 +489,8 @@ class Speculator:
                 total += keep
         return total
 
-    def _note_probe(self, stats: DraftStats) -> None:
-        due = stats.next_probe
+    def _note_probe(self, stats: DraftStats, threshold: float) -> None:
+        due = stats.next_probe(threshold)
         self._next_probe = due if self._next_probe is None else min(self._next_probe, due)
 
     def _measure_draft_cost(self, seconds: float, batch: int, positions: int) -> None:
@@ -490,9 +499,8 @@ class Speculator:
         step = self.costs.predict(batch)
         if not self.measure_draft_cost or not step or positions < 1:
             return
-        weight = self.DRAFT_COST_WEIGHT
-        sample = seconds / (positions * step)
-        self.draft_cost_ratio = (1 - weight) * self.draft_cost_ratio + weight * sample
+        self._draft_costs.append(seconds / (positions * step))
+        self.draft_cost_ratio = statistics.median(self._draft_costs)
 
     def _sampling(self, record: JobRecord) -> DraftSampling | None:
         """How a drafter that samples draws this job's drafts; None (draft greedily) for a

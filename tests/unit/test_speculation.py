@@ -151,15 +151,17 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
     for _ in range(12):
         stats.record(proposed=2, accepted=0)
     probes = []
+    # A cheap probe (threshold 0.1: its cost stays within the budget every 10 steps): the
+    # interval alone spaces the probes.
     for step in range(1, 1200):
-        if stats.length(8, threshold=0.5, step=step):
+        if stats.length(8, threshold=0.1, step=step):
             probes.append(step)
             stats.record(proposed=1, accepted=0)
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps[:5] == [32, 64, 128, 256, 256]  # doubling from 16, capped
     assert stats.probe_interval == DraftStats.MAX_PROBE_INTERVAL
     step = probes[-1] + stats.probe_interval
-    assert stats.length(8, threshold=0.5, step=step) == 1
+    assert stats.length(8, threshold=0.1, step=step) == 1
     stats.record(proposed=1, accepted=1)
     assert stats.probe_interval == DraftStats.PROBE_INTERVAL
     # A draft offered because it pays is no probe: its outcome leaves the interval alone.
@@ -183,8 +185,8 @@ def test_offers_the_drafter_misses_stop_drafting_until_a_probe_finds_one():
     assert step == 2 * DraftStats.PROBE_INTERVAL and stats.probing
     stats.miss()  # the probe missed: the interval doubles, the next probe is aligned too
     assert stats.probe_interval == 2 * DraftStats.PROBE_INTERVAL
-    assert stats.next_probe == 4 * DraftStats.PROBE_INTERVAL
-    assert stats.length(4, threshold=0.05, step=stats.next_probe) == 1
+    assert stats.next_probe(0.05) == 4 * DraftStats.PROBE_INTERVAL
+    assert stats.length(4, threshold=0.05, step=stats.next_probe(0.05)) == 1
     stats.record(proposed=1, accepted=1)  # the probe found a draft, and it was accepted
     assert stats.misses == 0 and stats.probe_interval == DraftStats.PROBE_INTERVAL
     assert stats.pays(0.05)
@@ -197,10 +199,32 @@ def test_probes_of_all_jobs_fall_on_the_same_steps():
     for last in range(1, 40):
         stats = DraftStats(last_offer=last)
         stats.misses = DraftStats.MAX_MISSES
-        due.add(stats.next_probe)
-        assert stats.next_probe % DraftStats.PROBE_INTERVAL == 0
-        assert stats.next_probe >= last + DraftStats.PROBE_INTERVAL
+        due.add(stats.next_probe(0.05))
+        assert stats.next_probe(0.05) % DraftStats.PROBE_INTERVAL == 0
+        assert stats.next_probe(0.05) >= last + DraftStats.PROBE_INTERVAL
     assert due == {32, 48, 64}
+
+
+@pytest.mark.parametrize("threshold", [0.5, 1.0, 3.0, 40.0])
+def test_probes_are_spaced_to_cost_at_most_their_budget(threshold):
+    """A probe costs ``threshold - alpha`` produced tokens (a draft token's cost, less what
+    an accepted one makes): a job probes at most once in the steps over which that is
+    `PROBE_BUDGET` of its tokens, up to `MAX_PROBE_WAIT` (so that a cost measured once too
+    high is measured again)."""
+    stats = DraftStats()
+    for _ in range(12):
+        stats.record(proposed=2, accepted=0)  # an always-wrong drafter
+    cost = threshold - stats.alpha  # the most a failed probe lowers alpha to costs more
+    wait = min(cost / DraftStats.PROBE_BUDGET, DraftStats.MAX_PROBE_WAIT)
+    probes = [step for step in range(1, 8000) if stats.length(4, threshold, step)]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert len(gaps) >= 3 and min(gaps) >= max(wait, 2 * DraftStats.PROBE_INTERVAL)
+    assert max(gaps) <= max(threshold / DraftStats.PROBE_BUDGET + DraftStats.PROBE_INTERVAL,
+                            DraftStats.MAX_PROBE_INTERVAL)
+    if wait < DraftStats.MAX_PROBE_WAIT:  # the probes cost at most the budget
+        assert len(gaps) * cost / (probes[-1] - probes[0]) <= DraftStats.PROBE_BUDGET
+    # A job whose drafts almost pay probes as often as the interval allows.
+    assert DraftStats(prior=0.5).next_probe(0.55) == DraftStats.PROBE_INTERVAL
 
 
 def test_step_cost_model_fits_fixed_and_per_token_costs():
@@ -209,11 +233,14 @@ def test_step_cost_model_fits_fixed_and_per_token_costs():
     for tokens in (1, 2, 8, 32, 64) * 3:
         model.record(tokens, 0.010 + 0.0005 * tokens)  # fixed cost = 20 tokens' worth
     assert model.ratio() == pytest.approx(20.0, rel=1e-6)
-    # A draft token pays when it survives more often than batch / (ratio + batch).
-    assert model.threshold(1) == pytest.approx(1 / 21)
+    # A draft token pays when it survives more often than batch / (ratio + batch), and at
+    # least MIN_SURVIVAL of the time (it also costs the next step's overlap).
+    assert model.threshold(5) == pytest.approx(5 / 25)
     assert model.threshold(60) == pytest.approx(60 / 80)
+    assert model.threshold(1) == StepCostModel.MIN_SURVIVAL  # 1 / 21 by the fit
     assert model.threshold(1, drafter_ratio=0.5) == pytest.approx(1 / 21 + 0.5)
-    assert model.threshold(1000, drafter_ratio=0.5) == 1.0
+    # Above 1 no draft pays, and the threshold is what a one-token probe costs.
+    assert model.threshold(1000, drafter_ratio=0.5) == pytest.approx(1000 / 1020 + 0.5)
 
 
 def test_accept_sampled_keeps_accepted_drafts_then_one_replacement():
