@@ -235,14 +235,15 @@ class DraftStats:
         self.alpha = self.accepted / self.trials if self.trials > 0 else 0.0
 
     def next_probe(self, threshold: float) -> int:
-        """The engine step at which a job whose drafts do not pay (against ``threshold``, the
-        step's `StepCostModel.threshold`) probes next: the first multiple of `PROBE_INTERVAL`
-        at least ``probe_interval`` steps after its last offer, and at least the steps over
-        which the probe's expected net cost (``threshold - alpha`` produced tokens: a draft
-        token's cost less the token it makes when accepted) is `PROBE_BUDGET` of the tokens
-        made. Probes of all jobs fall on the same steps: the step before a probe gives up
-        overlap (the probe needs its tokens on the host), so that is at most one step in
-        `PROBE_INTERVAL` whatever the batch, not one for every job's own schedule."""
+        """The engine step at which a job whose drafts do not pay probes next, a probe costing
+        ``threshold`` produced tokens (the step's `StepCostModel.threshold`, or more where
+        probes were measured to cost more): the first multiple of `PROBE_INTERVAL` at least
+        ``probe_interval`` steps after its last offer, and at least the steps over which the
+        probe's expected net cost (``threshold - alpha``: its cost less the token it makes
+        when accepted) is `PROBE_BUDGET` of the tokens made. Probes of all jobs fall on the
+        same steps: the step before a probe gives up overlap (the probe needs its tokens on
+        the host), so that is at most one step in `PROBE_INTERVAL` whatever the batch, not one
+        for every job's own schedule."""
         cost = math.ceil((threshold - self.alpha) / self.PROBE_BUDGET)
         wait = max(self.probe_interval, min(cost, self.MAX_PROBE_WAIT))
         due = self.last_offer + wait
@@ -275,11 +276,13 @@ class DraftStats:
         missed `MAX_MISSES` offers in a row)."""
         return self.alpha > threshold and self.misses < self.MAX_MISSES
 
-    def length(self, max_tokens: int, threshold: float, step: int) -> int:
+    def length(self, max_tokens: int, threshold: float, step: int,
+               probe_cost: float | None = None) -> int:
         """How many drafts to offer at engine step ``step``: positions ``j`` while
         ``alpha ** j > threshold``, at most ``max_tokens``; when none would pay (or after
-        `MAX_MISSES` misses in a row), one probe token once its probe is due (`next_probe`;
-        so none when neither `pays` nor `probe_due`)."""
+        `MAX_MISSES` misses in a row), one probe token once its probe is due (`next_probe` of
+        ``probe_cost``, what a probe costs in produced tokens; None: ``threshold``; so none
+        when neither `pays` nor `probe_due`)."""
         alpha, k, survive = self.alpha, 0, 1.0
         paying = max_tokens if self.misses < self.MAX_MISSES else 0
         while k < paying:
@@ -287,7 +290,8 @@ class DraftStats:
             if survive <= threshold:
                 break
             k += 1
-        self.probing = k == 0 and max_tokens > 0 and self.probe_due(step, threshold)
+        self.probing = k == 0 and max_tokens > 0 and self.probe_due(
+            step, threshold if probe_cost is None else probe_cost)
         if self.probing:
             k = 1
         if k:

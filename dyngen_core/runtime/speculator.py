@@ -410,6 +410,13 @@ class Speculator:
         self.measure_draft_cost = True
         self._draft_costs = deque([self.draft_cost_ratio] * self.DRAFT_COST_PRIOR,
                                   maxlen=self.DRAFT_COST_SAMPLES)
+        # What a pass of probes costs, in steps (the median of the last passes that only
+        # probed; 0 until one is measured): a probe costs at least that, in produced tokens
+        # (the pass and the step are both shared by the batch, whose jobs probe together). A
+        # draft model's probe pays a catch-up forward over every token since the job last
+        # drafted, several times an ordinary draft position.
+        self.probe_cost = 0.0
+        self._probe_costs: deque[float] = deque(maxlen=self.DRAFT_COST_SAMPLES)
         self._stats: dict[int, DraftStats] = {}
         self.accepted = self.rejected = 0
         self._steps = 0
@@ -436,6 +443,8 @@ class Speculator:
             return 0
         drafter, step, on = self.drafter, self._steps, self._on
         threshold = self.costs.threshold(len(decodes), self.draft_cost_ratio)
+        probe = max(threshold, self.probe_cost)  # what a one-token probe costs
+        probes_only = True
         requests: list[DraftRequest] = []
         targets: list[tuple[SequenceSlice, JobRecord]] = []
         for sl in decodes:
@@ -448,22 +457,23 @@ class Speculator:
                 # No input on the host yet: a job that drafts (or is new) stays on, so the
                 # next step has its tokens; any other may probe when due.
                 if job_id not in on:
-                    self._note_probe(stats, threshold)
+                    self._note_probe(stats, probe)
                 continue
-            if not stats.pays(threshold) and not stats.probe_due(step, threshold):
+            if not stats.pays(threshold) and not stats.probe_due(step, probe):
                 on.discard(job_id)  # what `stats.length` says: no draft pays, no probe due
-                self._note_probe(stats, threshold)
+                self._note_probe(stats, probe)
                 continue
             # Drafts stop before max_new_tokens and inside the slice's pages (a prompt's last
             # token, fed alone after a prompt-cache hit, has no page reserved past it).
             job = record.job
             room = min(job.max_new_tokens - len(job.new_token_ids) - 1,
                        len(sl.page_table) * self.page_size - sl.start_pos - 1)
-            length = stats.length(min(self.max_draft_tokens, room), threshold, step)
+            length = stats.length(min(self.max_draft_tokens, room), threshold, step, probe)
             if length == 0:
                 on.discard(job_id)
-                self._note_probe(stats, threshold)
+                self._note_probe(stats, probe)
                 continue
+            probes_only = probes_only and stats.probing
             on.add(job_id)
             sampling = self._sampling(record) if drafter.samples else None
             requests.append(_new_tuple(DraftRequest, (job_id, record.history, sl.page_table,
@@ -474,7 +484,7 @@ class Speculator:
         started = time.perf_counter()
         drafts = drafter.draft(requests)
         self._measure_draft_cost(time.perf_counter() - started, len(decodes),
-                                 max(r.length for r in requests))
+                                 max(r.length for r in requests), probes_only)
         total = 0
         for (sl, record), draft in zip(targets, drafts, strict=True):
             tokens = draft.tokens
@@ -489,18 +499,23 @@ class Speculator:
                 total += keep
         return total
 
-    def _note_probe(self, stats: DraftStats, threshold: float) -> None:
-        due = stats.next_probe(threshold)
+    def _note_probe(self, stats: DraftStats, probe: float) -> None:
+        due = stats.next_probe(probe)
         self._next_probe = due if self._next_probe is None else min(self._next_probe, due)
 
-    def _measure_draft_cost(self, seconds: float, batch: int, positions: int) -> None:
+    def _measure_draft_cost(self, seconds: float, batch: int, positions: int,
+                            probes_only: bool) -> None:
         """Fold one drafting pass (``seconds`` for ``positions`` draft positions of a step of
-        ``batch`` decodes) into ``draft_cost_ratio``, once the cost model predicts a step."""
+        ``batch`` decodes; ``probes_only``: every job in it probed) into ``draft_cost_ratio``
+        and, for a pass of probes, into ``probe_cost``, once the cost model predicts a step."""
         step = self.costs.predict(batch)
         if not self.measure_draft_cost or not step or positions < 1:
             return
         self._draft_costs.append(seconds / (positions * step))
         self.draft_cost_ratio = statistics.median(self._draft_costs)
+        if probes_only:
+            self._probe_costs.append(seconds / step)
+            self.probe_cost = statistics.median(self._probe_costs)
 
     def _sampling(self, record: JobRecord) -> DraftSampling | None:
         """How a drafter that samples draws this job's drafts; None (draft greedily) for a

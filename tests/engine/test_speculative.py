@@ -42,16 +42,20 @@ def speculative(make_generator: Callable[..., DynamicGenerator],
                 engine_parts: tuple[Model, Tokenizer], small_draft: Model
                 ) -> Callable[..., DynamicGenerator]:
     """``speculative(drafter, **options)``: a generator drafting the given way; drafts are
-    made to pay (a draft model's cost is set to zero) so that every path is exercised."""
+    made to pay (the drafter's cost is set to zero, and the step cost model keeps its prior,
+    whatever a loaded machine's step timings say) so that every path is exercised."""
 
     def make(drafter: str, **options: Any) -> DynamicGenerator:
         if drafter == "ngram":
-            return make_generator(use_ngram_draft=True, **options)
-        draft = engine_parts[0] if drafter == "oracle" else small_draft
-        generator = make_generator(draft_model=draft, **options)
+            generator = make_generator(use_ngram_draft=True, **options)
+        else:
+            draft = engine_parts[0] if drafter == "oracle" else small_draft
+            generator = make_generator(draft_model=draft, **options)
         assert generator.speculator is not None
         generator.speculator.measure_draft_cost = False
         generator.speculator.draft_cost_ratio = 0.0
+        costs = generator.speculator.costs
+        costs.record = lambda tokens, seconds: None  # type: ignore[method-assign]
         return generator
 
     return make

@@ -142,3 +142,29 @@ def test_an_always_wrong_drafter_stops_even_where_tokens_seem_free(clock):
     # to fall under the fit's threshold of ~1e-6), then probes spaced 16, 32, 64 ... apart.
     assert len([step for step in drafted if step < 100]) <= 8
     assert speculator.rejected <= 20
+
+
+class CatchUpDrafter(TimedDrafter):
+    """A draft model's cost: each pass first feeds what the job gained since it last drafted
+    (a catch-up forward, ``catch_up`` seconds), then one forward a draft position."""
+
+    def __init__(self, clock: Clock, catch_up: float, per_position: float) -> None:
+        super().__init__(clock, seconds=0.0)
+        self.catch_up, self.per_position = catch_up, per_position
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        self.seconds = self.first_seconds = (
+            self.catch_up + self.per_position * max(r.length for r in requests))
+        return super().draft(requests)
+
+
+def test_probes_that_cost_more_than_draft_positions_are_spaced_by_their_own_cost(clock):
+    """A draft model's probe pays its catch-up forward: ~4 steps for one position, where a
+    4-token pass costs ~1.5 steps a position. Probes are spaced by what probe passes measured,
+    not by the threshold the drafts' average cost gives."""
+    drafter = CatchUpDrafter(clock, catch_up=5e-3, per_position=1.2e-3)
+    speculator, drafted = run(drafter, steps=1500)
+    assert speculator.probe_cost > 3.0  # (5 + 1.2) ms over a 1.6 ms step
+    late = [step for step in drafted if step >= 100]
+    gaps = [b - a for a, b in zip(late, late[1:], strict=False)]
+    assert gaps and min(gaps) >= 250  # (probe cost 3.8 - acceptance ~0.9) / 1 %
