@@ -1,7 +1,10 @@
 """The drafter's measured cost decides whether drafting pays: a drafter slower than its
 estimate (a draft model whose passes cost several target steps) is switched off within a few
-passes and then only probes as rarely as its probes' cost asks; a pass that pays a one-time
-cost (the first indexing of long prompts) does not switch a cheap drafter off."""
+passes and then only probes as rarely as its probes' cost asks (their own measured cost where a
+probe pays more than a draft position, as a draft model's catch-up forward makes it); a pass
+that pays a one-time cost (the first indexing of long prompts) does not switch a cheap drafter
+off; and wrong drafts stop after a few offers even where the step timings make extra tokens
+look free."""
 
 from __future__ import annotations
 
