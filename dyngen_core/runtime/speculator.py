@@ -85,6 +85,9 @@ class DraftRequest(NamedTuple):
     matcher: Any = None
 
 
+# No job's probe is due (`Speculator.propose`'s earliest probe step while none is known).
+_NO_PROBE = 1 << 62
+
 # A NamedTuple's own constructor is a Python function; a step builds a request and a draft for
 # every drafting job (256 a step), so they are built with ``tuple.__new__`` (instances all the
 # same, in a fraction of the time), every field given.
@@ -445,6 +448,7 @@ class Speculator:
         threshold = self.costs.threshold(len(decodes), self.draft_cost_ratio)
         probe = max(threshold, self.probe_cost)  # what a one-token probe costs
         probes_only = True
+        next_probe = _NO_PROBE  # the earliest step a job not drafting probes
         requests: list[DraftRequest] = []
         targets: list[tuple[SequenceSlice, JobRecord]] = []
         for sl in decodes:
@@ -457,12 +461,14 @@ class Speculator:
                 # No input on the host yet: a job that drafts (or is new) stays on, so the
                 # next step has its tokens; any other may probe when due.
                 if job_id not in on:
-                    self._note_probe(stats, probe)
+                    next_probe = min(next_probe, stats.next_probe(probe))
                 continue
-            if not stats.pays(threshold) and not stats.probe_due(step, probe):
-                on.discard(job_id)  # what `stats.length` says: no draft pays, no probe due
-                self._note_probe(stats, probe)
-                continue
+            if not stats.pays(threshold):
+                due = stats.next_probe(probe)
+                if step < due:  # what `stats.length` says: no draft pays, no probe due
+                    on.discard(job_id)
+                    next_probe = min(next_probe, due)
+                    continue
             # Drafts stop before max_new_tokens and inside the slice's pages (a prompt's last
             # token, fed alone after a prompt-cache hit, has no page reserved past it).
             job = record.job
@@ -471,7 +477,7 @@ class Speculator:
             length = stats.length(min(self.max_draft_tokens, room), threshold, step, probe)
             if length == 0:
                 on.discard(job_id)
-                self._note_probe(stats, probe)
+                next_probe = min(next_probe, stats.next_probe(probe))
                 continue
             probes_only = probes_only and stats.probing
             on.add(job_id)
@@ -479,6 +485,7 @@ class Speculator:
             requests.append(_new_tuple(DraftRequest, (job_id, record.history, sl.page_table,
                                                       length, sampling, record.matcher)))
             targets.append((sl, record))
+        self._next_probe = None if next_probe == _NO_PROBE else next_probe
         if not requests:
             return 0
         started = time.perf_counter()
@@ -498,10 +505,6 @@ class Speculator:
                 record.draft_probs = None if draft.probs is None else draft.probs[:keep]
                 total += keep
         return total
-
-    def _note_probe(self, stats: DraftStats, probe: float) -> None:
-        due = stats.next_probe(probe)
-        self._next_probe = due if self._next_probe is None else min(self._next_probe, due)
 
     def _measure_draft_cost(self, seconds: float, batch: int, positions: int,
                             probes_only: bool) -> None:
