@@ -475,3 +475,31 @@ def test_a_step_that_captures_a_graph_does_not_teach_the_cost_model(speculative,
     assert steps[1] == steps[2] == 0  # the capturing steps (calls 2 and 3) taught nothing
     assert sum(steps) > 0  # the others did
     generator.check_invariant()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "small_model"])
+def test_a_drafter_that_costs_more_than_it_saves_drafts_nothing(make_generator, speculative,
+                                                              engine_parts, drafter):
+    """A drafter whose draft position costs five steps (a draft model too big for its target,
+    say): no draft can pay, and a probe would cost more than 1 % of a short job's steps, so
+    jobs of a mixed batch decode plainly, with plain decoding's output."""
+    tokenizer = engine_parts[1]
+    prompt = tokenizer.encode(REPEAT)
+
+    def jobs() -> list[Job]:
+        greedy, sampled = SamplerSettings.greedy(), SamplerSettings(temperature=0.8, top_k=20)
+        return [Job(input_ids=prompt, max_new_tokens=40, stop_conditions=[],
+                    gen_settings=greedy, identifier="greedy"),
+                Job(input_ids=prompt[:9], max_new_tokens=30, stop_conditions=[],
+                    gen_settings=sampled, seed=4, identifier="seeded")]
+
+    expected = run_tokens(make_generator(), jobs())
+    generator = speculative(drafter)
+    assert generator.speculator is not None
+    generator.speculator.draft_cost_ratio = 5.0  # pinned: the fixture turned measuring off
+    got = run_tokens(generator, jobs())
+    stats = generator.stats()
+    assert stats.draft_tokens_accepted == stats.draft_tokens_rejected == 0
+    for name in ("greedy", "seeded"):
+        assert got[name]["tokens"] == expected[name]["tokens"], name
+    generator.check_invariant()
