@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +29,17 @@ SUPPORTED_ARCHITECTURES = (
 CACHE_MODES = ("fp16", "q8", "q6", "q4")
 # config.json and generation_config.json are kilobytes; a larger file is refused unread.
 MAX_CONFIG_BYTES = 1 << 24
+
+
+def cache_root() -> Path:
+    """Where dyngen keeps its files (downloaded and converted models, compiled helpers):
+    ``$DYNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/dyngen``, else ``~/.cache/dyngen``."""
+    explicit = os.environ.get("DYNGEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dyngen"
 # rope_scaling types the rotary embedding implements, each with the fields it requires (checked
 # to be positive numbers) and the numeric fields it may take.
 ROPE_SCALING_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def accept_run(drafts: Sequence[int], drawn: Sequence[int]) -> list[int]:
@@ -188,6 +189,25 @@ class NgramIndex:
         for token in history[-self.max_n:]:
             key = (key << bits) | (token + 1)
         return key
+
+
+def propose_all(indexes: Mapping[int, NgramIndex], requests: Sequence[Sequence[Any]],
+                draft_type: type[tuple[Any, ...]]) -> list[Any]:
+    """Drafts for a step: for each request (a tuple whose items 0, 1 and 3 are the job id, its
+    history and the draft length), the job's index in ``indexes`` synced with the history and
+    its proposal as ``draft_type((tokens, None))``; None for a request whose job has no index
+    yet. The compiled module (`engine.ngram_native`) has the same function over its indexes,
+    without a Python call per job."""
+    out: list[Any] = []
+    for request in requests:
+        index = indexes.get(request[0])
+        if index is None:
+            out.append(None)
+            continue
+        history = request[1]
+        index.sync(history)
+        out.append(tuple.__new__(draft_type, (index.propose(history, request[3]), None)))
+    return out
 
 
 @dataclass(slots=True)
@@ -379,4 +399,5 @@ class StepCostModel:
         return max(self.MIN_SURVIVAL, cost)
 
 
-__all__ = ["DraftStats", "NgramIndex", "StepCostModel", "accept_run", "accept_sampled"]
+__all__ = ["DraftStats", "NgramIndex", "StepCostModel", "accept_run", "accept_sampled",
+           "propose_all"]

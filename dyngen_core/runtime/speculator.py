@@ -36,9 +36,10 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from dyngen_core.engine.ngram_native import compiled_ngram
 from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
 from dyngen_core.engine.record import JobRecord
-from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel
+from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel, propose_all
 from dyngen_core.kv.attention import AttentionBackend, get_backend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
@@ -129,12 +130,14 @@ class SharedPrefix:
 
     def __init__(self, pages: tuple[int, ...], tokens: list[int]) -> None:
         self.pages, self.tokens = pages, tokens
-        self.index: NgramIndex | None = None
+        self.index: Any = None  # an NgramIndex (Python or compiled)
         self.users = 0
 
 
 class NgramDrafter:
-    """Prompt-lookup drafts (`engine.speculation.NgramIndex`), one index per job.
+    """Prompt-lookup drafts (`engine.speculation.NgramIndex`), one index per job: the compiled
+    index (`engine.ngram_native`, the same drafts at a fraction of the host time) wherever it
+    can be built, else the Python one.
 
     Jobs whose histories begin with the same full pages (one document asked several questions:
     deduplicated, its pages have the same ids in every job's page table) share one index of
@@ -156,7 +159,10 @@ class NgramDrafter:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, not {page_size}")
         self.max_n, self.min_n, self.page_size = max_n, min_n, page_size
-        self._indexes: dict[int, NgramIndex] = {}
+        compiled = compiled_ngram(max_n)
+        self.index_type: Any = NgramIndex if compiled is None else compiled.NgramIndex
+        self._propose_all = propose_all if compiled is None else compiled.propose_all
+        self._indexes: dict[int, Any] = {}  # job -> its NgramIndex (Python or compiled)
         self._prefixes: dict[int, list[SharedPrefix]] = {}  # by their first page id
         self._prefix_of: dict[int, SharedPrefix] = {}  # job -> the prefix its index extends
 
@@ -164,15 +170,15 @@ class NgramDrafter:
         return None
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        indexes, out = self._indexes, []
-        for request in requests:
-            index = indexes.get(request.job_id)
-            if index is None:
-                index = indexes[request.job_id] = self._new_index(request)
-            history = request.history
-            index.sync(history)
-            out.append(_new_tuple(Draft, (index.propose(history, request.length), None)))
-        return out
+        drafts = self._propose_all(self._indexes, requests, Draft)
+        if None in drafts:  # jobs drafting for the first time: their indexes first
+            new = [i for i, draft in enumerate(drafts) if draft is None]
+            for i in new:
+                self._indexes[requests[i].job_id] = self._new_index(requests[i])
+            later = self._propose_all(self._indexes, [requests[i] for i in new], Draft)
+            for i, draft in zip(new, later, strict=True):
+                drafts[i] = draft
+        return drafts
 
     def settle(self, job_id: int, valid: int) -> None:
         return None
@@ -193,7 +199,7 @@ class NgramDrafter:
         known = [prefix for shared in self._prefixes.values() for prefix in shared]
         return len(known), sum(prefix.index is not None for prefix in known)
 
-    def _new_index(self, request: DraftRequest) -> NgramIndex:
+    def _new_index(self, request: DraftRequest) -> Any:
         """A job's index. Its full pages before its last token (its prompt's, at its first
         draft) are matched against the known prefixes: the longest run of leading pages it
         shares with one of them (by id, then by content) becomes a shared prefix if it is not
@@ -202,7 +208,7 @@ class NgramDrafter:
         history, table, size = request.history, request.page_table, self.page_size
         full = min((len(history) - 1) // size, len(table))
         if full < 1:
-            return NgramIndex(self.max_n, self.min_n)
+            return self.index_type(self.max_n, self.min_n)
         pages = tuple(table[:full])
         best, shared = None, 0
         for prefix in self._prefixes.get(pages[0], ()):
@@ -212,14 +218,14 @@ class NgramDrafter:
         if best is None or history[:shared * size] != best.tokens[:shared * size]:
             # No page shared (or its id was freed and reused for other tokens).
             self._share(SharedPrefix(pages, list(history[:full * size])), request.job_id)
-            return NgramIndex(self.max_n, self.min_n)
+            return self.index_type(self.max_n, self.min_n)
         if len(best.pages) != shared:  # the pages this job shares with another: a new prefix
             best = SharedPrefix(pages[:shared], best.tokens[:shared * size])
         self._share(best, request.job_id)
         if best.index is None:
-            best.index = NgramIndex(self.max_n, self.min_n)
+            best.index = self.index_type(self.max_n, self.min_n)
             best.index.sync(best.tokens)
-        return NgramIndex(self.max_n, self.min_n, base=best.index)
+        return self.index_type(self.max_n, self.min_n, base=best.index)
 
     def _share(self, prefix: SharedPrefix, job_id: int) -> None:
         """Count ``job_id`` as a user of ``prefix`` (known from its first user on)."""
@@ -445,12 +451,15 @@ class Speculator:
         if not decodes:
             return 0
         drafter, step, on = self.drafter, self._steps, self._on
+        samples, page_size, max_draft = drafter.samples, self.page_size, self.max_draft_tokens
         threshold = self.costs.threshold(len(decodes), self.draft_cost_ratio)
         probe = max(threshold, self.probe_cost)  # what a one-token probe costs
         probes_only = True
+        longest = 0
         next_probe = _NO_PROBE  # the earliest step a job not drafting probes
         requests: list[DraftRequest] = []
-        targets: list[tuple[SequenceSlice, JobRecord]] = []
+        slices: list[SequenceSlice] = []
+        drafting: list[JobRecord] = []
         for sl in decodes:
             job_id = sl.job_id
             record = records.get(job_id)
@@ -473,28 +482,32 @@ class Speculator:
             # token, fed alone after a prompt-cache hit, has no page reserved past it).
             job = record.job
             room = min(job.max_new_tokens - len(job.new_token_ids) - 1,
-                       len(sl.page_table) * self.page_size - sl.start_pos - 1)
-            length = stats.length(min(self.max_draft_tokens, room), threshold, step, probe)
+                       len(sl.page_table) * page_size - sl.start_pos - 1, max_draft)
+            length = stats.length(room, threshold, step, probe)
             if length == 0:
                 on.discard(job_id)
                 next_probe = min(next_probe, stats.next_probe(probe))
                 continue
             probes_only = probes_only and stats.probing
+            if length > longest:
+                longest = length
             on.add(job_id)
-            sampling = self._sampling(record) if drafter.samples else None
+            sampling = self._sampling(record) if samples else None
             requests.append(_new_tuple(DraftRequest, (job_id, record.history, sl.page_table,
                                                       length, sampling, record.matcher)))
-            targets.append((sl, record))
+            slices.append(sl)
+            drafting.append(record)
         self._next_probe = None if next_probe == _NO_PROBE else next_probe
         if not requests:
             return 0
         started = time.perf_counter()
         drafts = drafter.draft(requests)
-        self._measure_draft_cost(time.perf_counter() - started, len(decodes),
-                                 max(r.length for r in requests), probes_only)
+        self._measure_draft_cost(time.perf_counter() - started, len(decodes), longest,
+                                 probes_only)
+        if len(drafts) != len(requests):
+            raise RuntimeError(f"the drafter answered {len(drafts)} of {len(requests)} requests")
         total = 0
-        for (sl, record), draft in zip(targets, drafts, strict=True):
-            tokens = draft.tokens
+        for sl, record, (tokens, probs) in zip(slices, drafting, drafts):
             keep = len(tokens) if record.matcher is None else allowed_prefix(record.matcher,
                                                                              tokens)
             if not keep:  # nothing to verify: the offer missed
@@ -502,7 +515,7 @@ class Speculator:
             else:
                 # The drafter's lists are its answer's own: no copy unless cut.
                 sl.draft_ids = record.draft_ids = tokens if keep == len(tokens) else tokens[:keep]
-                record.draft_probs = None if draft.probs is None else draft.probs[:keep]
+                record.draft_probs = None if probs is None else probs[:keep]
                 total += keep
         return total
 

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from dyngen_core.engine import ngram_native
 from dyngen_core.engine.speculation import (
     DraftStats,
     NgramIndex,
@@ -14,6 +15,18 @@ from dyngen_core.engine.speculation import (
     accept_run,
     accept_sampled,
 )
+
+
+@pytest.fixture(params=["python", "compiled"])
+def index_type(request):
+    """Each n-gram index test runs on the Python index and on the compiled one
+    (`engine.ngram_native`), which must answer the same."""
+    if request.param == "python":
+        return NgramIndex
+    compiled = ngram_native.compiled_ngram_index()
+    if compiled is None:
+        pytest.skip("the compiled n-gram index cannot be built here (no C compiler)")
+    return compiled
 
 
 def test_accept_run_keeps_drafts_while_they_equal_the_draws():
@@ -25,22 +38,22 @@ def test_accept_run_keeps_drafts_while_they_equal_the_draws():
         accept_run([1, 2], [1, 2])
 
 
-def test_ngram_index_proposes_the_latest_continuation_of_the_longest_suffix():
-    index = NgramIndex(max_n=3, min_n=1)
+def test_ngram_index_proposes_the_latest_continuation_of_the_longest_suffix(index_type):
+    index = index_type(max_n=3, min_n=1)
     history = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
     index.sync(history)
     # "1 2 3" occurred at the start, followed by 4 9 2 ...
     assert index.propose(history, 3) == [4, 9, 2]
     # A continuation reaching the end of the history repeats its own proposal.
     loop = [7, 8, 7, 8, 7]
-    index = NgramIndex(max_n=2, min_n=1)
+    index = index_type(max_n=2, min_n=1)
     index.sync(loop)
     assert index.propose(loop, 5) == [8, 7, 8, 7, 8]
-    assert NgramIndex().propose([1, 2, 3], 4) == []  # nothing repeats
+    assert index_type().propose([1, 2, 3], 4) == []  # nothing repeats
 
 
-def test_ngram_index_follows_appends_and_rewinds():
-    index = NgramIndex(max_n=2, min_n=2)
+def test_ngram_index_follows_appends_and_rewinds(index_type):
+    index = index_type(max_n=2, min_n=2)
     history = [1, 2, 3]
     index.sync(history)
     assert index.propose(history, 2) == []
@@ -52,7 +65,7 @@ def test_ngram_index_follows_appends_and_rewinds():
     index.sync(history)
     assert index.propose(history, 1) == []  # "3 1" (stale: followed by 2) never occurred
     with pytest.raises(ValueError, match="min_n"):
-        NgramIndex(max_n=1, min_n=2)
+        index_type(max_n=1, min_n=2)
 
 
 def latest_continuation(history: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -70,13 +83,17 @@ def latest_continuation(history: list[int], k: int, max_n: int, min_n: int) -> l
 
 
 @pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 2), (1, 1), (5, 3)])
-def test_ngram_index_synced_step_by_step_matches_a_scan(max_n, min_n):
+def test_ngram_index_synced_step_by_step_matches_a_scan(index_type, max_n, min_n):
     """Appends of one or more tokens and rewinds (as deep as `NgramIndex.TAIL`, then new
     tokens) between syncs: every proposal equals the scan's."""
+    if index_type is not NgramIndex and max_n > ngram_native.MAX_N:
+        with pytest.raises(ValueError, match="at most"):
+            index_type(max_n=max_n, min_n=min_n)
+        return
     rng = random.Random(max_n * 10 + min_n)
     vocab = 4  # few tokens: suffixes recur, continuations run into the end
     for _ in range(20):
-        index = NgramIndex(max_n=max_n, min_n=min_n)
+        index = index_type(max_n=max_n, min_n=min_n)
         history = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
         for _ in range(40):
             if history and rng.random() < 0.2:
@@ -87,8 +104,14 @@ def test_ngram_index_synced_step_by_step_matches_a_scan(max_n, min_n):
             assert index.propose(history, k) == latest_continuation(history, k, max_n, min_n)
 
 
+def base_answers(base, prefix: list[int]) -> tuple[int, list[list[int]]]:
+    """What a base index answers for its tokens (unchanged while it is shared)."""
+    return base.indexed, [base.propose(prefix, k) for k in range(1, 7)]
+
+
 @pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 2), (1, 1)])
-def test_an_index_extending_a_base_proposes_what_a_whole_index_proposes(max_n, min_n):
+def test_an_index_extending_a_base_proposes_what_a_whole_index_proposes(index_type, max_n,
+                                                                        min_n):
     """An index over a base (an index of the history's first tokens, shared) proposes the
     scan's drafts through appends and rewinds, including rewinds into the base's tokens (then
     it indexes the whole history itself); the base is never changed."""
@@ -96,10 +119,10 @@ def test_an_index_extending_a_base_proposes_what_a_whole_index_proposes(max_n, m
     vocab = 4
     for _ in range(20):
         prefix = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
-        base = NgramIndex(max_n=max_n, min_n=min_n)
+        base = index_type(max_n=max_n, min_n=min_n)
         base.sync(prefix)
-        snapshot = (base.indexed, dict(base._next))
-        index = NgramIndex(max_n=max_n, min_n=min_n, base=base)
+        snapshot = base_answers(base, prefix)
+        index = index_type(max_n=max_n, min_n=min_n, base=base)
         assert index.indexed == len(prefix)
         history = list(prefix)
         for _ in range(30):
@@ -109,13 +132,13 @@ def test_an_index_extending_a_base_proposes_what_a_whole_index_proposes(max_n, m
             index.sync(history)
             k = rng.randint(0, 6)
             assert index.propose(history, k) == latest_continuation(history, k, max_n, min_n)
-        assert (base.indexed, base._next) == snapshot
+        assert base_answers(base, prefix) == snapshot
     with pytest.raises(ValueError, match="same n-gram sizes"):
-        NgramIndex(max_n=3, min_n=1, base=NgramIndex(max_n=4, min_n=1))
+        index_type(max_n=3, min_n=1, base=index_type(max_n=4, min_n=1))
 
 
-def test_ngram_index_rejects_token_ids_outside_its_range():
-    index = NgramIndex()
+def test_ngram_index_rejects_token_ids_outside_its_range(index_type):
+    index = index_type()
     with pytest.raises(ValueError, match="outside the n-gram index's range"):
         index.sync([1, 2, -1])
     with pytest.raises(ValueError, match="outside the n-gram index's range"):

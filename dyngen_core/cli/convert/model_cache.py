@@ -16,23 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dyngen_core.config import cache_root
 from dyngen_core.errors import ConversionError
 
 # Written last into a finished folder; its presence is what "already converted" means.
 COMPLETE_MARKER = ".dyngen-complete.json"
 
 Converter = Callable[..., Path]  # convert_gguf(gguf_path, out_dir, progress=...) -> out_dir
-
-
-def cache_root() -> Path:
-    """Where dyngen keeps downloaded models: ``$DYNGEN_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/dyngen``, else ``~/.cache/dyngen``."""
-    explicit = os.environ.get("DYNGEN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "dyngen"
 
 
 def downloads_dir() -> Path:
