@@ -54,6 +54,8 @@ SETTINGS = {"greedy": GREEDY,
 class FixedLogitsRunner:
     """Stands in for `ModelRunner`: the same random logits rows every step, no forward."""
 
+    graph_captures = 0  # it never captures a CUDA graph (the generator's cost model asks)
+
     def __init__(self, vocab: int, rows: int, device: torch.device) -> None:
         generator = torch.Generator(device=device).manual_seed(0)
         self.logits = torch.randn(rows, vocab, device=device, generator=generator)
@@ -136,8 +138,12 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     generator.enqueue([Job(input_ids=[100 + i, 200 + i, 300 + i], max_new_tokens=400,
                            stop_conditions=["t1 t2 t3", 5], gen_settings=settings, identifier=i)
                        for i in range(jobs)])
+    failed = []
     for _ in range(10):  # admission and prefill steps, then warm decode steps
-        generator.iterate()
+        failed += [r for r in generator.iterate() if r.get("error") is not None]
+    if failed:  # a failing step ends every job: it would measure empty steps
+        raise RuntimeError(f"{len(failed)} of {jobs} jobs failed in the warm-up steps, the "
+                           f"first with: {failed[0].get('error')}")
     if freeze_gc:
         gc.collect()
         gc.freeze()  # what a server would do after loading: older objects leave the collector
