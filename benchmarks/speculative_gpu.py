@@ -52,8 +52,8 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import get_backend
 from dyngen_core.kv.attention.base import build_forward_batch
 from dyngen_core.kv.cache import Cache
+from dyngen_core.runtime.drafters import Draft, DraftRequest, ModelDrafter
 from dyngen_core.runtime.runner import ModelRunner
-from dyngen_core.runtime.speculator import Draft, DraftRequest, ModelDrafter
 
 CONTEXT = 512
 QWEN_TARGET = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,

@@ -31,9 +31,10 @@ engine gives up overlapping steps.
 
 Each tree runs --rounds fresh simulations, alternating with the other tree's; the figures
 reported are the medians of the rounds' medians. ``--baseline TREE``: also run TREE's
-speculator (its ``engine/speculation.py`` and ``runtime/speculator.py``, loaded beside this
-checkout's; the rest of the engine is this checkout's), so that a shared machine's load falls
-on both alike; the drafts proposed (a digest of every step's) must be the same in every run.
+speculator (its ``runtime/speculator.py`` with the modules it drafts with, `BASELINE_MODULES`,
+loaded beside this checkout's; the rest of the engine is this checkout's), so that a shared
+machine's load falls on both alike; the drafts proposed (a digest of every step's) must be the
+same in every run.
 ``--profile N`` prints the N most expensive functions of this checkout's speculator (cProfile,
 by own time) in its first ``all`` round.
 """
@@ -74,6 +75,9 @@ QUESTION_TOKENS = 16
 # an 8B-like step, 4 ms plus 20 us a token (drafts pay where acceptance earns them).
 STEP_SECONDS = {"all": lambda tokens: 20e-3, "off": lambda tokens: 1e-6 * tokens,
                 "costed": lambda tokens: 4e-3 + 20e-6 * tokens}
+# The modules a --baseline tree brings (those it has), in the order they import each other.
+BASELINE_MODULES = ("dyngen_core.engine.ngram_native", "dyngen_core.engine.speculation",
+                    "dyngen_core.runtime.drafters", "dyngen_core.runtime.speculator")
 # Per-step figures reported as the median of the rounds' medians.
 MEDIANS = ("propose_ms", "settle_ms", "drafter_ms", "first_ms", "total_ms", "total_cpu_ms",
            "mean_total_ms")
@@ -104,8 +108,8 @@ def target_text(rng: random.Random, prompt_tokens: int, total: int, vocab: int,
 
 
 def load_baseline(tree: Path) -> ModuleType:
-    """TREE's ``runtime/speculator.py`` as a module, bound to TREE's ``engine/speculation.py``
-    (the rest of dyngen_core is this checkout's)."""
+    """TREE's ``runtime/speculator.py`` as a module, bound to TREE's versions of the modules it
+    drafts with (`BASELINE_MODULES` that TREE has; the rest of dyngen_core is this checkout's)."""
     def load(name: str, path: Path) -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
@@ -113,13 +117,19 @@ def load_baseline(tree: Path) -> ModuleType:
         spec.loader.exec_module(module)
         return module
 
-    key = "dyngen_core.engine.speculation"
-    ours = sys.modules[key]
-    sys.modules[key] = load("baseline_speculation", tree / "dyngen_core/engine/speculation.py")
+    ours = {name: sys.modules.get(name) for name in BASELINE_MODULES}
     try:
-        return load("baseline_speculator", tree / "dyngen_core/runtime/speculator.py")
+        for name in BASELINE_MODULES:  # each bound before the next one imports it
+            path = tree / (name.replace(".", "/") + ".py")
+            if path.is_file():
+                sys.modules[name] = load("baseline_" + name.rsplit(".", 1)[1], path)
+        return sys.modules["dyngen_core.runtime.speculator"]
     finally:
-        sys.modules[key] = ours
+        for name, module in ours.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 class Simulation:

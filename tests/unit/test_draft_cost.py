@@ -17,7 +17,8 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.engine.record import JobRecord
 from dyngen_core.engine.speculation import DraftStats, accept_run
 from dyngen_core.runtime import speculator as speculator_module
-from dyngen_core.runtime.speculator import Draft, DraftRequest, Speculator
+from dyngen_core.runtime.drafters import Draft, DraftRequest
+from dyngen_core.runtime.speculator import Speculator
 
 GREEDY = SamplerSettings.greedy()
 TEXT = [(7 * i) % 50 + 100 for i in range(10_000)]  # what every job decodes

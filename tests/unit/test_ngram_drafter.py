@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from dyngen_core.engine.speculation import NgramIndex
-from dyngen_core.runtime.speculator import DraftRequest, NgramDrafter
+from dyngen_core.runtime.drafters import DraftRequest, NgramDrafter
 
 PAGE = 8
 

@@ -12,7 +12,7 @@ import pytest
 
 from dyngen_core.engine import ngram_native
 from dyngen_core.engine.speculation import NgramIndex, propose_all
-from dyngen_core.runtime.speculator import Draft, DraftRequest, NgramDrafter
+from dyngen_core.runtime.drafters import Draft, DraftRequest, NgramDrafter
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from dyngen_core import Job, SamplerSettings
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.engine.record import JobRecord
 from dyngen_core.engine.speculation import DraftStats
-from dyngen_core.runtime.speculator import Draft, DraftRequest, Speculator
+from dyngen_core.runtime.drafters import Draft, DraftRequest
+from dyngen_core.runtime.speculator import Speculator
 
 GREEDY = SamplerSettings.greedy()
 
