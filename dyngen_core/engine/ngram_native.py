@@ -1,6 +1,6 @@
 """The compiled n-gram index: `ngram_native.c`, built with the machine's C compiler on first use
-and kept in the dyngen cache (`config.cache_root`, ``native/``), keyed by the source and the
-interpreter.
+and kept in the dyngen cache (`config.cache_root`, ``native/``; where that cannot be written,
+this user's folder in the temporary directory), keyed by the source and the interpreter.
 
 It is `speculation.NgramIndex` with the same keys, table contents and drafts (the tests hold
 both to the same answers), without a Python dictionary store per n-gram: `NgramDrafter` uses it
@@ -73,7 +73,7 @@ def _load() -> Any:
     """The built module (built first when the cache lacks it); raises NativeBuildError."""
     path = built_path()
     if not path.is_file():
-        build(path)
+        path = _built_somewhere(path)
     loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
     spec = importlib.util.spec_from_file_location(_MODULE, path, loader=loader)
     if spec is None:
@@ -84,6 +84,23 @@ def _load() -> Any:
     except ImportError as error:
         raise NativeBuildError(f"cannot load {path}: {error}") from error
     return module
+
+
+def _built_somewhere(path: Path) -> Path:
+    """Build into ``path``, or where its folder cannot be written (a read-only home in a
+    container), into this user's folder in the temporary directory; the path built."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path.parent, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        user = os.getuid() if hasattr(os, "getuid") else "user"
+        path = Path(tempfile.gettempdir()) / f"dyngen-native-{user}" / path.name
+        if path.is_file():
+            return path
+    build(path)
+    return path
 
 
 def built_path() -> Path:
@@ -102,7 +119,7 @@ def build(path: Path) -> None:
     if not linker or not include or not (Path(include) / "Python.h").is_file():
         raise NativeBuildError("no C compiler or Python headers are known to this interpreter")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         handle, staged = tempfile.mkstemp(suffix=path.suffix, dir=path.parent)
         os.close(handle)
     except OSError as error:

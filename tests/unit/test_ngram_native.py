@@ -93,6 +93,20 @@ def test_the_build_is_cached_by_source_and_interpreter(compiled, tmp_path, monke
     assert list(path.parent.iterdir()) == [path]  # nothing half-written left beside it
 
 
+def test_a_cache_that_cannot_be_written_builds_in_the_temporary_directory(compiled, tmp_path,
+                                                                          monkeypatch):
+    # A cache folder that cannot be made (under a file): a read-only home, which root, who
+    # runs CI, could still write to.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("DYNGEN_CACHE_DIR", str(blocked / "dyngen"))
+    monkeypatch.setattr(ngram_native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    built = ngram_native._built_somewhere(ngram_native.built_path())
+    assert built.is_file() and built.parent.parent == tmp_path / "tmp"
+    assert ngram_native._built_somewhere(ngram_native.built_path()) == built  # found again
+
+
 def test_a_failed_build_falls_back_to_the_python_index_with_a_warning(tmp_path, monkeypatch,
                                                                       caplog):
     monkeypatch.setenv("DYNGEN_CACHE_DIR", str(tmp_path))
