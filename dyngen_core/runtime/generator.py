@@ -95,7 +95,7 @@ class DynamicGenerator:
             does not pay.
         use_ngram_draft: draft by prompt lookup (the continuation of the last few tokens'
             previous occurrence in the job's prompt and output) instead of a draft model;
-            output is the same as without drafting.
+            output is the same as without drafting (vocabularies up to 2,097,151 tokens).
         Speculative decoding needs a target cache without a recent window (fp16, q8, or
         q6/q4 built with ``recent_window=0``). Jobs opt out with ``Job(speculative=False)``;
         jobs with mirostat or extra outputs never draft.

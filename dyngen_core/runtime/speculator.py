@@ -23,7 +23,7 @@ from typing import Any
 
 from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
 from dyngen_core.engine.record import JobRecord
-from dyngen_core.engine.speculation import DraftStats, StepCostModel
+from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel
 from dyngen_core.kv.attention import AttentionBackend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
@@ -263,6 +263,10 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, not {num_draft_tokens!r}")
     if draft_model is None:
+        limit = (1 << NgramIndex.TOKEN_BITS) - 1
+        if model.config.vocab_size > limit:
+            raise ValueError(f"use_ngram_draft=True supports vocabularies of up to {limit:,} "
+                             f"tokens, not {model.config.vocab_size:,}; use a draft model")
         return Speculator(NgramDrafter(page_size=cache.page_size), num_draft_tokens,
                           cache.page_size)
     if draft_cache is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, To
 from dyngen_core.engine.record import SampleRequest
 from dyngen_core.engine.speculation import accept_run
 from dyngen_core.errors import JobError
+from dyngen_core.runtime.speculator import build_speculator
 from dyngen_core.sampling.sampler import Sampler
 from tests.engine.test_mixed_steps import _jobs
 from tests.tiny_models import write_tiny_model
@@ -244,6 +246,11 @@ def test_bad_speculative_options_are_refused(engine_parts, small_draft, tmp_path
                        device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="vocabulary"):
         build(draft_model=other)
+    # n-gram keys hold 21 bits a token: a larger vocabulary is refused before any job runs.
+    huge = SimpleNamespace(config=SimpleNamespace(vocab_size=1 << 21))
+    with pytest.raises(ValueError, match="vocabularies of up to 2,097,151 tokens"):
+        build_speculator(huge, Cache(model, max_tokens=1024), None, None, 4, True, "auto",
+                         False, 8)
 
 
 # A chi-square statistic over 8 tokens (7 degrees of freedom) exceeds this with probability
