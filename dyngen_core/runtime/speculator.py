@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from dyngen_core.engine.plan import PENDING_TOKEN, SequenceSlice, StepPlan
 from dyngen_core.engine.record import JobRecord
 from dyngen_core.engine.speculation import DraftStats, NgramIndex, StepCostModel
@@ -42,6 +44,97 @@ _NO_PROBE = 1 << 62
 # every drafting job (256 a step), so they are built with ``tuple.__new__`` (instances all the
 # same, in a fraction of the time), every field given.
 _new_tuple = tuple.__new__
+
+
+class SleepingJobs:
+    """Jobs whose drafts do not pay and whose probe is not yet due, as columns of the
+    statistics that decide when they wake (a snapshot of each job's `DraftStats`, which do
+    not change until the job offers again).
+
+    At 256 jobs with drafting switched off by cost, asking each job every step whether it pays
+    again (`DraftStats.pays`) or its probe came due (`DraftStats.next_probe`) is a Python call
+    per job; `wake` asks all of them in a few array operations, computing exactly what those
+    two methods compute (and asks the methods themselves while fewer than `ARRAY_FROM` sleep,
+    where the arrays' fixed cost would be the larger).
+    """
+
+    ARRAY_FROM = 32
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}  # job -> its row
+        self._jobs: list[int] = []
+        self._stats: list[DraftStats] = []
+        self._alpha = np.zeros(0)
+        self._last_offer = np.zeros(0, dtype=np.int64)
+        self._interval = np.zeros(0, dtype=np.int64)
+        self._misses = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, job_id: int, stats: DraftStats) -> None:
+        """Put a job to sleep with its statistics as they are now."""
+        row = len(self._jobs)
+        if row == len(self._alpha):
+            size = max(16, 2 * row)
+            self._alpha = np.resize(self._alpha, size)
+            self._last_offer = np.resize(self._last_offer, size)
+            self._interval = np.resize(self._interval, size)
+            self._misses = np.resize(self._misses, size)
+        self._jobs.append(job_id)
+        self._stats.append(stats)
+        self.rows[job_id] = row
+        self._alpha[row] = stats.alpha
+        self._last_offer[row] = stats.last_offer
+        self._interval[row] = stats.probe_interval
+        self._misses[row] = stats.misses
+
+    def remove(self, job_id: int) -> None:
+        """Wake a job (or forget one that ended); nothing if it is not asleep."""
+        row = self.rows.pop(job_id, None)
+        if row is None:
+            return
+        last = len(self._jobs) - 1
+        moved, moved_stats = self._jobs.pop(), self._stats.pop()
+        if row != last:  # the last row takes the freed one
+            self._jobs[row], self._stats[row] = moved, moved_stats
+            self.rows[moved] = row
+            for column in (self._alpha, self._last_offer, self._interval, self._misses):
+                column[row] = column[last]
+
+    def wake(self, threshold: float, probe: float, step: int) -> int:
+        """Take out every job that pays again at ``threshold`` or whose probe (costing
+        ``probe``) is due at engine step ``step``; returns the earliest probe step of those
+        that sleep on (`_NO_PROBE` when none)."""
+        count = len(self._jobs)
+        if count < self.ARRAY_FROM:
+            return self._wake_each(threshold, probe, step)
+        alpha = self._alpha[:count]
+        # DraftStats.next_probe, every job at once.
+        cost = np.minimum(np.ceil((probe - alpha) / DraftStats.PROBE_BUDGET),
+                          DraftStats.MAX_PROBE_WAIT).astype(np.int64)
+        due = self._last_offer[:count] + np.maximum(self._interval[:count], cost)
+        interval = DraftStats.PROBE_INTERVAL
+        due = -(-due // interval) * interval
+        # DraftStats.pays, every job at once.
+        pays = (alpha > threshold) & (self._misses[:count] < DraftStats.MAX_MISSES)
+        woken = pays | (due <= step)
+        staying = due[~woken]
+        earliest = int(staying.min()) if len(staying) else _NO_PROBE
+        for row in np.flatnonzero(woken)[::-1].tolist():  # the last rows first
+            self.remove(self._jobs[row])
+        return earliest
+
+    def _wake_each(self, threshold: float, probe: float, step: int) -> int:
+        """`wake`, one job at a time."""
+        earliest = _NO_PROBE
+        for job_id, stats in list(zip(self._jobs, self._stats)):
+            due = stats.next_probe(probe)
+            if stats.pays(threshold) or due <= step:
+                self.remove(job_id)
+            else:
+                earliest = min(earliest, due)
+        return earliest
 
 
 class Speculator:
@@ -87,6 +180,7 @@ class Speculator:
         self._next_probe: int | None = None  # the earliest step a job not drafting probes
         # Jobs whose drafts pay (or that are new): their steps do not overlap the next.
         self._on: set[int] = set()
+        self._asleep = SleepingJobs()
 
     def wants_tokens(self) -> bool:
         """Whether the next step should have this step's tokens on the host (drafts are made
@@ -111,12 +205,17 @@ class Speculator:
         probe = max(threshold, self.probe_cost)  # what a one-token probe costs
         probes_only = True
         longest = 0
-        next_probe = _NO_PROBE  # the earliest step a job not drafting probes
+        asleep = self._asleep
+        # The earliest step a job not drafting probes: those asleep, then those seen below.
+        next_probe = asleep.wake(threshold, probe, step)
+        sleeping = asleep.rows
         requests: list[DraftRequest] = []
         slices: list[SequenceSlice] = []
         drafting: list[JobRecord] = []
         for sl in decodes:
             job_id = sl.job_id
+            if job_id in sleeping:
+                continue
             record = records.get(job_id)
             if record is None or not record.drafting:
                 continue
@@ -132,6 +231,7 @@ class Speculator:
                 if step < due:  # what `stats.length` says: no draft pays, no probe due
                     on.discard(job_id)
                     next_probe = min(next_probe, due)
+                    asleep.add(job_id, stats)
                     continue
             # Drafts stop before max_new_tokens and inside the slice's pages (a prompt's last
             # token, fed alone after a prompt-cache hit, has no page reserved past it).
@@ -217,6 +317,7 @@ class Speculator:
     def forget(self, job_id: int) -> None:
         self._stats.pop(job_id, None)
         self._on.discard(job_id)
+        self._asleep.remove(job_id)
         self.drafter.forget(job_id)
 
     def job_totals(self, job_id: int) -> tuple[int, int]:
@@ -279,4 +380,4 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
     return Speculator(drafter, num_draft_tokens, cache.page_size)
 
 
-__all__ = ["Speculator", "allowed_prefix", "build_speculator"]
+__all__ = ["SleepingJobs", "Speculator", "allowed_prefix", "build_speculator"]
