@@ -26,6 +26,9 @@ loading: full collections then no longer walk the model's and libraries' objects
 ``--torch-draw`` keeps the sampler's torch draw on CUDA (by default the compact draw is one
 fused Triton kernel there when triton is installed), to compare the two; ``--no-draw-graphs``
 launches the fused draw eagerly instead of replaying it from a CUDA graph (`draw.DrawGraphs`).
+``--ngram`` drafts by prompt lookup (the compiled index) with every row's logits the same, so
+each greedy job repeats one token and every draft is accepted: each step is a verify step of
+5 tokens a job (``tokens_per_step``), the host's work for speculative decoding at 256 jobs.
 """
 
 from __future__ import annotations
@@ -56,16 +59,21 @@ class FixedLogitsRunner:
 
     graph_captures = 0  # it never captures a CUDA graph (the generator's cost model asks)
 
-    def __init__(self, vocab: int, rows: int, device: torch.device) -> None:
+    def __init__(self, vocab: int, rows: int, device: torch.device, repeat: bool = False) -> None:
         generator = torch.Generator(device=device).manual_seed(0)
         self.logits = torch.randn(rows, vocab, device=device, generator=generator)
+        # repeat: every row is the first (a greedy job's text repeats one token, so its
+        # n-gram drafts are all accepted).
+        self.repeat = repeat
 
     def run(self, plan: StepPlan, feed: object = None) -> torch.Tensor | None:
         """The logits of ``plan``'s sampling rows; ``feed`` (tokens read on the device) is
         ignored: the logits do not depend on the inputs."""
         # `num_logits` inlined: the stand-in's own time counts as host time.
         rows = sum([1 + len(s.draft_ids) for s in plan.slices if s.sample])
-        return self.logits[:rows] if rows else None
+        if not rows:
+            return None
+        return self.logits[:1].expand(rows, -1) if self.repeat else self.logits[:rows]
 
 
 def tiny_model(vocab: int, device: torch.device) -> Model:
@@ -121,14 +129,23 @@ class CollectionClock:
 def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettings,
             steps: int, profile: int = 0, freeze_gc: bool = False,
             torch_draw: bool = False, overlap: bool = True,
-            draw_graphs: bool = True, fused_topk: str | None = None) -> dict[str, float]:
+            draw_graphs: bool = True, fused_topk: str | None = None,
+            ngram: bool = False) -> dict[str, float]:
     model = tiny_model(vocab, device)
     cache = Cache(model, max_tokens=jobs * 512, mode="fp16")
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=word_tokenizer(vocab),
                                  max_batch_size=jobs, attention_backend="sdpa",
-                                 overlap_steps=overlap)
+                                 overlap_steps=overlap, use_ngram_draft=ngram)
     # The stand-in replaces the runner: the host work around it is what is measured.
-    generator._runner = FixedLogitsRunner(vocab, jobs, device)
+    generator._runner = FixedLogitsRunner(vocab, jobs, device, repeat=ngram)
+    if ngram:  # every draft pays: each step is a verify step of 1 + 4 tokens a job
+        speculator = generator.speculator
+        assert speculator is not None
+        speculator.measure_draft_cost = False
+        for tokens in (jobs, 4 * jobs):
+            for _ in range(8):
+                speculator.costs.record(tokens, 20e-3)
+        speculator.costs.record = lambda tokens, seconds: None  # type: ignore[method-assign]
     if torch_draw:
         generator._sampler.sampler.fused_draw = False
     if not draw_graphs:
@@ -162,6 +179,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     waits = SamplerClock(SampledStep.tokens)
     SampledStep.tokens = lambda self: waits(self)  # type: ignore[method-assign]
     wall: list[float] = []
+    emitted: list[int] = []
     cpu: list[float] = []
     sampler: list[float] = []
     host_cpu: list[float] = []
@@ -175,8 +193,9 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
         if profiler is not None:
             profiler.enable()
         start, start_cpu = time.perf_counter(), time.process_time()
-        generator.iterate()
+        results = generator.iterate()
         wall.append(time.perf_counter() - start)
+        emitted.append(sum(len(r.get("token_ids", ())) for r in results))
         cpu.append(time.process_time() - start_cpu)
         if profiler is not None:
             profiler.disable()
@@ -198,7 +217,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
             "wait_ms": _median(waited) * 1e3,
             "host_ms": _median(host) * 1e3, "host_cpu_ms": _median(host_cpu) * 1e3,
             "gc_ms": collections.seconds / steps * 1e3, "full_gcs": collections.full,
-            "jobs_active": running}
+            "jobs_active": running, "tokens_per_step": _median(emitted)}
 
 
 def _median(values: list[float]) -> float:
@@ -224,6 +243,8 @@ def main() -> None:
                         help="the fused draw's top-k (Sampler's fused_topk; default: its own)")
     parser.add_argument("--no-draw-graphs", action="store_true",
                         help="launch the fused draw eagerly instead of from CUDA graphs")
+    parser.add_argument("--ngram", action="store_true",
+                        help="n-gram drafting, all drafts accepted: verify steps of 5 tokens a job")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -234,13 +255,14 @@ def main() -> None:
         for label in args.sampling.split(","):
             figures = step_ms(device, args.jobs, args.vocab, SETTINGS[label], args.steps,
                               args.profile, args.gc_freeze, args.torch_draw,
-                              not args.no_overlap, not args.no_draw_graphs, args.fused_topk)
+                              not args.no_overlap, not args.no_draw_graphs, args.fused_topk,
+                              args.ngram)
             fused = not args.torch_draw and fused_draw_default(device)
             graphs = fused and device.type == "cuda" and not args.no_draw_graphs
             report("host_overhead.step", device=name, device_name=device_name(),
                    jobs=args.jobs, vocab=args.vocab, sampling=label, target_ms=1.0,
                    fused_draw=fused, draw_graphs=graphs, overlap=not args.no_overlap,
-                   fused_topk=args.fused_topk or "default",
+                   fused_topk=args.fused_topk or "default", ngram=args.ngram,
                    **figures)
 
 

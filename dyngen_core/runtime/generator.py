@@ -523,9 +523,15 @@ class DynamicGenerator:
             if record.time_first_token is None:
                 self._emit_start(record, out, now, prefill=False)
                 record.time_first_token = now
+            plain = record.plain_stream
             for i, token in enumerate(run):
                 record.counter += 1
                 update = record.stream.advance(token)
+                if plain and update.__class__ is str:  # `_stream_update`'s common case inlined
+                    if record.needs_history:
+                        record.history.append(token)
+                    out.append(streaming_result(record.job, update, token))
+                    continue
                 result = self._stream_update(record, token, extras.get(record.job_id), update,
                                              unread=len(run) - 1 - i)
                 if result is not None:
