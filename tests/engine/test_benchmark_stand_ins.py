@@ -24,6 +24,10 @@ def test_the_host_overhead_benchmark_runs_every_job_through_its_steps(monkeypatc
                                             settings=settings, steps=4)
             # A sampled job may stop at its stop id now and then; most run on.
             assert figures["jobs_active"] >= 3, label
+        # --ngram: every step a verify step in which every job's four drafts are accepted.
+        figures = host_overhead.step_ms(torch.device("cpu"), jobs=6, vocab=512,
+                                        settings=host_overhead.GREEDY, steps=4, ngram=True)
+        assert figures["jobs_active"] == 6 and figures["tokens_per_step"] == 6 * 5
     finally:
         sys.modules.pop("host_overhead", None)
         sys.modules.pop("_common", None)
