@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test and benchmark suite as run on the lent H200 (see BENCHMARKS.md).
 # Usage: benchmarks/run_gpu_suite.sh PHASE...   phases: env tests smoke kernels decode
-#        decode-compiled decode-fast long host load sampler throughput shared shared-fast
-#        reliability. Logs and JSON lines go to $OUT (default ./bench_out). `tests` runs in 6
+#        decode-compiled decode-fast long host host3 host-ngram spec-host load sampler throughput
+#        shared shared-fast reliability. Logs and JSON lines go to $OUT (default ./bench_out). `tests` runs in 6
 #        processes when pytest-xdist is importable (carry its wheel and execnet's in .whl/).
 # Old main against new main: benchmarks/ab_trees.sh (BENCHMARKS.md, "Restructuring A/B").
 # Every phase runs under its own time limit so one hang cannot eat the whole run.
@@ -47,6 +47,22 @@ for phase in "$@"; do
     decode-fast) run 150 bench.log $PY benchmarks/decode_batch1.py --compiled-only ;;
     long) run 150 bench.log $PY benchmarks/long_context.py ;;
     host) run 90 bench.log $PY benchmarks/host_overhead.py ;;
+    host3)  # issue 24's figure: three runs of the CUDA host step, then each setting's median
+      for _ in 1 2 3; do run 90 bench.log $PY benchmarks/host_overhead.py --devices cuda; done
+      run 30 bench.log $PY -c "import json, statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    if d.get('benchmark') == 'host_overhead.step' and d.get('device') == 'cuda' \
+            and not d.get('ngram'):
+        runs.setdefault(d['sampling'], []).append(round(d['median_ms'], 3))
+for sampling, values in runs.items():
+    print('host step', sampling, 'last three runs', values[-3:], 'median',
+          statistics.median(values[-3:]))" "$DYNGEN_BENCH_OUT" ;;
+    host-ngram) run 120 bench.log $PY benchmarks/host_overhead.py --devices cuda --ngram \
+      --sampling greedy ;;
+    spec-host) run 300 bench.log $PY benchmarks/speculative_host.py --rounds 3 \
+      --modes all,costed,off ;;
     load) run 240 bench.log $PY benchmarks/load_time.py ;;
     sampler) run 240 bench.log $PY benchmarks/sampler.py --repeats 7 ;;
     throughput) run 300 bench.log $PY benchmarks/throughput.py ;;
