@@ -199,6 +199,18 @@ class StepSampler:
         if logits is None or logits.shape[0] != sum(counts):
             rows = None if logits is None else logits.shape[0]
             raise RuntimeError(f"{rows} logits rows for a verify step of {sum(counts)} rows")
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        if self._all_plain(records):  # every row's token is its argmax: no row list, no stage
+            try:
+                chosen = self.sampler.greedy_ids(logits)
+            except SamplingError:
+                pass  # the general path names the records that cannot be sampled
+            else:
+                cut = [accept_run(r.draft_ids, chosen[starts[i]:starts[i + 1]]) if r.draft_ids
+                       else chosen[starts[i]:starts[i] + 1] for i, r in enumerate(records)]
+                return SampledStep(records, tokens=[run[0] for run in cut], runs=cut)
         self._launched = None  # allowed tokens change here
         failed: dict[int, Exception] = {}
         live = []
@@ -209,9 +221,6 @@ class StepSampler:
                 failed[r.job_id] = exc
                 continue
             live.append(i)
-        starts = [0]
-        for n in counts:
-            starts.append(starts[-1] + n)
         runs: list[list[int]] = [[] for _ in records]
         sampled_drafts = [i for i in live if records[i].draft_probs is not None]
         if sampled_drafts:

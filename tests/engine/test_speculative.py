@@ -510,3 +510,38 @@ def test_a_drafter_that_costs_more_than_it_saves_drafts_nothing(make_generator, 
     for name in ("greedy", "seeded"):
         assert got[name]["tokens"] == expected[name]["tokens"], name
     generator.check_invariant()
+
+
+def test_a_plain_greedy_verify_step_keeps_drafts_while_they_are_the_argmax(engine_parts):
+    """A verify step of plain greedy jobs (the argmax of every row, no row list built) cuts
+    each run where `accept_run` does over the rows' argmaxes; a job whose row has no finite
+    logit fails alone, as in the general path, and the others keep their runs."""
+    from dyngen_core.engine.record import JobRecord
+    from dyngen_core.sampling.step import StepSampler
+
+    vocab = 64
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    records, blocks = [], []
+    for i in range(12):
+        job = Job(input_ids=[1, 2], max_new_tokens=8)
+        job.job_id = i
+        drafts = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
+        block = torch.randn(1 + len(drafts), vocab)
+        for j, token in enumerate(drafts):  # the first drafts are the argmax, then not
+            if j < len(drafts) // 2 + 1 and rng.random() < 0.8:
+                block[j, token] = 10.0
+        records.append(JobRecord(job=job, stream=_Stream(), settings=SamplerSettings.greedy(),
+                                 seed=i, draft_ids=drafts))
+        blocks.append(block)
+    assert all(r.plain_greedy for r in records)
+    sampler = StepSampler(vocab, torch.device("cpu"), engine_parts[1], [])
+    step = sampler.start(torch.cat(blocks), records, verify=True)
+    expected = [accept_run(r.draft_ids, block.argmax(-1).tolist())
+                for r, block in zip(records, blocks, strict=True)]
+    assert step.runs == expected and not step.failed
+    assert any(len(run) > 1 for run in expected) and any(len(run) == 1 for run in expected)
+    blocks[4][-1] = float("-inf")  # job 4 cannot be sampled: it fails alone
+    step = sampler.start(torch.cat(blocks), records, verify=True)
+    assert set(step.failed) == {4}
+    assert [run for i, run in enumerate(step.runs) if i != 4] == expected[:4] + expected[5:]
