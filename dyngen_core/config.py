@@ -3,7 +3,8 @@
 `ModelConfig` is read from a Hugging Face ``config.json``, which comes from an untrusted folder:
 every field is checked for type and range on the way in, and a bad one raises a
 `ModelFolderError` naming the field and the fix. `CacheConfig` and `SchedulerConfig` hold the
-engine's knobs. Pure Python: no torch here (the control plane imports it).
+engine's knobs; `cache_root` says where dyngen keeps its files. Pure Python: no torch here
+(the control plane imports it).
 """
 
 from __future__ import annotations
@@ -29,17 +30,6 @@ SUPPORTED_ARCHITECTURES = (
 CACHE_MODES = ("fp16", "q8", "q6", "q4")
 # config.json and generation_config.json are kilobytes; a larger file is refused unread.
 MAX_CONFIG_BYTES = 1 << 24
-
-
-def cache_root() -> Path:
-    """Where dyngen keeps its files (downloaded and converted models, compiled helpers):
-    ``$DYNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/dyngen``, else ``~/.cache/dyngen``."""
-    explicit = os.environ.get("DYNGEN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "dyngen"
 # rope_scaling types the rotary embedding implements, each with the fields it requires (checked
 # to be positive numbers) and the numeric fields it may take.
 ROPE_SCALING_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -459,3 +449,14 @@ class EngineOptions(BaseModel):
     use_ngram_draft: bool = False
     num_draft_tokens: int = Field(default=4, ge=1, le=16)
     tensor_parallel: int = Field(default=1, ge=1)
+
+
+def cache_root() -> Path:
+    """Where dyngen keeps its files (downloaded and converted models, compiled helpers):
+    ``$DYNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/dyngen``, else ``~/.cache/dyngen``."""
+    explicit = os.environ.get("DYNGEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dyngen"

@@ -56,12 +56,6 @@ def compiled_ngram(max_n: int = 4) -> Any | None:
         return None
 
 
-def compiled_ngram_index(max_n: int = 4) -> Any | None:
-    """The compiled `NgramIndex` class (see `compiled_ngram`), or None."""
-    module = compiled_ngram(max_n)
-    return None if module is None else module.NgramIndex
-
-
 @functools.cache
 def _warn_once(reason: str) -> None:
     _log.warning("n-gram drafting uses the Python index, several times slower on the host: %s",
@@ -139,5 +133,4 @@ def build(path: Path) -> None:
             os.unlink(staged)
 
 
-__all__ = ["MAX_N", "NativeBuildError", "build", "built_path", "compiled_ngram",
-           "compiled_ngram_index"]
+__all__ = ["MAX_N", "NativeBuildError", "build", "built_path", "compiled_ngram"]

@@ -102,6 +102,8 @@ class NgramIndex:
 
     TAIL = 4
     TOKEN_BITS = 21
+    # Token ids must lie below this: a key field holds token + 1, in TOKEN_BITS bits.
+    TOKEN_LIMIT = (1 << TOKEN_BITS) - 1
 
     __slots__ = ("max_n", "min_n", "_masks", "_next", "_indexed", "_key", "_tail", "_base")
     max_n: int
@@ -142,7 +144,7 @@ class NgramIndex:
         if length == done:
             return
         table, masks, key, bits = self._next, self._masks, self._key, self.TOKEN_BITS
-        full, limit = masks[0], (1 << bits) - 1
+        full, limit = masks[0], self.TOKEN_LIMIT
         for end in range(done, length):
             # The n-grams ending just before ``end`` (all in ``key``) are followed by
             # history[end]. Near the start, a mask longer than ``end`` tokens gives the key of

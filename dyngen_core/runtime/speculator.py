@@ -364,7 +364,7 @@ def build_speculator(model: Model, cache: Cache, draft_model: Model | None,
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, not {num_draft_tokens!r}")
     if draft_model is None:
-        limit = (1 << NgramIndex.TOKEN_BITS) - 1
+        limit = NgramIndex.TOKEN_LIMIT
         if model.config.vocab_size > limit:
             raise ValueError(f"use_ngram_draft=True supports vocabularies of up to {limit:,} "
                              f"tokens, not {model.config.vocab_size:,}; use a draft model")
