@@ -3,9 +3,10 @@
 A step is ``schedule -> run -> sample -> apply -> emit`` (`iterate`); with a drafter, the
 schedule's decode slices get drafts first and the sample step verifies them (`Speculator`).
 The generator keeps one `JobRecord` per job, keyed by job id; page and sequence state belong
-to the scheduler, tensors to the cache and runner, the draw to the `StepSampler`. A fault
-inside a step fails the jobs of that step and nothing else (`_step_faults`); a fault of one
-job's text pipeline ends that job alone.
+to the scheduler, tensors to the cache and runner, the draw to the `StepSampler`, and a step's
+results (text streams, job ends, final results) to the `ResultEmitter`. A fault inside a step
+fails the jobs of that step and nothing else (`_step_faults`); a fault of one job's text
+pipeline ends that job alone.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from dyngen_core.engine.plan import (
     warm_up_plan,
 )
 from dyngen_core.engine.record import JobRecord
-from dyngen_core.engine.results import EosReason, GeneratorStats, Result, streaming_result
+from dyngen_core.engine.results import EosReason, GeneratorStats, Result
 from dyngen_core.engine.scheduler import Scheduler
 from dyngen_core.engine.settings import SamplerSettings
 from dyngen_core.errors import JobError, JobTooLargeError
 from dyngen_core.kv.attention import AttentionBackend
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
+from dyngen_core.runtime.emitter import ResultEmitter
 from dyngen_core.runtime.generate import run_generate
 from dyngen_core.runtime.overlap import InFlight, TokenFeed, token_feed
 from dyngen_core.runtime.speculator import Speculator, build_speculator
@@ -45,7 +47,7 @@ from dyngen_core.runtime.workers import TensorParallelWorkers, WorkerSpec, worke
 from dyngen_core.sampling.step import SampledStep, StepSampler
 from dyngen_core.text.detokenize import TokenPieces
 from dyngen_core.text.stop import StopIndexes
-from dyngen_core.text.stream import JobStream, StreamUpdate
+from dyngen_core.text.stream import JobStream
 from dyngen_core.text.tokenizer import Tokenizer
 
 
@@ -154,7 +156,8 @@ class DynamicGenerator:
         self._in_flight: InFlight | None = None
         self._workers: TensorParallelWorkers | None = None  # set by from_model_dir
         self._records: dict[int, JobRecord] = {}
-        self._finished_results: list[Result] = []
+        self._emitter = ResultEmitter(self._records, self._scheduler, self._speculator,
+                                      cache.page_size)
         self._next_job_id = 0
         if model.device.type == "cuda":
             self._warm_up(min(max_chunk_size, model.config.max_position_embeddings))
@@ -296,7 +299,7 @@ class DynamicGenerator:
 
     def num_remaining_jobs(self) -> int:
         """Jobs queued or running, plus final results not yet returned by `iterate`."""
-        return len(self._records) + len(self._finished_results)
+        return len(self._records) + len(self._emitter.finished)
 
     def cancel(self, job: Job) -> None:
         """Stop a queued or running job now; its pages are freed at once and the next
@@ -308,7 +311,7 @@ class DynamicGenerator:
             text = record.stream.cancel_text()
         except Exception:  # noqa: BLE001 - a broken stream must not keep the job alive
             text = ""
-        self._end_job(record.job_id, EosReason.CANCELLED, chunk={"text": text})
+        self._emitter.end_job(record.job_id, EosReason.CANCELLED, chunk={"text": text})
 
     def clear_queue(self) -> None:
         """Cancel every job, queued or running (no results are returned for them)."""
@@ -319,7 +322,7 @@ class DynamicGenerator:
             record.ended = record.job.finished = True
             if self._speculator is not None:
                 self._speculator.forget(job_id)
-        self._finished_results.clear()
+        self._emitter.finished.clear()
 
     @property
     def speculator(self) -> Speculator | None:
@@ -348,7 +351,7 @@ class DynamicGenerator:
         With ``overlap_steps``, a step whose tokens can be chosen on the device returns before
         they reach the host: they are emitted by the next call, after it has launched the
         following step (so the device computes while the host emits)."""
-        out = self._take_finished()
+        out = self._emitter.take_finished()
         if self._records:
             with self._step_faults(out) as step:
                 plan = step.plan = self._scheduler.schedule()
@@ -362,7 +365,7 @@ class DynamicGenerator:
                                               verify=verify)
                 self._apply(plan, sampled, out,
                             started if self._runner.graph_captures == captures else None)
-        return out + self._take_finished()
+        return out + self._emitter.take_finished()
 
     @contextmanager
     def _step_faults(self, out: list[Result]) -> Iterator[_Step]:
@@ -441,7 +444,7 @@ class DynamicGenerator:
         tokens = sampled.tokens()
         for job_id, error in sampled.failed.items():
             if job_id in self._records:
-                self._end_job(job_id, EosReason.ERROR, error=error)
+                self._emitter.end_job(job_id, EosReason.ERROR, error=error)
         if sampled.runs is not None:
             self._scheduler.apply(plan, StepOutcome(sampled={
                 r.job_id: SampledTokens(r.job_id, run, num_draft_accepted=len(run) - 1)
@@ -450,155 +453,13 @@ class DynamicGenerator:
             self._scheduler.resolve_tokens(plan, tokens)
         else:
             self._scheduler.apply_tokens(plan, tokens)
-        self._emit_step(plan, sampled, tokens, out)
+        self._emitter.emit_step(plan, sampled, tokens, out)
 
     def _fail(self, plan: StepPlan, error: Exception) -> None:
         for s in plan.slices:
             if s.job_id in self._records:
-                self._end_job(s.job_id, EosReason.ERROR, error=error)
+                self._emitter.end_job(s.job_id, EosReason.ERROR, error=error)
         self._scheduler.abort(plan)
-
-    # ---- results -----------------------------------------------------------------------------
-
-    def _emit_step(self, plan: StepPlan, sampled: SampledStep, tokens: list[int],
-                   out: list[Result]) -> None:
-        """Append every job's results of this step to ``out``."""
-        records, extras, now = self._records, sampled.extras, time.perf_counter()
-        runs = sampled.runs
-        if runs is None and len(tokens) == len(plan.slices):  # every slice sampled: no prefill
-            self._emit_rows(sampled.records, tokens, extras, out, now)
-            return
-        if runs is not None:  # a verify step: each sampled job's run, then the prefills
-            for verified, run in zip(sampled.records, runs, strict=True):
-                self._emit_run(verified, run, extras, out, now)
-        next_token = iter(tokens).__next__
-        for s in plan.slices:
-            record = records.get(s.job_id)
-            if not s.sample:
-                if record is not None:
-                    self._emit_start(record, out, now, prefill=True)
-            elif runs is None:
-                self._emit_rows([record], [next_token()], extras, out, now)
-
-    def _emit_rows(self, rows: Sequence[JobRecord | None], tokens: Sequence[int],
-                   extras: dict[int, SampledTokens], out: list[Result], now: float) -> None:
-        """Append the results of one sampled token per job (``tokens[i]`` is ``rows[i]``'s; a
-        None row, or a job that ended since, is skipped) to ``out``; a job's first token comes
-        after its "started" result. Each job's draw is counted here: the one place its RNG
-        counter advances. A fault of one job's text pipeline ends that job alone."""
-        append, new_result = out.append, streaming_result
-        for record, token in zip(rows, tokens, strict=True):
-            if record is None or record.ended:
-                continue  # ended (failed sampling, cancelled)
-            record.counter += 1
-            try:
-                if record.time_first_token is None:
-                    self._emit_start(record, out, now, prefill=False)
-                    record.time_first_token = now
-                update = record.stream.advance(token)
-                if update.__class__ is not str or not record.plain_stream:
-                    result = self._stream_update(record, token, extras.get(record.job_id),
-                                                 update)
-                    if result is not None:
-                        append(result)
-                    continue
-                # The common case, no end, rewind, constraint or extras: `_stream_update`
-                # inlined.
-                if record.needs_history:
-                    record.history.append(token)
-                append(new_result(record.job, update, token))
-            except Exception as exc:  # noqa: BLE001 - one job's fault ends that job alone
-                if not record.ended:
-                    self._end_job(record.job_id, EosReason.ERROR, error=exc)
-
-    def _emit_run(self, record: JobRecord, run: Sequence[int],
-                  extras: dict[int, SampledTokens], out: list[Result], now: float) -> None:
-        """Append the results of a verify step's run of tokens for one job, token by token
-        (each advances its RNG counter, as a plain step's would): a stop ends the run there,
-        and a banned-string rewind takes back the rest of the run with what it rewinds. Then
-        the drafter learns what was accepted."""
-        if record.ended or not run:
-            return
-        try:
-            if record.time_first_token is None:
-                self._emit_start(record, out, now, prefill=False)
-                record.time_first_token = now
-            plain = record.plain_stream
-            for i, token in enumerate(run):
-                record.counter += 1
-                update = record.stream.advance(token)
-                if plain and update.__class__ is str:  # `_stream_update`'s common case inlined
-                    if record.needs_history:
-                        record.history.append(token)
-                    out.append(streaming_result(record.job, update, token))
-                    continue
-                result = self._stream_update(record, token, extras.get(record.job_id), update,
-                                             unread=len(run) - 1 - i)
-                if result is not None:
-                    out.append(result)
-                if record.ended or (not isinstance(update, str) and update.rewind):
-                    break
-        except Exception as exc:  # noqa: BLE001 - one job's fault ends that job alone
-            if not record.ended:
-                self._end_job(record.job_id, EosReason.ERROR, error=exc)
-        if not record.ended and self._speculator is not None:
-            self._speculator.settle(record, len(run))
-
-    def _emit_start(self, record: JobRecord, out: list[Result], now: float, *,
-                    prefill: bool) -> None:
-        """A job's "started" result the first time it is seen, then with ``prefill`` its
-        "prefill" progress (a step that computed part of its prompt and sampled nothing)."""
-        if record.time_started is None:
-            record.time_started = now
-            out.append(record.result("started"))
-        if prefill:
-            seq = self._scheduler.sequence(record.job_id)
-            assert seq is not None
-            out.append(record.result("prefill", prefill_progress=seq.num_computed,
-                                     prefill_total=seq.num_tokens))
-
-    def _stream_update(self, record: JobRecord, token_id: int, tokens: SampledTokens | None,
-                       update: str | StreamUpdate, unread: int = 0) -> Result | None:
-        """Apply one token's stream update; ``unread``: tokens of the same run after this one
-        (in the scheduler already, not yet in the stream), taken back with a rewind."""
-        if isinstance(update, str):
-            update = StreamUpdate(update, token_ids=[token_id])
-        if update.rewind:
-            self._scheduler.rewind(record.job_id, update.rewind + unread)
-            record.on_rewind(update.rewind, update.banned_token_id)
-            return None
-        error = record.on_token(token_id)
-        eos = EosReason.ERROR if error else record.end_reason(update.eos_reason)
-        if eos is None:
-            return record.streaming_result(update.text, token_id, tokens)
-        chunk = dict(text=update.text, token_ids=update.token_ids)
-        if record.wants_extras:
-            assert tokens is not None
-            chunk.update(record.extras(tokens))
-        self._end_job(record.job_id, eos, chunk=chunk, error=error)
-        return None
-
-    def _end_job(self, job_id: int, reason: EosReason, *, chunk: dict[str, Any] | None = None,
-                 error: BaseException | None = None) -> None:
-        """Free the job's pages now and queue its final result (carrying the last chunk)."""
-        record = self._records.pop(job_id)
-        record.ended = True
-        seq = self._scheduler.sequence(job_id)
-        cached_tokens = seq.num_cached_tokens if seq is not None else 0
-        self._scheduler.finish(job_id)
-        record.job.finished = True
-        accepted = rejected = 0
-        if self._speculator is not None:
-            accepted, rejected = self._speculator.job_totals(job_id)
-            self._speculator.forget(job_id)
-        self._finished_results.append(
-            record.final_result(reason, chunk=chunk or {"text": ""}, error=error,
-                                cached_tokens=cached_tokens, page_size=self.cache.page_size,
-                                accepted=accepted, rejected=rejected))
-
-    def _take_finished(self) -> list[Result]:
-        finished, self._finished_results = self._finished_results, []
-        return finished
 
     # ---- convenience -------------------------------------------------------------------------
 
