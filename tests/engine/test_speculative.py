@@ -545,3 +545,46 @@ def test_a_plain_greedy_verify_step_keeps_drafts_while_they_are_the_argmax(engin
     step = sampler.start(torch.cat(blocks), records, verify=True)
     assert set(step.failed) == {4}
     assert [run for i, run in enumerate(step.runs) if i != 4] == expected[:4] + expected[5:]
+
+
+def test_plain_greedy_verify_steps_then_a_mixed_batch_keep_output(make_generator, speculative,
+                                                                  engine_parts):
+    """Plain greedy jobs verify alone first (each row's argmax: no row list), then the mixed
+    jobs (constrained, sampled, banned, penalties) join the running batch, a greedy job is
+    cancelled in the middle, and the greedy jobs verify alone again once the mixed ones end:
+    every other job's output is plain decoding's, through steps of both verify paths (a fast
+    path that cut runs wrongly fails here)."""
+    model, tokenizer = engine_parts
+    repeat = tokenizer.encode(REPEAT)
+
+    def run(generator: DynamicGenerator) -> dict[Any, dict[str, Any]]:
+        first = [Job(input_ids=repeat[i:], max_new_tokens=60, stop_conditions=[],
+                     gen_settings=SamplerSettings.greedy(), identifier=f"greedy-{i}")
+                 for i in range(3)]
+        later = _mix(tokenizer)
+        out: dict[Any, dict[str, Any]] = {j.identifier: {"tokens": []} for j in first + later}
+        generator.enqueue(first)
+        for step in range(800):
+            if step == 8:  # the greedy jobs have verified alone; the mixed jobs end first
+                generator.enqueue(later)
+            if step == 10:
+                generator.cancel(first[1])
+            for r in generator.iterate():
+                out[r["identifier"]]["tokens"].extend(r.get("token_ids", []))
+                if r["eos"]:
+                    out[r["identifier"]]["final"] = r
+            if step > 10 and not generator.num_remaining_jobs():
+                return out
+        raise AssertionError("jobs still running after 800 steps")
+
+    plain = run(make_generator())
+    generator = speculative("ngram")
+    drafted = run(generator)
+    assert drafted["greedy-1"]["final"]["eos_reason"] == "cancelled"
+    for name, got in drafted.items():
+        if name == "greedy-1":
+            continue
+        assert got["final"]["eos_reason"] != "error", got["final"]
+        prompt = got["final"]["job"].input_ids
+        assert_same_output(plain[name], got, model, list(prompt), name)
+    assert generator.stats().draft_tokens_accepted > 0
