@@ -489,7 +489,8 @@ def test_a_drafter_that_costs_more_than_it_saves_drafts_nothing(make_generator, 
                                                               engine_parts, drafter):
     """A drafter whose draft position costs five steps (a draft model too big for its target,
     say): no draft can pay, and a probe would cost more than 1 % of a short job's steps, so
-    jobs of a mixed batch decode plainly, with plain decoding's output."""
+    jobs of a mixed batch decode plainly, with plain decoding's output; a job cancelled while
+    its drafting sleeps leaves nothing behind in the speculator."""
     tokenizer = engine_parts[1]
     prompt = tokenizer.encode(REPEAT)
 
@@ -498,17 +499,22 @@ def test_a_drafter_that_costs_more_than_it_saves_drafts_nothing(make_generator, 
         return [Job(input_ids=prompt, max_new_tokens=40, stop_conditions=[],
                     gen_settings=greedy, identifier="greedy"),
                 Job(input_ids=prompt[:9], max_new_tokens=30, stop_conditions=[],
-                    gen_settings=sampled, seed=4, identifier="seeded")]
+                    gen_settings=sampled, seed=4, identifier="seeded"),
+                Job(input_ids=prompt[2:], max_new_tokens=40, stop_conditions=[],
+                    gen_settings=greedy, identifier="cancelled")]
 
     expected = run_tokens(make_generator(), jobs())
     generator = speculative(drafter)
-    assert generator.speculator is not None
-    generator.speculator.draft_cost_ratio = 5.0  # pinned: the fixture turned measuring off
-    got = run_tokens(generator, jobs())
+    speculator = generator.speculator
+    assert speculator is not None
+    speculator.draft_cost_ratio = 5.0  # pinned: the fixture turned measuring off
+    got = run_tokens(generator, jobs(), cancel=("cancelled", 12))
     stats = generator.stats()
     assert stats.draft_tokens_accepted == stats.draft_tokens_rejected == 0
     for name in ("greedy", "seeded"):
         assert got[name]["tokens"] == expected[name]["tokens"], name
+    assert got["cancelled"]["final"]["eos_reason"] == "cancelled"
+    assert not speculator._asleep.rows  # the sleeping jobs that ended, cancelled or not
     generator.check_invariant()
 
 
