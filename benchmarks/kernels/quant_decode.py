@@ -14,12 +14,14 @@ of a KV head padded to 16 MMA rows):
 
 Variants (``--variants``, each a set of kernel constants, `constants.MODULES`): ``default`` the
 backend's rule (page and tail programs in one launch up to `quant_decode.ONE_LAUNCH_MAX_SEQS`
-sequences, else two with the tail in three parts); ``one-launch`` and ``two-launch`` force
-either side of that rule. Other settings: ``--set quant_decode.PAGE_WINDOW=8`` etc. Each
-variant's output is checked against the first's (``err``). Quantized modes run as the runner
-does (q4 with its 16-position recent window and page heads, q8 with page heads). Each call is
-timed inside a CUDA graph of ``--calls`` calls (batch 1 cycles over 16 sequences' pages so L2
-holds none of them), median of 5 replays.
+sequences for the codes' width, else two with the tail in three parts); ``one-launch`` and
+``two-launch`` force either side of that rule. Other settings: ``--set
+quant_decode.PAGE_WINDOW=8`` etc. Each variant's output is checked against the first's
+(``err``). A variant that is not one of those names is its own settings, joined by ``+``:
+``quant_decode.WARPS=8+quant_decode.BLOCK_N=128``.
+Quantized modes run as the runner does (q4 with its 16-position recent window and page heads,
+q8 with page heads). Each call is timed inside a CUDA graph of ``--calls`` calls (batch 1
+cycles over 16 sequences' pages so L2 holds none of them), median of 5 replays.
 
     python benchmarks/kernels/quant_decode.py [--context 16384] [--batches 1,32]
         [--modes fp16,q8,q4] [--variants default,one-launch,two-launch] [--set ...]
@@ -75,9 +77,20 @@ COPIES_BATCH1 = 16
 # Variant name -> kernel constants it sets (`constants.patched`); the first is the baseline.
 VARIANTS: dict[str, list[str]] = {
     "default": [],
-    "one-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS=1048576"],
-    "two-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS=0"],
+    "one-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS={4: 1048576, 8: 1048576}"],
+    "two-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS={4: 0, 8: 0}"],
 }
+
+
+def variant_settings(name: str) -> list[str]:
+    """The kernel constants of variant ``name``: a `VARIANTS` entry, or settings joined by
+    ``+`` (``MODULE.NAME=VALUE+...``)."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if "=" not in name:
+        raise SystemExit(f"--variants: {name!r} is neither one of {', '.join(VARIANTS)} nor "
+                         f"settings joined by '+' (MODULE.NAME=VALUE+...)")
+    return name.split("+")
 
 
 def one_layer_storage(config: dict[str, Any], mode: str, tokens: int,
@@ -179,6 +192,9 @@ def main() -> None:
     constants.add_argument(parser)
     args = parser.parse_args()
     constants.apply(args.set)
+    for name in args.variants.split(","):
+        with constants.patched(variant_settings(name)):  # a bad setting stops the run here
+            pass
     device = torch.device(args.device)
     config = bench_config(args)
     batches = [int(b) for b in args.batches.split(",")]
@@ -197,14 +213,21 @@ def main() -> None:
             names = ["fp16"] if mode == "fp16" else args.variants.split(",")
             reference = None
             for name in names:
-                with constants.patched(VARIANTS.get(name, [])):
-                    calls = (fp16_calls(storage, group, q) if mode == "fp16"
-                             else word_calls(storage, group, q, step_rows))
-                    out = calls[0]().float()
-                    reference = out if reference is None else reference
-                    error = float((out - reference).norm() / reference.norm())
-                    calls = (calls * -(-args.calls // len(calls)))[:args.calls]
-                    seconds = graph_seconds(calls)
+                try:
+                    with constants.patched([] if mode == "fp16" else variant_settings(name)):
+                        calls = (fp16_calls(storage, group, q) if mode == "fp16"
+                                 else word_calls(storage, group, q, step_rows))
+                        out = calls[0]().float()
+                        reference = out if reference is None else reference
+                        error = float((out - reference).norm() / reference.norm())
+                        calls = (calls * -(-args.calls // len(calls)))[:args.calls]
+                        seconds = graph_seconds(calls)
+                except Exception as exc:  # a setting the kernel cannot take (shared memory, ...)
+                    if name == names[0]:
+                        raise
+                    print(f"{mode} {name} batch {batch_size}: failed: "
+                          f"{type(exc).__name__}: {str(exc)[:300]}")
+                    continue
                 gbps = batch_size * args.context * per_token / seconds / 1e9
                 rows.append((mode, name, batch_size, seconds * 1e6, gbps, error))
                 report("quant_decode", device=device_name(), mode=mode, variant=name,
@@ -220,7 +243,8 @@ def print_table(rows: list[tuple[str, str, int, float, float, float]],
     """us (GB/s) per mode and variant, one column per batch, each against fp16, and its
     largest error against the mode's first variant."""
     fp16 = {b: us for mode, _, b, us, _, _ in rows if mode == "fp16"}
-    print(f"\n{'mode':5} {'variant':12}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
+    width = max(12, *(len(name) + 1 for _, name, *_ in rows))
+    print(f"\n{'mode':5} {'variant':{width}}" + "".join(f"{'batch ' + str(b):>24}" for b in batches)
           + "".join(f"{'/fp16 b' + str(b):>10}" for b in batches) + f"{'err':>9}")
     seen: dict[tuple[str, str], dict[int, tuple[float, float, float]]] = {}
     for mode, name, b, us, gbps, error in rows:
@@ -231,7 +255,7 @@ def print_table(rows: list[tuple[str, str, int, float, float, float]],
         ratios = "".join(f"{by_batch[b][0] / fp16[b]:>10.2f}" if b in by_batch and b in fp16
                          else f"{'-':>10}" for b in batches)
         error = max(cell[2] for cell in by_batch.values())
-        print(f"{mode:5} {name:12}{cells}{ratios}{error:>9.1e}")
+        print(f"{mode:5} {name:{width}}{cells}{ratios}{error:>9.1e}")
 
 
 if __name__ == "__main__":
