@@ -125,9 +125,9 @@ def test_many_page_splits(device: torch.device, monkeypatch: pytest.MonkeyPatch,
 
 def test_tail_parts_follow_the_window_and_the_batch(device: torch.device,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backend's rule: batches of up to `ONE_LAUNCH_MAX_SEQS` sequences run one launch
-    with the single tail, larger ones two, the tail in three parts when the cache has a recent
-    window."""
+    """The backend's rule: q4 batches of up to `ONE_LAUNCH_MAX_SEQS[4]` sequences run one
+    launch with the single tail, larger ones two, the tail in three parts when the cache has a
+    recent window; q8 batches run one launch at any size."""
     from dyngen_core.kv.attention.triton import quant_decode
     from tests.gpu.test_quant_decode_triton import _backend
 
@@ -138,11 +138,12 @@ def test_tail_parts_follow_the_window_and_the_batch(device: torch.device,
             assert torch.isfinite(_attend(backend, "q4", window, decodes, device)).all()
         return [launch["TAIL_PARTS"] for launch in used]
 
-    assert quant_decode.ONE_LAUNCH_MAX_SEQS < len(DECODES[4])
+    assert quant_decode.ONE_LAUNCH_MAX_SEQS[4] < len(DECODES[4])
     assert parts_used(4, ONE_DECODE) == [1]
     assert parts_used(4, DECODES[4]) == [3, 3]  # page launch, tail launch
     assert parts_used(0, DECODES[0]) == [1, 1]
     assert parts_used(0, ONE_DECODE) == [1]
     assert quant_decode.tail_parts_for(4, 2) == 3 and quant_decode.tail_parts_for(4, 1) == 1
-    assert quant_decode.launches_for(1) == 1
-    assert quant_decode.launches_for(quant_decode.ONE_LAUNCH_MAX_SEQS + 1) == 2
+    assert quant_decode.launches_for(1, 4) == 1
+    assert quant_decode.launches_for(quant_decode.ONE_LAUNCH_MAX_SEQS[4] + 1, 4) == 2
+    assert quant_decode.launches_for(256, 8) == 1

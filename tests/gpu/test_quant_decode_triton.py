@@ -64,7 +64,8 @@ def _backend(monkeypatch: pytest.MonkeyPatch, splits: int, programs_per_sm: int 
     monkeypatch.setattr(decode, "PROGRAMS_PER_SM", programs_per_sm)
     monkeypatch.setattr(quant_decode, "BLOCK_N", block_n)
     if launches is not None:
-        monkeypatch.setattr(quant_decode, "ONE_LAUNCH_MAX_SEQS", 1 << 20 if launches == 1 else 0)
+        limit = 1 << 20 if launches == 1 else 0
+        monkeypatch.setattr(quant_decode, "ONE_LAUNCH_MAX_SEQS", {4: limit, 8: limit})
     if page_window is not None:
         monkeypatch.setattr(quant_decode, "PAGE_WINDOW", page_window)
     return TritonPagedBackend()

@@ -15,11 +15,11 @@ tiles taken from the same loaded words by a shift and a mask each: no reshape, n
 conversion per block. The query is split the same way once per program (`split_columns`),
 scores are ``sum_i q_i . k_i``. Codes become floats with the exponent trick in float16 (the
 page blocks' dots run in float16 for bfloat16 queries too; dequantized rows stay within float16
-range as their scales do), two fields per instruction in inline PTX on CUDA. 4-bit values are
-joined into whole rows for one [rows, head_dim] dot per block (Triton spreads it over the warps),
-in the unpack's pair order with the middle column quarters swapped (no byte permutes, no bank
-conflicts in the tile's shared-memory stores), put back in dim order once after the loop; 8-bit
-values keep one dot per field. Running softmax sums are kept per key and reduced once after the
+range as their scales do), two fields per instruction in inline PTX on CUDA. Values (4- and
+8-bit) are joined into whole rows for one [rows, head_dim] dot per block (Triton spreads it over
+the warps), in the unpack's pair order with the middle column quarters swapped (no byte
+permutes, no bank conflicts in the tile's shared-memory stores), put back in dim order once
+after the loop. Running softmax sums are kept per key and reduced once after the
 loop (no per-block sum across the warps that split the keys). Each key's row of scales is one
 vector copy that pipelines with the code words, and the page programs load their page ids
 `PAGE_WINDOW` pages ahead of their blocks.
@@ -64,7 +64,6 @@ from dyngen_core.kv.attention.triton.merge import launch_combine
 from dyngen_core.kv.attention.triton.quant_unpack import (
     dequantized_fields,
     dequantized_rows,
-    join_columns,
     load_scales,
     load_tile,
     split_columns,
@@ -82,18 +81,23 @@ MIN_TILE = 16
 # Keys per loop step (a divisor of the page size) and warps per program.
 BLOCK_N = 64
 WARPS = 4
+# Software-pipelining stages of the key loop (Triton's default).
+STAGES = 3
+# Software-pipelining stages of the key loop (Triton's default).
+STAGES = 3
 # Page ids the page programs load as one vector ahead of their blocks (a power of two).
 PAGE_WINDOW = 4
-# Decode batches of at most this many sequences run the page and tail programs in one launch
-# (the tail's exact rows then overlap the pages); larger ones in two (`launches_for`).
-ONE_LAUNCH_MAX_SEQS = 2
+# By the codes' width: decode batches of at most this many sequences run the page and tail
+# programs in one launch (the tail's exact rows then overlap the pages); larger ones in two
+# (`launches_for`). q8 runs one launch at every batch size.
+ONE_LAUNCH_MAX_SEQS = {4: 2, 8: 1 << 20}
 
 
-def launches_for(num_seqs: int) -> int:
-    """Launches of a decode of ``num_seqs`` sequences: 1 (page and tail programs in one grid)
-    up to `ONE_LAUNCH_MAX_SEQS` sequences, else 2 (neither kind's code then takes registers
-    from the other)."""
-    return 1 if num_seqs <= ONE_LAUNCH_MAX_SEQS else 2
+def launches_for(num_seqs: int, bits: int) -> int:
+    """Launches of a decode of ``num_seqs`` sequences over ``bits``-bit codes: 1 (page and
+    tail programs in one grid) up to ``ONE_LAUNCH_MAX_SEQS[bits]`` sequences, else 2 (neither
+    kind's code then takes registers from the other)."""
+    return 1 if num_seqs <= ONE_LAUNCH_MAX_SEQS[bits] else 2
 
 
 def tail_parts_for(window: int, launches: int) -> int:
@@ -172,7 +176,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         raise ValueError(f"a decode batch has one query row per sequence: {q.shape[0]} rows "
                          f"for {batch.num_seqs} sequences (word_decode_fits tells which "
                          f"batches this kernel serves)")
-    launches = launches_for(batch.num_seqs)
+    launches = launches_for(batch.num_seqs, key_bits)  # q8/q4: one width for both
     tail_parts = tail_parts_for(exact.window, launches)
     write_args, write_shape = _write_operands(write, exact, q)
     tokens, num_heads, head_dim = q.shape
@@ -200,7 +204,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         (splits, 1, shape), (tail_parts, 2, shape | {"PAGE_WINDOW": 0})]
     for programs, role, constants in grids:
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
-            *arguments, **constants, PROGRAMS=role, num_warps=WARPS)
+            *arguments, **constants, PROGRAMS=role, num_warps=WARPS, num_stages=STAGES)
     out = torch.empty_like(q)
     launch_combine(parts, lse, out, partials, head_dim, dim_pad)
     return out
@@ -443,39 +447,21 @@ def _word_range(qs, table_row, lo, hi, kv_head,
     """`attend_word_blocks` over keys [lo, hi) from an empty state: (m, l, acc) with the running
     sums reduced and the accumulators joined into one [BLOCK_M, DIM_PAD] tile in dim order."""
     V_PER: tl.constexpr = 32 // V_BITS
-    m_i, l_i, accs = attend_word_blocks(
+    m_i, l_i, acc = attend_word_blocks(
         qs, tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-        _zero_accs(BLOCK_M, DIM_PAD, V_BITS), table_row, lo, hi, kv_head,
+        tl.zeros([BLOCK_M, DIM_PAD], tl.float32), table_row, lo, hi, kv_head,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         ring_pos_ptr, ring_base, step_start, near_lo, position,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION,
         FAST_UNPACK, PAGE_WINDOW)
     l_i = tl.sum(l_i, 1)
-    if V_BITS == 4:  # joined values: undo the block's column order
-        acc = swapped_quarters(accs[0], BLOCK_M, DIM_PAD)
-        acc = unpaired_columns(acc, BLOCK_M, DIM_PAD // V_PER, V_PER)
-    else:
-        acc = join_columns(accs, BLOCK_M, DIM_PAD // V_PER, V_PER)
-    return m_i, l_i, acc
+    acc = swapped_quarters(acc, BLOCK_M, DIM_PAD)  # undo the blocks' column order
+    return m_i, l_i, unpaired_columns(acc, BLOCK_M, DIM_PAD // V_PER, V_PER)
 
 
 @triton.jit
-def _zero_accs(BLOCK_M: tl.constexpr, DIM_PAD: tl.constexpr, V_BITS: tl.constexpr):
-    """The value accumulators `attend_word_blocks` starts from, all zero: one [BLOCK_M,
-    DIM_PAD] tile for joined (4-bit) values, one [BLOCK_M, DIM_PAD / 4] tile per field for
-    8-bit values."""
-    if V_BITS == 4:
-        accs = (tl.zeros([BLOCK_M, DIM_PAD], tl.float32),)
-    else:
-        accs = ()  # type: ignore[assignment]
-        for _ in tl.static_range(4):
-            accs = accs + (tl.zeros([BLOCK_M, DIM_PAD // 4], tl.float32),)  # type: ignore
-    return accs
-
-
-@triton.jit
-def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
+def attend_word_blocks(qs, m_i, l_i, acc, table_row, lo, hi, kv_head,
                        k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                        stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh,
                        stride_vsp, stride_vss, stride_vsh,
@@ -486,7 +472,7 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
                        FAST_UNPACK: tl.constexpr, PAGE_WINDOW: tl.constexpr):
     """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
     BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
-    ``position``, carrying (m_i, l_i, accs); one block is `_word_block`. PAGE_WINDOW 0: each
+    ``position``, carrying (m_i, l_i, acc); one block is `_word_block`. PAGE_WINDOW 0: each
     block loads its page id at the top of its step; PAGE_WINDOW > 0 (a power of two): the ids
     of PAGE_WINDOW pages are loaded as one vector before the loop over those pages' blocks
     (`key_loop.window_ids`), so no load of the loop feeds an address and the code words of
@@ -497,8 +483,8 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
             start, end = window_keys(first_page, lo, hi, PAGE_SIZE, PAGE_WINDOW)
             for n0 in range(start, end, BLOCK_N):
                 page = tile_page(ids, first_page, n0, PAGE_SIZE, PAGE_WINDOW)
-                m_i, l_i, accs = _word_block(
-                    qs, m_i, l_i, accs, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
+                m_i, l_i, acc = _word_block(
+                    qs, m_i, l_i, acc, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
                     stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr,
                     stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
                     ring_pos_ptr, ring_base, step_start, near_lo, position,
@@ -507,18 +493,18 @@ def attend_word_blocks(qs, m_i, l_i, accs, table_row, lo, hi, kv_head,
     else:
         for n0 in range(lo, hi, BLOCK_N):
             page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
-            m_i, l_i, accs = _word_block(
-                qs, m_i, l_i, accs, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
+            m_i, l_i, acc = _word_block(
+                qs, m_i, l_i, acc, page, n0, hi, kv_head, k_ptr, v_ptr, stride_kp,
                 stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr,
                 stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
                 ring_pos_ptr, ring_base, step_start, near_lo, position,
                 BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW,
                 DOT_PRECISION, FAST_UNPACK)
-    return m_i, l_i, accs
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
+def _word_block(qs, m_i, l_i, acc, page, n0, hi, kv_head,
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                 stride_vh, ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh,
                 stride_vsp, stride_vss, stride_vsh,
@@ -530,8 +516,8 @@ def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
     """One block of `attend_word_blocks`: keys [n0, n0 + BLOCK_N) (those below ``hi``) in page
     ``page`` (int64). Slot 0 of every page is skipped (its exact head row is attended
     elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from ``near_lo`` on)
-    are skipped too. Keys enter one dot per code field; 4-bit values one dot over whole rows
-    (paired, quarters swapped: `_word_range` undoes it), 8-bit values one dot per field.
+    are skipped too. Keys enter one dot per code field, values one dot over whole rows
+    (paired, quarters swapped: `_word_range` undoes it).
     ``l_i`` is a [BLOCK_M, BLOCK_N] tile of running sums, reduced after the loop."""
     DT: tl.constexpr = qs[0].dtype
     K_PER: tl.constexpr = 32 // K_BITS
@@ -571,16 +557,7 @@ def _word_block(qs, m_i, l_i, accs, page, n0, hi, kv_head,
                        key_valid, vw, vw_ok, False, V_PADDED)
     vscale = load_scales(vs_ptr, kv_head * stride_vsh + page * stride_vsp, slots, stride_vss,
                          key_valid, False, G_PAD, 32 // V_PER, HEAD_DIM).to(DT)
-    if V_BITS == 4:
-        vrows = swapped_quarters(dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, DT,
-                                                  FAST_UNPACK), BLOCK_N, DIM_PAD)
-        accs = (tl.dot(p, vrows, accs[0] * alpha[:, None], input_precision=DOT_PRECISION),)
-    else:
-        vfields = dequantized_fields(vwords, vscale, V_BITS, DT, FAST_UNPACK)
-        new_accs = ()
-        for i in tl.static_range(V_PER):
-            acc_i = tl.dot(p, vfields[i], accs[i] * alpha[:, None],
-                           input_precision=DOT_PRECISION)
-            new_accs = new_accs + (acc_i,)  # type: ignore[assignment]
-        accs = new_accs
-    return m_new, l_i, accs
+    vrows = swapped_quarters(dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT,
+                                              FAST_UNPACK), BLOCK_N, DIM_PAD)
+    acc = tl.dot(p, vrows, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -12,9 +12,9 @@ power of two, minus that power and the code bias): no integer-to-float conversio
 fields of a word at once, as half2 (``lop3`` of the word, shifted, with 0x000F000F / 0x00FF00FF
 and 0x6400 in each half, then one ``sub.f16x2`` and one ``mul.f16x2``): about 2 instructions a
 code instead of about 5 (a shift, a mask, an or, packing, half a subtract and a multiply each).
-Joined 4-bit value rows take the fields in the unpack's pair order (`paired_fields`) and their
-middle column quarters swapped (`swapped_quarters`), which the kernel undoes once after its
-key loop (`unpaired_columns`, `swapped_quarters` again).
+Joined value rows (`dequantized_rows`) take the fields in the unpack's pair order
+(`paired_fields`) and their middle column quarters swapped (`swapped_quarters`), which the
+kernel undoes once after its key loop (`unpaired_columns`, `swapped_quarters` again).
 """
 
 from __future__ import annotations
@@ -201,25 +201,30 @@ def dequantized_fields(words, scales, BITS: tl.constexpr, DT: tl.constexpr,
 
 @triton.jit
 def dequantized_rows(words, scales, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr,
-                     DT: tl.constexpr, FAST: tl.constexpr):
-    """4-bit code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized to
-    whole rows [BLOCK_N, W_PAD * 8] for one dot per block: with N = DIM_PAD Triton spreads its
-    warps over the dims instead of repeating a [BLOCK_M, W_PAD] dot per field on every warp,
-    and one layout conversion replaces one per field. The columns of each word come in
-    `paired_fields` order (undo with `unpaired_columns` on whatever the rows are multiplied
-    into)."""
-    fields = paired_fields(dequantized_fields(words, scales, 4, DT, FAST))
-    return join_columns(fields, BLOCK_N, W_PAD, 8)
+                     BITS: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+    """4- or 8-bit code words [BLOCK_N, W_PAD] (and their ``scales``, same shape) dequantized
+    to whole rows [BLOCK_N, W_PAD * 32 / BITS] for one dot per block: with N = DIM_PAD Triton
+    spreads its warps over the dims instead of repeating a [BLOCK_M, W_PAD] dot per field on
+    every warp, and one layout conversion replaces one per field. The columns of each word
+    come in `paired_fields` order (undo with `unpaired_columns` on whatever the rows are
+    multiplied into)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    fields = paired_fields(dequantized_fields(words, scales, BITS, DT, FAST), PER_WORD)
+    return join_columns(fields, BLOCK_N, W_PAD, PER_WORD)
 
 
 @triton.jit
-def paired_fields(fields):
-    """The 8 fields of a word of 4-bit codes in the order the inline-PTX unpack makes them as
-    half2 pairs, (0, 4), (1, 5), (2, 6), (3, 7): joined in this order, each pair of adjacent
-    columns is one 32-bit register of the unpack, so the joined tile needs no byte permutes
-    (PRMT) to pack its halves for the shared-memory store of the dot operand."""
-    return (fields[0], fields[4], fields[1], fields[5], fields[2], fields[6], fields[3],
-            fields[7])
+def paired_fields(fields, PER_WORD: tl.constexpr):
+    """The fields of a word in the order the inline-PTX unpack makes them as half2 pairs:
+    (0, 4), (1, 5), (2, 6), (3, 7) of 8 fields (4-bit codes), (0, 2), (1, 3) of 4 (bytes).
+    Joined in this order, each pair of adjacent columns is one 32-bit register of the unpack,
+    so the joined tile needs no byte permutes (PRMT) to pack its halves for the shared-memory
+    store of the dot operand."""
+    if PER_WORD == 8:
+        return (fields[0], fields[4], fields[1], fields[5], fields[2], fields[6], fields[3],
+                fields[7])
+    else:
+        return (fields[0], fields[2], fields[1], fields[3])
 
 
 @triton.jit
