@@ -131,11 +131,11 @@ def test_tail_parts_follow_the_window_and_the_batch(device: torch.device,
     from dyngen_core.kv.attention.triton import quant_decode
     from tests.gpu.test_quant_decode_triton import _backend
 
-    def parts_used(window: int, decodes: list[tuple[int, bool]]) -> list[int]:
+    def parts_used(window: int, decodes: list[tuple[int, bool]], mode: str = "q4") -> list[int]:
         with monkeypatch.context() as patch:
             backend = _backend(patch, 2)
             used = _routed(patch)
-            assert torch.isfinite(_attend(backend, "q4", window, decodes, device)).all()
+            assert torch.isfinite(_attend(backend, mode, window, decodes, device)).all()
         return [launch["TAIL_PARTS"] for launch in used]
 
     assert quant_decode.ONE_LAUNCH_MAX_SEQS[4] < len(DECODES[4])
@@ -143,6 +143,7 @@ def test_tail_parts_follow_the_window_and_the_batch(device: torch.device,
     assert parts_used(4, DECODES[4]) == [3, 3]  # page launch, tail launch
     assert parts_used(0, DECODES[0]) == [1, 1]
     assert parts_used(0, ONE_DECODE) == [1]
+    assert parts_used(4, DECODES[4], "q8") == [1]  # q8: one launch, its tail in one part
     assert quant_decode.tail_parts_for(4, 2) == 3 and quant_decode.tail_parts_for(4, 1) == 1
     assert quant_decode.launches_for(1, 4) == 1
     assert quant_decode.launches_for(quant_decode.ONE_LAUNCH_MAX_SEQS[4] + 1, 4) == 2

@@ -83,8 +83,6 @@ BLOCK_N = 64
 WARPS = 4
 # Software-pipelining stages of the key loop (Triton's default).
 STAGES = 3
-# Software-pipelining stages of the key loop (Triton's default).
-STAGES = 3
 # Page ids the page programs load as one vector ahead of their blocks (a power of two).
 PAGE_WINDOW = 4
 # By the codes' width: decode batches of at most this many sequences run the page and tail
