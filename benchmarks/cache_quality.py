@@ -12,6 +12,9 @@ of each mode on the text. It also reports how many tokens one GiB of each cache 
 
 Quantized modes keep the first slot of every page unquantized, q6 and q4 also each sequence's
 last 16 positions (see `dyngen_core.kv.quant.window`); ``--windows 0,8`` adds q4 with other windows.
+``--query-codes`` adds q8 and q4 with the GPU decode kernel's int8 query codes
+(`quant.format.round_query_codes`: the query rounded per group of 32 before every dot with
+the cache, prefill included, so an upper bound of what the kernel's decode steps add).
 ``--split-q6`` adds the alternative q6 layout (keys at 8 bits, values at 4: the same bytes as
 6/6) to show why q6 packs 6-bit codes; ``--no-offsets`` adds q4 without the calibrated key
 offsets every `Cache` sets (see `dyngen_core.kv.cache.measure_key_means`).
@@ -36,8 +39,9 @@ import torch.nn.functional as F
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import get_backend
-from dyngen_core.kv.attention.base import AttentionBackend, build_forward_batch
+from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch, build_forward_batch
 from dyngen_core.kv.cache import make_storage, measure_key_means
+from dyngen_core.kv.quant.format import GROUP_SIZE, hadamard_matrix, round_query_codes
 from dyngen_core.kv.quant.storage import DEFAULT_RECENT_WINDOW, QuantStorage
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model import Model
@@ -58,6 +62,7 @@ class Variant:
     bits: tuple[int, int] | None = None
     key_offsets: bool = True
     recent_window: int | None = None
+    query_codes: bool = False
 
 
 @dataclasses.dataclass
@@ -114,11 +119,29 @@ def chunk_logits(model: Model, storage: KVStorage, backend: AttentionBackend,
     return model.forward(batch, storage, backend)
 
 
+class QueryCodes(AttentionBackend):
+    """``inner`` with each query first rounded as the q8/q4 decode kernel rounds it
+    (`round_query_codes`), over quantized storages."""
+
+    name = "sdpa, int8 query codes"
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        if isinstance(storage, QuantStorage):
+            rotation = hadamard_matrix(GROUP_SIZE).to(q.device)
+            q = round_query_codes(q, rotation).to(q.dtype)
+        return self.inner.attend(layer, q, k, v, storage, batch, scale)
+
+
 def evaluate(model: Model, sequences: Sequence[list[int]], variants: Sequence[Variant],
              chunk: int, page_size: int) -> dict[str, Totals]:
     """Run every sequence through every variant; KL is against the first variant."""
     totals = {v.name: Totals() for v in variants}
     backend = get_backend("sdpa", model.device)
+    rounded = QueryCodes(backend)
     offsets = measure_key_means(model)
     for ids in sequences:
         num_pages = -(-len(ids) // page_size)
@@ -129,8 +152,9 @@ def evaluate(model: Model, sequences: Sequence[list[int]], variants: Sequence[Va
             targets = torch.tensor(ids[start + 1:start + 1 + len(piece)])
             reference: torch.Tensor | None = None
             for variant in variants:
-                logits = chunk_logits(model, storages[variant.name], backend, piece, start,
-                                      page_size)
+                logits = chunk_logits(model, storages[variant.name],
+                                      rounded if variant.query_codes else backend, piece,
+                                      start, page_size)
                 logp = F.log_softmax(logits.float(), dim=-1).cpu()
                 reference = logp if reference is None else reference
                 _accumulate(totals[variant.name], reference, logp, targets)
@@ -218,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also run q6 as 8-bit keys + 4-bit values")
     parser.add_argument("--no-offsets", action="store_true",
                         help="also run q4 without the calibrated key offsets")
+    parser.add_argument("--query-codes", action="store_true",
+                        help="also run q8 and q4 with the GPU decode kernel's int8 queries")
     parser.add_argument("--windows", default="",
                         help="also run q4 with these recent windows, e.g. '0,8,32' (0: none)")
     args = parser.parse_args(argv)
@@ -233,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants.insert(3, Variant("q6 (k8/v4)", "q6", (8, 4)))
     if args.no_offsets:
         variants.append(Variant("q4 without key offsets", "q4", key_offsets=False))
+    if args.query_codes:
+        variants += [Variant("q8, int8 query codes", "q8", query_codes=True),
+                     Variant("q4, int8 query codes", "q4", query_codes=True)]
     for window in (int(w) for w in args.windows.split(",") if w.strip()):
         variants.append(Variant(f"q4, recent window {window}", "q4", recent_window=window))
     started = time.perf_counter()

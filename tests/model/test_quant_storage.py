@@ -24,6 +24,7 @@ from dyngen_core.kv.quant.format import (
     quantize_rotated,
     rotate,
     rotation_signs,
+    round_query_codes,
     unpack,
     unrotate,
     walsh_hadamard,
@@ -160,6 +161,23 @@ def test_quantize_handles_zero_rows_and_low_precision_input() -> None:
                           torch.float16)
     assert restored.dtype == torch.float16
     assert relative_error(restored, rows) < MAX_RELATIVE_ERROR[8]
+
+
+def test_round_query_codes_rounds_each_group_to_int8_codes() -> None:
+    """The decode kernel's query rounding: exact codes stay exact; other rows move by at most
+    half a step (their group's largest magnitude / 254) in the rotated space, and a zero
+    group stays zero."""
+    codes = torch.randint(-127, 128, (3, 4, 64), generator=torch.Generator().manual_seed(0))
+    codes[..., ::32] = 127
+    exact = unrotate(codes.float() * 0.5, ROTATION)
+    assert torch.allclose(round_query_codes(exact, ROTATION), exact, atol=1e-5)
+    rows = keys_with_outliers(8, 2, 64)
+    rows[0, 0, :32] = 0.0
+    moved = rotate(round_query_codes(rows, ROTATION) - rows, ROTATION).reshape(8, 2, 2, 32)
+    step = rotate(rows, ROTATION).reshape(8, 2, 2, 32).abs().amax(-1, keepdim=True) / 127
+    assert bool((moved.abs() <= step / 2 + 1e-5).all())
+    assert bool((moved.abs() > 0).any())
+    assert bool((round_query_codes(rows, ROTATION)[0, 0, :32] == 0).all())
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -188,6 +188,19 @@ def unrotate(y: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return (y.reshape(-1, n) @ rotation.to(y.device)).reshape(y.shape)
 
 
+def round_query_codes(q: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Queries [..., head_dim] as the q8/q4 decode kernel dots them with keys: rotated, each
+    group of 32 rounded to int8 codes times one scale (its largest magnitude / 127; a code
+    is ``floor(v / scale + 0.5)``), rotated back; float32. A reference for what that rounding
+    costs (the kernel also multiplies by the softmax scale first, which changes nothing)."""
+    rotated = rotate(q, rotation)
+    groups = rotated.reshape(*q.shape[:-1], q.shape[-1] // GROUP_SIZE, GROUP_SIZE)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    codes = torch.floor(groups / scale + 0.5)
+    return unrotate((codes * scale).reshape(q.shape), rotation)
+
+
 def hadamard_matrix(n: int) -> torch.Tensor:
     """The normalized rotation ``R = H_n · diag(s) / sqrt(n)`` as an [n, n] float32 matrix
     (``rotate(x) = x @ Rᵀ``), computed with the butterfly."""
