@@ -9,7 +9,7 @@ runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
         [--modes fp16,q8,q4] [--profile BATCH] [--set MODULE.NAME=VALUE]
 
 ``--set``: run with a kernel constant patched (benchmarks/kernels/constants.py), e.g.
-``--set 'quant_decode.ONE_LAUNCH_MAX_SEQS={4: 0, 8: 0}'``.
+``--set quant_decode.ONE_LAUNCH_MAX_SEQS=0``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ heads, 8 KV heads, head_dim 128, bf16) at 16k context, batch 1 and 32, us per ca
 GB/s of cache bytes (codes and scales) read.
 
 Floors at 16k context, one layer (bytes / 4.25 TB/s; FLOPs / 780 TFLOP/s with the 4 query heads
-of a KV head padded to 16 MMA rows):
+of a KV head padded to 16 MMA rows; the page blocks pad them to 8, half those FLOPs):
 
 | batch | fp16 | q8 | q4 | dots (padded) |
 | --- | --- | --- | --- | --- |
@@ -14,7 +14,7 @@ of a KV head padded to 16 MMA rows):
 
 Variants (``--variants``, each a set of kernel constants, `constants.MODULES`): ``default`` the
 backend's rule (page and tail programs in one launch up to `quant_decode.ONE_LAUNCH_MAX_SEQS`
-sequences for the codes' width, else two with the tail in three parts); ``one-launch`` and
+sequences, else two with the tail in three parts); ``one-launch`` and
 ``two-launch`` force either side of that rule. Other settings: ``--set
 quant_decode.PAGE_WINDOW=8`` etc. Each variant's output is checked against the first's
 (``err``). A variant that is not one of those names is its own settings, joined by ``+``:
@@ -77,8 +77,8 @@ COPIES_BATCH1 = 16
 # Variant name -> kernel constants it sets (`constants.patched`); the first is the baseline.
 VARIANTS: dict[str, list[str]] = {
     "default": [],
-    "one-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS={4: 1048576, 8: 1048576}"],
-    "two-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS={4: 0, 8: 0}"],
+    "one-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS=1048576"],
+    "two-launch": ["quant_decode.ONE_LAUNCH_MAX_SEQS=0"],
 }
 
 

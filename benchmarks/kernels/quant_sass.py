@@ -14,7 +14,7 @@ and heads at batch 32) where this counts 678 × 4 / 64 = 42.
     python benchmarks/kernels/quant_sass.py [--bits 4] [--programs 1] [--splits 3]
         [--set quant_decode.BLOCK_N=32] [--sass out.sass]
 
-``--programs``: 1 the page programs' launch (batches above `ONE_LAUNCH_MAX_SEQS` for q4),
+``--programs``: 1 the page programs' launch (batches above `ONE_LAUNCH_MAX_SEQS`),
 0 page and tail programs in one launch (batch 1), 2 the tail's launch. Pointer dtypes are the
 runner's for a bfloat16 model (queries and exact rows bfloat16, code words int32, scales
 float16); the constants other than ``--set`` are the module's. Triton is imported here only:
@@ -73,7 +73,7 @@ def compile_kernel(bits: int, programs: int, splits: int) -> tuple[Any, str]:
     window = 16 if bits == 4 else 0  # the runner's: q4 keeps a recent window, q8 does not
     launches = 1 if programs == 0 else 2
     constexprs: dict[str, Any] = {
-        "G": 4, "BLOCK_M": 16, "BLOCK_N": qd.BLOCK_N, "HEAD_DIM": 128,
+        "G": 4, "BLOCK_M": qd.query_rows(4), "BLOCK_N": qd.BLOCK_N, "HEAD_DIM": 128,
         "DIM_PAD": qd.word_dim_pad(128, bits, bits), "PAGE_SIZE": 256, "K_BITS": bits,
         "V_BITS": bits, "NUM_SPLITS": splits, "WINDOW": window, "DOT_PRECISION": "tf32",
         "PROGRAMS": programs, "FAST_UNPACK": True,

@@ -1,6 +1,7 @@
 """The decode step the q8/q4 kernel tests share: a quantized storage holding each sequence's
 history (and recent window) in shuffled pages, with key offsets, and the batch decoding one more
-token of every sequence (`decode_step`)."""
+token of every sequence (`decode_step`), and queries the kernel's int8 query codes hold exactly
+(`int8_exact_queries`), so that the kernel and the float reference agree to rounding."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
+from dyngen_core.kv.quant.format import GROUP_SIZE, hadamard_matrix, unrotate
 from dyngen_core.kv.quant.storage import QuantStorage
 
 
@@ -55,3 +57,16 @@ def decode_step(mode: str, window: int, decodes: list[tuple[int, bool]], *, head
         step_v.append(values[-1:])
     batch = build_forward_batch(StepPlan(slices), page, device, seq_slots=slots)
     return storage, batch, torch.cat(step_k), torch.cat(step_v)
+
+
+def int8_exact_queries(tokens: int, heads: int, head_dim: int, generator: torch.Generator,
+                       unit: float = 0.01) -> torch.Tensor:
+    """Float32 queries [tokens, heads, head_dim] whose rotated rows times the kernel's softmax
+    scale (``head_dim ** -0.5 * log2(e)``) are int8 codes times ``unit``, with 127 in every
+    group of 32 dims: the q8/q4 decode kernel's query codes (one scale a row and group) then
+    hold them exactly, and its output differs from the reference's by rounding only."""
+    codes = torch.randint(-127, 128, (tokens, heads, head_dim), generator=generator)
+    codes[..., ::GROUP_SIZE] = 127
+    scale_log2 = head_dim ** -0.5 * math.log2(math.e)
+    rotated = codes.to(torch.float32) * (unit / scale_log2)
+    return unrotate(rotated, hadamard_matrix(GROUP_SIZE))

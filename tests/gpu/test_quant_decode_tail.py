@@ -17,7 +17,7 @@ import torch
 from dyngen_core.kv.attention.base import ForwardBatch
 from dyngen_core.kv.attention.sdpa import SdpaBackend
 from dyngen_core.kv.quant.storage import QuantStorage
-from tests.gpu.quant_setup import decode_step
+from tests.gpu.quant_setup import decode_step, int8_exact_queries
 
 pytestmark = pytest.mark.gpu
 
@@ -43,9 +43,10 @@ def _setup(mode: str, window: int, decodes: list[tuple[int, bool]], device: torc
 
 def _attend(backend: Any, mode: str, window: int, decodes: list[tuple[int, bool]],
             device: torch.device, seed: int = 0) -> torch.Tensor:
-    """``backend``'s output for one decode step over a fresh storage (float32)."""
+    """``backend``'s output for one decode step over a fresh storage (float32), for queries
+    the kernel's int8 query codes hold exactly."""
     gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(len(decodes), HEADS, HEAD_DIM, generator=gen).to(device)
+    q = int8_exact_queries(len(decodes), HEADS, HEAD_DIM, gen).to(device)
     storage, batch, k, v = _setup(mode, window, decodes, device, seed)
     return backend.attend(0, q, k, v, storage, batch, HEAD_DIM ** -0.5).float()
 
@@ -125,26 +126,31 @@ def test_many_page_splits(device: torch.device, monkeypatch: pytest.MonkeyPatch,
 
 def test_tail_parts_follow_the_window_and_the_batch(device: torch.device,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backend's rule: q4 batches of up to `ONE_LAUNCH_MAX_SEQS[4]` sequences run one
-    launch with the single tail, larger ones two, the tail in three parts when the cache has a
-    recent window; q8 batches run one launch at any size."""
+    """The backend's rule: batches of up to `ONE_LAUNCH_MAX_SEQS` sequences run one launch
+    with the single tail (q4 and q8 alike), larger ones two, the tail in three parts when the
+    cache has a recent window (a smaller limit here stands for a batch above it)."""
     from dyngen_core.kv.attention.triton import quant_decode
     from tests.gpu.test_quant_decode_triton import _backend
 
-    def parts_used(window: int, decodes: list[tuple[int, bool]], mode: str = "q4") -> list[int]:
+    def parts_used(window: int, decodes: list[tuple[int, bool]], mode: str = "q4",
+                   limit: int | None = None) -> list[int]:
         with monkeypatch.context() as patch:
             backend = _backend(patch, 2)
+            if limit is not None:
+                patch.setattr(quant_decode, "ONE_LAUNCH_MAX_SEQS", limit)
             used = _routed(patch)
             assert torch.isfinite(_attend(backend, mode, window, decodes, device)).all()
         return [launch["TAIL_PARTS"] for launch in used]
 
-    assert quant_decode.ONE_LAUNCH_MAX_SEQS[4] < len(DECODES[4])
+    assert len(DECODES[4]) <= quant_decode.ONE_LAUNCH_MAX_SEQS
     assert parts_used(4, ONE_DECODE) == [1]
-    assert parts_used(4, DECODES[4]) == [3, 3]  # page launch, tail launch
-    assert parts_used(0, DECODES[0]) == [1, 1]
-    assert parts_used(0, ONE_DECODE) == [1]
+    assert parts_used(4, DECODES[4]) == [1]
     assert parts_used(4, DECODES[4], "q8") == [1]  # q8: one launch, its tail in one part
+    assert parts_used(4, DECODES[4], limit=2) == [3, 3]  # page launch, tail launch
+    assert parts_used(4, DECODES[4], "q8", limit=2) == [3, 3]
+    assert parts_used(0, DECODES[0], limit=2) == [1, 1]
+    assert parts_used(0, ONE_DECODE, limit=2) == [1]
     assert quant_decode.tail_parts_for(4, 2) == 3 and quant_decode.tail_parts_for(4, 1) == 1
-    assert quant_decode.launches_for(1, 4) == 1
-    assert quant_decode.launches_for(quant_decode.ONE_LAUNCH_MAX_SEQS[4] + 1, 4) == 2
-    assert quant_decode.launches_for(256, 8) == 1
+    assert quant_decode.launches_for(1) == 1
+    assert quant_decode.launches_for(quant_decode.ONE_LAUNCH_MAX_SEQS) == 1
+    assert quant_decode.launches_for(quant_decode.ONE_LAUNCH_MAX_SEQS + 1) == 2

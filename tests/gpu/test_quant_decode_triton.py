@@ -17,7 +17,7 @@ from dyngen_core.kv.attention.base import ForwardBatch
 from dyngen_core.kv.attention.sdpa import SdpaBackend
 from dyngen_core.kv.quant.storage import QuantStorage
 from tests.gpu.conftest import interpreter_mode
-from tests.gpu.quant_setup import decode_step
+from tests.gpu.quant_setup import decode_step, int8_exact_queries
 
 pytestmark = pytest.mark.gpu
 
@@ -35,11 +35,16 @@ def _setup(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: to
 
 
 def _outputs(mode: str, window: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-             backend: object, seed: int = 0, page: int = PAGE
+             backend: object, seed: int = 0, page: int = PAGE, exact_queries: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(backend output, sdpa output) of one decode step over identical storages."""
+    """(backend output, sdpa output) of one decode step over identical storages; queries the
+    kernel's int8 query codes hold exactly (`int8_exact_queries`) unless not
+    ``exact_queries`` (random normal ones)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(len(DECODES), HEADS, head_dim, generator=gen).to(device, dtype)
+    if exact_queries:
+        q = int8_exact_queries(len(DECODES), HEADS, head_dim, gen).to(device, dtype)
+    else:
+        q = torch.randn(len(DECODES), HEADS, head_dim, generator=gen).to(device, dtype)
     results = []
     for attend in (backend, SdpaBackend()):
         storage, batch, k, v = _setup(mode, window, head_dim, dtype, device, seed, page)
@@ -65,7 +70,7 @@ def _backend(monkeypatch: pytest.MonkeyPatch, splits: int, programs_per_sm: int 
     monkeypatch.setattr(quant_decode, "BLOCK_N", block_n)
     if launches is not None:
         limit = 1 << 20 if launches == 1 else 0
-        monkeypatch.setattr(quant_decode, "ONE_LAUNCH_MAX_SEQS", {4: limit, 8: limit})
+        monkeypatch.setattr(quant_decode, "ONE_LAUNCH_MAX_SEQS", limit)
     if page_window is not None:
         monkeypatch.setattr(quant_decode, "PAGE_WINDOW", page_window)
     return TritonPagedBackend()
@@ -85,6 +90,18 @@ def test_word_decode_matches_sdpa(device: torch.device, monkeypatch: pytest.Monk
                             object())  # type: ignore[arg-type]
     out, ref = _outputs(mode, window, head_dim, torch.float32, device, backend)
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+def test_word_decode_query_codes(device: torch.device, monkeypatch: pytest.MonkeyPatch,
+                                 mode: str) -> None:
+    """Random queries (float32): the page blocks' int8 query codes (one scale a row and group
+    of 32) move the output by about the codes' rounding, 1/254 of a group's largest value,
+    not more; the same queries made exact (`int8_exact_queries`) agree to rounding."""
+    out, ref = _outputs(mode, WINDOW, 64, torch.float32, device, _backend(monkeypatch, 2),
+                        exact_queries=False)
+    error = float((out - ref).norm() / ref.norm())
+    assert 1e-5 < error < 1e-2  # the codes round (not exact), and only that much
 
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])

@@ -7,22 +7,22 @@ prefill and mixed batches, q6 pages and pages the key block does not divide keep
 KV heads x (splits + tail parts)), so it is captured in CUDA graphs; its partials are merged by
 `merge.combine_splits_kernel`.
 
-Unpacking (`quant_unpack`): a page row of ``HEAD_DIM`` codes is ``HEAD_DIM / PER_WORD`` int32
-words of ``PER_WORD`` codes each (8 for 4 bits, 4 for 8 bits): dim ``d`` is field
-``d % PER_WORD`` of word ``d // PER_WORD``. Field ``i`` of every word of a block of keys is one
-tile [keys, W_PAD] whose column ``w`` is dim ``w * PER_WORD + i``, so a block is ``PER_WORD``
-tiles taken from the same loaded words by a shift and a mask each: no reshape, no layout
-conversion per block. The query is split the same way once per program (`split_columns`),
-scores are ``sum_i q_i . k_i``. Codes become floats with the exponent trick in float16 (the
-page blocks' dots run in float16 for bfloat16 queries too; dequantized rows stay within float16
-range as their scales do), two fields per instruction in inline PTX on CUDA. Values (4- and
-8-bit) are joined into whole rows for one [rows, head_dim] dot per block (Triton spreads it over
-the warps), in the unpack's pair order with the middle column quarters swapped (no byte
-permutes, no bank conflicts in the tile's shared-memory stores), put back in dim order once
-after the loop. Running softmax sums are kept per key and reduced once after the
-loop (no per-block sum across the warps that split the keys). Each key's row of scales is one
-vector copy that pipelines with the code words, and the page programs load their page ids
-`PAGE_WINDOW` pages ahead of their blocks.
+Page blocks, keys on the rows of every tile (queries padded to `query_rows`, not to 16: the
+scores are [keys, query rows], the output accumulator [dims, query rows]). Keys enter as integers
+(`quant_unpack.integer_scores`): the rotated, scaled query becomes int8 codes with one float32
+scale a row and group of 32 dims (`integer_queries`, once per program), a key's group of 32 codes
+is one int8 tensor-core dot with them (8-bit codes as stored; 4-bit codes as 16 times the code,
+a bit operation on each whole word of 8 codes in inline PTX on CUDA, `signed_nibbles`), and
+each group's int32 dot is scaled by the key's and the query's group scales. The query's codes
+are its only rounding beyond the cache's own (BENCHMARKS.md, sections 4 and 8). Values (4- and
+8-bit) are dequantized to float16 with the exponent trick (float32 for float32 queries) and
+joined into whole rows for one dot per block (Triton spreads it over the warps), in the
+unpack's pair order with the middle column quarters swapped (no byte permutes, no bank
+conflicts in the tile's shared-memory stores), put back in dim order once after the loop.
+Running softmax sums are kept per key and reduced once after the loop (no per-block sum across
+the warps that split the keys). Each key's row of scales is one vector copy that pipelines
+with the code words, and the page programs load their page ids `PAGE_WINDOW` pages ahead of
+their blocks.
 
 Exact rows (the rule of `attention.sdpa`'s window reader): the page programs mask slot 0 of
 every page and stop at ``bulk_hi``, the recent window's first block. What is left, the "tail",
@@ -62,11 +62,11 @@ from dyngen_core.kv.attention.triton.key_loop import (
 )
 from dyngen_core.kv.attention.triton.merge import launch_combine
 from dyngen_core.kv.attention.triton.quant_unpack import (
-    dequantized_fields,
     dequantized_rows,
+    integer_queries,
+    integer_scores,
     load_scales,
     load_tile,
-    split_columns,
     swapped_quarters,
     unpaired_columns,
 )
@@ -81,21 +81,23 @@ MIN_TILE = 16
 # Keys per loop step (a divisor of the page size) and warps per program.
 BLOCK_N = 64
 WARPS = 4
+# Query rows a program holds at least (padding a KV head's query heads): 8, the narrowest side
+# of a tensor-core dot, where the page blocks put them.
+MIN_QUERY_ROWS = 8
 # Software-pipelining stages of the key loop (Triton's default).
 STAGES = 3
 # Page ids the page programs load as one vector ahead of their blocks (a power of two).
 PAGE_WINDOW = 4
-# By the codes' width: decode batches of at most this many sequences run the page and tail
-# programs in one launch (the tail's exact rows then overlap the pages); larger ones in two
-# (`launches_for`). q8 runs one launch at every batch size.
-ONE_LAUNCH_MAX_SEQS = {4: 2, 8: 1 << 20}
+# Decode batches of at most this many sequences run the page and tail programs in one launch
+# (the tail's exact rows then overlap the pages); larger ones in two (`launches_for`).
+ONE_LAUNCH_MAX_SEQS = 32
 
 
-def launches_for(num_seqs: int, bits: int) -> int:
-    """Launches of a decode of ``num_seqs`` sequences over ``bits``-bit codes: 1 (page and
-    tail programs in one grid) up to ``ONE_LAUNCH_MAX_SEQS[bits]`` sequences, else 2 (neither
-    kind's code then takes registers from the other)."""
-    return 1 if num_seqs <= ONE_LAUNCH_MAX_SEQS[bits] else 2
+def launches_for(num_seqs: int) -> int:
+    """Launches of a decode of ``num_seqs`` sequences: 1 (page and tail programs in one grid)
+    up to `ONE_LAUNCH_MAX_SEQS` sequences, else 2 (neither kind's code then takes registers
+    from the other)."""
+    return 1 if num_seqs <= ONE_LAUNCH_MAX_SEQS else 2
 
 
 def tail_parts_for(window: int, launches: int) -> int:
@@ -135,6 +137,12 @@ def deferred_word_write(storage: KVStorage, layer: int, key: torch.Tensor,
     return storage.deferred_write(layer, key, value, batch.slot_mapping, batch.decode_window)
 
 
+def query_rows(group: int) -> int:
+    """Query rows a program holds for a KV head of ``group`` query heads (BLOCK_M): at least
+    `MIN_QUERY_ROWS`, a power of two."""
+    return max(MIN_QUERY_ROWS, next_pow2(group))
+
+
 def word_dim_pad(head_dim: int, key_bits: int, value_bits: int) -> int:
     """Columns the kernel works on: a power of two >= head_dim, with >= 16 words per row."""
     return max(next_pow2(head_dim), MIN_TILE * 32 // min(key_bits, value_bits))
@@ -151,6 +159,18 @@ def check_scale_rows(page_args: tuple[Any, ...], groups: int) -> None:
         raise ValueError(f"the q8/q4 decode kernel reads scale rows aligned to {groups} scales; "
                          f"these scales have strides {tuple(strides)} (allocate them as "
                          f"QuantStorage does: contiguous [pages, page_size, kv_heads, groups])")
+
+
+def check_key_rows(page_args: tuple[Any, ...]) -> None:
+    """Raise ValueError unless the key codes (`decode.page_arguments`: tensor at 0, strides in
+    int32 words at 2 to 4) start every page, slot and KV head row on 16 bytes, as the kernel
+    tells Triton (for 16-byte copies of each group's codes)."""
+    keys, strides = page_args[0], page_args[2:5]
+    assert isinstance(keys, torch.Tensor)
+    if any(int(stride) % 4 for stride in strides) or keys.data_ptr() % 16:
+        raise ValueError(f"the q8/q4 decode kernel reads key rows aligned to 16 bytes; these "
+                         f"codes have strides {tuple(strides)} words (allocate them as "
+                         f"QuantStorage does: contiguous [pages, page_size, kv_heads, words])")
 
 
 def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: ForwardBatch,
@@ -174,12 +194,13 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
         raise ValueError(f"a decode batch has one query row per sequence: {q.shape[0]} rows "
                          f"for {batch.num_seqs} sequences (word_decode_fits tells which "
                          f"batches this kernel serves)")
-    launches = launches_for(batch.num_seqs, key_bits)  # q8/q4: one width for both
+    launches = launches_for(batch.num_seqs)
     tail_parts = tail_parts_for(exact.window, launches)
     write_args, write_shape = _write_operands(write, exact, q)
     tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     dim_pad = word_dim_pad(head_dim, key_bits, value_bits)
+    check_key_rows(page_args)
     if dim_pad == head_dim:
         check_scale_rows(page_args, head_dim // 32)
     partials = splits + tail_parts
@@ -189,7 +210,7 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     arguments = (q, q.stride(0), q.stride(1), *page_args,
                  batch.page_table, batch.page_table.stride(0), batch.context_lens,
                  *exact.arguments(), parts, lse, scale_log2, *write_args)
-    shape = {"G": group, "BLOCK_M": max(16, next_pow2(group)), "BLOCK_N": BLOCK_N,
+    shape = {"G": group, "BLOCK_M": query_rows(group), "BLOCK_N": BLOCK_N,
              "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "PAGE_SIZE": batch.page_size,
              "K_BITS": key_bits, "V_BITS": value_bits, "NUM_SPLITS": splits,
              "WINDOW": exact.window,
@@ -292,12 +313,7 @@ def quant_decode_kernel(
                 + dims[None, :], mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     q_rotated = rotated_queries(q, rot_ptr, scale_log2, BLOCK_M, DIM_PAD)
     q = q_rotated.to(q_ptr.dtype.element_ty)
-    if q_ptr.dtype.element_ty != tl.float32:
-        q_dot = q_rotated.to(tl.float16)  # the page blocks' dots run in float16
-    else:
-        q_dot = q
-    K_PER: tl.constexpr = 32 // K_BITS
-    qs = split_columns(q_dot, BLOCK_M, DIM_PAD // K_PER, K_PER)
+    qs = integer_queries(q_rotated, BLOCK_M, DIM_PAD, K_BITS)
     near_lo = ctx - WINDOW
     if WINDOW > 0:
         seq_slot = tl.load(seq_slots_ptr + seq)
@@ -384,7 +400,7 @@ def tail_program(part, q, qs, table_row, bulk_hi, ctx, token, kv_head, dims,
                  FAST_UNPACK: tl.constexpr, TAIL_PARTS: tl.constexpr):
     """Tail part ``part`` of TAIL_PARTS (1 or 3; module docstring) for the decode query at
     ``ctx - 1``: (m, l, acc) of its keys, ``q`` the query tile (exact rows), ``qs`` its
-    columns as the blocks take them."""
+    int8 codes as the blocks take them (`integer_queries`)."""
     # A window of up to 16 positions is one 16-row tile of exact rows, not a key block.
     ROWS_N: tl.constexpr = 16 if WINDOW <= 16 else BLOCK_N
     position = ctx - 1
@@ -443,18 +459,18 @@ def _word_range(qs, table_row, lo, hi, kv_head,
                 V_BITS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 FAST_UNPACK: tl.constexpr, PAGE_WINDOW: tl.constexpr):
     """`attend_word_blocks` over keys [lo, hi) from an empty state: (m, l, acc) with the running
-    sums reduced and the accumulators joined into one [BLOCK_M, DIM_PAD] tile in dim order."""
+    sums reduced and the accumulator back in one [BLOCK_M, DIM_PAD] tile in dim order."""
     V_PER: tl.constexpr = 32 // V_BITS
     m_i, l_i, acc = attend_word_blocks(
-        qs, tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-        tl.zeros([BLOCK_M, DIM_PAD], tl.float32), table_row, lo, hi, kv_head,
+        qs, tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
+        tl.zeros([DIM_PAD, BLOCK_M], tl.float32), table_row, lo, hi, kv_head,
         k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
         ring_pos_ptr, ring_base, step_start, near_lo, position,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, DIM_PAD, K_BITS, V_BITS, WINDOW, DOT_PRECISION,
         FAST_UNPACK, PAGE_WINDOW)
-    l_i = tl.sum(l_i, 1)
-    acc = swapped_quarters(acc, BLOCK_M, DIM_PAD)  # undo the blocks' column order
+    l_i = tl.sum(l_i, 0)
+    acc = swapped_quarters(tl.trans(acc), BLOCK_M, DIM_PAD)  # undo the blocks' column order
     return m_i, l_i, unpaired_columns(acc, BLOCK_M, DIM_PAD // V_PER, V_PER)
 
 
@@ -468,13 +484,13 @@ def attend_word_blocks(qs, m_i, l_i, acc, table_row, lo, hi, kv_head,
                        DIM_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                        WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        FAST_UNPACK: tl.constexpr, PAGE_WINDOW: tl.constexpr):
-    """Online softmax of the query tiles ``qs`` over keys [lo, hi) (block-aligned ``lo``;
-    BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one decode query at
-    ``position``, carrying (m_i, l_i, acc); one block is `_word_block`. PAGE_WINDOW 0: each
-    block loads its page id at the top of its step; PAGE_WINDOW > 0 (a power of two): the ids
-    of PAGE_WINDOW pages are loaded as one vector before the loop over those pages' blocks
-    (`key_loop.window_ids`), so no load of the loop feeds an address and the code words of
-    later blocks stay in flight."""
+    """Online softmax of the query codes ``qs`` (`integer_queries`) over keys [lo, hi)
+    (block-aligned ``lo``; BLOCK_N divides PAGE_SIZE, so a block lies in one page) of one
+    decode query at ``position``, carrying (m_i, l_i, acc); one block is `_word_block`.
+    PAGE_WINDOW 0: each block loads its page id at the top of its step; PAGE_WINDOW > 0 (a
+    power of two): the ids of PAGE_WINDOW pages are loaded as one vector before the loop over
+    those pages' blocks (`key_loop.window_ids`), so no load of the loop feeds an address and
+    the code words of later blocks stay in flight."""
     if PAGE_WINDOW > 0:
         for first_page in range(lo // PAGE_SIZE, tl.cdiv(hi, PAGE_SIZE), PAGE_WINDOW):
             ids = window_ids(table_row, first_page, hi, PAGE_SIZE, PAGE_WINDOW)
@@ -514,48 +530,39 @@ def _word_block(qs, m_i, l_i, acc, page, n0, hi, kv_head,
     """One block of `attend_word_blocks`: keys [n0, n0 + BLOCK_N) (those below ``hi``) in page
     ``page`` (int64). Slot 0 of every page is skipped (its exact head row is attended
     elsewhere). WINDOW > 0: keys the window covers (`window_holds`, keys from ``near_lo`` on)
-    are skipped too. Keys enter one dot per code field, values one dot over whole rows
-    (paired, quarters swapped: `_word_range` undoes it).
-    ``l_i`` is a [BLOCK_M, BLOCK_N] tile of running sums, reduced after the loop."""
-    DT: tl.constexpr = qs[0].dtype
-    K_PER: tl.constexpr = 32 // K_BITS
+    are skipped too. Keys enter as integers (`integer_scores`), values in one dot over whole
+    rows (paired, quarters swapped: `_word_range` undoes it). Keys run along the rows of
+    every tile: the scores and ``l_i`` (running sums, reduced after the loop) are [BLOCK_N,
+    BLOCK_M], the accumulator ``acc`` [DIM_PAD, BLOCK_M]."""
+    DT: tl.constexpr = tl.float32 if DOT_PRECISION == "ieee" else tl.float16
     V_PER: tl.constexpr = 32 // V_BITS
-    K_WPAD: tl.constexpr = DIM_PAD // K_PER
     V_WPAD: tl.constexpr = DIM_PAD // V_PER
-    K_PADDED: tl.constexpr = HEAD_DIM // K_PER < K_WPAD
     V_PADDED: tl.constexpr = HEAD_DIM // V_PER < V_WPAD
     G_PAD: tl.constexpr = DIM_PAD // 32
-    kw = tl.arange(0, K_WPAD)
     vw = tl.arange(0, V_WPAD)
-    kw_ok = kw < HEAD_DIM // K_PER
     vw_ok = vw < HEAD_DIM // V_PER
     slots = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
     keys = n0 + tl.arange(0, BLOCK_N)
     key_valid = keys < hi
-    kwords = load_tile(k_ptr + kv_head * stride_kh + page * stride_kp, slots, stride_ks,
-                       key_valid, kw, kw_ok, True, K_PADDED)
-    kscale = load_scales(ks_ptr, kv_head * stride_ksh + page * stride_ksp, slots, stride_kss,
-                         key_valid, True, G_PAD, 32 // K_PER, HEAD_DIM).to(DT)
-    kfields = dequantized_fields(kwords, kscale, K_BITS, DT, FAST_UNPACK)
-    scores = tl.zeros([qs[0].shape[0], BLOCK_N], tl.float32)
-    for i in tl.static_range(K_PER):
-        scores = tl.dot(qs[i], kfields[i], scores, input_precision=DOT_PRECISION)
+    scores = integer_scores(qs, k_ptr + kv_head * stride_kh + page * stride_kp, slots,
+                            stride_ks, ks_ptr, kv_head * stride_ksh + page * stride_ksp,
+                            stride_kss, key_valid, BLOCK_N, HEAD_DIM, G_PAD, K_BITS, FAST_UNPACK)
     visible = key_valid & (slots != 0)
     if WINDOW > 0:
         near = key_valid & (keys >= near_lo)
         held = near & window_holds(keys, near, ring_pos_ptr, ring_base, step_start, WINDOW)
         visible = visible & ~(held & (keys > position - WINDOW))
-    scores = tl.where(visible[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
+    scores = tl.where(visible[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    p = tl.exp2(scores - m_new[None, :])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha[:, None] + p  # no per-block sum across the warps that split the keys
+    l_i = l_i * alpha[None, :] + p  # no per-block sum across the warps that split the keys
     p = p.to(DT)
     vwords = load_tile(v_ptr + kv_head * stride_vh + page * stride_vp, slots, stride_vs,
-                       key_valid, vw, vw_ok, False, V_PADDED)
+                       key_valid, vw, vw_ok, V_PADDED)
     vscale = load_scales(vs_ptr, kv_head * stride_vsh + page * stride_vsp, slots, stride_vss,
-                         key_valid, False, G_PAD, 32 // V_PER, HEAD_DIM).to(DT)
+                         key_valid, G_PAD, 32 // V_PER, HEAD_DIM).to(DT)
     vrows = swapped_quarters(dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT,
                                               FAST_UNPACK), BLOCK_N, DIM_PAD)
-    acc = tl.dot(p, vrows, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = tl.dot(tl.trans(vrows), p, acc * alpha[None, :], input_precision=DOT_PRECISION)
     return m_new, l_i, acc

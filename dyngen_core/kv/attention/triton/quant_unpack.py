@@ -1,13 +1,24 @@
-"""Unpacking of 4- and 8-bit code words for the q8/q4 decode kernel (`quant_decode`): loads,
-fields, joins.
+"""Codes of 4- and 8-bit pages for the q8/q4 decode kernel (`quant_decode`): keys as integers,
+values as floats; loads, joins.
 
 A page row of ``HEAD_DIM`` codes is ``WORDS`` int32 words of ``PER_WORD`` codes each (8 for 4
 bits, 4 for 8 bits; `quant.format`): dim ``d`` is field ``d % PER_WORD`` of word
-``d // PER_WORD``. Field ``i`` of every word of a block of keys is one tile [keys, W_PAD] whose
-column ``w`` is dim ``w * PER_WORD + i`` (`field_values`); `join_columns` puts such tiles back
-in dim order. Codes become floats with the exponent trick (a field OR-ed into the mantissa of a
-power of two, minus that power and the code bias): no integer-to-float conversions.
+``d // PER_WORD``, i.e. byte ``d * BITS // 8`` of the row.
 
+Keys (`integer_queries`, `integer_scores`): the query becomes int8 codes, one float32 scale a
+row and group of 32 dims; each group of a key's codes is one int8 tensor-core dot with them
+(int32 sums), times the key's group scale and the query's. 8-bit codes go to the dot as
+stored. A byte of 4-bit codes holds ``u = code + 8`` of an even dim (low nibble) and the next
+odd one (high); ``((u ^ 8) << 4)`` read as a signed byte is 16 times the code, so the low
+codes are ``(word << 4) & 0xF0F0F0F0 ^ 0x80808080`` and the high ones
+``word & 0xF0F0F0F0 ^ 0x80808080``: three instructions a word of 8 codes in inline PTX
+(`signed_nibbles` with FAST; per byte in plain Triton otherwise), joined back in dim order, and
+the 16 is divided out of the query's scale.
+
+Values: field ``i`` of every word of a block of keys is one tile [keys, W_PAD] whose column
+``w`` is dim ``w * PER_WORD + i`` (`field_values`); `join_columns` puts such tiles back in dim
+order. Codes become floats with the exponent trick (a field OR-ed into the mantissa of a power
+of two, minus that power and the code bias): no integer-to-float conversions.
 `dequantized_fields` with FAST (float16 only, CUDA only: inline PTX) does the trick on two
 fields of a word at once, as half2 (``lop3`` of the word, shifted, with 0x000F000F / 0x00FF00FF
 and 0x6400 in each half, then one ``sub.f16x2`` and one ``mul.f16x2``): about 2 instructions a
@@ -66,28 +77,9 @@ mov.b32 {$1, $3}, t1;
 
 
 @triton.jit
-def split_columns(x, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
-    """x [BLOCK_M, W_PAD * PER_WORD] as PER_WORD tiles [BLOCK_M, W_PAD]: tile i holds the
-    columns ``w * PER_WORD + i``."""
-    if PER_WORD == 4:
-        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2)))
-        a0, a1 = tl.split(a)
-        b0, b1 = tl.split(b)
-        return (a0, b0, a1, b1)
-    else:
-        a, b = tl.split(tl.reshape(x, (BLOCK_M, W_PAD, 2, 2, 2)))
-        aa, ab = tl.split(a)
-        ba, bb = tl.split(b)
-        aaa, aab = tl.split(aa)
-        aba, abb = tl.split(ab)
-        baa, bab = tl.split(ba)
-        bba, bbb = tl.split(bb)
-        return (aaa, baa, aba, bba, aab, bab, abb, bbb)
-
-
-@triton.jit
 def join_columns(t, BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, PER_WORD: tl.constexpr):
-    """The inverse of `split_columns`: tiles back to [BLOCK_M, W_PAD * PER_WORD]."""
+    """PER_WORD tiles [BLOCK_M, W_PAD] as [BLOCK_M, W_PAD * PER_WORD], tile i giving the
+    columns ``w * PER_WORD + i``."""
     if PER_WORD == 4:
         y = tl.join(tl.join(t[0], t[2]), tl.join(t[1], t[3]))
     else:
@@ -117,33 +109,24 @@ def field_values(words, scales, i: tl.constexpr, BITS: tl.constexpr, DT: tl.cons
 
 
 @triton.jit
-def load_tile(base, slots, stride_s, key_valid, cols, col_ok, TRANSPOSED: tl.constexpr,
-              PADDED: tl.constexpr):
+def load_tile(base, slots, stride_s, key_valid, cols, col_ok, PADDED: tl.constexpr):
     """Columns ``cols`` of the rows at ``slots`` of one page (``base``: that page and KV head):
-    [W_PAD, BLOCK_N] when TRANSPOSED else [BLOCK_N, W_PAD]; invalid keys and, when PADDED,
-    columns not ``col_ok`` read 0."""
-    if TRANSPOSED:
-        offsets = slots[None, :] * stride_s + cols[:, None]
-        mask = key_valid[None, :]
-        if PADDED:
-            mask = mask & col_ok[:, None]
-    else:
-        offsets = slots[:, None] * stride_s + cols[None, :]
-        mask = key_valid[:, None]
-        if PADDED:
-            mask = mask & col_ok[None, :]
-    return tl.load(base + offsets, mask=mask, other=0)
+    [BLOCK_N, W_PAD]; invalid keys and, when PADDED, columns not ``col_ok`` read 0."""
+    mask = key_valid[:, None]
+    if PADDED:
+        mask = mask & col_ok[None, :]
+    return tl.load(base + slots[:, None] * stride_s + cols[None, :], mask=mask, other=0)
 
 
 @triton.jit
-def load_scales(scales_ptr, offset, slots, stride_s, key_valid, TRANSPOSED: tl.constexpr,
-                G_PAD: tl.constexpr, PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+def load_scales(scales_ptr, offset, slots, stride_s, key_valid, G_PAD: tl.constexpr,
+                PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
     """float16 scales at ``scales_ptr + offset`` (the page and KV head's) for the keys at
-    ``slots``, widened to the code-word columns: [G_PAD * PER_GROUP, BLOCK_N] when TRANSPOSED
-    else [BLOCK_N, G_PAD * PER_GROUP], column ``w`` holding the scale of group
-    ``w // PER_GROUP``. Each key's row of scales (contiguous, 8 bytes at head_dim 128) is one
-    [keys, groups] tile that goes through cp.async in 4-byte pieces (sm_90 TTGIR), pipelined
-    with the code words, and is widened in registers (`_widened`). When the columns hold no
+    ``slots``, widened to the code-word columns: [BLOCK_N, G_PAD * PER_GROUP], column ``w``
+    holding the scale of group ``w // PER_GROUP`` (PER_GROUP 1: one column a group). Each
+    key's row of scales (contiguous, 8 bytes at head_dim 128) is one [keys, groups] tile that
+    goes through cp.async in 4-byte pieces (sm_90 TTGIR), pipelined with the code words, and
+    is widened in registers (`_widened`). When the columns hold no
     padding, ``offset`` and ``stride_s`` must be multiples of the group count
     (`quant_decode.check_scale_rows`): the kernel tells Triton so, which lets a row be a vector
     copy (Triton assumes nothing of a stride that is not a multiple of 16, such as 4 scales
@@ -156,10 +139,7 @@ def load_scales(scales_ptr, offset, slots, stride_s, key_valid, TRANSPOSED: tl.c
     else:
         rows_at = tl.multiple_of(offset + slots * stride_s, G_PAD)
     rows = tl.load(scales_ptr + rows_at[:, None] + group[None, :], mask=mask, other=0)
-    scales = _widened(rows, slots.shape[0], G_PAD, PER_GROUP)
-    if TRANSPOSED:
-        scales = tl.trans(scales)
-    return scales
+    return _widened(rows, slots.shape[0], G_PAD, PER_GROUP)
 
 
 @triton.jit
@@ -246,3 +226,106 @@ def swapped_quarters(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     threads' pieces of one row land in the same 8 banks, a 2-way conflict per store."""
     y = tl.permute(tl.reshape(x, (ROWS, 2, 2, COLS // 4)), (0, 2, 1, 3))
     return tl.reshape(y, (ROWS, COLS))
+
+
+@triton.jit
+def group_columns(x, ROWS: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """x [ROWS, G * W] as G tiles [ROWS, W], tile g holding columns [g * W, (g + 1) * W)."""
+    if G == 1:
+        return (x,)
+    elif G == 2:
+        a0, a1 = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, W)), (0, 2, 1)))
+        return (a0, a1)
+    elif G == 4:
+        b0, b1 = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, 2, W)), (0, 3, 1, 2)))
+        g0, g2 = tl.split(b0)
+        g1, g3 = tl.split(b1)
+        return (g0, g1, g2, g3)
+    else:
+        c0, c1 = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, 2, 2, W)), (0, 4, 1, 2, 3)))
+        b00, b01 = tl.split(c0)
+        b10, b11 = tl.split(c1)
+        g0, g4 = tl.split(b00)
+        g2, g6 = tl.split(b01)
+        g1, g5 = tl.split(b10)
+        g3, g7 = tl.split(b11)
+        return (g0, g1, g2, g3, g4, g5, g6, g7)
+
+
+@triton.jit
+def integer_queries(q, BLOCK_M: tl.constexpr, DIM_PAD: tl.constexpr, K_BITS: tl.constexpr):
+    """Float32 query rows q [BLOCK_M, DIM_PAD] (rotated, scaled) as int8 codes with one float32
+    scale a row and group of 32 dims (``q ~ scale * code``, the rotation keeps a group's
+    values alike): a tuple of G_PAD (codes [32, BLOCK_M], scales [1, BLOCK_M]) pairs, one a
+    group, transposed for `integer_scores`' dots. For 4-bit keys the scale is divided by the
+    16 that those key codes come times (`signed_nibbles`)."""
+    G_PAD: tl.constexpr = DIM_PAD // 32
+    tiles = group_columns(q, BLOCK_M, G_PAD, 32)
+    groups = ()  # one (codes, scales) pair a group
+    for g in tl.static_range(G_PAD):
+        rows = tiles[g]
+        amax = tl.max(tl.abs(rows), 1)
+        scale = tl.where(amax > 0, amax / 127.0, 1.0)
+        codes = tl.floor(rows / scale[:, None] + 0.5).to(tl.int32).to(tl.int8)
+        if K_BITS == 4:
+            scale = scale * 0.0625
+        groups = groups + ((tl.trans(codes), scale[None, :]),)  # type: ignore[assignment]
+    return groups
+
+
+@triton.jit
+def integer_scores(qs, k_base, slots, stride_ks, ks_ptr, ks_offset, stride_kss, key_valid,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+                   K_BITS: tl.constexpr, FAST: tl.constexpr):
+    """Scores [BLOCK_N, BLOCK_M] (float32, keys along the rows) of the integer queries ``qs``
+    (`integer_queries`) against the keys at ``slots`` of one page (``k_base``: its int32 code
+    words for the KV head; every row on 16 bytes, `quant_decode.check_key_rows`): one int8
+    dot a group of 32 dims, times the key's scale of that group and the query's. Invalid keys
+    read 0."""
+    GROUP_BYTES: tl.constexpr = 4 * K_BITS
+    row_bytes = tl.multiple_of(slots * (stride_ks * 4), 16)
+    byte_ptr = k_base.to(tl.pointer_type(tl.int8))
+    scales = load_scales(ks_ptr, ks_offset, slots, stride_kss, key_valid, G_PAD, 1,
+                         HEAD_DIM).to(tl.float32)
+    key_scales = group_columns(scales, BLOCK_N, G_PAD, 1)
+    scores = tl.zeros([BLOCK_N, qs[0][0].shape[1]], tl.float32)
+    for g in tl.static_range(G_PAD):
+        if g * 32 < HEAD_DIM:
+            cols = g * GROUP_BYTES + tl.arange(0, GROUP_BYTES)
+            codes = tl.load(byte_ptr + row_bytes[:, None] + cols[None, :],
+                            mask=key_valid[:, None], other=0)
+            if K_BITS == 4:
+                codes = signed_nibbles(codes, BLOCK_N, FAST)
+            dots = tl.dot(codes, qs[g][0]).to(tl.float32)
+            scores += (dots * tl.reshape(key_scales[g], (BLOCK_N, 1))) * qs[g][1]
+    return scores
+
+
+# A word of 4 bytes of two 4-bit codes each (u = code + 8): each byte's low code times 16, as
+# a signed byte: ((u ^ 8) << 4) = 16 * code. $1: the word.
+_LOW_NIBBLES_ASM = tl.constexpr("""{
+.reg .b32 t;
+shl.b32 t, $1, 4;
+lop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6A;
+}""")
+# Each byte's high code times 16: (u ^ 8) << 4 in place.
+_HIGH_NIBBLES_ASM = tl.constexpr("""{
+lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;
+}""")
+
+
+@triton.jit
+def signed_nibbles(codes, BLOCK_N: tl.constexpr, FAST: tl.constexpr):
+    """Bytes [BLOCK_N, 16] of 4-bit codes (one group of 32 dims a row) as int8 [BLOCK_N, 32]
+    of 16 times each code, in dim order (a byte's low code, then its high one). FAST: inline
+    PTX on whole words (CUDA only)."""
+    if FAST:
+        low = tl.inline_asm_elementwise(_LOW_NIBBLES_ASM, "=r,r", [codes], dtype=tl.int8,
+                                        is_pure=True, pack=4)
+        high = tl.inline_asm_elementwise(_HIGH_NIBBLES_ASM, "=r,r", [codes], dtype=tl.int8,
+                                         is_pure=True, pack=4)
+    else:
+        flipped = codes ^ -120  # 0x88
+        low = flipped << 4
+        high = flipped & -16
+    return tl.reshape(tl.join(low, high), (BLOCK_N, 32))
