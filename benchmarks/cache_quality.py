@@ -127,12 +127,12 @@ class QueryCodes(AttentionBackend):
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
+        self.rotation = hadamard_matrix(GROUP_SIZE)  # the pages' rotation (`quant.format`)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if isinstance(storage, QuantStorage):
-            rotation = hadamard_matrix(GROUP_SIZE).to(q.device)
-            q = round_query_codes(q, rotation).to(q.dtype)
+            q = round_query_codes(q, self.rotation).to(q.dtype)
         return self.inner.attend(layer, q, k, v, storage, batch, scale)
 
 

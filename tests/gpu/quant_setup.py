@@ -13,7 +13,7 @@ import torch
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch
-from dyngen_core.kv.quant.format import GROUP_SIZE, hadamard_matrix, unrotate
+from dyngen_core.kv.quant.format import GROUP_SIZE, hadamard_matrix, round_query_codes
 from dyngen_core.kv.quant.storage import QuantStorage
 
 
@@ -59,14 +59,10 @@ def decode_step(mode: str, window: int, decodes: list[tuple[int, bool]], *, head
     return storage, batch, torch.cat(step_k), torch.cat(step_v)
 
 
-def int8_exact_queries(tokens: int, heads: int, head_dim: int, generator: torch.Generator,
-                       unit: float = 0.01) -> torch.Tensor:
-    """Float32 queries [tokens, heads, head_dim] whose rotated rows times the kernel's softmax
-    scale (``head_dim ** -0.5 * log2(e)``) are int8 codes times ``unit``, with 127 in every
-    group of 32 dims: the q8/q4 decode kernel's query codes (one scale a row and group) then
-    hold them exactly, and its output differs from the reference's by rounding only."""
-    codes = torch.randint(-127, 128, (tokens, heads, head_dim), generator=generator)
-    codes[..., ::GROUP_SIZE] = 127
-    scale_log2 = head_dim ** -0.5 * math.log2(math.e)
-    rotated = codes.to(torch.float32) * (unit / scale_log2)
-    return unrotate(rotated, hadamard_matrix(GROUP_SIZE))
+def int8_exact_queries(tokens: int, heads: int, head_dim: int,
+                       generator: torch.Generator) -> torch.Tensor:
+    """Float32 queries [tokens, heads, head_dim], random normal rounded as the q8/q4 decode
+    kernel rounds them (`round_query_codes`): its int8 query codes then hold them exactly, and
+    its output differs from the float reference's by rounding only."""
+    q = torch.randn(tokens, heads, head_dim, generator=generator)
+    return round_query_codes(q, hadamard_matrix(GROUP_SIZE))

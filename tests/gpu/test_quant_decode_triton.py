@@ -97,7 +97,7 @@ def test_word_decode_query_codes(device: torch.device, monkeypatch: pytest.Monke
                                  mode: str) -> None:
     """Random queries (float32): the page blocks' int8 query codes (one scale a row and group
     of 32) move the output by about the codes' rounding, 1/254 of a group's largest value,
-    not more; the same queries made exact (`int8_exact_queries`) agree to rounding."""
+    not more (queries the codes hold exactly agree to rounding: the tests above)."""
     out, ref = _outputs(mode, WINDOW, 64, torch.float32, device, _backend(monkeypatch, 2),
                         exact_queries=False)
     error = float((out - ref).norm() / ref.norm())

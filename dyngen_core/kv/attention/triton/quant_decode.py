@@ -534,6 +534,8 @@ def _word_block(qs, m_i, l_i, acc, page, n0, hi, kv_head,
     rows (paired, quarters swapped: `_word_range` undoes it). Keys run along the rows of
     every tile: the scores and ``l_i`` (running sums, reduced after the loop) are [BLOCK_N,
     BLOCK_M], the accumulator ``acc`` [DIM_PAD, BLOCK_M]."""
+    # The value dots' dtype: float32 for float32 queries (the only ones that set "ieee"),
+    # else float16 (dequantized rows stay in its range as their scales do).
     DT: tl.constexpr = tl.float32 if DOT_PRECISION == "ieee" else tl.float16
     V_PER: tl.constexpr = 32 // V_BITS
     V_WPAD: tl.constexpr = DIM_PAD // V_PER
