@@ -2,23 +2,27 @@
 (no GPU needed, only the `triton` package): registers, shared memory, spills, and the
 instruction mix of its key loop, the count that bounds it (BENCHMARKS.md, section 4).
 
-A Triton kernel is compiled ahead of time for a target (`triton.compile` over the kernel's
-source with a signature and its constexprs), and the cubin's SASS is read with the
-`cuobjdump` that the triton package carries. Loops are the backward branches of the SASS; the
-innermost one of the page programs is the key loop, one block of ``BLOCK_N`` keys a pass, and
-its count is per thread (and per warp: every warp runs the same instructions). Its count times
-the program's warps over ``BLOCK_N`` is the kernel's warp instructions per key and KV head,
-which Nsight Compute measured at 41 (twentieth session: 171 M warp instructions over 4.19 M keys
-and heads at batch 32) where this counts 678 × 4 / 64 = 42.
+The kernel is compiled as the runtime compiles it: the kernel benchmark's own operands
+(`benchmarks/kernels/quant_decode.py`: one layer of Llama-3-8B shape, the backend's launch
+rule) are built on the CPU, `attend_word_decode` runs with its launch captured, and Triton's
+own binder specializes those arguments for sm_90 (which integers and pointers are multiples of
+16: it changes the address code and the copies' widths) before `triton.compile`. The cubin's
+SASS is read with the `cuobjdump` that the triton package carries. Registers agree with Nsight
+Compute on the H200 (twenty-second session: q4 128 and q8 120 at batch 32, q4 163 at batch 1),
+where the hand-written signature this tool had before did not (255 for q4's one launch).
 
-    python benchmarks/kernels/quant_sass.py [--bits 4] [--programs 1] [--splits 3]
-        [--set quant_decode.BLOCK_N=32] [--sass out.sass]
+Loops are the backward branches of the SASS; the innermost one with the key dots (IMMA) is
+the key loop of the page programs, one block of ``BLOCK_N`` keys a pass, and its count is per
+thread (every warp runs the same instructions). Its count times the program's warps over
+``BLOCK_N`` is the kernel's warp instructions per key and KV head.
 
-``--programs``: 1 the page programs' launch (batches above `ONE_LAUNCH_MAX_SEQS`),
-0 page and tail programs in one launch (batch 1), 2 the tail's launch. Pointer dtypes are the
-runner's for a bfloat16 model (queries and exact rows bfloat16, code words int32, scales
-float16); the constants other than ``--set`` are the module's. Triton is imported here only:
-it is not a dependency of dyngen (``pip install triton`` on a CPU machine gives the compiler).
+    python benchmarks/kernels/quant_sass.py [--bits 4] [--batch 32] [--set quant_decode.BLOCK_N=32]
+        [--sass out.sass]
+
+``--batch``: sequences of the decode (batch 1: 32 splits a (sequence, head), as the backend
+gives 132 multiprocessors; above `quant_decode.ONE_LAUNCH_MAX_SEQS`: the page launch and the
+tail's). Triton is imported here only: it is not a dependency of dyngen (``pip install triton``
+on a CPU machine gives the compiler).
 """
 
 from __future__ import annotations
@@ -34,59 +38,67 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks._common import llama3_8b_config  # noqa: E402
 from benchmarks.kernels import constants  # noqa: E402
 
-
-def signature(names: list[str], constexprs: dict[str, Any]) -> dict[str, str]:
-    """Triton's type of every argument of `quant_decode_kernel` (constexprs by name)."""
-    words = {"k_ptr", "v_ptr"}
-    halves = {"ks_ptr", "vs_ptr"}
-    floats = {"rot_ptr", "part_out_ptr", "part_lse_ptr"}
-    ints = {"page_table_ptr", "context_lens_ptr", "ring_pos_ptr", "seq_slots_ptr"}
-    types = {}
-    for name in names:
-        if name in constexprs:
-            types[name] = "constexpr"
-        elif name in words or name in ints:
-            types[name] = "*i32"
-        elif name in halves:
-            types[name] = "*fp16"
-        elif name in floats:
-            types[name] = "*fp32"
-        elif name.endswith("_ptr"):
-            types[name] = "*bf16"  # queries, exact rows; the write's unused operands
-        elif name == "scale_log2":
-            types[name] = "fp32"
-        else:
-            types[name] = "i32"
-    return types
+H200_MULTIPROCESSORS = 132
 
 
-def compile_kernel(bits: int, programs: int, splits: int) -> tuple[Any, str]:
-    """The kernel compiled for sm_90 with the module's constants now: (kernel, SASS text)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def captured_launches(bits: int, batch_size: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """(arguments, keywords) of each `quant_decode_kernel` launch that the kernel benchmark's
+    call makes for ``batch_size`` sequences at 1,024 tokens (the context changes no argument
+    the compiler sees), built on the CPU; FAST_UNPACK as on CUDA."""
+    import torch
 
+    from benchmarks.kernels import quant_decode as bench
+    from dyngen_core.kv.attention.triton import decode
     from dyngen_core.kv.attention.triton import quant_decode as qd
 
-    window = 16 if bits == 4 else 0  # the runner's: q4 keeps a recent window, q8 does not
-    launches = 1 if programs == 0 else 2
-    constexprs: dict[str, Any] = {
-        "G": 4, "BLOCK_M": qd.query_rows(4), "BLOCK_N": qd.BLOCK_N, "HEAD_DIM": 128,
-        "DIM_PAD": qd.word_dim_pad(128, bits, bits), "PAGE_SIZE": 256, "K_BITS": bits,
-        "V_BITS": bits, "NUM_SPLITS": splits, "WINDOW": window, "DOT_PRECISION": "tf32",
-        "PROGRAMS": programs, "FAST_UNPACK": True,
-        "PAGE_WINDOW": 0 if programs == 2 else qd.PAGE_WINDOW,
-        "TAIL_PARTS": qd.tail_parts_for(window, launches), "WRITE_STEP": False, "W_HEADS": 1,
-        "W_HAS_OFFSETS": False, "W_ROWS": 1, "W_INV_SQRT": 1.0}
-    kernel = qd.quant_decode_kernel
-    names = list(kernel.arg_names)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-             if name.endswith("_ptr")}
-    source = ASTSource(kernel, signature(names, constexprs), constexprs, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": qd.WARPS, "num_stages": qd.STAGES})
+    config = llama3_8b_config()
+    cpu = torch.device("cpu")
+    storage = bench.one_layer_storage(config, f"q{bits}", batch_size * 1024, cpu)
+    windowed = storage.reserve_sequences(batch_size) > 0
+    batch, q, step_rows = bench.decode_inputs(config, batch_size, 1024, cpu, windowed)
+    launches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    class Capture:
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    def splits(programs: int, device: torch.device) -> int:
+        wanted = -(-decode.PROGRAMS_PER_SM * H200_MULTIPROCESSORS // programs)
+        return max(1, min(decode.MAX_SPLITS, wanted))
+
+    kernel, bench_splits = qd.quant_decode_kernel, bench.decode_splits
+    qd.quant_decode_kernel, bench.decode_splits = Capture(), splits  # type: ignore[assignment]
+    try:
+        call = bench.word_calls(storage, [batch], q, step_rows)[0]
+        try:
+            call()
+        except RuntimeError:  # the split combine after the launches needs a GPU
+            pass
+    finally:
+        qd.quant_decode_kernel, bench.decode_splits = kernel, bench_splits
+    return [(args, {**kwargs, "FAST_UNPACK": True}) for args, kwargs in launches]
+
+
+def compile_launch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, str]:
+    """One captured launch compiled for sm_90 as the runtime would: (kernel, SASS text)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from dyngen_core.kv.attention.triton.quant_decode import quant_decode_kernel as kernel
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "quant_decode.cubin"
@@ -132,32 +144,37 @@ def mix(body: list[str]) -> collections.Counter[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
-    parser.add_argument("--programs", type=int, default=1, choices=(0, 1, 2))
-    parser.add_argument("--splits", type=int, default=3, help="NUM_SPLITS (batch 32: 3)")
-    parser.add_argument("--sass", help="write the whole SASS here")
+    parser.add_argument("--batch", type=int, default=32, help="sequences of the decode")
+    parser.add_argument("--sass", help="write the SASS of every launch here")
     constants.add_argument(parser)
     args = parser.parse_args()
     constants.apply(args.set)
     from dyngen_core.kv.attention.triton import quant_decode as qd
 
-    compiled, sass = compile_kernel(args.bits, args.programs, args.splits)
+    sass_out = []
+    for arguments, keywords in captured_launches(args.bits, args.batch):
+        compiled, sass = compile_launch(arguments, keywords)
+        sass_out.append(sass)
+        usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", sass)
+        print(f"q{args.bits}, batch {args.batch}, PROGRAMS {keywords['PROGRAMS']}: registers "
+              f"{usage and usage.group(1)}, stack {usage and usage.group(2)}, local "
+              f"{usage and usage.group(3)}, shared memory {compiled.metadata.shared} bytes a "
+              f"program")
+        code = instructions(sass)
+        found = sorted(loops(code), key=lambda span: span[1] - span[0])
+        innermost = [span for span in found
+                     if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in found)]
+        for first, last in innermost:
+            body = [text for _, text in code[first:last + 1]]
+            ops = mix(body)
+            if "IMMA" not in ops:  # not a key loop (the tail's exact rows, the write)
+                continue
+            per_key = len(body) * qd.WARPS / qd.BLOCK_N
+            print(f"key loop {code[first][0]:#x}-{code[last][0]:#x}: {len(body)} instructions "
+                  f"a thread a pass ({per_key:.1f} warp instructions a key and KV head)")
+            print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
     if args.sass:
-        Path(args.sass).write_text(sass)
-    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", sass)
-    print(f"q{args.bits}, programs {args.programs}: registers {usage and usage.group(1)}, "
-          f"stack {usage and usage.group(2)}, local {usage and usage.group(3)}, "
-          f"shared memory {compiled.metadata.shared} bytes a program")
-    code = instructions(sass)
-    found = sorted(loops(code), key=lambda span: span[1] - span[0])
-    innermost = [span for span in found
-                 if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in found)]
-    for first, last in innermost:
-        body = [text for _, text in code[first:last + 1]]
-        per_key = len(body) * qd.WARPS / qd.BLOCK_N
-        print(f"loop {code[first][0]:#x}-{code[last][0]:#x}: {len(body)} instructions a "
-              f"thread a pass ({per_key:.1f} warp instructions a key and KV head if a pass "
-              f"is one block)")
-        print("   " + ", ".join(f"{op} {n}" for op, n in mix(body).most_common()))
+        Path(args.sass).write_text("\n".join(sass_out))
 
 
 if __name__ == "__main__":
