@@ -70,7 +70,7 @@ def captured_launches(bits: int, batch_size: int) -> list[tuple[tuple[Any, ...],
         return max(1, min(decode.MAX_SPLITS, wanted))
 
     kernel, bench_splits = qd.quant_decode_kernel, bench.decode_splits
-    qd.quant_decode_kernel, bench.decode_splits = Capture(), splits  # type: ignore[assignment]
+    qd.quant_decode_kernel, bench.decode_splits = Capture(), splits
     try:
         call = bench.word_calls(storage, [batch], q, step_rows)[0]
         try:
