@@ -91,7 +91,7 @@ class FP16Storage:
     @torch.inference_mode()
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
         """Copy slot ranges between pages in every layer, in order (`copy_page_slots`)."""
-        copy_page_slots([*self.keys, *self.values], copies, self.page_size)
+        copy_page_slots([*self.keys, *self.values], copies)
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:

@@ -67,12 +67,11 @@ def copies_independent(copies: Sequence[PageCopy]) -> bool:
     return not any(c.src in written for c in copies) and len(written) == len(copies)
 
 
-def copy_page_slots(tensors: Sequence[torch.Tensor], copies: Sequence[PageCopy],
-                    page_size: int) -> None:
+def copy_page_slots(tensors: Sequence[torch.Tensor], copies: Sequence[PageCopy]) -> None:
     """Copy the first ``num_slots`` slots of page ``src`` to page ``dst`` in every tensor of
-    ``tensors`` (each [num_pages, page_size, ...], contiguous), in the order of ``copies``:
-    one indexed copy per tensor when the copies are independent (the common case: partial-page
-    reuse, defrag moves into free pages), else copy by copy."""
+    ``tensors`` (each indexed [num_pages, page_size, ...], any strides), in the order of
+    ``copies``: one indexed copy per tensor when the copies are independent (the common case:
+    partial-page reuse, defrag moves into free pages), else copy by copy."""
     if not copies:
         return
     if not copies_independent(copies):
@@ -80,16 +79,13 @@ def copy_page_slots(tensors: Sequence[torch.Tensor], copies: Sequence[PageCopy],
             for tensor in tensors:
                 tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
         return
-    src: list[int] = []
-    dst: list[int] = []
-    for c in copies:
-        src.extend(range(c.src * page_size, c.src * page_size + c.num_slots))
-        dst.extend(range(c.dst * page_size, c.dst * page_size + c.num_slots))
-    indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    # (page, slot) pairs, read and written: [4, slots copied]
+    pairs = [(c.src, slot, c.dst, slot) for c in copies for slot in range(c.num_slots)]
+    if not pairs:
+        return
+    indices: dict[torch.device, torch.Tensor] = {}
     for tensor in tensors:
         if tensor.device not in indices:
-            indices[tensor.device] = (torch.tensor(src, device=tensor.device),
-                                      torch.tensor(dst, device=tensor.device))
-        index_src, index_dst = indices[tensor.device]
-        flat = tensor.view(-1, *tensor.shape[2:])
-        flat.index_copy_(0, index_dst, flat.index_select(0, index_src))
+            indices[tensor.device] = torch.tensor(pairs, device=tensor.device).T
+        src_page, src_slot, dst_page, dst_slot = indices[tensor.device]
+        tensor[dst_page, dst_slot] = tensor[src_page, src_slot]

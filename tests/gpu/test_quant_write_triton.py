@@ -58,7 +58,8 @@ def _pair(mode: str, heads: int, dim: int, dtype: torch.dtype, offsets: bool,
         if tensor.is_floating_point():  # finite floats, so equality checks stay meaningful
             poison = torch.randn(tensor.shape, generator=gen).to(tensor.dtype).view(torch.uint8)
         for storage in pair:
-            _tensors(storage)[index].view(torch.uint8).view(-1).copy_(poison.view(-1))
+            target = _tensors(storage)[index].view(torch.uint8)  # the pages: head-major views
+            target.copy_(poison.view(target.shape))
     return pair[0], pair[1]
 
 
@@ -109,7 +110,7 @@ def _check_layer(fast: QuantStorage, before: list[torch.Tensor], layer: int,
                                 (coded[0][0], coded[0][1], coded[1][0], coded[1][1]),
                                 strict=True):
         want = old.clone()
-        want.view(-1, *want.shape[2:])[kept] = new[inside.to(new.device)]
+        want[kept // PAGE, kept % PAGE] = new[inside.to(new.device)]
         assert torch.equal(tensor, want)
     want_heads = before[4].clone()
     opens = inside & (slots % PAGE == 0)

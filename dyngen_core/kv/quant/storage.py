@@ -5,6 +5,11 @@ Per layer, on that layer's device, four tensors indexed by page (format in `form
     key_codes, value_codes    [num_pages, page_size, num_kv_heads, packed_bytes]  int8 / uint8
     key_scales, value_scales  [num_pages, page_size, num_kv_heads, head_dim / 32] float16
 
+each a view of memory laid out head-major, [num_pages, num_kv_heads, page_size, ...]: the rows
+of one page and KV head are contiguous, so a kernel reading a block of keys of one head reads
+one run of bytes (64 keys of q4 codes: 4 KB, their scales 512 bytes) instead of pieces strided
+by every head's row. Kernels take the views' strides; writers index them by (page, slot).
+
 Rows are quantized as they are written (`write`) and dequantized only for the pages a step
 references (`gather`, the torch codec of `format`). Bits per mode (keys, values): q8 = (8, 8),
 q6 = (6, 6), q4 = (4, 4) (why 6/6 rather than 8/4 for q6: BENCHMARKS.md, section 8).
@@ -96,7 +101,7 @@ class QuantLayer:
         return self.head_rows[1]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The [num_pages, page_size, ...] tensors (what page copies move slot by slot)."""
+        """The [num_pages, page_size, ...] views (what page copies move slot by slot)."""
         return (self.key_codes, self.key_scales, self.value_codes, self.value_scales)
 
     def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,15 +221,18 @@ class QuantStorage:
                             for o, d in zip(offsets, self.devices, strict=True)]
 
     def _allocate(self, device: torch.device) -> QuantLayer:
-        rows = (self.num_pages, self.page_size, self.num_kv_heads)
+        head_major = (self.num_pages, self.num_kv_heads, self.page_size)
         groups = self.head_dim // GROUP_SIZE
 
+        def page_rows(width: int, dtype: torch.dtype) -> torch.Tensor:
+            rows = torch.zeros((*head_major, width), dtype=dtype, device=device)
+            return rows.permute(0, 2, 1, 3)  # indexed [page, slot, head, ...] (module docstring)
+
         def codes(fmt: QuantFormat) -> torch.Tensor:
-            shape = (*rows, fmt.packed_bytes(self.head_dim))
-            return torch.zeros(shape, dtype=fmt.code_dtype, device=device)
+            return page_rows(fmt.packed_bytes(self.head_dim), fmt.code_dtype)
 
         def scales() -> torch.Tensor:
-            return torch.zeros((*rows, groups), dtype=torch.float16, device=device)
+            return page_rows(groups, torch.float16)
 
         heads = torch.zeros((2, self.num_pages + 1, self.num_kv_heads, self.head_dim),
                             dtype=self.dtype, device=device)
@@ -390,7 +398,7 @@ class QuantStorage:
         for c in copies:
             self._check_copy(c)
         for pages in self.layers:
-            copy_page_slots(pages.tensors(), copies, self.page_size)
+            copy_page_slots(pages.tensors(), copies)
             _copy_head_rows(pages.head_rows, copies)
 
     def _check_copy(self, copy: PageCopy) -> None:

@@ -8,7 +8,8 @@ model left them (strided views), and in registers subtracts the key offsets (flo
 once to the keys' dtype, as `offset_keys`), rotates every group of 32 values (`format`: the
 signs, the five butterfly stages of `format.walsh_hadamard`, the 1/sqrt(32) factor), quantizes
 them (`format.quantize_rotated`: signed extreme, fp16 scale, round half to even) and stores
-codes and scales at the token's slot; it also stores the rotated rows in the compute dtype as the
+codes and scales at the token's slot (in the head-major pages: row ``(page * HEADS + h) *
+PAGE_SIZE + offset``); it also stores the rotated rows in the compute dtype as the
 step's exact rows and, for a slot that opens a page, as that page's head row. With WINDOW > 0 (a
 decode-only step: one token per sequence) it also stores those rows in the token's sequence's
 recent window, in place of `window_write_kernel`'s second launch. The q8/q4 decode kernel runs
@@ -254,14 +255,17 @@ def write_pages_torch(pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
                       slot_mapping: torch.Tensor) -> None:
     """The torch twin of the write's codes and scales (the CPU path): quantize a step's rotated
     rows ``rotated`` [2, T, H, D] (float32, keys then values) with the torch codec into
-    ``pages`` (key codes, key scales, value codes, value scales) at flat ``slot_mapping`` [T]."""
+    ``pages`` (key codes, key scales, value codes, value scales: [num_pages, page_size, H, ...]
+    views, any strides) at flat ``slot_mapping`` [T]."""
     key_codes, key_scales, value_codes, value_scales = pages
+    page_size = key_codes.shape[1]
     slots = slot_mapping.to(torch.int64)
+    page, offset = slots // page_size, slots % page_size
     for rows, codes, scales, fmt in ((rotated[0], key_codes, key_scales, formats[0]),
                                      (rotated[1], value_codes, value_scales, formats[1])):
         packed, row_scales = quantize_rotated(rows, fmt)
-        codes.view(-1, *codes.shape[2:]).index_copy_(0, slots, packed)
-        scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, row_scales)
+        codes[page, offset] = packed
+        scales[page, offset] = row_scales
 
 
 def write_heads_torch(head_rows: torch.Tensor, index: torch.Tensor, exact: torch.Tensor) -> None:
@@ -312,13 +316,12 @@ def _butterfly(v, lanes, DISTANCE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(rot, codes, scales, slot, valid, rows, lanes, first,
-                    GROUPS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, ROWS: tl.constexpr,
-                    BITS: tl.constexpr):
-    """Quantize rotated groups ``rot`` [ROWS, 32] (`format.quantize_rotated`) and store the
-    codes and fp16 scales of BLOCK_GROUPS of a token's GROUPS groups, from group ``first``, at
-    flat ``slot`` (nothing if not ``valid``). The slot's codes are GROUPS * 32 * BITS / 8
-    contiguous bytes (group by group), its scales GROUPS contiguous halves."""
+def _quantize_store(rot, codes, scales, row, valid, rows, lanes, GROUPS: tl.constexpr,
+                    ROWS: tl.constexpr, BITS: tl.constexpr):
+    """Quantize rotated groups ``rot`` [ROWS, 32] (`format.quantize_rotated`; rows past
+    GROUPS unused) and store their codes and fp16 scales at head row ``row`` of the page
+    tensors (nothing if not ``valid``): GROUPS * 32 * BITS / 8 contiguous bytes (group by
+    group) and GROUPS contiguous halves."""
     LOWEST: tl.constexpr = -(1 << (BITS - 1))
     HIGHEST: tl.constexpr = (1 << (BITS - 1)) - 1
     amax = tl.max(tl.abs(rot), axis=1)
@@ -334,23 +337,21 @@ def _quantize_store(rot, codes, scales, slot, valid, rows, lanes, first,
     code = tl.minimum(tl.maximum(code, LOWEST * 1.0), HIGHEST * 1.0)
     code = tl.where(nonzero[:, None], code, 0.0).to(tl.int32)
     group = tl.arange(0, ROWS)
-    tl.store(scales + slot * GROUPS + first + group, scale16,
-             mask=valid & (group < BLOCK_GROUPS))
-    row_mask = valid & (rows < BLOCK_GROUPS)
-    rows = rows + first
+    tl.store(scales + row * GROUPS + group, scale16, mask=valid & (group < GROUPS))
+    row_mask = valid & (rows < GROUPS)
     if BITS == 8:
-        tl.store(codes + slot * (GROUPS * 32) + rows * 32 + lanes, code.to(tl.int8),
+        tl.store(codes + row * (GROUPS * 32) + rows * 32 + lanes, code.to(tl.int8),
                  mask=row_mask & (lanes < 32))
     elif BITS == 4:
         low, high = tl.split(tl.reshape(code - LOWEST, (ROWS, 16, 2)))
-        at = codes + slot * (GROUPS * 16) + rows * 16 + tl.arange(0, 16)[None, :]
+        at = codes + row * (GROUPS * 16) + rows * 16 + tl.arange(0, 16)[None, :]
         tl.store(at, (low | (high << 4)).to(tl.uint8), mask=row_mask)
     else:
         even, odd = tl.split(tl.reshape(code - LOWEST, (ROWS, 8, 2, 2)))
         u0, u2 = tl.split(even)
         u1, u3 = tl.split(odd)
         word = u0 | (u1 << 6) | (u2 << 12) | (u3 << 18)
-        at = codes + slot * (GROUPS * 24) + rows * 24 + 3 * tl.arange(0, 8)[None, :]
+        at = codes + row * (GROUPS * 24) + rows * 24 + 3 * tl.arange(0, 8)[None, :]
         tl.store(at, (word & 0xFF).to(tl.uint8), mask=row_mask)
         tl.store(at + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=row_mask)
         tl.store(at + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=row_mask)
@@ -370,8 +371,8 @@ def quant_write_kernel(
     """Program (t, h) writes KV head h of token t (module docstring). ``key``/``value``: rows
     [T, HEADS, HEAD_DIM], last dimension contiguous; ``offsets``: float32 [HEADS, HEAD_DIM]
     (read when HAS_OFFSETS); ``signs``: float32 [32]; codes/scales: the layer's page tensors
-    (contiguous); ``head_rows`` [2, num_pages + 1, HEADS, HEAD_DIM] and ``exact``
-    [2, T, HEADS, HEAD_DIM] in the compute dtype. ROWS: HEAD_DIM / 32 rounded up
+    (head-major, `storage.QuantStorage`); ``head_rows`` [2, num_pages + 1, HEADS, HEAD_DIM]
+    and ``exact`` [2, T, HEADS, HEAD_DIM] in the compute dtype. ROWS: HEAD_DIM / 32 rounded up
     to a power of two. A slot outside [0, num_slots) stores no codes and no head row (its exact
     rows are still stored: a reader may attend to them). WINDOW > 0: the exact rows also go to the
     recent window (``positions``, ``seq_slots`` [T]; ``ring_rows``, ``ring_positions``,
@@ -403,15 +404,12 @@ def write_token_heads(
     slot = tl.load(slots + token).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)  # keep even the masked addresses inside the pages
-    GROUPS: tl.constexpr = HEADS * HEAD_DIM // 32
     PER_HEAD: tl.constexpr = HEAD_DIM // 32
-    BLOCK_GROUPS: tl.constexpr = PER_HEAD
-    first = head * BLOCK_GROUPS
     rows = tl.arange(0, ROWS)[:, None]
     lanes = tl.arange(0, 32)[None, :]
-    mask = (rows < BLOCK_GROUPS) & (lanes < 32)
+    mask = (rows < PER_HEAD) & (lanes < 32)
     dim = (rows % PER_HEAD) * 32 + lanes
-    element = (first + rows) * 32 + lanes  # head * HEAD_DIM + dim
+    element = head * HEAD_DIM + dim
     sign = tl.load(signs + lanes)
     stored_type: tl.constexpr = key.dtype.element_ty
     k = tl.load(key + token * key_token_stride + head * key_head_stride + dim, mask=mask,
@@ -439,10 +437,12 @@ def write_token_heads(
         _store_decode_window(key_exact, value_exact, token, element, mask, positions, seq_slots,
                              ring_rows, ring_positions, slots_held, head == 0, row_size,
                              WINDOW)
-    _quantize_store(key_rot, key_codes, key_scales, slot, valid, rows, lanes, first,
-                    GROUPS, BLOCK_GROUPS, ROWS, KEY_BITS)
-    _quantize_store(value_rot, value_codes, value_scales, slot, valid, rows, lanes, first,
-                    GROUPS, BLOCK_GROUPS, ROWS, VALUE_BITS)
+    # The pages are head-major (`storage.QuantStorage`): the head's row of this slot.
+    head_row = ((slot // PAGE_SIZE) * HEADS + head) * PAGE_SIZE + slot % PAGE_SIZE
+    _quantize_store(key_rot, key_codes, key_scales, head_row, valid, rows, lanes, PER_HEAD,
+                    ROWS, KEY_BITS)
+    _quantize_store(value_rot, value_codes, value_scales, head_row, valid, rows, lanes,
+                    PER_HEAD, ROWS, VALUE_BITS)
 
 
 @triton.jit

@@ -158,7 +158,7 @@ def check_scale_rows(page_args: tuple[Any, ...], groups: int) -> None:
     if not aligned:
         raise ValueError(f"the q8/q4 decode kernel reads scale rows aligned to {groups} scales; "
                          f"these scales have strides {tuple(strides)} (allocate them as "
-                         f"QuantStorage does: contiguous [pages, page_size, kv_heads, groups])")
+                         f"QuantStorage does: head-major [pages, kv_heads, page_size, groups])")
 
 
 def check_key_rows(page_args: tuple[Any, ...]) -> None:
@@ -170,7 +170,7 @@ def check_key_rows(page_args: tuple[Any, ...]) -> None:
     if any(int(stride) % 4 for stride in strides) or keys.data_ptr() % 16:
         raise ValueError(f"the q8/q4 decode kernel reads key rows aligned to 16 bytes; these "
                          f"codes have strides {tuple(strides)} words (allocate them as "
-                         f"QuantStorage does: contiguous [pages, page_size, kv_heads, words])")
+                         f"QuantStorage does: head-major [pages, kv_heads, page_size, words])")
 
 
 def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: ForwardBatch,
