@@ -262,6 +262,36 @@ def test_copy_pages_copies_codes_and_scales_in_order(mode: str) -> None:
             assert torch.equal(pages[4], old_pages[4])
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_independent_copies_move_every_head_of_their_slots(mode: str) -> None:
+    """Copies that read no page another writes go as one indexed copy per tensor (partial
+    pages, defrag moves); every KV head of each copied slot moves, nothing else does."""
+    storage = QuantStorage(model_config(), 6, 8, torch.float32, ["cpu", "cpu"], mode)
+    rows = keys_with_outliers(24, 2, 64, seed=3)
+    storage.write(0, rows, -rows, torch.arange(24))
+    before = storage.gather(0, torch.arange(6).view(1, 6))
+    storage.copy_pages([PageCopy(src=0, dst=4, num_slots=3), PageCopy(src=2, dst=5, num_slots=8)])
+    after = storage.gather(0, torch.arange(6).view(1, 6))
+    for new, old in zip(after, before, strict=True):
+        pages, old_pages = new.view(6, 8, 2, 64), old.view(6, 8, 2, 64)
+        assert torch.equal(pages[:4], old_pages[:4])
+        assert torch.equal(pages[4, :3], old_pages[0, :3])
+        assert torch.equal(pages[4, 3:], old_pages[4, 3:])
+        assert torch.equal(pages[5], old_pages[2])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pages_are_head_major(mode: str) -> None:
+    """The rows of one page and KV head are one run of memory (what the decode kernel's block
+    copies rely on for whole sectors), behind [pages, page_size, kv_heads, ...] views."""
+    storage = QuantStorage(model_config(num_kv_heads=3), 4, 16, torch.float32, ["cpu"] * 2, mode)
+    for tensor in storage.layers[0].tensors():
+        pages, page_size, heads, width = tensor.shape
+        assert (pages, page_size, heads) == (4, 16, 3)
+        assert tensor.stride() == (heads * page_size * width, width, page_size * width, 1)
+        assert tensor.permute(0, 2, 1, 3).is_contiguous()
+
+
 def test_copy_pages_rejects_bad_pages() -> None:
     storage = QuantStorage(model_config(), 3, 8, torch.float32, ["cpu", "cpu"], "q4")
     with pytest.raises(IndexError, match="page 3"):
