@@ -6,7 +6,11 @@ short. Each step is one decode of every sequence, replayed from its CUDA graph t
 runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
 
     python benchmarks/long_context.py [--layers 32] [--context 16384] [--batches 1,32]
-        [--modes fp16,q8,q4] [--profile BATCH] [--set MODULE.NAME=VALUE]
+        [--modes fp16,q8,q4] [--recent-window N] [--profile BATCH] [--set MODULE.NAME=VALUE]
+
+``--recent-window``: the quantized caches' recent window (`Cache(recent_window=...)`; default:
+each mode's own, 0 for q8 and 16 for q4), e.g. 16 to time q8 with exact recent rows, which
+lets its decode kernel write the step's rows itself as q4's does.
 
 ``--set``: run with a kernel constant patched (benchmarks/kernels/constants.py), e.g.
 ``--set quant_decode.ONE_LAUNCH_MAX_SEQS=0``.
@@ -79,6 +83,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--modes", default=",".join(MODES), help="cache modes to run")
+    parser.add_argument("--recent-window", type=int, default=None,
+                        help="quantized caches' recent window (default: the mode's own)")
     parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
                         help="print each mode's top kernels of a step at this batch size")
     constants.add_argument(parser)
@@ -94,7 +100,9 @@ def main() -> None:
            context=args.context, copy_GBps=bandwidth / 1e9, weight_GB=weights / 1e9)
     rates: dict[tuple[str, int], float] = {}
     for mode in args.modes.split(","):
-        cache = Cache(model, max_tokens=max(batches) * args.context, mode=mode)
+        window = {} if mode == "fp16" or args.recent_window is None else {
+            "recent_window": args.recent_window}
+        cache = Cache(model, max_tokens=max(batches) * args.context, mode=mode, **window)
         fill_random(cache)
         pages_per_seq = args.context // cache.page_size
         kv_bytes = cache.nbytes() / cache.max_tokens
@@ -105,6 +113,7 @@ def main() -> None:
             rates[(mode, batch)] = batch / seconds
             floor = (weights + batch * args.context * kv_bytes) / bandwidth
             report("long_context.decode", mode=mode, batch=batch, settings=args.set,
+                   recent_window=args.recent_window,
                    step_ms=seconds * 1e3, tok_s=batch / seconds,
                    roofline_fraction=floor / seconds, cache_GB=cache.nbytes() / 1e9)
             if batch == args.profile:
