@@ -99,3 +99,68 @@ def test_preemption_and_cancel_in_every_mode(model_and_tokenizer, mode):
     tight.iterate()
     tight.check_invariant()
     assert tight.stats().pages_referenced == 0
+
+
+def _mixture(tokenizer, shared: list[int]) -> list[Job]:
+    """Plain, sampled and constrained jobs over one shared document, and one to cancel."""
+    sampled = SamplerSettings(temperature=1.0, top_p=0.9)
+    return [
+        Job(input_ids=shared + _ids(20, seed=41), max_new_tokens=12, stop_conditions=[],
+            gen_settings=GREEDY, identifier="plain"),
+        Job(input_ids=shared + _ids(33, seed=42), max_new_tokens=12, stop_conditions=[],
+            gen_settings=sampled, seed=3, identifier="sampled"),
+        Job(input_ids=shared + _ids(9, seed=43), max_new_tokens=8, gen_settings=sampled,
+            seed=5, identifier="choice", constraint=["yes", "no", "maybe later"]),
+        Job(input_ids=shared + _ids(50, seed=44), max_new_tokens=12, stop_conditions=[],
+            gen_settings=GREEDY, identifier="broken"),
+        Job(input_ids=shared + _ids(70, seed=45), max_new_tokens=40, stop_conditions=[],
+            gen_settings=sampled, seed=9, identifier="cancelled"),
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_jobs_over_a_shared_document_in_every_mode(model_and_tokenizer, mode):
+    """Constrained, plain and sampled jobs sharing a 300-token document (a page and a partial
+    page deduplicated), a text-pipeline fault in one job and a cancel in another, in one
+    generator per mode: the fault and the cancel end those jobs alone, the others finish as
+    asked (the plain job exactly as alone where the mode is cache-invariant), and no page is
+    lost or leaked."""
+    _, tokenizer = model_and_tokenizer
+    shared = _ids(300, seed=40)
+    alone = _generator(model_and_tokenizer, mode, 8192)
+    alone_plain, _ = _run(alone, [_mixture(tokenizer, shared)[0].input_ids], new=12)
+    generator = _generator(model_and_tokenizer, mode, 8192)
+    jobs = _mixture(tokenizer, shared)
+    generator.enqueue(jobs)
+    stream = generator._records[jobs[3].job_id].stream
+    advance, calls = stream.advance, [0]
+
+    def broken(token_id: int):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken detokenizer")
+        return advance(token_id)
+
+    stream.advance = broken
+    finals = {}
+    for step in range(300):
+        if not generator.num_remaining_jobs():
+            break
+        if step == 4:
+            generator.cancel(jobs[4])
+        for r in generator.iterate():
+            if r["eos"]:
+                finals[r["identifier"]] = r
+    assert set(finals) == {"plain", "sampled", "choice", "broken", "cancelled"}
+    assert finals["cancelled"]["eos_reason"] == "cancelled"
+    assert finals["cancelled"]["new_tokens"] < 40
+    assert finals["broken"]["eos_reason"] == "error"
+    for name in ("plain", "sampled", "choice"):
+        assert finals[name]["eos_reason"] != "error", (name, finals[name].get("error"))
+    assert finals["choice"]["full_completion"] in ("yes", "no", "maybe later")
+    assert finals["plain"]["new_tokens"] == finals["sampled"]["new_tokens"] == 12
+    assert finals["sampled"]["cached_tokens"] >= 256  # the document's full page, shared
+    if mode in ("fp16", "q8"):
+        assert jobs[0].new_token_ids == alone_plain[0]
+    generator.check_invariant()
+    assert generator.stats().pages_referenced == 0
