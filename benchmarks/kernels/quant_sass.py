@@ -65,20 +65,18 @@ def captured_launches(bits: int, batch_size: int) -> list[tuple[tuple[Any, ...],
         def __getitem__(self, grid: Any) -> Any:
             return lambda *args, **kwargs: launches.append((args, kwargs))
 
-    def splits(programs: int, device: torch.device) -> int:
-        wanted = -(-decode.PROGRAMS_PER_SM * H200_MULTIPROCESSORS // programs)
-        return max(1, min(decode.MAX_SPLITS, wanted))
-
-    kernel, bench_splits = qd.quant_decode_kernel, bench.decode_splits
-    qd.quant_decode_kernel, bench.decode_splits = Capture(), splits
+    # The launches as on an H200 (its multiprocessors set the split count), the split
+    # combine after them left out (it needs a GPU and is not this kernel).
+    patches = {(qd, "quant_decode_kernel"): Capture(), (qd, "launch_combine"): lambda *a: None,
+               (decode, "multiprocessors"): lambda device: H200_MULTIPROCESSORS}
+    saved = {key: getattr(*key) for key in patches}
+    for (module, name), value in patches.items():
+        setattr(module, name, value)
     try:
-        call = bench.word_calls(storage, [batch], q, step_rows)[0]
-        try:
-            call()
-        except RuntimeError:  # the split combine after the launches needs a GPU
-            pass
+        bench.word_calls(storage, [batch], q, step_rows)[0]()
     finally:
-        qd.quant_decode_kernel, bench.decode_splits = kernel, bench_splits
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
     return [(args, {**kwargs, "FAST_UNPACK": True}) for args, kwargs in launches]
 
 
