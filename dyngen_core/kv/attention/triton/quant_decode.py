@@ -566,5 +566,10 @@ def _word_block(qs, m_i, l_i, acc, page, n0, hi, kv_head,
                          key_valid, G_PAD, 32 // V_PER, HEAD_DIM).to(DT)
     vrows = swapped_quarters(dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT,
                                               FAST_UNPACK), BLOCK_N, DIM_PAD)
+    if FAST_UNPACK and DT == tl.float16:
+        # An opaque copy in 32-bit pairs: the dot then reads its operand from shared memory two
+        # halves at a time (not one), with no register moves after each matrix load.
+        vrows = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [vrows], dtype=tl.float16,
+                                          is_pure=False, pack=2)
     acc = tl.dot(tl.trans(vrows), p, acc * alpha[None, :], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
