@@ -66,7 +66,7 @@ from dyngen_core.kv.attention.triton.quant_unpack import (
     integer_queries,
     integer_scores,
     load_scales,
-    load_tile,
+    load_word_rows,
     swapped_quarters,
     unpaired_columns,
 )
@@ -539,10 +539,7 @@ def _word_block(qs, m_i, l_i, acc, page, n0, hi, kv_head,
     DT: tl.constexpr = tl.float32 if DOT_PRECISION == "ieee" else tl.float16
     V_PER: tl.constexpr = 32 // V_BITS
     V_WPAD: tl.constexpr = DIM_PAD // V_PER
-    V_PADDED: tl.constexpr = HEAD_DIM // V_PER < V_WPAD
     G_PAD: tl.constexpr = DIM_PAD // 32
-    vw = tl.arange(0, V_WPAD)
-    vw_ok = vw < HEAD_DIM // V_PER
     slots = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
     keys = n0 + tl.arange(0, BLOCK_N)
     key_valid = keys < hi
@@ -560,8 +557,8 @@ def _word_block(qs, m_i, l_i, acc, page, n0, hi, kv_head,
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha[None, :] + p  # no per-block sum across the warps that split the keys
     p = p.to(DT)
-    vwords = load_tile(v_ptr + kv_head * stride_vh + page * stride_vp, slots, stride_vs,
-                       key_valid, vw, vw_ok, V_PADDED)
+    vwords = load_word_rows(v_ptr + kv_head * stride_vh + page * stride_vp, slots, stride_vs,
+                            key_valid, V_WPAD, HEAD_DIM // V_PER)
     vscale = load_scales(vs_ptr, kv_head * stride_vsh + page * stride_vsp, slots, stride_vss,
                          key_valid, G_PAD, 32 // V_PER, HEAD_DIM).to(DT)
     vrows = swapped_quarters(dequantized_rows(vwords, vscale, BLOCK_N, V_WPAD, V_BITS, DT,
