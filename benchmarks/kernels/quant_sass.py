@@ -17,7 +17,13 @@ thread (every warp runs the same instructions). Its count times the program's wa
 ``BLOCK_N`` is the kernel's warp instructions per key and KV head.
 
     python benchmarks/kernels/quant_sass.py [--bits 4] [--batch 32] [--set quant_decode.BLOCK_N=32]
-        [--sass out.sass]
+        [--sass out.sass] [--ttgir out.ttgir]
+
+``--ttgir``: Triton's GPU dialect of every launch, where its layout choices show: the blocked
+layout of each copy into shared memory (``async_copy_global_to_local``: ``sizePerThread`` is
+what one thread copies), the shared layouts (``swizzled_shared``) and the operands' ``kWidth``
+(BENCHMARKS.md, section 4, found the value words' copy width and the value dot's ``kWidth``
+this way).
 
 ``--batch``: sequences of the decode (batch 1: 32 splits a (sequence, head), as the backend
 gives 132 multiprocessors; above `quant_decode.ONE_LAUNCH_MAX_SEQS`: the page launch and the
@@ -144,15 +150,17 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
     parser.add_argument("--batch", type=int, default=32, help="sequences of the decode")
     parser.add_argument("--sass", help="write the SASS of every launch here")
+    parser.add_argument("--ttgir", help="write Triton's GPU dialect of every launch here")
     constants.add_argument(parser)
     args = parser.parse_args()
     constants.apply(args.set)
     from dyngen_core.kv.attention.triton import quant_decode as qd
 
-    sass_out = []
+    sass_out, ttgir_out = [], []
     for arguments, keywords in captured_launches(args.bits, args.batch):
         compiled, sass = compile_launch(arguments, keywords)
         sass_out.append(sass)
+        ttgir_out.append(compiled.asm["ttgir"])
         usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", sass)
         print(f"q{args.bits}, batch {args.batch}, PROGRAMS {keywords['PROGRAMS']}: registers "
               f"{usage and usage.group(1)}, stack {usage and usage.group(2)}, local "
@@ -173,6 +181,8 @@ def main() -> None:
             print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
     if args.sass:
         Path(args.sass).write_text("\n".join(sass_out))
+    if args.ttgir:
+        Path(args.ttgir).write_text("\n".join(ttgir_out))
 
 
 if __name__ == "__main__":
