@@ -113,10 +113,10 @@ def load_word_rows(base, slots, stride_s, key_valid, W_PAD: tl.constexpr, W_VALI
     """Code words [BLOCK_N, W_PAD] of the rows at ``slots`` of one page (``base``: that page
     and KV head); invalid keys, and words from ``W_VALID`` on, read 0. Addressed as
     [BLOCK_N, 2, W_PAD / 2] (halves of rows): Triton gives a load as many contiguous elements
-    a thread as the loads of the same shape around it, so as a [BLOCK_N, W_PAD] tile beside
-    the key groups' byte tiles the words went to shared memory in runs of 32 (q4) or 64 (q8)
-    bytes a thread, each 32-byte sector split between two copies; in their own shape they go
-    in 16 bytes a thread, whole sectors a warp. W_PAD: a power of two >= 2."""
+    a thread as the loads of the same shape around it, so a [BLOCK_N, W_PAD] tile beside the
+    key groups' byte tiles would be copied to shared memory in runs of 32 (q4) or 64 (q8)
+    bytes a thread, each 32-byte sector split between two copies; in their own shape the words
+    go in 16 bytes a thread, whole sectors a warp. W_PAD: a power of two >= 2."""
     HALF: tl.constexpr = W_PAD // 2
     cols = tl.arange(0, 2)[:, None] * HALF + tl.arange(0, HALF)[None, :]
     mask = key_valid[:, None, None]
