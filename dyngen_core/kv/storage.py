@@ -79,13 +79,13 @@ def copy_page_slots(tensors: Sequence[torch.Tensor], copies: Sequence[PageCopy])
             for tensor in tensors:
                 tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
         return
-    # (page, slot) pairs, read and written: [4, slots copied]
-    pairs = [(c.src, slot, c.dst, slot) for c in copies for slot in range(c.num_slots)]
-    if not pairs:
+    # (page read, page written, slot) of every slot copied: [3, slots copied]
+    moves = [(c.src, c.dst, slot) for c in copies for slot in range(c.num_slots)]
+    if not moves:
         return
     indices: dict[torch.device, torch.Tensor] = {}
     for tensor in tensors:
         if tensor.device not in indices:
-            indices[tensor.device] = torch.tensor(pairs, device=tensor.device).T
-        src_page, src_slot, dst_page, dst_slot = indices[tensor.device]
-        tensor[dst_page, dst_slot] = tensor[src_page, src_slot]
+            indices[tensor.device] = torch.tensor(moves, device=tensor.device).T
+        src, dst, slot = indices[tensor.device]
+        tensor[dst, slot] = tensor[src, slot]
