@@ -177,9 +177,8 @@ def step_quant_write(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch
     ...] views of head-major memory, as `storage.QuantStorage` allocates them: the kernel
     addresses a slot's head row itself) at flat slots ``slot_mapping`` [T] (int32 or int64),
     keys minus ``offsets`` (float32 [kv_heads, head_dim], or None); ``bits``: (key bits,
-    value bits);
-    ``signs``: `format.rotation_signs` (32) on the device. Rows at slot 0 of a page also
-    go to ``head_rows`` [2, num_pages + 1, kv_heads, head_dim]. Its ``exact`` (allocated
+    value bits); ``signs``: `format.rotation_signs` (32) on the device. Rows at slot 0 of a
+    page also go to ``head_rows`` [2, num_pages + 1, kv_heads, head_dim]. Its ``exact`` (allocated
     here, written by the launch) will hold the step's exact rows [2, T, kv_heads, head_dim]
     in ``dtype`` (rotated, minus the offsets: `ExactStepRows.exact`). ``window``:
     also store those rows in the recent window of a decode-only step (its rows must be in
