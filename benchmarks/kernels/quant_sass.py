@@ -7,9 +7,8 @@ The kernel is compiled as the runtime compiles it: the kernel benchmark's own op
 rule) are built on the CPU, `attend_word_decode` runs with its launch captured, and Triton's
 own binder specializes those arguments for sm_90 (which integers and pointers are multiples of
 16: it changes the address code and the copies' widths) before `triton.compile`. The cubin's
-SASS is read with the `cuobjdump` that the triton package carries. Registers agree with Nsight
-Compute on the H200 (twenty-second session: q4 128 and q8 120 at batch 32, q4 163 at batch 1),
-where the hand-written signature this tool had before did not (255 for q4's one launch).
+SASS is read with the `cuobjdump` that the triton package carries. Its registers agree with
+Nsight Compute's on the H200 (BENCHMARKS.md, section 4).
 
 Loops are the backward branches of the SASS; the innermost one with the key dots (IMMA) is
 the key loop of the page programs, one block of ``BLOCK_N`` keys a pass, and its count is per
@@ -41,6 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -73,16 +73,10 @@ def captured_launches(bits: int, batch_size: int) -> list[tuple[tuple[Any, ...],
 
     # The launches as on an H200 (its multiprocessors set the split count), the split
     # combine after them left out (it needs a GPU and is not this kernel).
-    patches = {(qd, "quant_decode_kernel"): Capture(), (qd, "launch_combine"): lambda *a: None,
-               (decode, "multiprocessors"): lambda device: H200_MULTIPROCESSORS}
-    saved = {key: getattr(*key) for key in patches}
-    for (module, name), value in patches.items():
-        setattr(module, name, value)
-    try:
+    with (mock.patch.object(qd, "quant_decode_kernel", Capture()),
+          mock.patch.object(qd, "launch_combine", lambda *a: None),
+          mock.patch.object(decode, "multiprocessors", lambda device: H200_MULTIPROCESSORS)):
         bench.word_calls(storage, [batch], q, step_rows)[0]()
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
     return [(args, {**kwargs, "FAST_UNPACK": True}) for args, kwargs in launches]
 
 
@@ -145,6 +139,25 @@ def mix(body: list[str]) -> collections.Counter[str]:
     return ops
 
 
+def print_key_loops(sass: str, warps_per_key: float) -> None:
+    """Each innermost loop of ``sass`` with key dots (IMMA: not the tail's exact rows or the
+    write): its span, instructions a thread a pass, warp instructions a key and KV head
+    (``warps_per_key``: the program's warps over its keys a pass), and its instruction mix."""
+    code = instructions(sass)
+    found = loops(code)
+    for first, last in found:
+        if any(o != (first, last) and first <= o[0] and o[1] <= last for o in found):
+            continue  # not innermost
+        body = [text for _, text in code[first:last + 1]]
+        ops = mix(body)
+        if "IMMA" not in ops:
+            continue
+        print(f"key loop {code[first][0]:#x}-{code[last][0]:#x}: {len(body)} instructions a "
+              f"thread a pass ({len(body) * warps_per_key:.1f} warp instructions a key and KV "
+              f"head)")
+        print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
@@ -166,19 +179,7 @@ def main() -> None:
               f"{usage and usage.group(1)}, stack {usage and usage.group(2)}, local "
               f"{usage and usage.group(3)}, shared memory {compiled.metadata.shared} bytes a "
               f"program")
-        code = instructions(sass)
-        found = sorted(loops(code), key=lambda span: span[1] - span[0])
-        innermost = [span for span in found
-                     if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in found)]
-        for first, last in innermost:
-            body = [text for _, text in code[first:last + 1]]
-            ops = mix(body)
-            if "IMMA" not in ops:  # not a key loop (the tail's exact rows, the write)
-                continue
-            per_key = len(body) * qd.WARPS / qd.BLOCK_N
-            print(f"key loop {code[first][0]:#x}-{code[last][0]:#x}: {len(body)} instructions "
-                  f"a thread a pass ({per_key:.1f} warp instructions a key and KV head)")
-            print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
+        print_key_loops(sass, qd.WARPS / qd.BLOCK_N)
     if args.sass:
         Path(args.sass).write_text("\n".join(sass_out))
     if args.ttgir:
