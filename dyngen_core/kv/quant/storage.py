@@ -274,16 +274,19 @@ class QuantStorage:
                        slot_mapping: torch.Tensor,
                        decode_window: tuple[torch.Tensor, torch.Tensor] | None
                        ) -> StepQuantWrite | None:
-        """`write`'s operands for a decode kernel to write with, in a decode-only step
-        (``decode_window``) on a layer with a reserved window and the Triton write.
-        Nothing runs: the rows count as written (`exact_rows`, `write_recent`), so that kernel
-        must run before anything reads the layer. None (nothing done) elsewhere: `write`."""
+        """`write`'s operands for a decode kernel to write with, in a decode-only step (one
+        token per sequence; ``decode_window``: its positions and sequence slots, or None) on a
+        layer with the Triton write. With a reserved window the write also stores the window
+        rows, and needs ``decode_window``. Nothing runs: the rows count as written
+        (`exact_rows`, `write_recent`), so that kernel must run before anything reads the
+        layer. None (nothing done) where it does not apply: `write`."""
         fold = self._decode_fold(layer, decode_window)
-        if not self._triton[layer] or fold is None or decode_window is None:
+        if not self._triton[layer] or (self.recent is not None and fold is None):
             return None
         write = self._step_write(layer, key, value, slot_mapping, fold)
         self._memo.keep_rows(layer, key, value, ExactStepRows(exact=write.exact))
-        self._memo.keep_window(layer, (key, value, *decode_window))
+        if fold is not None and decode_window is not None:
+            self._memo.keep_window(layer, (key, value, *decode_window))
         return write
 
     def _decode_fold(self, layer: int, decode_window: tuple[torch.Tensor, torch.Tensor] | None

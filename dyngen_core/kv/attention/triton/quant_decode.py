@@ -25,17 +25,18 @@ with the code words, and the page programs load their page ids `PAGE_WINDOW` pag
 their blocks.
 
 Exact rows (the rule of `attention.sdpa`'s window reader): the page programs mask slot 0 of
-every page and stop at ``bulk_hi``, the recent window's first block. What is left, the "tail",
-is (a) the last one or two blocks [bulk_hi, ctx) under the window rule, (b) every page's exact
-head row, (c) the window's exact rows and the step's fresh rows (windows of up to 16 positions in
-16-row tiles). `tail_program` attends them in one program, one after the other, or in three side
-by side (`tail_parts_for`); each part writes one more partial, merged like a split. So the page
-loop carries no exact-row work at all. With a recent window the tail program that reads the
-window's rows may first do the storage's write of its head's rows of this step
+every page and stop at ``bulk_hi``, the recent window's first block (without a window, the block
+of the step's own key). What is left, the "tail", is (a) the last one or two blocks [bulk_hi,
+ctx) under the window rule, (b) every page's exact head row, (c) the window's exact rows and the
+step's fresh rows (windows of up to 16 positions in 16-row tiles). `tail_program` attends them in
+one program, one after the other, or in three side by side (`tail_parts_for`); each part writes
+one more partial, merged like a split. So the page loop carries no exact-row work at all. The
+last tail program may first do the storage's write of its head's rows of this step
 (`quant.write.write_token_heads`, the ``write`` of `attend_word_decode`), so the layer runs no
-write launch: no other program of the launch reads what it stores (the page programs and the
-other tail parts stop before the window, whose replaced row held a position no query of the step
-reads).
+write launch: no other program of the launch reads what it stores. The page programs stop
+before the step's key, and so do the other tail parts with a window (whose replaced row held a
+position no query of the step reads); without a window the one tail program reads the step's
+codes and head row itself, after a barrier.
 
 The launch shapes are module constants that production reads and the kernel benchmarks patch
 (benchmarks/kernels/quant_decode.py; figures in BENCHMARKS.md, section 4).
@@ -125,13 +126,14 @@ def word_pages_fit(key_bits: int, value_bits: int, page_size: int) -> bool:
 def deferred_word_write(storage: KVStorage, layer: int, key: torch.Tensor,
                         value: torch.Tensor, batch: ForwardBatch) -> StepQuantWrite | None:
     """The storage's write of this step's ``key``/``value`` rows, left to `attend_word_decode`
-    (its ``write``), where the batch will take that kernel with a recent window: a decode-only
-    batch with sequence slots over q8/q4 pages whose storage keeps a window and writes with
-    Triton (`QuantStorage.deferred_write`). The storage then counts the rows as written. None
+    (its ``write``), where the batch will take that kernel: a decode-only batch over q8/q4
+    pages whose storage writes with Triton (`QuantStorage.deferred_write`), with sequence slots
+    where the storage keeps a recent window. The storage then counts the rows as written. None
     (nothing done) elsewhere: the caller writes through the storage."""
-    if (not isinstance(storage, QuantStorage) or not batch.is_decode_only
-            or batch.seq_slots is None or storage.recent is None):
+    if not isinstance(storage, QuantStorage) or not batch.is_decode_only:
         return None
+    if storage.recent is not None and batch.seq_slots is None:
+        return None  # the exact rows then leave the window out (`decode.exact_operands`)
     if not word_pages_fit(storage.key_format.bits, storage.value_format.bits, batch.page_size):
         return None  # `word_decode_fits` sends the batch elsewhere
     return storage.deferred_write(layer, key, value, batch.slot_mapping, batch.decode_window)
@@ -185,10 +187,10 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     splits: parts the keys before the window are split into (from the batch shape only, for
         CUDA graphs).
     write: the storage's write of this step's rows, left to this launch
-        (`QuantStorage.deferred_write`; one token per sequence, a recent window): the tail
-        program of each (sequence, KV head) that reads the window's rows stores its head's
-        codes, scales, head row, window row and fresh exact rows first. ``exact`` must then
-        name the write's exact rows as its fresh rows. None: the storage wrote them before.
+        (`QuantStorage.deferred_write`; one token per sequence): the last tail program of
+        each (sequence, KV head) stores its head's codes, scales, head row, exact rows and
+        (with a recent window) window row first. With a window, ``exact`` must name the
+        write's exact rows as its fresh rows. None: the storage wrote them before.
     """
     if q.shape[0] != batch.num_seqs:
         raise ValueError(f"a decode batch has one query row per sequence: {q.shape[0]} rows "
@@ -236,10 +238,11 @@ def _write_operands(write: StepQuantWrite | None, exact: ExactOperands, q: torch
     if write is None:
         return (q,) * 5 + (0,) * 4 + (q,) * 6 + (0, 0) + (q,) * 4 + (0, 0), {}
     shape = write.constants
-    if exact.window == 0 or exact.window != shape["WINDOW"]:
-        raise ValueError("a write left to the decode kernel needs a recent window (the same "
-                         "as the exact rows'): take it from QuantStorage.deferred_write")
-    if exact.fresh_keys.data_ptr() != write.exact[0].data_ptr():
+    if exact.window != shape["WINDOW"]:
+        raise ValueError(f"a write left to the decode kernel stores a window of "
+                         f"{shape['WINDOW']} rows, the exact rows' is {exact.window}: take "
+                         f"both from the same storage (QuantStorage.deferred_write)")
+    if exact.window and exact.fresh_keys.data_ptr() != write.exact[0].data_ptr():
         raise ValueError("the exact operands' fresh rows must be the write's exact rows: "
                          "build them after QuantStorage.deferred_write")
     return (*write.arguments(), write.num_tokens), {
@@ -283,9 +286,9 @@ def quant_decode_kernel(
     (grid z TAIL_PARTS). FAST_UNPACK: unpack in inline PTX (CUDA only). PAGE_WINDOW: the page
     programs load page ids ahead, PAGE_WINDOW pages at a time (a power of two; 0: one id per
     block in the loop); the tail's one or two blocks keep the per-block load.
-    WRITE_STEP (WINDOW > 0): the last tail part of each (sequence, KV head) first does the
-    storage's write of that head's rows of this step (the ``w_*`` / ``stride_w*`` operands and
-    W_* constexprs: `quant.write.StepQuantWrite`, token ``w_tokens`` of the rows)."""
+    WRITE_STEP: the last tail part of each (sequence, KV head) first does the storage's write
+    of that head's rows of this step (the ``w_*`` / ``stride_w*`` operands and W_* constexprs:
+    `quant.write.StepQuantWrite`, token ``w_tokens`` of the rows)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PROGRAMS == 2:
@@ -303,7 +306,7 @@ def quant_decode_kernel(
                 w_head_rows_ptr, w_exact_ptr, w_num_slots, w_num_pages, w_positions_ptr,
                 w_seq_slots_ptr, w_ring_rows_ptr, w_ring_positions_ptr, w_slots_held, W_HEADS,
                 HEAD_DIM, PAGE_SIZE, K_BITS, V_BITS, W_HAS_OFFSETS, W_ROWS, W_INV_SQRT, WINDOW)
-            tl.debug_barrier()  # the fresh rows stored before this program's loads of them
+            tl.debug_barrier()  # what it stored (codes, head and fresh rows) before its loads
     ctx = tl.load(context_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < G
@@ -321,7 +324,8 @@ def quant_decode_kernel(
         bulk_hi = (tl.maximum(near_lo, 0) // BLOCK_N) * BLOCK_N
     else:
         ring_base = ctx * 0 - 1
-        bulk_hi = ctx
+        # The block of the step's own key is the tail's, which may write that key first.
+        bulk_hi = ((ctx - 1) // BLOCK_N) * BLOCK_N
     table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     if PROGRAMS == 1:
         m_i, l_i, acc = page_program(
