@@ -75,7 +75,8 @@ from dyngen_core.kv.storage import copies_independent, copy_page_slots
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
-# nothing for its cost: memory, and outputs that depend on whether a prefix came from the cache.
+# nothing for its cost: memory, outputs that depend on whether a prefix came from the cache,
+# and speculative decoding, which needs a target cache without a window.
 DEFAULT_RECENT_WINDOW = {"q8": 0, "q6": 16, "q4": 16}
 Result = TypeVar("Result")
 
