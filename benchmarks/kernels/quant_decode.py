@@ -20,8 +20,10 @@ quant_decode.PAGE_WINDOW=8`` etc. Each variant's output is checked against the f
 (``err``). A variant that is not one of those names is its own settings, joined by ``+``:
 ``quant_decode.WARPS=8+quant_decode.BLOCK_N=128``.
 Quantized modes run as the runner does (q4 with its 16-position recent window and page heads,
-q8 with page heads). Each call is timed inside a CUDA graph of ``--calls`` calls (batch 1
-cycles over 16 sequences' pages so L2 holds none of them), median of 5 replays.
+q8 with page heads; the kernel does the step's write, `quant_decode.deferred_word_write`, the
+same rows into the same slots every call). Each call is timed inside a CUDA graph of
+``--calls`` calls (batch 1 cycles over 16 sequences' pages so L2 holds none of them), median of
+5 replays.
 
     python benchmarks/kernels/quant_decode.py [--context 16384] [--batches 1,32]
         [--modes fp16,q8,q4] [--variants default,one-launch,two-launch] [--set ...]
@@ -69,7 +71,10 @@ from dyngen_core.kv.attention.triton.decode import (  # noqa: E402
     page_operands,
 )
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E402
-from dyngen_core.kv.attention.triton.quant_decode import attend_word_decode  # noqa: E402
+from dyngen_core.kv.attention.triton.quant_decode import (  # noqa: E402
+    attend_word_decode,
+    deferred_word_write,
+)
 from dyngen_core.kv.fp16 import FP16Storage  # noqa: E402
 from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
 
@@ -163,7 +168,9 @@ def fp16_calls(storage: Any, batches: list[ForwardBatch],
 
 def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
                step_rows: tuple[torch.Tensor, torch.Tensor]) -> list[Callable[[], Any]]:
-    """`attend_word_decode` over each batch with its operands prepared once (kernel alone)."""
+    """`attend_word_decode` over each batch with its operands prepared once (kernel alone),
+    doing the step's write as a decode step does (`deferred_word_write`; the same rows and
+    slots every call)."""
     backend = TritonPagedBackend(cascade_min_saved_keys=None)
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
@@ -171,11 +178,12 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
     splits = decode_splits(q.shape[0] * kv_heads, q.device)
 
     def call(b: ForwardBatch) -> Callable[[], Any]:
+        write = deferred_word_write(storage, 0, *step_rows, b)
         exact = exact_operands(storage, 0, b, step_rows)
         assert exact is not None
         return lambda: attend_word_decode(
             q, page_args, b, exact, q.shape[2] ** -0.5 * LOG2_E, key_bits=ops.key_bits,
-            value_bits=ops.value_bits, num_kv_heads=kv_heads, splits=splits)
+            value_bits=ops.value_bits, num_kv_heads=kv_heads, splits=splits, write=write)
 
     return [call(b) for b in batches]
 

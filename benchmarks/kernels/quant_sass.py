@@ -4,7 +4,8 @@ instruction mix of its key loop, the count that bounds it (BENCHMARKS.md, sectio
 
 The kernel is compiled as the runtime compiles it: the kernel benchmark's own operands
 (`benchmarks/kernels/quant_decode.py`: one layer of Llama-3-8B shape, the backend's launch
-rule) are built on the CPU, `attend_word_decode` runs with its launch captured, and Triton's
+rule, the step's write done by the kernel as a decode step on CUDA does it) are built on the
+CPU, `attend_word_decode` runs with its launch captured, and Triton's
 own binder specializes those arguments for sm_90 (which integers and pointers are multiples of
 16: it changes the address code and the copies' widths) before `triton.compile`. The cubin's
 SASS is read with the `cuobjdump` that the triton package carries. Its registers agree with
@@ -59,10 +60,13 @@ def captured_launches(bits: int, batch_size: int) -> list[tuple[tuple[Any, ...],
     from benchmarks.kernels import quant_decode as bench
     from dyngen_core.kv.attention.triton import decode
     from dyngen_core.kv.attention.triton import quant_decode as qd
+    from dyngen_core.kv.quant import storage as quant_storage
 
     config = llama3_8b_config()
     cpu = torch.device("cpu")
-    storage = bench.one_layer_storage(config, f"q{bits}", batch_size * 1024, cpu)
+    # The storage writes with Triton as on CUDA, so the launch does the step's write.
+    with mock.patch.object(quant_storage, "resolve_triton_write", lambda option, device: True):
+        storage = bench.one_layer_storage(config, f"q{bits}", batch_size * 1024, cpu)
     windowed = storage.reserve_sequences(batch_size) > 0
     batch, q, step_rows = bench.decode_inputs(config, batch_size, 1024, cpu, windowed)
     launches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
