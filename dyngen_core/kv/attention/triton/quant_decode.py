@@ -325,7 +325,7 @@ def quant_decode_kernel(
     else:
         ring_base = ctx * 0 - 1
         # The block of the step's own key is the tail's, which may write that key first.
-        bulk_hi = ((ctx - 1) // BLOCK_N) * BLOCK_N
+        bulk_hi = (tl.maximum(ctx - 1, 0) // BLOCK_N) * BLOCK_N
     table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     if PROGRAMS == 1:
         m_i, l_i, acc = page_program(
