@@ -195,10 +195,10 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
         start, start_cpu = time.perf_counter(), time.process_time()
         results = generator.iterate()
         wall.append(time.perf_counter() - start)
-        emitted.append(sum(len(r.get("token_ids", ())) for r in results))
         cpu.append(time.process_time() - start_cpu)
         if profiler is not None:
             profiler.disable()
+        emitted.append(sum(len(r.get("token_ids", ())) for r in results))
         sampler.append(sum(clock.seconds for clock in clocks))
         waited.append(waits.seconds)
         host_cpu.append(cpu[-1] - sum(clock.cpu_seconds for clock in (*clocks, waits)))
