@@ -421,7 +421,9 @@ class DrawGraphs:
             launch_fused_draw(x, keys, columns, bound, out, topk=topk)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a lazy capture must neither fail on another thread's unrelated CUDA
+        # call (an embedding model beside the engine's background thread) nor fail that call.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             launch_fused_draw(x, keys, columns, bound, out, topk=topk)
         if self._pool is None:
             self._pool = graph.pool()  # later graphs share its memory: never run concurrently
