@@ -125,11 +125,17 @@ def test_mixed_jobs_over_a_shared_document_in_every_mode(model_and_tokenizer, mo
     generator per mode: the fault and the cancel end those jobs alone, the others finish as
     asked (the plain job exactly as alone where the mode is cache-invariant), and no page is
     lost or leaked."""
-    _, tokenizer = model_and_tokenizer
+    check_mixture(model_and_tokenizer, mode)
+
+
+def check_mixture(parts, mode: str, **options) -> None:
+    """The mixture of `test_mixed_jobs_over_a_shared_document_in_every_mode` on ``parts``
+    (a model and its tokenizer) in ``mode``, each generator built with ``options``."""
+    _, tokenizer = parts
     shared = _ids(300, seed=40)
-    alone = _generator(model_and_tokenizer, mode, 8192)
+    alone = _generator(parts, mode, 8192, **options)
     alone_plain, _ = _run(alone, [_mixture(tokenizer, shared)[0].input_ids], new=12)
-    generator = _generator(model_and_tokenizer, mode, 8192)
+    generator = _generator(parts, mode, 8192, **options)
     jobs = _mixture(tokenizer, shared)
     generator.enqueue(jobs)
     stream = generator._records[jobs[3].job_id].stream

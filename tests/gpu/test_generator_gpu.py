@@ -14,6 +14,7 @@ import torch
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
 from dyngen_core.runtime.graphs import StepGraphs
+from tests.engine.test_cache_modes import check_mixture
 from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -78,3 +79,25 @@ def test_gpu_generator_with_dedup_and_preemption_matches_sdpa_alone(
     stats = small.stats()
     assert stats.prefill_tokens_reused > 0
     small.check_invariant()
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4"])
+def test_mixed_jobs_while_the_decode_kernel_writes(gpu_parts: tuple[Model, Tokenizer],
+                                                   mode: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU mixture (`check_mixture`: constrained, plain and sampled jobs over a shared
+    document, a fault in one job's text pipeline, a cancel) on CUDA with the Triton backend and
+    decode graphs, where the q8/q4 decode kernel does each decode step's write itself."""
+    from dyngen_core.kv.attention.triton import paged
+
+    left: list[bool] = []
+    original = paged.deferred_word_write
+
+    def counted(*args: object) -> object:
+        write = original(*args)  # type: ignore[arg-type]
+        left.append(write is not None)
+        return write
+
+    monkeypatch.setattr(paged, "deferred_word_write", counted)
+    check_mixture(gpu_parts, mode, attention_backend="triton")
+    assert any(left), "no decode step left its write to the kernel"
