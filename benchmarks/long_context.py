@@ -9,8 +9,7 @@ runner (sampling and scheduling excluded). Target: q4 at least as fast as fp16.
         [--modes fp16,q8,q4] [--recent-window N] [--profile BATCH] [--set MODULE.NAME=VALUE]
 
 ``--recent-window``: the quantized caches' recent window (`Cache(recent_window=...)`; default:
-each mode's own, 0 for q8 and 16 for q4), e.g. 16 to time q8 with exact recent rows, which
-lets its decode kernel write the step's rows itself as q4's does.
+each mode's own, 0 for q8 and 16 for q4), e.g. 16 to time q8 with exact recent rows.
 
 ``--set``: run with a kernel constant patched (benchmarks/kernels/constants.py), e.g.
 ``--set quant_decode.ONE_LAUNCH_MAX_SEQS=0``.

@@ -132,8 +132,6 @@ def deferred_word_write(storage: KVStorage, layer: int, key: torch.Tensor,
     (nothing done) elsewhere: the caller writes through the storage."""
     if not isinstance(storage, QuantStorage) or not batch.is_decode_only:
         return None
-    if storage.recent is not None and batch.seq_slots is None:
-        return None  # the exact rows then leave the window out (`decode.exact_operands`)
     if not word_pages_fit(storage.key_format.bits, storage.value_format.bits, batch.page_size):
         return None  # `word_decode_fits` sends the batch elsewhere
     return storage.deferred_write(layer, key, value, batch.slot_mapping, batch.decode_window)
@@ -317,15 +315,15 @@ def quant_decode_kernel(
     q_rotated = rotated_queries(q, rot_ptr, scale_log2, BLOCK_M, DIM_PAD)
     q = q_rotated.to(q_ptr.dtype.element_ty)
     qs = integer_queries(q_rotated, BLOCK_M, DIM_PAD, K_BITS)
-    near_lo = ctx - WINDOW
     if WINDOW > 0:
         seq_slot = tl.load(seq_slots_ptr + seq)
         ring_base = tl.where(seq_slot >= 0, seq_slot * WINDOW, -1)
-        bulk_hi = (tl.maximum(near_lo, 0) // BLOCK_N) * BLOCK_N
     else:
         ring_base = ctx * 0 - 1
-        # The block of the step's own key is the tail's, which may write that key first.
-        bulk_hi = (tl.maximum(ctx - 1, 0) // BLOCK_N) * BLOCK_N
+    # The page programs stop at the block of the window's first key or, without a window, of
+    # the step's own key (the tail's, which may write that key first).
+    TAIL_KEYS: tl.constexpr = WINDOW if WINDOW > 0 else 1
+    bulk_hi = (tl.maximum(ctx - TAIL_KEYS, 0) // BLOCK_N) * BLOCK_N
     table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     if PROGRAMS == 1:
         m_i, l_i, acc = page_program(
