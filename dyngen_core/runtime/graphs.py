@@ -56,6 +56,7 @@ from dyngen_core.kv.attention.base import (
 )
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model import Model
+from dyngen_core.ops.graph_capture import capture
 from dyngen_core.runtime.overlap import TokenFeed
 
 if TYPE_CHECKING:
@@ -324,8 +325,7 @@ class StepGraphs:
             self._step(batch)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a lazy capture must not fail on another thread's unrelated CUDA call.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with capture(graph, self._pool):
             logits = self._step(batch)
         self._pool = graph.pool()
         self._graphs[(size, query_len, with_tables)] = _Graph(graph, logits, batch)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dyngen_core.engine.record import SampleRequest
+from dyngen_core.ops.graph_capture import capture
 from dyngen_core.sampling import shaping as filters
 from dyngen_core.sampling.fused import (
     DEFAULT_TOPK,
@@ -421,9 +422,7 @@ class DrawGraphs:
             launch_fused_draw(x, keys, columns, bound, out, topk=topk)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a lazy capture must neither fail on another thread's unrelated CUDA
-        # call (an embedding model beside the engine's background thread) nor fail that call.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with capture(graph, self._pool):
             launch_fused_draw(x, keys, columns, bound, out, topk=topk)
         if self._pool is None:
             self._pool = graph.pool()  # later graphs share its memory: never run concurrently
