@@ -175,7 +175,7 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
     kv_heads = ops.keys.shape[2]
-    splits = decode_splits(q.shape[0] * kv_heads, q.device)
+    splits = decode_splits(q.shape[0] * kv_heads, q.device, one_wave=True)
 
     def call(b: ForwardBatch) -> Callable[[], Any]:
         write = deferred_word_write(storage, 0, *step_rows, b)

@@ -74,6 +74,9 @@ PAGE_WINDOW = 16
 # when choosing the split count (`decode_splits`).
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 4
+# 32-bit registers of a multiprocessor, shared by its resident programs' threads (64K on every
+# NVIDIA GPU since Kepler).
+REGISTERS_PER_SM = 65536
 # Decode batches of at most this many sequences merge their splits in the attention kernel,
 # and over float pages store the step's rows in it (`merges_in_kernel`); larger ones run the
 # storage's write and a second merge launch.
@@ -88,12 +91,26 @@ def multiprocessors(device: torch.device) -> int:
     return 4
 
 
-def decode_splits(programs: int, device: torch.device) -> int:
+def decode_splits(programs: int, device: torch.device, *, one_wave: bool = False) -> int:
     """Split count of a decode launch of ``programs`` (sequence, KV head) pairs: enough to give
-    every multiprocessor `PROGRAMS_PER_SM` programs, at most `MAX_SPLITS`. From the batch shape
-    only (never from context lengths), so a captured graph stays valid for every length."""
-    wanted = -(-PROGRAMS_PER_SM * multiprocessors(device) // programs)
+    every multiprocessor `PROGRAMS_PER_SM` programs (rounded up), or with ``one_wave`` at most
+    that many (rounded down: the q8/q4 kernel, `register_cap`), at most `MAX_SPLITS`. From the
+    batch shape only (never from context lengths), so a captured graph stays valid for every
+    length."""
+    slots = PROGRAMS_PER_SM * multiprocessors(device)
+    wanted = slots // programs if one_wave else -(-slots // programs)
     return max(1, min(MAX_SPLITS, wanted))
+
+
+def register_cap(programs: int, warps: int, device: torch.device) -> int | None:
+    """The ``maxnreg`` of a launch of ``programs`` programs of ``warps`` warps: the registers a
+    thread may hold for `PROGRAMS_PER_SM` programs to share a multiprocessor, where the launch
+    has more programs than ``PROGRAMS_PER_SM - 1`` a multiprocessor (a kernel compiled to more
+    registers than the cap, as q8's is, would have only that many resident); else None, the
+    compiler's choice: a launch that small gains nothing from the instructions a cap costs."""
+    if programs <= (PROGRAMS_PER_SM - 1) * multiprocessors(device):
+        return None
+    return REGISTERS_PER_SM // (PROGRAMS_PER_SM * warps * 32)
 
 
 def decode_page_window(page_size: int, quantized: bool) -> int:

@@ -115,7 +115,8 @@ class TritonPagedBackend:
             return attend_word_decode(
                 q, page_args, batch, exact, scale * LOG2_E, key_bits=ops.key_bits,
                 value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
-                splits=decode_splits(batch.num_seqs * heads.num_kv_heads, q.device),
+                splits=decode_splits(batch.num_seqs * heads.num_kv_heads, q.device,
+                                     one_wave=True),
                 write=quant_write)
         if quant_write is not None:
             raise RuntimeError("a quantized write was left to the word kernel, which this "

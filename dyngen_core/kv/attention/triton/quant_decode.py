@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.attention.triton.decode import ExactOperands, next_pow2
+from dyngen_core.kv.attention.triton.decode import ExactOperands, next_pow2, register_cap
 from dyngen_core.kv.attention.triton.key_loop import (
     attend_exact_rows,
     attend_page_heads,
@@ -222,8 +222,10 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     grids = [(partials, 0, shape)] if launches == 1 else [
         (splits, 1, shape), (tail_parts, 2, shape | {"PAGE_WINDOW": 0})]
     for programs, role, constants in grids:
+        cap = register_cap(batch.num_seqs * num_kv_heads * programs, WARPS, q.device)
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
-            *arguments, **constants, PROGRAMS=role, num_warps=WARPS, num_stages=STAGES)
+            *arguments, **constants, PROGRAMS=role, num_warps=WARPS, num_stages=STAGES,
+            maxnreg=cap)
     out = torch.empty_like(q)
     launch_combine(parts, lse, out, partials, head_dim, dim_pad)
     return out
