@@ -1,0 +1,69 @@
+"""The kernel benchmarks' own tools, which decide A/Bs: ``--set``
+(`benchmarks/kernels/constants.py`: the kernel constant a run patches, and its errors) and the
+SASS reading of `benchmarks/kernels/quant_sass.py` (instructions, loops, the key loop's
+instruction mix) on a hand-written listing. No GPU and no triton: the SASS is a string."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.kernels import constants, quant_sass
+from dyngen_core.kv.attention.triton import decode
+
+# Two loops: an outer one (0x0040-0x00c0) around an inner one with a key dot (0x0060-0x00a0),
+# and a separate loop without one (0x00e0-0x0100). Predicated instructions count by opcode.
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0060*/                   IMMA.16832.S8.S8 R8, R12, R16, R8 ;
+        /*0070*/               @P0 LOP3.LUT R3, R3, 0xf, RZ, 0xc0, !PT ;
+        /*0080*/              @!P1 LOP3.LUT R5, R5, 0xf0, RZ, 0xc0, !PT ;
+        /*0090*/                   HADD2 R6, R6, R7 ;
+        /*00a0*/               @P2 BRA 0x60 ;
+        /*00b0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*00c0*/                   BRA 0x40 ;
+        /*00e0*/                   FADD R9, R9, R10 ;
+        /*0100*/                   BRA 0xe0 ;
+        /*0110*/                   EXIT ;
+"""
+
+
+def test_instructions_and_loops_are_read_from_the_listing() -> None:
+    code = quant_sass.instructions(SASS)
+    assert code[0] == (0x0, "MOV R1, c[0x0][0x28]")
+    assert len(code) == 12
+    spans = {(code[first][0], code[last][0]) for first, last in quant_sass.loops(code)}
+    assert spans == {(0x60, 0xa0), (0x40, 0xc0), (0xe0, 0x100)}
+
+
+def test_the_mix_counts_opcodes_without_predicates_or_modifiers() -> None:
+    code = quant_sass.instructions(SASS)
+    ops = quant_sass.mix([text for _, text in code])
+    assert ops["LOP3"] == 2 and ops["BRA"] == 3 and ops["IMMA"] == 1 and ops["BAR"] == 1
+
+
+def test_only_the_innermost_loop_with_key_dots_is_reported(capsys) -> None:
+    quant_sass.print_key_loops(SASS, warps_per_key=4 / 64)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("key loop 0x60-0xa0: 5 instructions a thread a pass")
+    assert "(0.3 warp instructions a key and KV head)" in lines[0]
+    assert lines[1].split(", ")[0] == "   LOP3 2"
+    assert len(lines) == 2  # neither the outer loop nor the loop without IMMA
+
+
+def test_a_patched_constant_holds_inside_the_block_only() -> None:
+    before = decode.MAX_SPLITS
+    with constants.patched(["decode.MAX_SPLITS=7", "decode.PROGRAMS_PER_SM=2"]):
+        assert decode.MAX_SPLITS == 7 and decode.PROGRAMS_PER_SM == 2
+    assert decode.MAX_SPLITS == before
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("nowhere.X=1", "MODULE one of"),
+    ("decode=1", "MODULE one of"),
+    ("decode.NO_SUCH_CONSTANT=1", "has no constant NO_SUCH_CONSTANT"),
+    ("decode.MAX_SPLITS=sixteen", "is not a Python literal"),
+])
+def test_a_bad_setting_names_what_is_wrong(setting: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        constants.apply([setting])
