@@ -65,7 +65,6 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan  # noqa: E402
 from dyngen_core.kv.attention.base import ForwardBatch, build_forward_batch  # noqa: E402
 from dyngen_core.kv.attention.triton.decode import (  # noqa: E402
     LOG2_E,
-    decode_splits,
     exact_operands,
     page_arguments,
     page_operands,
@@ -74,6 +73,7 @@ from dyngen_core.kv.attention.triton.paged import TritonPagedBackend  # noqa: E4
 from dyngen_core.kv.attention.triton.quant_decode import (  # noqa: E402
     attend_word_decode,
     deferred_word_write,
+    page_splits,
 )
 from dyngen_core.kv.fp16 import FP16Storage  # noqa: E402
 from dyngen_core.kv.quant.storage import QuantStorage  # noqa: E402
@@ -175,7 +175,7 @@ def word_calls(storage: Any, batches: list[ForwardBatch], q: torch.Tensor,
     ops = page_operands(storage, 0)
     page_args = page_arguments(ops, backend._rotation(q.device))
     kv_heads = ops.keys.shape[2]
-    splits = decode_splits(q.shape[0] * kv_heads, q.device, one_wave=True)
+    splits = page_splits(q.shape[0], kv_heads, q.device)
 
     def call(b: ForwardBatch) -> Callable[[], Any]:
         write = deferred_word_write(storage, 0, *step_rows, b)

@@ -94,9 +94,9 @@ def multiprocessors(device: torch.device) -> int:
 def decode_splits(programs: int, device: torch.device, *, one_wave: bool = False) -> int:
     """Split count of a decode launch of ``programs`` (sequence, KV head) pairs: enough to give
     every multiprocessor `PROGRAMS_PER_SM` programs (rounded up), or with ``one_wave`` at most
-    that many (rounded down: the q8/q4 kernel, `register_cap`), at most `MAX_SPLITS`. From the
-    batch shape only (never from context lengths), so a captured graph stays valid for every
-    length."""
+    that many (rounded down: the q8/q4 kernel in one launch, `quant_decode.page_splits`), at
+    most `MAX_SPLITS`. From the batch shape only (never from context lengths), so a captured
+    graph stays valid for every length."""
     slots = PROGRAMS_PER_SM * multiprocessors(device)
     wanted = slots // programs if one_wave else -(-slots // programs)
     return max(1, min(MAX_SPLITS, wanted))

@@ -43,6 +43,7 @@ from dyngen_core.kv.attention.triton.prefill import TiledPrefill
 from dyngen_core.kv.attention.triton.quant_decode import (
     attend_word_decode,
     deferred_word_write,
+    page_splits,
     word_decode_fits,
 )
 from dyngen_core.kv.quant.format import GROUP_SIZE, hadamard_matrix
@@ -115,8 +116,7 @@ class TritonPagedBackend:
             return attend_word_decode(
                 q, page_args, batch, exact, scale * LOG2_E, key_bits=ops.key_bits,
                 value_bits=ops.value_bits, num_kv_heads=heads.num_kv_heads,
-                splits=decode_splits(batch.num_seqs * heads.num_kv_heads, q.device,
-                                     one_wave=True),
+                splits=page_splits(batch.num_seqs, heads.num_kv_heads, q.device),
                 write=quant_write)
         if quant_write is not None:
             raise RuntimeError("a quantized write was left to the word kernel, which this "

@@ -49,7 +49,12 @@ from typing import Any
 import torch
 
 from dyngen_core.kv.attention.base import ForwardBatch
-from dyngen_core.kv.attention.triton.decode import ExactOperands, next_pow2, register_cap
+from dyngen_core.kv.attention.triton.decode import (
+    ExactOperands,
+    decode_splits,
+    next_pow2,
+    register_cap,
+)
 from dyngen_core.kv.attention.triton.key_loop import (
     attend_exact_rows,
     attend_page_heads,
@@ -99,6 +104,16 @@ def launches_for(num_seqs: int) -> int:
     up to `ONE_LAUNCH_MAX_SEQS` sequences, else 2 (neither kind's code then takes registers
     from the other)."""
     return 1 if num_seqs <= ONE_LAUNCH_MAX_SEQS else 2
+
+
+def page_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Parts each (sequence, KV head)'s keys before the window are split into: in one launch
+    (`launches_for`), as many as fill one wave of page programs (`decode_splits` with
+    ``one_wave``; the launch is then held at `decode.PROGRAMS_PER_SM` programs a multiprocessor
+    by `decode.register_cap`); in two, at least one wave (`decode_splits`), where one split a
+    pair lost (BENCHMARKS.md, section 4). From the batch shape only, for CUDA graphs."""
+    one_wave = launches_for(num_seqs) == 1
+    return decode_splits(num_seqs * num_kv_heads, device, one_wave=one_wave)
 
 
 def tail_parts_for(window: int, launches: int) -> int:
@@ -182,8 +197,8 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     page_args: `decode.page_arguments` of the layer (codes as int32 words, scales, strides,
         rotation).
     scale_log2: softmax scale times log2(e).
-    splits: parts the keys before the window are split into (from the batch shape only, for
-        CUDA graphs).
+    splits: parts the keys before the window are split into (`page_splits`: from the batch
+        shape only, for CUDA graphs).
     write: the storage's write of this step's rows, left to this launch
         (`QuantStorage.deferred_write`; one token per sequence): the last tail program of
         each (sequence, KV head) stores its head's codes, scales, head row, exact rows and
@@ -222,7 +237,9 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     grids = [(partials, 0, shape)] if launches == 1 else [
         (splits, 1, shape), (tail_parts, 2, shape | {"PAGE_WINDOW": 0})]
     for programs, role, constants in grids:
-        cap = register_cap(batch.num_seqs * num_kv_heads * programs, WARPS, q.device)
+        # Two launches run the compiler's registers (page programs of 104 registers for q8).
+        cap = register_cap(batch.num_seqs * num_kv_heads * programs, WARPS,
+                           q.device) if launches == 1 else None
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
             *arguments, **constants, PROGRAMS=role, num_warps=WARPS, num_stages=STAGES,
             maxnreg=cap)
