@@ -236,10 +236,11 @@ def attend_word_decode(q: torch.Tensor, page_args: tuple[object, ...], batch: Fo
     # serves every page window.
     grids = [(partials, 0, shape)] if launches == 1 else [
         (splits, 1, shape), (tail_parts, 2, shape | {"PAGE_WINDOW": 0})]
+    # One launch holds its page programs in one wave (`page_splits`); two keep the compiler's
+    # registers, their programs being smaller than the one launch's.
+    cap = register_cap(batch.num_seqs * num_kv_heads * partials, WARPS,
+                       q.device) if launches == 1 else None
     for programs, role, constants in grids:
-        # Two launches run the compiler's registers (page programs of 104 registers for q8).
-        cap = register_cap(batch.num_seqs * num_kv_heads * programs, WARPS,
-                           q.device) if launches == 1 else None
         quant_decode_kernel[(batch.num_seqs, num_kv_heads, programs)](
             *arguments, **constants, PROGRAMS=role, num_warps=WARPS, num_stages=STAGES,
             maxnreg=cap)
