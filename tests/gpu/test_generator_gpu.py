@@ -81,14 +81,20 @@ def test_gpu_generator_with_dedup_and_preemption_matches_sdpa_alone(
     small.check_invariant()
 
 
+@pytest.mark.parametrize("capped", [False, True])
 @pytest.mark.parametrize("mode", ["q8", "q4"])
 def test_mixed_jobs_while_the_decode_kernel_writes(gpu_parts: tuple[Model, Tokenizer],
-                                                   mode: str,
+                                                   mode: str, capped: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU mixture (`check_mixture`: constrained, plain and sampled jobs over a shared
     document, a fault in one job's text pipeline, a cancel) on CUDA with the Triton backend and
-    decode graphs, where the q8/q4 decode kernel does each decode step's write itself."""
-    from dyngen_core.kv.attention.triton import paged
+    decode graphs, where the q8/q4 decode kernel does each decode step's write itself;
+    ``capped``: every one-launch decode compiled under the register cap that production gives
+    large batches only (`decode.register_cap`: this test's batches are small)."""
+    from dyngen_core.kv.attention.triton import paged, quant_decode
+
+    if capped:
+        monkeypatch.setattr(quant_decode, "register_cap", lambda programs, warps, on: 128)
 
     left: list[bool] = []
     original = paged.deferred_word_write

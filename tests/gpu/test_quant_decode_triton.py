@@ -115,6 +115,32 @@ def test_word_decode_half_precision(device: torch.device, monkeypatch: pytest.Mo
     assert float((out - ref).norm() / ref.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+def test_register_capped_launch_matches_the_compilers_own(device: torch.device,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          mode: str) -> None:
+    """fp16 queries: a launch compiled under the register cap (`decode.register_cap`, which
+    production gives large one-launch batches; q8's kernel then holds fewer registers than it
+    would) gives the output of the uncapped compile. The interpreter ignores the cap."""
+    from dyngen_core.kv.attention.triton import quant_decode
+
+    caps: list[int | None] = []
+
+    def forced(cap: int | None) -> Any:
+        def register_cap(programs: int, warps: int, on: torch.device) -> int | None:
+            caps.append(cap)
+            return cap
+        return register_cap
+
+    monkeypatch.setattr(quant_decode, "register_cap", forced(None))
+    free, ref = _outputs(mode, WINDOW, 64, torch.float16, device, _backend(monkeypatch, 2))
+    monkeypatch.setattr(quant_decode, "register_cap", forced(128))
+    capped, _ = _outputs(mode, WINDOW, 64, torch.float16, device, _backend(monkeypatch, 2))
+    assert caps and caps[-1] == 128  # both launches went through the rule
+    torch.testing.assert_close(capped, free, rtol=1e-3, atol=1e-3)
+    assert float((capped - ref).norm() / ref.norm()) < 2e-2
+
+
 @pytest.mark.parametrize("launches", [1, 2])
 def test_word_decode_splits_agree(device: torch.device, monkeypatch: pytest.MonkeyPatch,
                                   launches: int) -> None:
