@@ -289,7 +289,8 @@ def integer_scores(qs, k_base, slots, stride_ks, ks_ptr, ks_offset, stride_kss, 
     (`integer_queries`) against the keys at ``slots`` of one page (``k_base``: its int32 code
     words for the KV head; every row on 16 bytes, `quant_decode.check_key_rows`): one int8
     dot a group of 32 dims, times the key's scale of that group and the query's. Invalid keys
-    read 0."""
+    read 0. 4-bit key rows are copied whole (with head-major pages a block's rows are one run
+    of bytes) and split into groups in registers; 8-bit keys are copied one group at a time."""
     GROUP_BYTES: tl.constexpr = 4 * K_BITS
     row_bytes = tl.multiple_of(slots * (stride_ks * 4), 16)
     byte_ptr = k_base.to(tl.pointer_type(tl.int8))
@@ -297,13 +298,19 @@ def integer_scores(qs, k_base, slots, stride_ks, ks_ptr, ks_offset, stride_kss, 
                          HEAD_DIM).to(tl.float32)
     key_scales = group_columns(scales, BLOCK_N, G_PAD, 1)
     scores = tl.zeros([BLOCK_N, qs[0][0].shape[1]], tl.float32)
+    if K_BITS == 4:
+        cols = tl.arange(0, G_PAD * GROUP_BYTES)
+        rows = tl.load(byte_ptr + row_bytes[:, None] + cols[None, :],
+                       mask=key_valid[:, None] & (cols[None, :] < HEAD_DIM // 2), other=0)
+        row_groups = group_columns(rows, BLOCK_N, G_PAD, GROUP_BYTES)
     for g in tl.static_range(G_PAD):
         if g * 32 < HEAD_DIM:
-            cols = g * GROUP_BYTES + tl.arange(0, GROUP_BYTES)
-            codes = tl.load(byte_ptr + row_bytes[:, None] + cols[None, :],
-                            mask=key_valid[:, None], other=0)
             if K_BITS == 4:
-                codes = signed_nibbles(codes, BLOCK_N, FAST)
+                codes = signed_nibbles(row_groups[g], BLOCK_N, FAST)
+            else:
+                cols = g * GROUP_BYTES + tl.arange(0, GROUP_BYTES)
+                codes = tl.load(byte_ptr + row_bytes[:, None] + cols[None, :],
+                                mask=key_valid[:, None], other=0)
             dots = tl.dot(codes, qs[g][0]).to(tl.float32)
             scores += (dots * tl.reshape(key_scales[g], (BLOCK_N, 1))) * qs[g][1]
     return scores
