@@ -78,7 +78,7 @@ def _backend(monkeypatch: pytest.MonkeyPatch, splits: int, programs_per_sm: int 
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 @pytest.mark.parametrize("window", [0, WINDOW])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 96])
 def test_word_decode_matches_sdpa(device: torch.device, monkeypatch: pytest.MonkeyPatch,
                                   mode: str, window: int, head_dim: int) -> None:
     """float32 (exact dots): the kernel and the reference agree to rounding."""
