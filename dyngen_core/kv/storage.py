@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from dyngen_core.engine.plan import PageCopy
@@ -60,32 +61,36 @@ class KVStorage(Protocol):
         """Device memory held by the storage tensors."""
 
 
-def copies_independent(copies: Sequence[PageCopy]) -> bool:
-    """True when no copy reads a page that any copy writes and no page is written twice: the
-    copies may then run at once, in any order."""
-    written = {c.dst for c in copies}
-    return not any(c.src in written for c in copies) and len(written) == len(copies)
+def slot_moves(copies: Sequence[PageCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What running ``copies`` in order (each the first ``num_slots`` slots of page ``src`` onto
+    page ``dst``) comes to, as moves that may all run at once, every read before any write:
+    (page read, page written, slot) int64 arrays, one entry per slot whose content changes.
+    A copy that reads what an earlier one wrote reads that one's source instead, so chains
+    and cycles (defragmentation's, through its spare page) resolve into one gather and one
+    scatter, and a slot copied back where it came from does not move."""
+    if not copies:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    pages = np.array(sorted({c.src for c in copies} | {c.dst for c in copies}), dtype=np.int64)
+    row = {int(page): i for i, page in enumerate(pages)}
+    width = max(c.num_slots for c in copies)
+    origin = np.repeat(pages[:, None], width, axis=1)  # where each slot's content comes from
+    for c in copies:
+        origin[row[c.dst], :c.num_slots] = origin[row[c.src], :c.num_slots]
+    rows, slots = np.nonzero(origin != pages[:, None])
+    return origin[rows, slots], pages[rows], slots
 
 
 def copy_page_slots(tensors: Sequence[torch.Tensor], copies: Sequence[PageCopy]) -> None:
     """Copy the first ``num_slots`` slots of page ``src`` to page ``dst`` in every tensor of
-    ``tensors`` (each indexed [num_pages, page_size, ...], any strides), in the order of
-    ``copies``: one indexed copy per tensor when the copies are independent (the common case:
-    partial-page reuse, defrag moves into free pages), else copy by copy."""
-    if not copies:
-        return
-    if not copies_independent(copies):
-        for copy in copies:
-            for tensor in tensors:
-                tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
-        return
-    # (page read, page written, slot) of every slot copied: [3, slots copied]
-    moves = [(c.src, c.dst, slot) for c in copies for slot in range(c.num_slots)]
-    if not moves:
+    ``tensors`` (each indexed [num_pages, page_size, ...], any strides), with the result of
+    running ``copies`` in order, as one indexed copy per tensor (`slot_moves`)."""
+    moves = slot_moves(copies)
+    if not len(moves[0]):
         return
     indices: dict[torch.device, torch.Tensor] = {}
     for tensor in tensors:
         if tensor.device not in indices:
-            indices[tensor.device] = torch.tensor(moves, device=tensor.device).T
+            indices[tensor.device] = torch.from_numpy(np.stack(moves)).to(tensor.device)
         src, dst, slot = indices[tensor.device]
         tensor[dst, slot] = tensor[src, slot]

@@ -264,8 +264,8 @@ def test_copy_pages_copies_codes_and_scales_in_order(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_independent_copies_move_every_head_of_their_slots(mode: str) -> None:
-    """Copies that read no page another writes go as one indexed copy per tensor (partial
-    pages, defrag moves); every KV head of each copied slot moves, nothing else does."""
+    """Every KV head of each copied slot moves (partial pages, defrag moves), nothing else
+    does."""
     storage = QuantStorage(model_config(), 6, 8, torch.float32, ["cpu", "cpu"], mode)
     rows = keys_with_outliers(24, 2, 64, seed=3)
     storage.write(0, rows, -rows, torch.arange(24))

@@ -71,7 +71,7 @@ from dyngen_core.kv.quant.write import (
     write_pages_torch,
     write_window_triton,
 )
-from dyngen_core.kv.storage import copies_independent, copy_page_slots
+from dyngen_core.kv.storage import copy_page_slots, slot_moves
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
@@ -451,17 +451,14 @@ class QuantStorage:
 
 def _copy_head_rows(head_rows: torch.Tensor, copies: Sequence[PageCopy]) -> None:
     """Every copy starts at slot 0, so its destination takes the source's head rows (key and
-    value at once, ``head_rows`` [2, num_pages + 1, ...]); in order, as a later copy may read
-    what an earlier one wrote (at once when the copies are independent)."""
-    if not copies:
-        return
-    if copies_independent(copies):
-        src = torch.tensor([c.src for c in copies], device=head_rows.device)
-        dst = torch.tensor([c.dst for c in copies], device=head_rows.device)
-        head_rows.index_copy_(1, dst, head_rows.index_select(1, src))
-        return
-    for c in copies:
-        head_rows[:, c.dst].copy_(head_rows[:, c.src])
+    value at once, ``head_rows`` [2, num_pages + 1, ...]) with its slot 0, as running the
+    copies in order leaves them: one gather and one scatter (`slot_moves`)."""
+    src, dst, slot = slot_moves(copies)
+    first = slot == 0
+    if first.any():
+        src_pages = torch.from_numpy(src[first]).to(head_rows.device)
+        dst_pages = torch.from_numpy(dst[first]).to(head_rows.device)
+        head_rows.index_copy_(1, dst_pages, head_rows.index_select(1, src_pages))
 
 # What `StepMemo` reuses, and when. A backend hands the storage the same tensors several times
 # per layer (`write`, the exact operands of attention, `write_recent`: the same keys and
