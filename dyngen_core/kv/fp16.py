@@ -22,7 +22,7 @@ import torch
 
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import PageCopy
-from dyngen_core.kv.storage import copy_page_slots
+from dyngen_core.kv.storage import copy_page_slots, resolve_copies
 from dyngen_core.ops.triton_support import (
     launch_device,
     require_triton,
@@ -90,8 +90,9 @@ class FP16Storage:
 
     @torch.inference_mode()
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
-        """Copy slot ranges between pages in every layer, in order (`copy_page_slots`)."""
-        copy_page_slots([*self.keys, *self.values], copies)
+        """Copy slot ranges between pages in every layer, with the result of running them in
+        order (`resolve_copies`)."""
+        copy_page_slots([*self.keys, *self.values], resolve_copies(copies, self.page_size))
 
     def write_recent(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                      positions: torch.Tensor, seq_slots: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ running sequence (the quantized modes' recent window), by sequence slots the run
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -61,36 +62,71 @@ class KVStorage(Protocol):
         """Device memory held by the storage tensors."""
 
 
-def slot_moves(copies: Sequence[PageCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What running ``copies`` in order (each the first ``num_slots`` slots of page ``src`` onto
-    page ``dst``) comes to, as moves that may all run at once, every read before any write:
-    (page read, page written, slot) int64 arrays, one entry per slot whose content changes.
-    A copy that reads what an earlier one wrote reads that one's source instead, so chains
-    and cycles (defragmentation's, through its spare page) resolve into one gather and one
-    scatter, and a slot copied back where it came from does not move."""
+@dataclass
+class PageMoves:
+    """What running a list of page copies in order comes to, as moves that may all run at
+    once, every read before any write (`resolve_copies`): whole pages (``page_src[i]`` onto
+    ``page_dst[i]``) and single slots (slot ``slot[i]`` of ``slot_src[i]`` onto the same slot
+    of ``slot_dst[i]``); int64 arrays."""
+
+    page_src: np.ndarray
+    page_dst: np.ndarray
+    slot_src: np.ndarray
+    slot_dst: np.ndarray
+    slot: np.ndarray
+    _indices: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(len(self.page_src) or len(self.slot))
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The five arrays as int64 tensors on ``device`` (made once a device)."""
+        if device not in self._indices:
+            self._indices[device] = tuple(
+                torch.from_numpy(a).to(device) for a in
+                (self.page_src, self.page_dst, self.slot_src, self.slot_dst, self.slot))
+        return self._indices[device]
+
+    def slot_zero(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, destination) of every page whose slot 0 moves."""
+        first = self.slot == 0
+        return (np.concatenate([self.page_src, self.slot_src[first]]),
+                np.concatenate([self.page_dst, self.slot_dst[first]]))
+
+
+def resolve_copies(copies: Sequence[PageCopy], page_size: int) -> PageMoves:
+    """The moves ``copies`` (each the first ``num_slots`` slots of page ``src`` onto page
+    ``dst``, in order) come to: a copy that reads what an earlier one wrote reads that one's
+    source instead, so chains and cycles (defragmentation's, through its spare page) resolve
+    into moves that run at once; a slot that ends where it started does not move. A page all
+    of whose ``page_size`` slots come from one other page is a whole-page move."""
+    empty = np.zeros(0, dtype=np.int64)
     if not copies:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
+        return PageMoves(empty, empty, empty, empty, empty)
     pages = np.array(sorted({c.src for c in copies} | {c.dst for c in copies}), dtype=np.int64)
     row = {int(page): i for i, page in enumerate(pages)}
     width = max(c.num_slots for c in copies)
     origin = np.repeat(pages[:, None], width, axis=1)  # where each slot's content comes from
     for c in copies:
         origin[row[c.dst], :c.num_slots] = origin[row[c.src], :c.num_slots]
-    rows, slots = np.nonzero(origin != pages[:, None])
-    return origin[rows, slots], pages[rows], slots
+    moved = origin != pages[:, None]
+    whole = moved.all(axis=1) & (origin == origin[:, :1]).all(axis=1) if width == page_size \
+        else np.zeros(len(pages), dtype=bool)
+    rows, slots = np.nonzero(moved & ~whole[:, None])
+    return PageMoves(origin[whole, 0], pages[whole], origin[rows, slots], pages[rows], slots)
 
 
-def copy_page_slots(tensors: Sequence[torch.Tensor], copies: Sequence[PageCopy]) -> None:
-    """Copy the first ``num_slots`` slots of page ``src`` to page ``dst`` in every tensor of
-    ``tensors`` (each indexed [num_pages, page_size, ...], any strides), with the result of
-    running ``copies`` in order, as one indexed copy per tensor (`slot_moves`)."""
-    moves = slot_moves(copies)
-    if not len(moves[0]):
+def copy_page_slots(tensors: Sequence[torch.Tensor], moves: PageMoves) -> None:
+    """Run ``moves`` (`resolve_copies`) in every tensor of ``tensors`` (each indexed
+    [num_pages, page_size, ...], any strides): a tensor's whole pages and single slots are
+    both gathered before either is scattered (a move may read a page another one writes)."""
+    if not moves:
         return
-    indices: dict[torch.device, torch.Tensor] = {}
     for tensor in tensors:
-        if tensor.device not in indices:
-            indices[tensor.device] = torch.from_numpy(np.stack(moves)).to(tensor.device)
-        src, dst, slot = indices[tensor.device]
-        tensor[dst, slot] = tensor[src, slot]
+        page_src, page_dst, slot_src, slot_dst, slot = moves.on(tensor.device)
+        pages = tensor.index_select(0, page_src) if len(page_src) else None
+        slots = tensor[slot_src, slot] if len(slot) else None
+        if pages is not None:
+            tensor.index_copy_(0, page_dst, pages)
+        if slots is not None:
+            tensor[slot_dst, slot] = slots

@@ -1,6 +1,6 @@
-"""Page copies resolved into one gather and scatter (`kv.storage.slot_moves`): a plan's ordered
-copies (partial-page reuse, defragmentation's chains and cycles) leave what running them one by
-one leaves, in every storage mode."""
+"""Page copies resolved into moves that run at once (`kv.storage.resolve_copies`): a plan's
+ordered copies (partial-page reuse, defragmentation's chains and cycles) leave what running them
+one by one leaves, in every storage mode; whole pages move as pages."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dyngen_core.engine.defrag import plan_defrag
 from dyngen_core.engine.plan import PageCopy
 from dyngen_core.kv.fp16 import FP16Storage
 from dyngen_core.kv.quant.storage import QuantStorage
-from dyngen_core.kv.storage import copy_page_slots, slot_moves
+from dyngen_core.kv.storage import copy_page_slots, resolve_copies
 
 PAGES, PAGE_SIZE = 12, 8
 
@@ -41,8 +41,14 @@ def random_copies(rng: random.Random, count: int) -> list[PageCopy]:
     return copies
 
 
-def moves(copies: list[PageCopy]) -> list[tuple[int, int, int]]:
-    return sorted(zip(*(m.tolist() for m in slot_moves(copies)), strict=True))
+def moves(copies: list[PageCopy], page_size: int = 4) -> list[tuple[int, int, int]]:
+    """Every slot's move, whole pages as their slots."""
+    resolved = resolve_copies(copies, page_size)
+    slots = list(zip(resolved.slot_src.tolist(), resolved.slot_dst.tolist(),
+                     resolved.slot.tolist(), strict=True))
+    for src, dst in zip(resolved.page_src.tolist(), resolved.page_dst.tolist(), strict=True):
+        slots += [(src, dst, slot) for slot in range(page_size)]
+    return sorted(slots)
 
 
 def test_chains_and_cycles_resolve_to_their_first_source() -> None:
@@ -58,15 +64,21 @@ def test_chains_and_cycles_resolve_to_their_first_source() -> None:
     # Copied there and back: the first page ends as it was.
     assert moves([PageCopy(1, 2, 3), PageCopy(2, 1, 3)]) == [(1, 2, 0), (1, 2, 1), (1, 2, 2)]
     assert moves([]) == []
+    # Whole pages are page moves: a full copy, and a page filled in two parts from one source.
+    whole = resolve_copies([PageCopy(1, 2, 4), PageCopy(3, 5, 2), PageCopy(3, 5, 4)], 4)
+    assert whole.page_src.tolist() == [1, 3] and whole.page_dst.tolist() == [2, 5]
+    assert not len(whole.slot)
+    part = resolve_copies([PageCopy(1, 2, 4), PageCopy(3, 2, 1)], 4)
+    assert not len(part.page_src) and part.slot_src.tolist() == [3, 1, 1, 1]
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_waves_give_the_in_order_result(seed: int) -> None:
+@pytest.mark.parametrize("seed", range(40))
+def test_resolved_moves_give_the_in_order_result(seed: int) -> None:
     rng = random.Random(seed)
     tensor = torch.randn(PAGES, PAGE_SIZE, 2, 4)
     copies = random_copies(rng, rng.randint(1, 14))
     expected = one_by_one(tensor, copies)
-    copy_page_slots([tensor], copies)
+    copy_page_slots([tensor], resolve_copies(copies, PAGE_SIZE))
     assert torch.equal(tensor, expected)
 
 
@@ -79,7 +91,9 @@ def test_a_defragmentation_plan_moves_every_page_at_once() -> None:
     assert len(plan.copies) > len(plan.mapping)  # a cycle went through the spare page
     tensor = torch.randn(PAGES, PAGE_SIZE, 2, 4)
     before = tensor.clone()
-    copy_page_slots([tensor], plan.copies)
+    moves = resolve_copies(plan.copies, PAGE_SIZE)
+    assert len(moves.page_src) == len(plan.mapping) + 1 and not len(moves.slot)  # + the spare
+    copy_page_slots([tensor], moves)
     for old, new in plan.mapping.items():
         assert torch.equal(tensor[new], before[old])
 

@@ -71,7 +71,7 @@ from dyngen_core.kv.quant.write import (
     write_pages_torch,
     write_window_triton,
 )
-from dyngen_core.kv.storage import copy_page_slots, slot_moves
+from dyngen_core.kv.storage import PageMoves, copy_page_slots, resolve_copies
 
 MODE_BITS: dict[str, tuple[int, int]] = {"q8": (8, 8), "q6": (6, 6), "q4": (4, 4)}
 # q8 is close enough to exact (next-token KL 4e-5 on the demo model) that a window would buy
@@ -401,9 +401,10 @@ class QuantStorage:
         copies = [c for c in copies if c.src != c.dst and c.num_slots > 0]
         for c in copies:
             self._check_copy(c)
+        moves = resolve_copies(copies, self.page_size)
         for pages in self.layers:
-            copy_page_slots(pages.tensors(), copies)
-            _copy_head_rows(pages.head_rows, copies)
+            copy_page_slots(pages.tensors(), moves)
+            _copy_head_rows(pages.head_rows, moves)
 
     def _check_copy(self, copy: PageCopy) -> None:
         for page in (copy.src, copy.dst):
@@ -449,15 +450,14 @@ class QuantStorage:
         return len(self.layers) * 2 * self.num_kv_heads * self.head_dim * element
 
 
-def _copy_head_rows(head_rows: torch.Tensor, copies: Sequence[PageCopy]) -> None:
+def _copy_head_rows(head_rows: torch.Tensor, moves: PageMoves) -> None:
     """Every copy starts at slot 0, so its destination takes the source's head rows (key and
     value at once, ``head_rows`` [2, num_pages + 1, ...]) with its slot 0, as running the
-    copies in order leaves them: one gather and one scatter (`slot_moves`)."""
-    src, dst, slot = slot_moves(copies)
-    first = slot == 0
-    if first.any():
-        src_pages = torch.from_numpy(src[first]).to(head_rows.device)
-        dst_pages = torch.from_numpy(dst[first]).to(head_rows.device)
+    copies in order leaves them: one gather and one scatter (`resolve_copies`)."""
+    src, dst = moves.slot_zero()
+    if len(src):
+        src_pages = torch.from_numpy(src).to(head_rows.device)
+        dst_pages = torch.from_numpy(dst).to(head_rows.device)
         head_rows.index_copy_(1, dst_pages, head_rows.index_select(1, src_pages))
 
 # What `StepMemo` reuses, and when. A backend hands the storage the same tensors several times
