@@ -81,21 +81,32 @@ class StepPlan:
         return not self.slices and not self.copies
 
 
-# The job id of `warm_up_plan`'s slice (no job has it).
+# The job id of the warm-up plans' slices (no job has it).
 WARM_UP_JOB_ID = -1
+# Query lengths of the short warm-up prefills: a prefill chunk of up to 16 tokens (a short
+# prompt, a chunk beside running decodes) may take its own attention launch shape, chosen by
+# powers of two.
+WARM_UP_SHORT_QUERIES = (2, 4, 8, 16)
 
 
-def warm_up_plan(max_tokens: int, page_size: int, num_pages: int) -> StepPlan:
-    """A prefill of ``min(max_tokens, num_pages * page_size)`` tokens (id 0) from position 0
-    through pages ``0, 1, ...``, sampling its last row, for a generator to run before its first
-    job: it writes only those pages' slots, which no job reads before writing its own, so the
-    engine's first real prefill of that size no longer pays the device's one-time costs."""
+def warm_up_plans(max_tokens: int, page_size: int, num_pages: int) -> list[StepPlan]:
+    """Prefills for a generator to run before its first job, each sampling its last row: one of
+    ``min(max_tokens, num_pages * page_size)`` tokens (id 0) from position 0 through pages
+    ``0, 1, ...``, then one of each `WARM_UP_SHORT_QUERIES` length (at most that many
+    tokens) from position 0 of page 0. They write only those pages' slots, which no job reads
+    before writing its own, so the engine's first real prefills of those sizes no longer pay
+    the device's one-time costs (kernel compiles among them)."""
     if max_tokens < 1 or page_size < 1 or num_pages < 1:
         raise ValueError(f"a warm-up prefill needs tokens, pages and slots; got max_tokens="
                          f"{max_tokens}, page_size={page_size}, num_pages={num_pages}")
     tokens = min(max_tokens, num_pages * page_size)
-    pages = list(range(-(-tokens // page_size)))
-    return StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * tokens, 0, pages, True)])
+    plans = [StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * tokens, 0,
+                                            list(range(-(-tokens // page_size))), True)])]
+    for short in sorted({min(n, tokens) for n in WARM_UP_SHORT_QUERIES} - {tokens}):
+        pages = list(range(-(-short // page_size)))
+        plans.append(StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * short, 0, pages,
+                                                    True)]))
+    return plans
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dyngen_core.engine.plan import (
     SampledTokens,
     StepOutcome,
     StepPlan,
-    warm_up_plan,
+    warm_up_plans,
 )
 from dyngen_core.engine.record import JobRecord
 from dyngen_core.engine.results import EosReason, GeneratorStats, Result
@@ -191,15 +191,16 @@ class DynamicGenerator:
         return generator
 
     def _warm_up(self, max_tokens: int) -> None:
-        """Prefill ``max_tokens`` tokens into free pages before any job (`plan.warm_up_plan`),
-        through the draft model too: on CUDA the first prefill of a size pays one-time costs
-        (the caching allocator's growth, the matrix library's choices for new shapes, kernel
-        compiles) that would otherwise fall on the first large batch users send."""
-        plan = warm_up_plan(max_tokens, self.cache.page_size, self.cache.num_pages)
-        self._runner.run(plan)
-        if self._speculator is not None:
-            self._speculator.follow(plan)
-            self._speculator.forget(WARM_UP_JOB_ID)
+        """Run `plan.warm_up_plans` (a prefill of ``max_tokens`` tokens, then short ones) into
+        free pages before any job, through the draft model too: on CUDA the first prefill of
+        a size pays one-time costs (the caching allocator's growth, the matrix library's
+        choices for new shapes, kernel compiles) that would otherwise fall on the first batch
+        of that shape users send, stalling every running job."""
+        for plan in warm_up_plans(max_tokens, self.cache.page_size, self.cache.num_pages):
+            self._runner.run(plan)
+            if self._speculator is not None:
+                self._speculator.follow(plan)
+                self._speculator.forget(WARM_UP_JOB_ID)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers of a split model (their loops return; those

@@ -1,4 +1,4 @@
-"""The start-up prefill a generator runs on CUDA (`plan.warm_up_plan`): it writes only free
+"""The start-up prefills a generator runs on CUDA (`plan.warm_up_plans`): they write only free
 pages, so jobs after it produce what they produce without it, whatever the cache and drafter.
 (The generator runs it on CUDA only; these tests call it on the CPU.)"""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
-from dyngen_core.engine.plan import WARM_UP_JOB_ID, warm_up_plan
+from dyngen_core.engine.plan import WARM_UP_JOB_ID, WARM_UP_SHORT_QUERIES, warm_up_plans
 from tests.tiny_models import write_tiny_model
 
 
@@ -25,15 +25,22 @@ def quantizable(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return Model.load(folder, device="cpu", dtype="float32")
 
 
-def test_the_warm_up_plan_prefills_the_largest_chunk_that_fits_from_page_zero() -> None:
-    plan = warm_up_plan(1000, page_size=256, num_pages=8)
-    (piece,) = plan.slices
+def test_the_warm_up_prefills_the_largest_chunk_that_fits_then_short_ones() -> None:
+    big, *short = warm_up_plans(1000, page_size=256, num_pages=8)
+    (piece,) = big.slices
     assert piece.job_id == WARM_UP_JOB_ID and piece.start_pos == 0 and piece.sample
     assert len(piece.token_ids) == 1000 and piece.page_table == [0, 1, 2, 3]
-    capped = warm_up_plan(5000, page_size=256, num_pages=3).slices[0]
+    assert [len(p.slices[0].token_ids) for p in short] == list(WARM_UP_SHORT_QUERIES)
+    for plan in short:
+        (piece,) = plan.slices
+        assert piece.start_pos == 0 and piece.page_table == [0] and piece.sample
+    capped = warm_up_plans(5000, page_size=256, num_pages=3)[0].slices[0]
     assert len(capped.token_ids) == 768 and capped.page_table == [0, 1, 2]
+    tiny = warm_up_plans(5, page_size=4, num_pages=2)  # 5 tokens: shorts of 2 and 4 only
+    assert [len(p.slices[0].token_ids) for p in tiny] == [5, 2, 4]
+    assert tiny[0].slices[0].page_table == [0, 1]
     with pytest.raises(ValueError, match="max_tokens=0"):
-        warm_up_plan(0, page_size=256, num_pages=3)
+        warm_up_plans(0, page_size=256, num_pages=3)
 
 
 def _jobs() -> list[Job]:
