@@ -7,12 +7,11 @@ exact for fp16 and q8 and only structural for q6/q4, whose rounding may flip a g
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
-from tests.tiny_models import write_tiny_model
+from tests.tiny_models import load_quantizable_model
 
 GREEDY = SamplerSettings.greedy()
 MODES = ("fp16", "q8", "q6", "q4")
@@ -20,11 +19,7 @@ MODES = ("fp16", "q8", "q6", "q4")
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Tokenizer]:
-    # Quantized modes need head_dim to be a multiple of 32: 128 hidden / 4 heads.
-    folder: Path = write_tiny_model(tmp_path_factory.mktemp("modes"), arch="llama", seed=5,
-                                    hidden_size=128, intermediate_size=256,
-                                    num_attention_heads=4, num_key_value_heads=2)
-    return Model.load(folder, device="cpu", dtype="float32"), Tokenizer.from_model_dir(folder)
+    return load_quantizable_model(tmp_path_factory.mktemp("modes"))
 
 
 def _generator(parts, mode: str, cache_tokens: int, recent_window=None,

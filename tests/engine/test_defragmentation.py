@@ -5,7 +5,6 @@ job's output is the one it gives without it, in fp16 and quantized caches."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
 from dyngen_core.engine import scheduler as scheduler_module
 from dyngen_core.engine.defrag import plan_defrag
-from tests.tiny_models import write_tiny_model
+from tests.tiny_models import load_quantizable_model
 
 GREEDY = SamplerSettings.greedy()
 SAMPLED = SamplerSettings(temperature=0.9, top_p=0.9)
@@ -21,11 +20,7 @@ SAMPLED = SamplerSettings(temperature=0.9, top_p=0.9)
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Tokenizer]:
-    # Quantized modes need head_dim to be a multiple of 32: 128 hidden / 4 heads.
-    folder: Path = write_tiny_model(tmp_path_factory.mktemp("defrag"), arch="llama", seed=5,
-                                    hidden_size=128, intermediate_size=256,
-                                    num_attention_heads=4, num_key_value_heads=2)
-    return Model.load(folder, device="cpu", dtype="float32"), Tokenizer.from_model_dir(folder)
+    return load_quantizable_model(tmp_path_factory.mktemp("defrag"))
 
 
 def jobs() -> list[Job]:

@@ -7,22 +7,19 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
 from dyngen_core.engine.plan import WARM_UP_JOB_ID, WARM_UP_SHORT_QUERIES, warm_up_plans
-from tests.tiny_models import write_tiny_model
+from tests.tiny_models import load_quantizable_model
 
 
 @pytest.fixture(scope="module")
 def quantizable(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """A tiny model whose head_dim (32) quantized caches accept."""
-    folder: Path = write_tiny_model(tmp_path_factory.mktemp("warm_up"), arch="llama", seed=5,
-                                    hidden_size=128, intermediate_size=256,
-                                    num_attention_heads=4, num_key_value_heads=2)
-    return Model.load(folder, device="cpu", dtype="float32")
+    model, _ = load_quantizable_model(tmp_path_factory.mktemp("warm_up"))
+    return model
 
 
 def test_the_warm_up_prefills_the_largest_chunk_that_fits_then_short_ones() -> None:
