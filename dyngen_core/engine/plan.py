@@ -100,13 +100,10 @@ def warm_up_plans(max_tokens: int, page_size: int, num_pages: int) -> list[StepP
         raise ValueError(f"a warm-up prefill needs tokens, pages and slots; got max_tokens="
                          f"{max_tokens}, page_size={page_size}, num_pages={num_pages}")
     tokens = min(max_tokens, num_pages * page_size)
-    plans = [StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * tokens, 0,
-                                            list(range(-(-tokens // page_size))), True)])]
-    for short in sorted({min(n, tokens) for n in WARM_UP_SHORT_QUERIES} - {tokens}):
-        pages = list(range(-(-short // page_size)))
-        plans.append(StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * short, 0, pages,
-                                                    True)]))
-    return plans
+    shorts = sorted({min(n, tokens) for n in WARM_UP_SHORT_QUERIES} - {tokens})
+    return [StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * n, 0,
+                                           list(range(-(-n // page_size))), True)])
+            for n in (tokens, *shorts)]
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -62,6 +62,19 @@ class KVStorage(Protocol):
         """Device memory held by the storage tensors."""
 
 
+class DeviceMoves(NamedTuple):
+    """`PageMoves` as int64 tensors on one device, with the pages whose slot 0 moves (a page's
+    per-page rows, such as the quantized storage's head rows, follow its slot 0)."""
+
+    page_src: torch.Tensor
+    page_dst: torch.Tensor
+    slot_src: torch.Tensor
+    slot_dst: torch.Tensor
+    slot: torch.Tensor
+    head_src: torch.Tensor
+    head_dst: torch.Tensor
+
+
 @dataclass
 class PageMoves:
     """What running a list of page copies in order comes to, as moves that may all run at
@@ -74,24 +87,20 @@ class PageMoves:
     slot_src: np.ndarray
     slot_dst: np.ndarray
     slot: np.ndarray
-    _indices: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    _on: dict[torch.device, DeviceMoves] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(len(self.page_src) or len(self.slot))
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The five arrays as int64 tensors on ``device`` (made once a device)."""
-        if device not in self._indices:
-            self._indices[device] = tuple(
-                torch.from_numpy(a).to(device) for a in
-                (self.page_src, self.page_dst, self.slot_src, self.slot_dst, self.slot))
-        return self._indices[device]
-
-    def slot_zero(self) -> tuple[np.ndarray, np.ndarray]:
-        """(source, destination) of every page whose slot 0 moves."""
-        first = self.slot == 0
-        return (np.concatenate([self.page_src, self.slot_src[first]]),
-                np.concatenate([self.page_dst, self.slot_dst[first]]))
+    def on(self, device: torch.device) -> DeviceMoves:
+        """The moves as tensors on ``device`` (made once a device, for every layer there)."""
+        if device not in self._on:
+            first = self.slot == 0
+            arrays = (self.page_src, self.page_dst, self.slot_src, self.slot_dst, self.slot,
+                      np.concatenate([self.page_src, self.slot_src[first]]),
+                      np.concatenate([self.page_dst, self.slot_dst[first]]))
+            self._on[device] = DeviceMoves(*(torch.from_numpy(a).to(device) for a in arrays))
+        return self._on[device]
 
 
 def resolve_copies(copies: Sequence[PageCopy], page_size: int) -> PageMoves:
@@ -123,10 +132,10 @@ def copy_page_slots(tensors: Sequence[torch.Tensor], moves: PageMoves) -> None:
     if not moves:
         return
     for tensor in tensors:
-        page_src, page_dst, slot_src, slot_dst, slot = moves.on(tensor.device)
-        pages = tensor.index_select(0, page_src) if len(page_src) else None
-        slots = tensor[slot_src, slot] if len(slot) else None
+        on = moves.on(tensor.device)
+        pages = tensor.index_select(0, on.page_src) if len(on.page_src) else None
+        slots = tensor[on.slot_src, on.slot] if len(on.slot) else None
         if pages is not None:
-            tensor.index_copy_(0, page_dst, pages)
+            tensor.index_copy_(0, on.page_dst, pages)
         if slots is not None:
-            tensor[slot_dst, slot] = slots
+            tensor[on.slot_dst, on.slot] = slots

@@ -454,11 +454,11 @@ def _copy_head_rows(head_rows: torch.Tensor, moves: PageMoves) -> None:
     """Every copy starts at slot 0, so its destination takes the source's head rows (key and
     value at once, ``head_rows`` [2, num_pages + 1, ...]) with its slot 0, as running the
     copies in order leaves them: one gather and one scatter (`resolve_copies`)."""
-    src, dst = moves.slot_zero()
-    if len(src):
-        src_pages = torch.from_numpy(src).to(head_rows.device)
-        dst_pages = torch.from_numpy(dst).to(head_rows.device)
-        head_rows.index_copy_(1, dst_pages, head_rows.index_select(1, src_pages))
+    if not moves:
+        return
+    on = moves.on(head_rows.device)
+    if len(on.head_src):
+        head_rows.index_copy_(1, on.head_dst, head_rows.index_select(1, on.head_src))
 
 # What `StepMemo` reuses, and when. A backend hands the storage the same tensors several times
 # per layer (`write`, the exact operands of attention, `write_recent`: the same keys and
