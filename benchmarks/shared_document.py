@@ -46,15 +46,7 @@ def run_case(name: str, model: Any, tokenizer: Any, prompts: list[list[int]],
              **options: Any) -> float:
     generator = make_generator(model, tokenizer, cache_tokens=cache_tokens_for(prompts, NEW),
                                max_batch_size=len(prompts), max_chunk_size=16384, **options)
-    # Warm-up shaped like the workload (shares no token with it): as many jobs over a common
-    # 3-page prefix, with question-length tails, so the shared-prefix kernels and the prefill
-    # tiles of the questions' step (their chunks beside the first job's decode) compile and
-    # the bucket's cascade graph is captured here and not inside the timed run (2.6 s on the
-    # H200 when they were not; 0.6 s for the decode's own small prefill tile).
-    vocab = model.config.vocab_size
-    prefix = random_prompts(1, 768, vocab, seed=99)[0]
-    warm = [prefix + tail for tail in random_prompts(len(prompts), QUESTION, vocab, seed=98)]
-    run_jobs(generator, warm, 4)
+    warm_up(generator, model.config.vocab_size, len(prompts))
     before = generator.stats()
     run = run_jobs(generator, prompts, NEW)
     stats = generator.stats()
@@ -64,6 +56,17 @@ def run_case(name: str, model: Any, tokenizer: Any, prompts: list[list[int]],
     del generator
     free_memory()
     return run.wall
+
+
+def warm_up(generator: Any, vocab: int, jobs: int) -> None:
+    """A run shaped like the workload (sharing no token with it): ``jobs`` jobs over a common
+    3-page prefix, with question-length tails, so the shared-prefix kernels and the prefill
+    tiles of the questions' step (their chunks beside the first job's decode) compile and the
+    bucket's cascade graph is captured here, not inside a timed run (2.6 s on the H200 when
+    they were not)."""
+    prefix = random_prompts(1, 768, vocab, seed=99)[0]
+    run_jobs(generator, [prefix + tail for tail in
+                         random_prompts(jobs, QUESTION, vocab, seed=98)], 4)
 
 
 def document_prefill_floor(config: dict[str, Any], tokens: int, rate: float) -> float:

@@ -37,7 +37,7 @@ from _common import (
     synchronize,
     word_tokenizer,
 )
-from shared_document import DOCUMENT, NEW, QUESTION
+from shared_document import DOCUMENT, NEW, QUESTION, warm_up
 
 from dyngen_core import DynamicGenerator, Job
 from dyngen_core.engine.plan import StepPlan
@@ -65,10 +65,7 @@ def build(model: Any, tokenizer: Any, prompts: list[list[int]]) -> DynamicGenera
                                max_batch_size=len(prompts), max_chunk_size=16384)
     print(f"  generator built (cache, graphs, start-up prefills) in "
           f"{time.perf_counter() - start:.2f} s")
-    vocab = model.config.vocab_size
-    prefix = random_prompts(1, 768, vocab, seed=99)[0]
-    warm = [prefix + tail for tail in random_prompts(len(prompts), QUESTION, vocab, seed=98)]
-    run(generator, warm, 4, slow_ms=None)
+    warm_up(generator, model.config.vocab_size, len(prompts))
     return generator
 
 

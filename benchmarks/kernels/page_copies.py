@@ -15,6 +15,7 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,10 +36,10 @@ def one_at_a_time(tensors: list[torch.Tensor], copies: list[PageCopy]) -> None:
             tensor[copy.dst, :copy.num_slots] = tensor[copy.src, :copy.num_slots]
 
 
-def timed(fn: object) -> float:
+def timed(fn: Callable[[], object]) -> float:
     synchronize()
     start = time.perf_counter()
-    fn()  # type: ignore[operator]
+    fn()
     synchronize()
     return time.perf_counter() - start
 

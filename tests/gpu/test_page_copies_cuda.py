@@ -12,17 +12,11 @@ import torch
 from dyngen_core.engine.defrag import plan_defrag
 from dyngen_core.engine.plan import PageCopy
 from dyngen_core.kv.storage import copy_page_slots, resolve_copies
+from tests.model.test_page_copies import one_by_one
 
 pytestmark = pytest.mark.gpu
 
 PAGES, PAGE_SIZE = 40, 256
-
-
-def one_at_a_time(tensor: torch.Tensor, copies: list[PageCopy]) -> torch.Tensor:
-    out = tensor.clone()
-    for c in copies:
-        out[c.dst, :c.num_slots] = out[c.src, :c.num_slots].clone()
-    return out
 
 
 def pages(device: torch.device, head_major: bool) -> torch.Tensor:
@@ -36,24 +30,24 @@ def pages(device: torch.device, head_major: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_plans_match_copying_one_at_a_time(cuda_device: torch.device, head_major: bool,
+def test_random_plans_match_copying_one_by_one(cuda_device: torch.device, head_major: bool,
                                                   seed: int) -> None:
     rng = random.Random(seed)
     tensor = pages(cuda_device, head_major)
     copies = [PageCopy(*rng.sample(range(PAGES), 2), rng.choice([1, 100, PAGE_SIZE]))
               for _ in range(rng.randint(1, 30))]
-    expected = one_at_a_time(tensor, copies)
+    expected = one_by_one(tensor, copies)
     copy_page_slots([tensor], resolve_copies(copies, PAGE_SIZE))
     assert torch.equal(tensor, expected)
 
 
-def test_a_defragmentation_plan_matches_copying_one_at_a_time(cuda_device: torch.device) -> None:
+def test_a_defragmentation_plan_matches_copying_one_by_one(cuda_device: torch.device) -> None:
     order = list(range(32))
     random.Random(1).shuffle(order)
     plan = plan_defrag([order[:16], order[16:]], [], PAGES, PAGE_SIZE, min_fraction=0.0,
                        max_moves=PAGES)
     assert plan is not None
     tensors = [pages(cuda_device, head_major) for head_major in (False, True)]
-    expected = [one_at_a_time(t, plan.copies) for t in tensors]
+    expected = [one_by_one(t, plan.copies) for t in tensors]
     copy_page_slots(tensors, resolve_copies(plan.copies, PAGE_SIZE))
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
