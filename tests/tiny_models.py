@@ -109,7 +109,6 @@ def write_tiny_model(folder: str | Path, arch: str = "llama", seed: int = 0,
     return out
 
 
-
 def load_quantizable_model(folder: str | Path) -> tuple[Any, Any]:
     """A tiny llama whose head_dim (32: 128 hidden, 4 heads, 2 KV heads) quantized caches
     accept, written into ``folder`` and loaded on the CPU in float32: (Model, Tokenizer)."""
@@ -118,6 +117,7 @@ def load_quantizable_model(folder: str | Path) -> tuple[Any, Any]:
     path = write_tiny_model(folder, arch="llama", seed=5, hidden_size=128,
                             intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     return Model.load(path, device="cpu", dtype="float32"), Tokenizer.from_model_dir(path)
+
 
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     """tokenizer.json (byte-level BPE of exactly ``vocab_size`` ids), tokenizer_config.json
