@@ -11,6 +11,9 @@ causal attention (2 n^2 H D a layer), both at the bf16 matmul rate measured in t
 rest at the measured peaks).
 
     python benchmarks/shared_document.py [--layers 32] [--questions 64] [--skip-off] [--no-hf]
+        [--set cascade_path.NAME=VALUE]
+
+``--set``: run with a kernel constant patched (benchmarks/kernels/constants.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from _common import (
     synchronize,
     word_tokenizer,
 )
+
+from benchmarks.kernels import constants
 
 DOCUMENT, QUESTION, NEW = 8000, 30, 128
 
@@ -138,7 +143,9 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--skip-off", action="store_true", help="skip the dedup-off run")
     parser.add_argument("--no-hf", action="store_true")
+    constants.add_argument(parser)
     args = parser.parse_args()
+    constants.apply(args.set)
     device = torch.device(args.device)
     config = bench_config(args)
     vocab = config["vocab_size"]
