@@ -46,8 +46,6 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("reduce", "dot")
 # The reduce kernel handles up to this many rows in one row block (more rows re-read W).
 REDUCE_MAX_BLOCK_M = 4
-# Warps per program of every launch.
-SKINNY_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -59,17 +57,19 @@ class SkinnyConfig:
     block_n: rows of W per program (a power of two; at least 16 for "dot").
     block_k: columns of K per loop step (a power of two; 8 bf16 per thread per load is 16 B).
     num_stages: software-pipelining depth of the K loop (1: loads issued in the loop body).
+    num_warps: warps per program (a power of two).
     """
 
     kernel: str
     block_n: int
     block_k: int
     num_stages: int = 1
+    num_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"SkinnyConfig.kernel must be one of {KERNELS}; got {self.kernel!r}")
-        for name in ("block_n", "block_k"):
+        for name in ("block_n", "block_k", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SkinnyConfig.{name} must be a power of two; got {value}")
@@ -203,7 +203,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
             BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            NUM_STAGES=config.num_stages, num_warps=SKINNY_WARPS,
+            NUM_STAGES=config.num_stages, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
 

@@ -18,6 +18,9 @@ pytestmark = pytest.mark.gpu
 
 MAX_ROWS = 16
 CONFIGS = {"reduce": SkinnyConfig("reduce", block_n=8, block_k=64, num_stages=3),
+           # The one-row table's narrow form: 4 rows of W a program, 2 warps, 4 stages.
+           "reduce_two_warps": SkinnyConfig("reduce", block_n=4, block_k=32, num_stages=4,
+                                            num_warps=2),
            "dot": SkinnyConfig("dot", block_n=16, block_k=32, num_stages=2)}
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -47,7 +50,7 @@ def _skip_interpreter_bf16_dot(kernel: str, dtype: torch.dtype) -> None:
         pytest.skip("the Triton interpreter's tl.dot is wrong for bf16")
 
 
-@pytest.mark.parametrize("kernel", ["reduce", "dot"])
+@pytest.mark.parametrize("kernel", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "k", "bias"), [(37, 100, True), (48, 128, False), (20, 24, True)])
 def test_every_row_count_matches_float64(device: torch.device, kernel: str, dtype: torch.dtype,

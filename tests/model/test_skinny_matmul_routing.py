@@ -150,6 +150,8 @@ def test_config_rejects_what_the_kernels_cannot_launch() -> None:
         sm.SkinnyConfig("gemv", block_n=8, block_k=256)
     with pytest.raises(ValueError, match="block_k must be a power of two"):
         sm.SkinnyConfig("reduce", block_n=8, block_k=384)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        sm.SkinnyConfig("reduce", block_n=8, block_k=256, num_warps=3)
     with pytest.raises(ValueError, match="dot kernel needs block_n and block_k >= 16"):
         sm.SkinnyConfig("dot", block_n=8, block_k=256)
     assert sm.SkinnyConfig("reduce", 8, 256).rows_per_program(3) == 4

@@ -1,0 +1,143 @@
+"""One-row launch settings of the skinny matmul's reduce kernel (`ops.skinny_matmul`), swept per
+Llama-3-8B weight shape, then the best settings against the table (`DEFAULT_CONFIGS`) in the
+whole batch-1 decode step.
+
+1. Sweep: every ``block_n`` x ``block_k`` x ``num_stages`` x ``num_warps`` of the grid below
+   for one row, timed as `skinny_matmul.py` times a launch (a CUDA graph over weight copies
+   that overflow the L2); prints each shape's best eight and the table's own setting.
+2. ``--step-ab``: the bare decode graph step (batch 1, 640 tokens of context, the random 8B
+   model of `_common`) with the table as it is and with the sweep's best setting for the
+   narrow (q/k/v, o) and long_k (down) classes, alternating ``--rounds`` times: a setting
+   that wins a launch alone must also win the step, where each launch follows other kernels.
+
+    python benchmarks/kernels/skinny_sweep.py [--shapes qkv,o,down,gate_up] [--step-ab]
+        [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from functools import partial
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    bench_config,
+    copy_bandwidth,
+    device_name,
+    graph_step,
+    random_model,
+    report,
+    weight_bytes,
+)
+from benchmarks.kernels.skinny_matmul import SHAPES, per_launch_seconds  # noqa: E402
+from dyngen_core.ops import skinny_matmul  # noqa: E402
+from dyngen_core.ops.skinny_matmul import SkinnyConfig, launch, shape_class  # noqa: E402
+
+GRID = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "num_stages": (1, 2, 3, 4),
+        "num_warps": (2, 4, 8)}
+STEP_CONTEXT = 640
+
+
+def sweep_shape(name: str, n: int, k: int,
+                device: torch.device) -> list[tuple[float, SkinnyConfig]]:
+    """(seconds per launch, setting) of every grid setting for one row of ``name``, fastest
+    first; settings whose product is off by more than 1e-2 (relative) are left out."""
+    nbytes = n * k * 2
+    copies = max(4, -(-(256 << 20) // nbytes))
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+               for _ in range(copies)]
+    xs = [torch.randn(1, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    reference = F.linear(xs[0], weights[0]).float()
+    timed: list[tuple[float, SkinnyConfig]] = []
+    for values in itertools.product(*GRID.values()):
+        config = SkinnyConfig("reduce", **dict(zip(GRID, values, strict=True)))
+
+        def call(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig = config) -> torch.Tensor:
+            out = torch.empty(1, n, device=device, dtype=torch.bfloat16)
+            launch(x, w, None, out, config)
+            return out
+
+        error = ((call(xs[0], weights[0]).float() - reference).norm() / reference.norm()).item()
+        if error > 1e-2:
+            continue
+        seconds = per_launch_seconds([partial(call, x, w) for x, w in zip(xs, weights,
+                                                                            strict=True)], 10)
+        timed.append((seconds, config))
+        report("skinny_sweep", shape=name, us=seconds * 1e6, tbps=nbytes / seconds / 1e12,
+               **{key: getattr(config, key) for key in GRID}, device=device_name())
+    timed.sort(key=lambda item: item[0])
+    return timed
+
+
+def print_shape(name: str, n: int, k: int, timed: list[tuple[float, SkinnyConfig]]) -> None:
+    table = skinny_matmul.default_config(1, n, k)
+    print(f"== {name} ({n} x {k}); the table's setting: {table}")
+    for seconds, config in timed[:8]:
+        print(f"  {seconds * 1e6:7.2f} us  " + " ".join(f"{key}={getattr(config, key)}"
+                                                       for key in GRID))
+    for seconds, config in timed:
+        if config == table:
+            print(f"  the table's: {seconds * 1e6:7.2f} us")
+
+
+def step_ab(best: dict[tuple[str, str], SkinnyConfig], rounds: int,
+            device: torch.device) -> None:
+    """The bare decode step with the table as it is against the table with ``best``."""
+    config = bench_config(_common_args())
+    model = random_model(config, device)
+    roofline_tps = copy_bandwidth(device) / weight_bytes(model)
+    tables = {"table": dict(skinny_matmul.DEFAULT_CONFIGS),
+              "swept": {**skinny_matmul.DEFAULT_CONFIGS, **best}}
+    original = skinny_matmul.DEFAULT_CONFIGS
+    try:
+        for _ in range(rounds):
+            for name, table in tables.items():
+                skinny_matmul.DEFAULT_CONFIGS = MappingProxyType(table)
+                seconds, _ = graph_step(model, 1, STEP_CONTEXT, False, steps=300)
+                print(f"step with the {name} settings: {seconds * 1e3:.4f} ms "
+                      f"({100 / seconds / roofline_tps:.1f} % of the roofline)", flush=True)
+                report("skinny_sweep.step", settings=name, step_ms=seconds * 1e3,
+                       roofline_fraction=1 / seconds / roofline_tps, device=device_name())
+    finally:
+        skinny_matmul.DEFAULT_CONFIGS = original
+
+
+def _common_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    return parser.parse_args([])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", default="qkv,o,down,gate_up")
+    parser.add_argument("--step-ab", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("the sweep times CUDA launches: run it on a GPU")
+    device = torch.device("cuda")
+    best: dict[tuple[str, str], SkinnyConfig] = {}
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        timed = sweep_shape(name, n, k, device)
+        print_shape(name, n, k, timed)
+        key = shape_class(1, n, k)
+        if key[1] in ("narrow", "long_k") and key not in best:  # qkv before o: qkv's decides
+            best[key] = timed[0][1]
+    if args.step_ab and best:
+        step_ab(best, args.rounds, device)
+
+
+if __name__ == "__main__":
+    main()
