@@ -88,8 +88,8 @@ class SkinnyConfig:
 # "narrow" (N and K <= 8192: q/k/v, output), "long_k" (N <= 8192 < K: down) or "wide"
 # (N > 8192: gate/up, lm_head). None: F.linear, where cuBLAS is as fast.
 DEFAULT_CONFIGS: Mapping[tuple[str, str], SkinnyConfig | None] = MappingProxyType({
-    ("1", "narrow"): SkinnyConfig("reduce", block_n=8, block_k=512),
-    ("1", "long_k"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
+    ("1", "narrow"): SkinnyConfig("reduce", block_n=4, block_k=256, num_stages=4, num_warps=2),
+    ("1", "long_k"): SkinnyConfig("reduce", block_n=4, block_k=256, num_stages=4, num_warps=2),
     ("1", "wide"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
     ("2-4", "narrow"): None,
     ("2-4", "long_k"): None,
