@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dyngen_core import BackgroundGenerator, Job, JobHandle, SamplerSettings, shared_generator
+from dyngen_core import (
+    BackgroundGenerator,
+    DynamicGenerator,
+    EngineOptions,
+    Job,
+    JobHandle,
+    SamplerSettings,
+    shared_generator,
+)
 from dyngen_core.errors import EngineStoppedError, JobTooLargeError
 
 GREEDY = SamplerSettings.greedy()
@@ -138,6 +147,24 @@ def test_shared_generator_is_one_engine_per_folder_and_options(engine_model_dir)
     assert c is not a
     assert c.generator.model is a.generator.model  # weights are loaded once per folder
     assert threading.active_count() >= 2
+
+
+def test_engine_options_defaults_are_the_generators_own() -> None:
+    """Defaults are what users get: the engine `shared_generator` (and so every adapter) builds
+    from ``EngineOptions()`` hands `DynamicGenerator` exactly the generator's own defaults, and
+    leaves the options it does not name (overlapped steps, the skinny matmul) at theirs, so
+    nobody needs a tuning argument to reach the generator's speed."""
+    from dyngen_core.runtime.background import _generator_options
+
+    defaults = EngineOptions()
+    generator = inspect.signature(DynamicGenerator.__init__).parameters
+    passed = _generator_options(defaults)
+    assert passed, "the engine passes its generator options"
+    for name, value in passed.items():
+        assert value == generator[name].default, name
+    loader = inspect.signature(DynamicGenerator.from_model_dir).parameters
+    for name in ("cache_tokens", "cache_mode", "tensor_parallel"):
+        assert getattr(defaults, name) == loader[name].default, name
 
 
 def test_a_consumer_whose_loop_closed_does_not_stop_the_engine(engine):

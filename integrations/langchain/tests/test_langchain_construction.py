@@ -21,6 +21,13 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("cls", [ChatDynGen, DynGenLLM])
+def test_no_engine_argument_means_the_engines_defaults(cls: type, model_dir: Path) -> None:
+    """Defaults are what users get: a model built with no engine argument asks for
+    ``EngineOptions()``, the generator's own defaults (checked in the core's tests)."""
+    assert cls(model_dir=str(model_dir)).engine_options == EngineOptions()
+
+
+@pytest.mark.parametrize("cls", [ChatDynGen, DynGenLLM])
 def test_engine_options_given_flat_are_validated_by_engine_options(
     cls: type, model_dir: Path
 ) -> None:

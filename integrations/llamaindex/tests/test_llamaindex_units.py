@@ -42,6 +42,18 @@ def test_engine_options_are_validated_by_engine_options_before_any_load() -> Non
         DynGenLLM(model_dir="/nonexistent", tensor_parallel=-1)
 
 
+def test_no_engine_argument_means_the_engines_defaults() -> None:
+    """Defaults are what users get: no engine argument asks for ``EngineOptions()``, the
+    generator's own defaults (checked in the core's tests); checked without building one,
+    which would load an engine of that size."""
+    from dyngen_core import EngineOptions
+
+    assert "engine_options" not in DynGenLLM._gather_engine_options({"model_dir": "m"})
+    field = DynGenLLM.model_fields["engine_options"]
+    assert field.default_factory is not None
+    assert field.default_factory() == EngineOptions()  # type: ignore[call-arg]
+
+
 def test_flat_engine_options_win_over_an_engine_options_object() -> None:
     from dyngen_core import EngineOptions
 
