@@ -27,8 +27,8 @@ Inside ``torch.compile`` the product is the custom op ``torch.ops.dyngen.skinny_
 to the compiler; its fake implementation gives the output's shape); eager calls launch directly,
 without the dispatcher's overhead. A launch allocates only its output and depends on the shapes
 alone, so it is captured in CUDA graphs like any kernel. Which shapes take which launch is the
-table `DEFAULT_CONFIGS` (benchmarks/kernels/skinny_matmul.py measures it; BENCHMARKS.md,
-section 1).
+table `DEFAULT_CONFIGS` (benchmarks/kernels/skinny_matmul.py measures it against cuBLAS and
+benchmarks/kernels/skinny_sweep.py sweeps its one-row settings; BENCHMARKS.md, section 1).
 """
 
 from __future__ import annotations
