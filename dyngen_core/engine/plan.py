@@ -7,6 +7,7 @@ job (probabilities, top-k, logits) travel in the outcome as opaque objects.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,24 +84,23 @@ class StepPlan:
 
 # The job id of the warm-up plans' slices (no job has it).
 WARM_UP_JOB_ID = -1
-# Query lengths of the short warm-up prefills: a prefill chunk of up to 16 tokens (a short
-# prompt, a chunk beside running decodes) may take its own attention launch shape, chosen by
-# powers of two.
-WARM_UP_SHORT_QUERIES = (2, 4, 8, 16)
 
 
-def warm_up_plans(max_tokens: int, page_size: int, num_pages: int) -> list[StepPlan]:
+def warm_up_plans(max_tokens: int, page_size: int, num_pages: int,
+                  short_lengths: Iterable[int] = ()) -> list[StepPlan]:
     """Prefills for a generator to run before its first job, each sampling its last row: one of
     ``min(max_tokens, num_pages * page_size)`` tokens (id 0) from position 0 through pages
-    ``0, 1, ...``, then one of each `WARM_UP_SHORT_QUERIES` length (at most that many
-    tokens) from position 0 of page 0. They write only those pages' slots, which no job reads
-    before writing its own, so the engine's first real prefills of those sizes no longer pay
-    the device's one-time costs (kernel compiles among them)."""
+    ``0, 1, ...``, then one of each of ``short_lengths`` (the runner's
+    `short_prefill_lengths`: prompt lengths whose prefills take launch shapes of their own;
+    each at most that many tokens, repeats dropped) from position 0 of page 0. They write only
+    those pages' slots, which no job reads before writing its own, so the engine's first real
+    prefills of those sizes no longer pay the device's one-time costs (kernel compiles among
+    them)."""
     if max_tokens < 1 or page_size < 1 or num_pages < 1:
         raise ValueError(f"a warm-up prefill needs tokens, pages and slots; got max_tokens="
                          f"{max_tokens}, page_size={page_size}, num_pages={num_pages}")
     tokens = min(max_tokens, num_pages * page_size)
-    shorts = sorted({min(n, tokens) for n in WARM_UP_SHORT_QUERIES} - {tokens})
+    shorts = sorted({min(n, tokens) for n in short_lengths if n >= 1} - {tokens})
     return [StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * n, 0,
                                            list(range(-(-n // page_size))), True)])
             for n in (tokens, *shorts)]

@@ -15,7 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from dyngen_core.engine.plan import StepPlan
-from dyngen_core.kv.attention.base import AttentionBackend, build_forward_batch
+from dyngen_core.kv.attention.base import (
+    AttentionBackend,
+    PrefillShapesBackend,
+    build_forward_batch,
+)
 from dyngen_core.kv.cache import Cache
 from dyngen_core.model import Model
 from dyngen_core.runtime.graphs import step_graphs_for
@@ -69,6 +73,16 @@ class ModelRunner:
         """CUDA graphs captured so far (0 without graphs): a step during which this grew
         paid a one-time capture (verify graphs are captured on first use)."""
         return 0 if self.graphs is None else self.graphs.captures
+
+    def short_prefill_lengths(self) -> tuple[int, ...]:
+        """Prompt lengths whose prefills take launch shapes of their own with this model,
+        cache and backend (`base.PrefillShapesBackend`; () for a backend that names none):
+        what a start-up prefill runs once each."""
+        if not isinstance(self.backend, PrefillShapesBackend):
+            return ()
+        config = self.model.config
+        return self.backend.short_prefill_lengths(self.cache.storage, self.model.dtype,
+                                                  config.num_heads // config.num_kv_heads)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor | None:

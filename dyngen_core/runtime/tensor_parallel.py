@@ -223,6 +223,11 @@ class BroadcastRunner:
         """`ModelRunner.graph_captures` of rank 0's runner."""
         return self.runner.graph_captures
 
+    def short_prefill_lengths(self) -> tuple[int, ...]:
+        """`ModelRunner.short_prefill_lengths` of rank 0's runner (every rank has the same
+        shapes)."""
+        return self.runner.short_prefill_lengths()
+
     def run(self, plan: StepPlan, feed: TokenFeed | None = None) -> torch.Tensor | None:
         if self.closed:
             raise RuntimeError("this generator was closed (its tensor-parallel workers have "

@@ -140,6 +140,18 @@ class GraphTablesBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class PrefillShapesBackend(Protocol):
+    """A backend whose short prefills take launch shapes of their own, compiled on first use."""
+
+    def short_prefill_lengths(self, storage: KVStorage, dtype: torch.dtype,
+                              group: int) -> tuple[int, ...]:
+        """One prompt length per launch shape of short prefills over ``storage`` for a model
+        of this dtype and ``group`` query heads per KV head (a start-up prefill of each
+        compiles them before users' jobs need them); () when there are none."""
+        ...
+
+
 @dataclass
 class _HostBatch:
     input_ids: list[int] = field(default_factory=list)

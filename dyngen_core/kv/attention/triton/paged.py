@@ -77,6 +77,15 @@ class TritonPagedBackend:
             decode_programs_per_sm=decode.PROGRAMS_PER_SM)
         self._rotations: dict[torch.device, torch.Tensor] = {}
 
+    def short_prefill_lengths(self, storage: KVStorage, dtype: torch.dtype,
+                              group: int) -> tuple[int, ...]:
+        """`base.PrefillShapesBackend`: the tiled prefill's short tiles over float pages of
+        the model's dtype whose page size its key step divides (the paged kernel that serves
+        every other prefill has one shape)."""
+        if not TiledPrefill.serves(storage, dtype):
+            return ()
+        return self.tiled_prefill.short_query_lengths(dtype, group)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: KVStorage, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Write k/v [T, Hkv, D] to storage, then attend q [T, H, D]; returns [T, H, D]."""

@@ -26,6 +26,7 @@ import torch
 
 from dyngen_core.kv.attention.base import ForwardBatch
 from dyngen_core.kv.attention.triton.decode import LOG2_E
+from dyngen_core.kv.storage import KVStorage
 from dyngen_core.ops.triton_support import tl, triton
 
 # Query rows (heads x tokens) per program over 16-bit pages; 128 fills two warpgroups'
@@ -90,6 +91,12 @@ class TiledPrefill:
         return (max(batch.query_lens_host) >= MIN_QUERY
                 and batch.page_size % _block_n(q.dtype) == 0)
 
+    @staticmethod
+    def serves(storage: KVStorage, dtype: torch.dtype) -> bool:
+        """Whether prefills over ``storage`` for a model of ``dtype`` can take this path: float
+        pages (the model's dtype) of a page size the key step divides."""
+        return storage.mode == "fp16" and storage.page_size % _block_n(dtype) == 0
+
     def tile(self, longest: int, dtype: torch.dtype, group: int) -> PrefillTile:
         """The launch shape for sequences whose longest query is ``longest`` tokens, of
         ``group`` query heads per KV head."""
@@ -104,6 +111,19 @@ class TiledPrefill:
             return PrefillTile(rows // heads, heads, FLOAT32_BLOCK_N, 4, FLOAT32_STAGES)
         warps = max(4, WARPS * rows // full)
         return PrefillTile(rows // heads, heads, BLOCK_N, warps, STAGES)
+
+    def short_query_lengths(self, dtype: torch.dtype, group: int) -> tuple[int, ...]:
+        """One query length per launch shape that `tile` gives chunks shorter than a full
+        tile (from `MIN_QUERY` tokens), the longest of each, ascending: a prefill of each
+        compiles every shape a short prompt, or a short chunk beside longer ones, can take (a
+        long prefill takes the full tile)."""
+        full = self.tile(ROWS, dtype, group)
+        longest: dict[PrefillTile, int] = {}
+        for length in range(MIN_QUERY, ROWS + 1):
+            tile = self.tile(length, dtype, group)
+            if tile != full:
+                longest[tile] = length
+        return tuple(sorted(longest.values()))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                batch: ForwardBatch, scale: float, out: torch.Tensor) -> torch.Tensor:
