@@ -192,11 +192,11 @@ class DynamicGenerator:
 
     def _warm_up(self, max_tokens: int) -> None:
         """Run `plan.warm_up_plans` (a prefill of ``max_tokens`` tokens, then one of each short
-        length whose launch shape is its own, as the runner names them) into
-        free pages before any job, through the draft model too: on CUDA the first prefill of
-        a size pays one-time costs (the caching allocator's growth, the matrix library's
-        choices for new shapes, kernel compiles) that would otherwise fall on the first batch
-        of that shape users send, stalling every running job."""
+        length whose launch shape is its own, as the runner names them) into free pages
+        before any job, through the draft model too: on CUDA the first prefill of a size pays
+        one-time costs (the caching allocator's growth, the matrix library's choices for new
+        shapes, kernel compiles) that would otherwise fall on the first batch of that shape
+        users send, stalling every running job."""
         for plan in warm_up_plans(max_tokens, self.cache.page_size, self.cache.num_pages,
                                   self._runner.short_prefill_lengths()):
             self._runner.run(plan)
