@@ -5,13 +5,20 @@ whole batch-1 decode step.
 1. Sweep: every ``block_n`` x ``block_k`` x ``num_stages`` x ``num_warps`` of the grid below
    for one row, timed as `skinny_matmul.py` times a launch (a CUDA graph over weight copies
    that overflow the L2); prints each shape's best eight and the table's own setting.
-2. ``--step-ab``: the bare decode graph step (batch 1, 640 tokens of context, the random 8B
-   model of `_common`) with the table as it is and with the sweep's best setting for the
-   narrow (q/k/v, o) and long_k (down) classes, alternating ``--rounds`` times: a setting
-   that wins a launch alone must also win the step, where each launch follows other kernels.
+2. Each shape class's best setting (`best_per_class`): the least time of one decode step's
+   launches of the class's swept shapes (q/k/v, o, down and gate/up once a layer, lm_head
+   once a step).
+3. ``--step-ab``: the bare decode graph step (batch 1, 640 tokens of context, the random 8B
+   model of `_common`) with the table as it is and with those best settings, alternating
+   ``--rounds`` times: a setting that wins a launch alone must also win the step, where each
+   launch follows other kernels. Compare within a run, and within one clock state of the
+   machine (BENCHMARKS.md, section 1).
 
-    python benchmarks/kernels/skinny_sweep.py [--shapes qkv,o,down,gate_up] [--step-ab]
-        [--rounds 3]
+    python benchmarks/kernels/skinny_sweep.py [--shapes qkv,o,down,gate_up,lm_head]
+        [--step-ab] [--rounds 3]
+
+A class's best counts only its shapes that were swept: sweep gate_up and lm_head together
+before changing the "wide" entry.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from dyngen_core.ops.skinny_matmul import SkinnyConfig, launch, shape_class  # n
 GRID = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "num_stages": (1, 2, 3, 4),
         "num_warps": (2, 4, 8)}
 STEP_CONTEXT = 640
+# Launches of each shape in one decode step of the 32-layer model.
+LAUNCHES_A_STEP = {"qkv": 32, "o": 32, "down": 32, "gate_up": 32, "lm_head": 1}
 
 
 def sweep_shape(name: str, n: int, k: int,
@@ -90,6 +99,28 @@ def print_shape(name: str, n: int, k: int, timed: list[tuple[float, SkinnyConfig
             print(f"  the table's: {seconds * 1e6:7.2f} us")
 
 
+def best_per_class(timed: dict[str, list[tuple[float, SkinnyConfig]]]
+                   ) -> dict[tuple[str, str], SkinnyConfig]:
+    """The one-row table entry each swept shape class would take: the setting with the least
+    time over a decode step's launches of the class's swept shapes (``timed``: seconds per
+    launch and setting, per shape name of `SHAPES`), among the settings timed for all of
+    them."""
+    classes: dict[tuple[str, str], list[str]] = {}
+    for name in timed:
+        n, k = SHAPES[name]
+        classes.setdefault(shape_class(1, n, k), []).append(name)
+    best: dict[tuple[str, str], SkinnyConfig] = {}
+    for key, names in classes.items():
+        per_shape = [{config: seconds for seconds, config in timed[name]} for name in names]
+        common = set.intersection(*(set(times) for times in per_shape))
+        if not common:
+            continue
+        best[key] = min(common, key=lambda config: sum(
+            LAUNCHES_A_STEP[name] * times[config]
+            for name, times in zip(names, per_shape, strict=True)))
+    return best
+
+
 def step_ab(best: dict[tuple[str, str], SkinnyConfig], rounds: int,
             device: torch.device) -> None:
     """The bare decode step with the table as it is against the table with ``best``."""
@@ -127,14 +158,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the sweep times CUDA launches: run it on a GPU")
     device = torch.device("cuda")
-    best: dict[tuple[str, str], SkinnyConfig] = {}
+    timed: dict[str, list[tuple[float, SkinnyConfig]]] = {}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        timed = sweep_shape(name, n, k, device)
-        print_shape(name, n, k, timed)
-        key = shape_class(1, n, k)
-        if key[1] in ("narrow", "long_k") and key not in best:  # qkv before o: qkv's decides
-            best[key] = timed[0][1]
+        timed[name] = sweep_shape(name, n, k, device)
+        print_shape(name, n, k, timed[name])
+    best = best_per_class(timed)
+    for key, config in best.items():
+        print(f"best for {key}: {config}")
     if args.step_ab and best:
         step_ab(best, args.rounds, device)
 

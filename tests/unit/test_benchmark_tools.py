@@ -1,14 +1,17 @@
 """The kernel benchmarks' own tools, which decide A/Bs: ``--set``
-(`benchmarks/kernels/constants.py`: the kernel constant a run patches, and its errors) and the
+(`benchmarks/kernels/constants.py`: the kernel constant a run patches, and its errors), the
 SASS reading of `benchmarks/kernels/quant_sass.py` (instructions, loops, the key loop's
-instruction mix) on a hand-written listing. No GPU and no triton: the SASS is a string."""
+instruction mix) on a hand-written listing, and the skinny sweep's choice of a setting per
+shape class (`benchmarks/kernels/skinny_sweep.best_per_class`) on made-up timings. No GPU and
+no triton: the SASS is a string, the timings are numbers."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.kernels import constants, quant_sass
+from benchmarks.kernels import constants, quant_sass, skinny_sweep
 from dyngen_core.kv.attention.triton import decode
+from dyngen_core.ops.skinny_matmul import SkinnyConfig
 
 # Two loops: an outer one (0x0040-0x00c0) around an inner one with a key dot (0x0060-0x00a0),
 # and a separate loop without one (0x00e0-0x0100). Predicated instructions count by opcode.
@@ -67,3 +70,22 @@ def test_a_patched_constant_holds_inside_the_block_only() -> None:
 def test_a_bad_setting_names_what_is_wrong(setting: str, message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         constants.apply([setting])
+
+
+def test_the_sweep_picks_each_class_by_its_shapes_launches_in_a_step() -> None:
+    """A class's setting is the least time over a step's launches of its swept shapes: gate/up
+    32 times a step outweighs lm_head once, q/k/v and o count alike, a setting timed for one
+    shape of a class only is never picked, and a class nobody swept gets no entry."""
+    a = SkinnyConfig("reduce", block_n=4, block_k=256)
+    b = SkinnyConfig("reduce", block_n=8, block_k=512)
+    c = SkinnyConfig("reduce", block_n=16, block_k=512)
+    best = skinny_sweep.best_per_class({
+        # wide: a is 1 us faster on gate/up (x32), b 20 us faster on lm_head (x1): a wins.
+        "gate_up": [(58e-6, a), (59e-6, b)],
+        "lm_head": [(260e-6, a), (240e-6, b)],
+        # narrow: b loses on qkv by 0.2 us but wins on o by 0.5 us; c is timed on qkv alone.
+        "qkv": [(10e-6, c), (15.0e-6, a), (15.2e-6, b)],
+        "o": [(11.5e-6, a), (11.0e-6, b)],
+    })
+    assert best == {("1", "wide"): a, ("1", "narrow"): b}
+    assert skinny_sweep.best_per_class({"down": [(31e-6, b), (30e-6, a)]}) == {("1", "long_k"): a}
