@@ -72,19 +72,31 @@ def per_launch_seconds(calls: Sequence[Callable[[], object]], replays: int) -> f
     return seconds
 
 
+def weight_copies(n: int, k: int, device: torch.device, dtype: torch.dtype,
+                  gen: torch.Generator, *, small: bool = False) -> list[torch.Tensor]:
+    """Random [n, k] weights, enough copies (at least 4, and 256 MB in all) that the L2 never
+    holds the next launch's; one for a smoke run (``small``)."""
+    copies = 1 if small else max(4, -(-(256 << 20) // (n * k * dtype.itemsize)))
+    return [torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5
+            for _ in range(copies)]
+
+
+def replays_for(nbytes: int) -> int:
+    """Graph replays to time a launch over a weight of ``nbytes`` (fewer for the largest)."""
+    return 5 if nbytes > (500 << 20) else 10
+
+
 def measure_shape(name: str, n: int, k: int, rows_list: list[int], small: bool,
                   device: torch.device, dtype: torch.dtype) -> dict[int, dict[str, float]]:
     """{rows: {"torch": s, "skinny": s}} per launch for one weight shape."""
     nbytes = n * k * dtype.itemsize
-    copies = 1 if small else max(4, -(-(256 << 20) // nbytes))
     gen = torch.Generator(device=device).manual_seed(n)
-    weights = [torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5
-               for _ in range(copies)]
-    replays = 5 if nbytes > (500 << 20) else 10
+    weights = weight_copies(n, k, device, dtype, gen, small=small)
+    replays = replays_for(nbytes)
     results: dict[int, dict[str, float]] = {}
     for rows in rows_list:
         xs = [torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
-              for _ in range(copies)]
+              for _ in weights]
         reference = F.linear(xs[0], weights[0]).float()
         routed = skinny_linear(xs[0], weights[0]).float()
         error = ((routed - reference).norm() / reference.norm()).item()

@@ -46,7 +46,12 @@ from benchmarks._common import (  # noqa: E402
     report,
     weight_bytes,
 )
-from benchmarks.kernels.skinny_matmul import SHAPES, per_launch_seconds  # noqa: E402
+from benchmarks.kernels.skinny_matmul import (  # noqa: E402
+    SHAPES,
+    per_launch_seconds,
+    replays_for,
+    weight_copies,
+)
 from dyngen_core.ops import skinny_matmul  # noqa: E402
 from dyngen_core.ops.skinny_matmul import SkinnyConfig, launch, shape_class  # noqa: E402
 
@@ -62,10 +67,10 @@ def sweep_shape(name: str, n: int, k: int,
     """(seconds per launch, setting) of every grid setting for one row of ``name``, fastest
     first; settings whose product is off by more than 1e-2 (relative) are left out."""
     nbytes = n * k * 2
-    copies = max(4, -(-(256 << 20) // nbytes))
-    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
-               for _ in range(copies)]
-    xs = [torch.randn(1, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    gen = torch.Generator(device=device).manual_seed(n)
+    weights = weight_copies(n, k, device, torch.bfloat16, gen)
+    xs = [torch.randn(1, k, generator=gen, device=device, dtype=torch.bfloat16)
+          for _ in weights]
     reference = F.linear(xs[0], weights[0]).float()
     timed: list[tuple[float, SkinnyConfig]] = []
     for values in itertools.product(*GRID.values()):
@@ -80,7 +85,8 @@ def sweep_shape(name: str, n: int, k: int,
         if error > 1e-2:
             continue
         seconds = per_launch_seconds([partial(call, x, w) for x, w in zip(xs, weights,
-                                                                            strict=True)], 10)
+                                                                            strict=True)],
+                                     replays_for(nbytes))
         timed.append((seconds, config))
         report("skinny_sweep", shape=name, us=seconds * 1e6, tbps=nbytes / seconds / 1e12,
                **{key: getattr(config, key) for key in GRID}, device=device_name())
