@@ -100,7 +100,7 @@ def warm_up_plans(max_tokens: int, page_size: int, num_pages: int,
         raise ValueError(f"a warm-up prefill needs tokens, pages and slots; got max_tokens="
                          f"{max_tokens}, page_size={page_size}, num_pages={num_pages}")
     tokens = min(max_tokens, num_pages * page_size)
-    shorts = sorted({min(n, tokens) for n in short_lengths if n >= 1} - {tokens})
+    shorts = sorted({min(n, tokens) for n in short_lengths} - {tokens})
     return [StepPlan(slices=[SequenceSlice(WARM_UP_JOB_ID, [0] * n, 0,
                                            list(range(-(-n // page_size))), True)])
             for n in (tokens, *shorts)]

@@ -88,14 +88,14 @@ class TiledPrefill:
         page size the key step divides, and a longest query of at least `MIN_QUERY`."""
         if key_bits or value_bits or keys.dtype != q.dtype or not batch.query_lens_host:
             return False
-        return (max(batch.query_lens_host) >= MIN_QUERY
-                and batch.page_size % _block_n(q.dtype) == 0)
+        longest = max(batch.query_lens_host)
+        return longest >= MIN_QUERY and _steps_pages(batch.page_size, q.dtype)
 
     @staticmethod
     def serves(storage: KVStorage, dtype: torch.dtype) -> bool:
         """Whether prefills over ``storage`` for a model of ``dtype`` can take this path: float
         pages (the model's dtype) of a page size the key step divides."""
-        return storage.mode == "fp16" and storage.page_size % _block_n(dtype) == 0
+        return storage.mode == "fp16" and _steps_pages(storage.page_size, dtype)
 
     def tile(self, longest: int, dtype: torch.dtype, group: int) -> PrefillTile:
         """The launch shape for sequences whose longest query is ``longest`` tokens, of
@@ -131,7 +131,7 @@ class TiledPrefill:
         into ``out`` [T, H, D]; keys/values [pages, page_size, kv_heads, D]."""
         num_kv_heads, head_dim = keys.shape[2], keys.shape[3]
         group = q.shape[1] // num_kv_heads
-        if batch.page_size % _block_n(q.dtype):
+        if not _steps_pages(batch.page_size, q.dtype):
             raise ValueError(f"the prefill key step ({_block_n(q.dtype)}) must divide the page "
                              f"size ({batch.page_size}); this batch is for the paged kernel "
                              f"(`takes` says which batches this path serves)")
@@ -178,6 +178,11 @@ class TiledPrefill:
 
 def _block_n(dtype: torch.dtype) -> int:
     return FLOAT32_BLOCK_N if dtype == torch.float32 else BLOCK_N
+
+
+def _steps_pages(page_size: int, dtype: torch.dtype) -> bool:
+    """Whether the key step of ``dtype`` divides the page size (every key block in one page)."""
+    return page_size % _block_n(dtype) == 0
 
 
 def _query_blocks(batch: ForwardBatch, seqs: list[int],
