@@ -1,11 +1,13 @@
 """The start-up prefills a generator runs on CUDA (`plan.warm_up_plans`): they write only free
-pages, so jobs after it produce what they produce without it, whatever the cache and drafter;
+pages, so jobs after it (greedy, sampled, constrained, a cancel and a failing row) produce what
+they produce without it, whatever the cache and drafter;
 and their short lengths, which the data plane names (`ModelRunner.short_prefill_lengths`: the
 Triton backend's short prefill tiles), reach every launch shape a short prefill can take.
 (The generator runs it on CUDA only; these tests call it on the CPU.)"""
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from dyngen_core.kv.attention.sdpa import SdpaBackend
 from dyngen_core.kv.attention.triton import prefill
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 from dyngen_core.runtime.runner import ModelRunner
+from tests.engine.step_helpers import kill_row
 from tests.tiny_models import load_quantizable_model
 
 SHORTS = (2, 4, 8, 16)
@@ -125,10 +128,15 @@ def _jobs() -> list[Job]:
 
 # The job `_tokens` cancels after the first step.
 CANCELLED = 5
+# The forward (counted from the first of `_tokens`) whose first logits row is NaN, failing
+# that row's job.
+FAULT_STEP = 3
 
 
 def _tokens(generator: DynamicGenerator) -> dict[int, tuple[str, list[int]]]:
-    """Each job's end reason and tokens; `CANCELLED` is cancelled after the first step."""
+    """Each job's end reason and tokens; `CANCELLED` is cancelled after the first step, and one
+    row fails at forward `FAULT_STEP`."""
+    kill_row(generator, FAULT_STEP, 0, math.nan)
     jobs = _jobs()
     generator.enqueue(jobs)
     finals: dict[int, tuple[str, list[int]]] = {}
@@ -144,7 +152,10 @@ def _tokens(generator: DynamicGenerator) -> dict[int, tuple[str, list[int]]]:
         if steps == 1:
             generator.cancel(jobs[CANCELLED])
     assert finals[CANCELLED][0] == "cancelled" and finals[4][0] != "cancelled"
-    assert all(len(finals[i][1]) == 6 for i in range(4)), finals  # every token, not the last one's
+    failed = [i for i, (reason, _) in finals.items() if reason == "error"]
+    assert len(failed) == 1 and failed[0] != CANCELLED, finals
+    # Every token of the others, not only the last one's.
+    assert all(len(finals[i][1]) == 6 for i in range(4) if i not in failed), finals
     return finals
 
 
