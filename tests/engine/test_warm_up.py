@@ -1,9 +1,9 @@
 """The start-up prefills a generator runs on CUDA (`plan.warm_up_plans`): they write only free
 pages, so jobs after it (greedy, sampled, constrained, a cancel and a failing row) produce what
-they produce without it, whatever the cache and drafter;
-and their short lengths, which the data plane names (`ModelRunner.short_prefill_lengths`: the
-Triton backend's short prefill tiles), reach every launch shape a short prefill can take.
-(The generator runs it on CUDA only; these tests call it on the CPU.)"""
+they produce without it, whatever the cache and drafter; and their short lengths, which the
+data plane names (`ModelRunner.short_prefill_lengths`: the Triton backend's short prefill
+tiles), reach every launch shape a short prefill can take. (The generator runs it on CUDA only;
+these tests call it on the CPU.)"""
 
 from __future__ import annotations
 
