@@ -90,7 +90,7 @@ class SkinnyConfig:
 DEFAULT_CONFIGS: Mapping[tuple[str, str], SkinnyConfig | None] = MappingProxyType({
     ("1", "narrow"): SkinnyConfig("reduce", block_n=4, block_k=256, num_stages=4, num_warps=2),
     ("1", "long_k"): SkinnyConfig("reduce", block_n=4, block_k=256, num_stages=4, num_warps=2),
-    ("1", "wide"): SkinnyConfig("reduce", block_n=8, block_k=512, num_stages=3),
+    ("1", "wide"): SkinnyConfig("reduce", block_n=4, block_k=1024, num_stages=4, num_warps=2),
     ("2-4", "narrow"): None,
     ("2-4", "long_k"): None,
     ("2-4", "wide"): None,
