@@ -8,7 +8,10 @@ also reports the generator's start-up: the cache and graph capture (``setup_s``)
 job, which compiles the Triton kernels (``first_job_s``); `load_time.py` measures the load.
 
     python benchmarks/decode_batch1.py [--layers 32] [--new-tokens 256] [--no-compile] [--no-hf]
-                                       [--compiled-only]
+                                       [--compiled-only] [--set MODULE.NAME=VALUE]
+
+``--set``: run with a kernel constant patched (benchmarks/kernels/constants.py), e.g.
+``--set fused_ops.SILU_BLOCK=1024``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from _common import (
     word_tokenizer,
 )
 
+from benchmarks.kernels import constants
+
 PROMPT = 512
 
 
@@ -47,7 +52,9 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--compiled-only", action="store_true",
                         help="only the compiled graph step and generator (implies --no-hf)")
+    constants.add_argument(parser)
     args = parser.parse_args()
+    constants.apply(args.set)
     device = torch.device(args.device)
     config = bench_config(args)
     bandwidth = copy_bandwidth(device)
