@@ -40,7 +40,14 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from dyngen_core.ops.triton_support import launch_device, tl, triton, triton_by_default
+from dyngen_core.ops.triton_support import (
+    dependent_launches,
+    launch_device,
+    tl,
+    triton,
+    triton_by_default,
+    wait_for_previous_kernel,
+)
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("reduce", "dot")
@@ -166,14 +173,15 @@ def _routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  dependent: bool = True) -> torch.Tensor:
     """y = x @ weight^T (+ bias) through the Triton kernel of `default_config`, y [M, N] in x's
     dtype (``F.linear`` where the table has no kernel for the shape).
 
     x: [M, K], M >= 1, last dimension contiguous (rows may be strided).
     weight: [N, K], last dimension contiguous, same dtype as x.
     bias: [N] or None.
+    dependent: as in `launch`.
 
     Raises ValueError for shapes or dtypes the kernel does not take.
     """
@@ -183,19 +191,31 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     if config is None:
         return F.linear(x, weight, bias)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    launch(x, weight, bias, out, config)
+    launch(x, weight, bias, out, config, dependent=dependent)
     return out
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor, config: SkinnyConfig) -> None:
+           out: torch.Tensor, config: SkinnyConfig, *, dependent: bool = True) -> None:
     """Write x @ weight^T (+ bias) into ``out`` [M, N] (last dimension contiguous) with one
-    kernel launch of ``config`` (operands as `skinny_linear` takes them, unchecked)."""
+    kernel launch of ``config`` (operands as `skinny_linear` takes them, unchecked).
+
+    dependent: a "reduce" launch is a programmatic dependent launch where the device has them
+    (`triton_support.dependent_launches`): it starts while the kernel in front runs (the fused
+    norm, SiLU and decode attention kernels let it) and waits for it before reading x. False
+    launches it plainly (the compiled step's custom op: inductor's kernels never let it start
+    early, and the wait then only costs)."""
     rows, k = x.shape
     n = weight.shape[0]
     block_m = config.rows_per_program(rows)
-    kernel = skinny_reduce_kernel if config.kernel == "reduce" else skinny_dot_kernel
     grid = (-(-n // config.block_n), -(-rows // block_m))
+    extra: dict[str, object] = {}
+    if config.kernel == "reduce":
+        kernel = skinny_reduce_kernel
+        gdc = dependent and dependent_launches(x.device)
+        extra = {"GDC": gdc, "launch_pdl": gdc}
+    else:
+        kernel = skinny_dot_kernel
     # Triton launches on the current device: a layer on another GPU needs its own.
     with launch_device(x.device):
         kernel[grid](
@@ -204,7 +224,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
             BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            num_stages=config.num_stages, **extra,
         )
 
 
@@ -232,8 +252,9 @@ def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """`skinny_linear` as an op torch.compile does not trace. The compiled graph chooses its
     buffers' layouts: x gets a copy in the rare case its rows arrive strided along K (the
-    routing checked the traced layout)."""
-    return skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
+    routing checked the traced layout). Launched plainly, not as a dependent launch (`launch`)."""
+    return skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias,
+                         dependent=False)
 
 
 @skinny_linear_op.register_fake
@@ -248,9 +269,12 @@ def skinny_reduce_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, GDC: tl.constexpr = False,
 ):
-    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]."""
+    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]. GDC: launched as
+    a programmatic dependent launch (`triton_support.dependent_launches`): wait for the kernel
+    in front, which x comes from, before anything else."""
+    wait_for_previous_kernel(GDC)
     offs_m, offs_n, offs_k, x_ptrs, w_ptrs = _tile_pointers(
         x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)

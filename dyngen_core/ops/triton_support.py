@@ -82,4 +82,35 @@ def launch_device(device: torch.device) -> AbstractContextManager[object]:
     return nullcontext()
 
 
-__all__ = ["launch_device", "require_triton", "tl", "triton", "triton_by_default"]
+# Programmatic dependent launches (sm_90+): the one-row skinny products launch while the kernel
+# in front of them runs and wait for it at their first statement (`skinny_matmul`); the small
+# kernels in front let them launch at once (`dependents_may_launch`). Read at every launch.
+DEPENDENT_LAUNCHES = True
+
+
+def dependent_launches(device: torch.device) -> bool:
+    """Whether Triton launches on ``device`` use programmatic dependent launches: CUDA devices
+    of compute capability 9.0 or above, while `DEPENDENT_LAUNCHES` is on."""
+    return (DEPENDENT_LAUNCHES and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+@triton.jit
+def dependents_may_launch(TRIGGER: tl.constexpr):
+    """With TRIGGER: let the kernel launched after this one as a programmatic dependent launch
+    start now (it waits for this kernel's completion before it reads or writes anything).
+    Without it: nothing (the interpreter, GPUs before sm_90)."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous_kernel(GDC: tl.constexpr):
+    """With GDC (launched as a programmatic dependent launch): wait until the kernel before
+    this one has completed and its writes are visible. Without it: nothing."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+__all__ = ["dependent_launches", "dependents_may_launch", "wait_for_previous_kernel",
+           "launch_device", "require_triton", "tl", "triton", "triton_by_default"]
