@@ -293,6 +293,18 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+# A process runs every CUDA graph ~0.4 us slower per kernel once it has captured more than
+# three (BENCHMARKS.md, section 1): a generator always has. A/Bs of a step capture this many
+# throwaway graphs first (`enter_generator_state`), so that they compare in that state.
+GRAPHS_BEFORE_AB = 4
+
+
+def enter_generator_state(model: Model) -> None:
+    """Capture and drop `GRAPHS_BEFORE_AB` batch-1 decode graphs of ``model``."""
+    for _ in range(GRAPHS_BEFORE_AB):
+        graph_step(model, 1, 256, False, steps=1)
+
+
 def graph_step(model: Model, batch: int, context: int, compile_model: bool,
                steps: int = 50) -> tuple[float, torch.Tensor]:
     """(seconds per step, logits of the first step) of a decode graph of ``batch`` sequences at

@@ -11,8 +11,8 @@ whole batch-1 decode step.
 3. ``--step-ab``: the bare decode graph step (batch 1, 640 tokens of context, the random 8B
    model of `_common`) with the table as it is and with those best settings, alternating
    ``--rounds`` times: a setting that wins a launch alone must also win the step, where each
-   launch follows other kernels. Compare within a run, and within one clock state of the
-   machine (BENCHMARKS.md, section 1).
+   launch follows other kernels. Compared after `_common.enter_generator_state`: in the state
+   a generator's graphs run in (BENCHMARKS.md, section 1).
 
     python benchmarks/kernels/skinny_sweep.py [--shapes qkv,o,down,gate_up,lm_head]
         [--step-ab] [--rounds 3]
@@ -41,6 +41,7 @@ from benchmarks._common import (  # noqa: E402
     bench_config,
     copy_bandwidth,
     device_name,
+    enter_generator_state,
     graph_step,
     random_model,
     report,
@@ -136,6 +137,7 @@ def step_ab(best: dict[tuple[str, str], SkinnyConfig], rounds: int,
     tables = {"table": dict(skinny_matmul.DEFAULT_CONFIGS),
               "swept": {**skinny_matmul.DEFAULT_CONFIGS, **best}}
     original = skinny_matmul.DEFAULT_CONFIGS
+    enter_generator_state(model)
     try:
         for _ in range(rounds):
             for name, table in tables.items():

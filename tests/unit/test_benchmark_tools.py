@@ -2,13 +2,15 @@
 (`benchmarks/kernels/constants.py`: the kernel constant a run patches, and its errors), the
 SASS reading of `benchmarks/kernels/quant_sass.py` (instructions, loops, the key loop's
 instruction mix) on a hand-written listing, and the skinny sweep's choice of a setting per
-shape class (`benchmarks/kernels/skinny_sweep.best_per_class`) on made-up timings. No GPU and
-no triton: the SASS is a string, the timings are numbers."""
+shape class (`benchmarks/kernels/skinny_sweep.best_per_class`) on made-up timings, and the
+step A/B's variants (`benchmarks/step_ab.variant_settings`). No GPU and no triton: the SASS is
+a string, the timings are numbers."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks import step_ab
 from benchmarks.kernels import constants, quant_sass, skinny_sweep
 from dyngen_core.kv.attention.triton import decode
 from dyngen_core.ops.skinny_matmul import SkinnyConfig
@@ -89,3 +91,11 @@ def test_the_sweep_picks_each_class_by_its_shapes_launches_in_a_step() -> None:
     })
     assert best == {("1", "wide"): a, ("1", "narrow"): b}
     assert skinny_sweep.best_per_class({"down": [(31e-6, b), (30e-6, a)]}) == {("1", "long_k"): a}
+
+
+def test_step_ab_variants_are_settings_lists() -> None:
+    assert step_ab.variant_settings("") == []
+    assert step_ab.variant_settings(" skinny_matmul.GATED=False , decode.BLOCK_N=32") == [
+        "skinny_matmul.GATED=False", "decode.BLOCK_N=32"]
+    with constants.patched(step_ab.variant_settings("decode.BLOCK_N=8")):
+        assert decode.BLOCK_N == 8
