@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from dyngen_core import Model
+
 # `decode_geometry`'s keywords and the constants of `attention.triton.decode` they set.
 DECODE_GEOMETRY = {"block_n": "BLOCK_N", "max_splits": "MAX_SPLITS",
                    "programs_per_sm": "PROGRAMS_PER_SM"}
@@ -59,6 +61,23 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture(scope="session")
+def bf16_fused_model(tmp_path_factory: pytest.TempPathFactory,
+                     cuda_device: torch.device) -> Model:
+    """A tiny random bf16 Llama on CUDA with the default path's kernels: one-row products
+    through the skinny matmul, fused norm, SiLU-and-mul and rotary (hidden 256, intermediate
+    512, 4 heads, 2 KV heads)."""
+    from tests.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("bf16_fused"), "llama", seed=3,
+                              hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                              num_key_value_heads=2)
+    model = Model.load(folder, device=cuda_device, dtype="bfloat16")
+    model.set_skinny_matmul(1)
+    model.set_fused_ops(True)
+    return model
 
 
 @pytest.fixture(autouse=True)

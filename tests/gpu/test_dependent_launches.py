@@ -19,7 +19,6 @@ from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import get_backend
 from dyngen_core.ops import fused_ops, skinny_matmul, triton_support
 from dyngen_core.runtime.graphs import StepGraphs
-from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -87,28 +86,17 @@ def test_products_read_what_the_kernel_in_front_wrote(cuda_device: torch.device,
     assert not torch.equal(results[True][1][0], results[True][1][1])
 
 
-@pytest.fixture(scope="module")
-def bf16_model(tmp_path_factory: pytest.TempPathFactory, cuda_device: torch.device) -> Model:
-    folder = write_tiny_model(tmp_path_factory.mktemp("dependent"), "llama", seed=3,
-                              hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                              num_key_value_heads=2)
-    model = Model.load(folder, device=cuda_device, dtype="bfloat16")
-    model.set_skinny_matmul(1)
-    model.set_fused_ops(True)
-    return model
-
-
-def test_decode_graph_logits_are_the_same_bits(bf16_model: Model, launches_on: None) -> None:
-    _sm90(bf16_model.device)
+def test_decode_graph_logits_are_the_same_bits(bf16_fused_model: Model,
+                                               launches_on: None) -> None:
+    model = bf16_fused_model
+    _sm90(model.device)
     plan = StepPlan([SequenceSlice(0, [17], 40, [1, 2, 3], sample=True)])
     logits = {}
     for on in (False, True):
         triton_support.DEPENDENT_LAUNCHES = on
-        cache = Cache(bf16_model, max_tokens=8 * 16, page_size=16)
-        graphs = StepGraphs(bf16_model, cache.storage, get_backend("triton", bf16_model.device),
-                            page_size=16, max_context=64, buckets=[1],
-                            compile_model=False)
-        steps = [graphs.run(plan).clone() for _ in range(3)]
-        logits[on] = steps
+        cache = Cache(model, max_tokens=8 * 16, page_size=16)
+        graphs = StepGraphs(model, cache.storage, get_backend("triton", model.device),
+                            page_size=16, max_context=64, buckets=[1], compile_model=False)
+        logits[on] = [graphs.run(plan).clone() for _ in range(3)]
     for with_them, without in zip(logits[True], logits[False], strict=True):
         assert torch.equal(with_them, without)
