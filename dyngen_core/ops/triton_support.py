@@ -11,6 +11,7 @@ each kernel an object that raises when launched, which the routing above never d
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -91,8 +92,16 @@ DEPENDENT_LAUNCHES = True
 def dependent_launches(device: torch.device) -> bool:
     """Whether Triton launches on ``device`` use programmatic dependent launches: CUDA devices
     of compute capability 9.0 or above, while `DEPENDENT_LAUNCHES` is on."""
-    return (DEPENDENT_LAUNCHES and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    if not DEPENDENT_LAUNCHES or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _major_capability(index) >= 9
+
+
+@functools.cache
+def _major_capability(index: int) -> int:
+    # Asked on every eager launch: the device's properties once per device.
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @triton.jit
