@@ -293,6 +293,52 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+class CompileClock:
+    """Counts and times Triton's kernel compiles (a disk-cache load counts as one too) while
+    active, by kernel name: `triton.knobs.runtime`'s compile hooks, restored on exit. Without
+    triton it counts nothing. Run with an empty ``TRITON_CACHE_DIR`` to see a first start."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self._started: dict[Any, float] = {}
+        self._saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> CompileClock:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        runtime = knobs.runtime
+        self._saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        runtime.jit_cache_hook = self._before
+        runtime.jit_post_compile_hook = self._after
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+
+    def _before(self, *, key: Any, **_: Any) -> bool:
+        self._started[key] = time.perf_counter()
+        return False  # never skip the compile
+
+    def _after(self, *, key: Any, fn: Any, **_: Any) -> None:
+        seconds = time.perf_counter() - self._started.pop(key, time.perf_counter())
+        self.counts[fn.name] = self.counts.get(fn.name, 0) + 1
+        self.seconds[fn.name] = self.seconds.get(fn.name, 0.0) + seconds
+
+    def summary(self) -> dict[str, Any]:
+        """Total compiles and seconds, and the per-kernel figures, costliest first."""
+        order = sorted(self.seconds, key=lambda name: -self.seconds[name])
+        return {"triton_compiles": sum(self.counts.values()),
+                "triton_compile_s": sum(self.seconds.values()),
+                "triton_by_kernel": {name: [self.counts[name], round(self.seconds[name], 3)]
+                                     for name in order}}
+
+
 # A process runs every CUDA graph ~0.4 us slower per kernel once it has captured more than
 # three (BENCHMARKS.md, section 1): a generator always has. A/Bs of a step capture this many
 # throwaway graphs first (`enter_generator_state`), so that they compare in that state.

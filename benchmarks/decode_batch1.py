@@ -5,7 +5,9 @@ step replayed from a CUDA graph (eager kernels, and torch.compile'd), and transf
 ``generate``. The memory roofline is the weight bytes one step reads over the device-to-device
 copy bandwidth measured in the same run; the target is >= 80 % of it. With default options it
 also reports the generator's start-up: the cache and graph capture (``setup_s``) and the first
-job, which compiles the Triton kernels (``first_job_s``); `load_time.py` measures the load.
+job, which compiles the Triton kernels (``first_job_s``), with the Triton compiles (and disk-cache
+loads) among them, counted and timed by kernel (``TRITON_CACHE_DIR=$(mktemp -d)`` for a first
+start); `load_time.py` measures the load.
 
     python benchmarks/decode_batch1.py [--layers 32] [--new-tokens 256] [--no-compile] [--no-hf]
                                        [--compiled-only] [--set MODULE.NAME=VALUE]
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 from _common import (
+    CompileClock,
     add_common_args,
     bench_config,
     copy_bandwidth,
@@ -74,12 +77,14 @@ def main() -> None:
         return
     synchronize()
     start = time.perf_counter()
-    generator = make_generator(model, tokenizer, cache_tokens=8192)
-    synchronize()
-    setup_s = time.perf_counter() - start
-    prompt = random_prompts(1, PROMPT, config["vocab_size"], seed=1)
-    first_job_s = run_jobs(generator, prompt, 8).wall  # warm-up: compiles the prefill kernels
-    report("decode_batch1.startup", setup_s=setup_s, first_job_s=first_job_s, **common)
+    with CompileClock() as compiles:
+        generator = make_generator(model, tokenizer, cache_tokens=8192)
+        synchronize()
+        setup_s = time.perf_counter() - start
+        prompt = random_prompts(1, PROMPT, config["vocab_size"], seed=1)
+        first_job_s = run_jobs(generator, prompt, 8).wall  # warm-up: compiles the prefill kernels
+    report("decode_batch1.startup", setup_s=setup_s, first_job_s=first_job_s,
+           **compiles.summary(), **common)
     run = run_jobs(generator, random_prompts(1, PROMPT, config["vocab_size"], 2),
                    args.new_tokens)
     dyngen_tps = run.tok_s

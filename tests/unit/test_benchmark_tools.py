@@ -2,15 +2,19 @@
 (`benchmarks/kernels/constants.py`: the kernel constant a run patches, and its errors), the
 SASS reading of `benchmarks/kernels/quant_sass.py` (instructions, loops, the key loop's
 instruction mix) on a hand-written listing, and the skinny sweep's choice of a setting per
-shape class (`benchmarks/kernels/skinny_sweep.best_per_class`) on made-up timings, and the
-step A/B's variants (`benchmarks/step_ab.variant_settings`). No GPU and no triton: the SASS is
+shape class (`benchmarks/kernels/skinny_sweep.best_per_class`) on made-up timings, the
+step A/B's variants (`benchmarks/step_ab.variant_settings`), and the start-up's compile clock
+(`benchmarks/_common.CompileClock`) on hook calls made by hand. No GPU and no triton: the SASS is
 a string, the timings are numbers."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from benchmarks import step_ab
+from benchmarks._common import CompileClock
 from benchmarks.kernels import constants, quant_sass, skinny_sweep
 from dyngen_core.kv.attention.triton import decode
 from dyngen_core.ops.skinny_matmul import SkinnyConfig
@@ -99,3 +103,18 @@ def test_step_ab_variants_are_settings_lists() -> None:
         "skinny_matmul.GATED=False", "decode.BLOCK_N=32"]
     with constants.patched(step_ab.variant_settings("decode.BLOCK_N=8")):
         assert decode.BLOCK_N == 8
+
+
+def test_compile_clock_counts_by_kernel_and_restores_the_hooks() -> None:
+    knobs = pytest.importorskip("triton").knobs
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    with CompileClock() as clock:
+        assert knobs.runtime.jit_cache_hook == clock._before
+        for key, name in ((1, "norm"), (2, "norm"), (3, "attention")):
+            assert clock._before(key=key) is False  # a true answer would skip the compile
+            clock._after(key=key, fn=SimpleNamespace(name=name))
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+    summary = clock.summary()
+    assert summary["triton_compiles"] == 3
+    assert {name: figures[0] for name, figures in summary["triton_by_kernel"].items()} == {
+        "norm": 2, "attention": 1}
