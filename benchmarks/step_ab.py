@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,12 +39,39 @@ from benchmarks._common import (  # noqa: E402
     weight_bytes,
 )
 from benchmarks.kernels import constants  # noqa: E402
+from dyngen_core import Model  # noqa: E402
 
 
 def variant_settings(variant: str) -> list[str]:
     """The ``MODULE.NAME=VALUE`` settings of one ``--variant`` (comma-separated; "" for
     none)."""
     return [setting.strip() for setting in variant.split(",") if setting.strip()]
+
+
+def alternate(model: Model, variants: Mapping[str, Callable[[], AbstractContextManager[object]]],
+              *, rounds: int, batch: int = 1, context: int = 640, steps: int = 300,
+              compiled: bool = False, benchmark: str = "step_ab") -> None:
+    """Time ``model``'s decode graph step under each variant in turn (``variants``: label ->
+    a context manager factory that sets the variant up and restores the code after), ``rounds``
+    times, after `enter_generator_state`; print and report (as ``benchmark``) each step's ms,
+    roofline share, ratio to the round's first variant and largest logit difference from it."""
+    device = model.device
+    roofline_tps = copy_bandwidth(device) / weight_bytes(model)
+    enter_generator_state(model)
+    for round_index in range(rounds):
+        first: tuple[float, torch.Tensor] | None = None
+        for label, variant in variants.items():
+            with variant():
+                seconds, logits = graph_step(model, batch, context, compiled, steps=steps)
+            if first is None:
+                first = (seconds, logits.float())
+            ratio, diff = seconds / first[0], (logits.float() - first[1]).abs().max().item()
+            print(f"round {round_index} {label or '(as is)':50s} {seconds * 1e3:.4f} ms "
+                  f"{100 / seconds / roofline_tps:5.1f} % of the roofline, {ratio:.4f} of the "
+                  f"first, logits differ by {diff:.3g}", flush=True)
+            report(benchmark, variant=label, round=round_index, step_ms=seconds * 1e3,
+                   roofline_fraction=1 / seconds / roofline_tps, ratio=ratio, max_diff=diff,
+                   batch=batch, context=context, compiled=compiled, device=device_name())
 
 
 def main() -> None:
@@ -55,28 +85,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--compiled", action="store_true", help="torch.compile the step")
     args = parser.parse_args()
-    variants = [variant_settings(v) for v in args.variant]
-    device = torch.device(args.device)
-    model = random_model(bench_config(args), device)
-    roofline_tps = copy_bandwidth(device) / weight_bytes(model)
-    enter_generator_state(model)
-    for round_index in range(args.rounds):
-        first: tuple[float, torch.Tensor] | None = None
-        for label, settings in zip(args.variant, variants, strict=True):
-            with constants.patched(settings):
-                seconds, logits = graph_step(model, args.batch, args.context, args.compiled,
-                                             steps=args.steps)
-            if first is None:
-                first = (seconds, logits.float())
-            ratio, diff = seconds / first[0], (logits.float() - first[1]).abs().max().item()
-            print(f"round {round_index} {label or '(as is)':50s} {seconds * 1e3:.4f} ms "
-                  f"{100 / seconds / roofline_tps:5.1f} % of the roofline, {ratio:.4f} of the "
-                  f"first, logits differ by {diff:.3g}", flush=True)
-            report("step_ab", variant=label, round=round_index, step_ms=seconds * 1e3,
-                   roofline_fraction=1 / seconds / roofline_tps, ratio=ratio, max_diff=diff,
-                   batch=args.batch, context=args.context, compiled=args.compiled,
-                   device=device_name())
-
+    model = random_model(bench_config(args), torch.device(args.device))
+    variants = {label: partial(constants.patched, variant_settings(label))
+                for label in args.variant}
+    alternate(model, variants, rounds=args.rounds, batch=args.batch, context=args.context,
+              steps=args.steps, compiled=args.compiled)
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,8 @@ whole batch-1 decode step.
 3. ``--step-ab``: the bare decode graph step (batch 1, 640 tokens of context, the random 8B
    model of `_common`) with the table as it is and with those best settings, alternating
    ``--rounds`` times: a setting that wins a launch alone must also win the step, where each
-   launch follows other kernels. Compared after `_common.enter_generator_state`: in the state
-   a generator's graphs run in (BENCHMARKS.md, section 1).
+   launch follows other kernels (`step_ab.alternate`: after `_common.enter_generator_state`,
+   in the state a generator's graphs run in; BENCHMARKS.md, section 1).
 
     python benchmarks/kernels/skinny_sweep.py [--shapes qkv,o,down,gate_up,lm_head]
         [--step-ab] [--rounds 3]
@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from types import MappingProxyType
@@ -39,13 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import (  # noqa: E402
     add_common_args,
     bench_config,
-    copy_bandwidth,
     device_name,
-    enter_generator_state,
-    graph_step,
     random_model,
     report,
-    weight_bytes,
 )
 from benchmarks.kernels.skinny_matmul import (  # noqa: E402
     SHAPES,
@@ -53,6 +51,7 @@ from benchmarks.kernels.skinny_matmul import (  # noqa: E402
     replays_for,
     weight_copies,
 )
+from benchmarks.step_ab import alternate  # noqa: E402
 from dyngen_core.ops import skinny_matmul  # noqa: E402
 from dyngen_core.ops.skinny_matmul import SkinnyConfig, launch, shape_class  # noqa: E402
 
@@ -130,23 +129,21 @@ def best_per_class(timed: dict[str, list[tuple[float, SkinnyConfig]]]
 
 def step_ab(best: dict[tuple[str, str], SkinnyConfig], rounds: int,
             device: torch.device) -> None:
-    """The bare decode step with the table as it is against the table with ``best``."""
-    config = bench_config(_common_args())
-    model = random_model(config, device)
-    roofline_tps = copy_bandwidth(device) / weight_bytes(model)
-    tables = {"table": dict(skinny_matmul.DEFAULT_CONFIGS),
-              "swept": {**skinny_matmul.DEFAULT_CONFIGS, **best}}
+    """The bare decode step with the table as it is against the table with ``best``
+    (`step_ab.alternate`)."""
+    model = random_model(bench_config(_common_args()), device)
+    variants = {"table": nullcontext, "swept": partial(_table_with, best)}
+    alternate(model, variants, rounds=rounds, context=STEP_CONTEXT,
+              benchmark="skinny_sweep.step")
+
+
+@contextmanager
+def _table_with(best: dict[tuple[str, str], SkinnyConfig]) -> Iterator[None]:
+    """`skinny_matmul.DEFAULT_CONFIGS` with ``best``'s entries, restored after the block."""
     original = skinny_matmul.DEFAULT_CONFIGS
-    enter_generator_state(model)
+    skinny_matmul.DEFAULT_CONFIGS = MappingProxyType({**original, **best})
     try:
-        for _ in range(rounds):
-            for name, table in tables.items():
-                skinny_matmul.DEFAULT_CONFIGS = MappingProxyType(table)
-                seconds, _ = graph_step(model, 1, STEP_CONTEXT, False, steps=300)
-                print(f"step with the {name} settings: {seconds * 1e3:.4f} ms "
-                      f"({100 / seconds / roofline_tps:.1f} % of the roofline)", flush=True)
-                report("skinny_sweep.step", settings=name, step_ms=seconds * 1e3,
-                       roofline_fraction=1 / seconds / roofline_tps, device=device_name())
+        yield
     finally:
         skinny_matmul.DEFAULT_CONFIGS = original
 
