@@ -7,21 +7,18 @@ these tests call it on the CPU.)"""
 
 from __future__ import annotations
 
-import math
-import random
-import re
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
+from dyngen_core import Cache, DynamicGenerator, Model, Tokenizer
 from dyngen_core.engine.plan import WARM_UP_JOB_ID, warm_up_plans
 from dyngen_core.kv.attention.sdpa import SdpaBackend
 from dyngen_core.kv.attention.triton import prefill
 from dyngen_core.kv.attention.triton.paged import TritonPagedBackend
 from dyngen_core.runtime.runner import ModelRunner
-from tests.engine.step_helpers import kill_row
+from tests.engine.step_helpers import run_mixed_jobs
 from tests.tiny_models import load_quantizable_model
 
 SHORTS = (2, 4, 8, 16)
@@ -108,57 +105,6 @@ def test_the_runner_names_the_triton_backends_short_lengths_over_float_pages(
                                                       group) == ()
 
 
-def _jobs() -> list[Job]:
-    """Greedy jobs sharing a prefix, a seeded sampled job, a regex-constrained job and one the
-    run cancels (`_tokens`)."""
-    rng = random.Random(5)
-    shared = [rng.randrange(10, 500) for _ in range(300)]
-    greedy = SamplerSettings.greedy()
-    jobs = [Job(input_ids=shared + [rng.randrange(10, 500) for _ in range(9 + i)],
-                max_new_tokens=6, stop_conditions=[], gen_settings=greedy, identifier=i)
-            for i in range(3)]
-    jobs.append(Job(input_ids=shared[:40], max_new_tokens=6, stop_conditions=[], seed=7,
-                    gen_settings=SamplerSettings(temperature=0.9, top_p=0.9), identifier=3))
-    jobs.append(Job(input_ids=shared[:20], max_new_tokens=8, gen_settings=greedy,
-                    constraint=re.compile(r"[0-9]{3}-[a-c]{2}"), identifier=4))
-    jobs.append(Job(input_ids=shared[:60], max_new_tokens=40, stop_conditions=[],
-                    gen_settings=greedy, identifier=CANCELLED))
-    return jobs
-
-
-# The job `_tokens` cancels after the first step.
-CANCELLED = 5
-# The forward (counted from the first of `_tokens`) whose first logits row is NaN, failing
-# that row's job.
-FAULT_STEP = 3
-
-
-def _tokens(generator: DynamicGenerator) -> dict[int, tuple[str, list[int]]]:
-    """Each job's end reason and tokens; `CANCELLED` is cancelled after the first step, and one
-    row fails at forward `FAULT_STEP`."""
-    kill_row(generator, FAULT_STEP, 0, math.nan)
-    jobs = _jobs()
-    generator.enqueue(jobs)
-    finals: dict[int, tuple[str, list[int]]] = {}
-    tokens: dict[int, list[int]] = {job.identifier: [] for job in jobs}
-    steps = 0
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            tokens[result["identifier"]] += result.get("token_ids", [])
-            if result["eos"]:
-                identifier = result["identifier"]
-                finals[identifier] = (result["eos_reason"], tokens[identifier])
-        steps += 1
-        if steps == 1:
-            generator.cancel(jobs[CANCELLED])
-    assert finals[CANCELLED][0] == "cancelled" and finals[4][0] != "cancelled"
-    failed = [i for i, (reason, _) in finals.items() if reason == "error"]
-    assert len(failed) == 1 and failed[0] != CANCELLED, finals
-    # Every token of the others, not only the last one's.
-    assert all(len(finals[i][1]) == 6 for i in range(4) if i not in failed), finals
-    return finals
-
-
 @pytest.mark.parametrize("case", ["fp16", "q4", "ngram", "draft_model"])
 def test_jobs_after_the_warm_up_produce_the_same_tokens(
         case: str, engine_parts: tuple[Model, Tokenizer], quantizable: Model,
@@ -175,12 +121,12 @@ def test_jobs_after_the_warm_up_produce_the_same_tokens(
         return make_generator(cache_tokens=4096, **options)
 
     plain = build()
-    expected = _tokens(plain)
+    expected = run_mixed_jobs(plain)
     warmed = build()
     # What the constructor does on CUDA, with the short lengths of a Triton backend there.
     warmed._runner.short_prefill_lengths = lambda: SHORTS  # type: ignore[method-assign]
     warmed._warm_up(1500)
-    assert _tokens(warmed) == expected
+    assert run_mixed_jobs(warmed) == expected
     for generator in (plain, warmed):
         generator.check_invariant()
         assert generator.stats().prefill_tokens_computed == \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,17 +65,21 @@ def cuda_device() -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def bf16_fused_model(tmp_path_factory: pytest.TempPathFactory,
-                     cuda_device: torch.device) -> Model:
-    """A tiny random bf16 Llama on CUDA with the default path's kernels: one-row products
-    through the skinny matmul, fused norm, SiLU-and-mul and rotary (hidden 256, intermediate
-    512, 4 heads, 2 KV heads)."""
+def bf16_fused_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (hidden 256, intermediate 512, 4 heads, 2 KV heads) and its
+    tokenizer, for `bf16_fused_model`."""
     from tests.tiny_models import write_tiny_model
 
-    folder = write_tiny_model(tmp_path_factory.mktemp("bf16_fused"), "llama", seed=3,
-                              hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                              num_key_value_heads=2)
-    model = Model.load(folder, device=cuda_device, dtype="bfloat16")
+    return write_tiny_model(tmp_path_factory.mktemp("bf16_fused"), "llama", seed=3,
+                            hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def bf16_fused_model(bf16_fused_folder: Path, cuda_device: torch.device) -> Model:
+    """`bf16_fused_folder`'s model in bf16 on CUDA with the default path's kernels: one-row
+    products through the skinny matmul, fused norm, SiLU-and-mul and rotary."""
+    model = Model.load(bf16_fused_folder, device=cuda_device, dtype="bfloat16")
     model.set_skinny_matmul(1)
     model.set_fused_ops(True)
     return model

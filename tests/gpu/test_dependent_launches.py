@@ -1,7 +1,8 @@
 """Programmatic dependent launches (`triton_support.dependent_launches`): a one-row skinny
 product launched while the kernel in front of it still runs reads that kernel's output, never
-what its buffer held before, eagerly and replayed from a CUDA graph; and a decode step's logits
-are the same bits with and without them.
+what its buffer held before, eagerly and replayed from a CUDA graph; a decode step's logits
+are the same bits with and without them; and a generator's mixture (greedy, seeded sampled,
+constrained, cancelled, a failing row) ends with the same tokens with and without them.
 
 On CUDA devices before sm_90 and under the interpreter the launches are plain, and only the
 switch is checked.
@@ -10,15 +11,17 @@ switch is checked.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from dyngen_core import Cache, Model
+from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings, Tokenizer
 from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention import get_backend
 from dyngen_core.ops import fused_ops, skinny_matmul, triton_support
 from dyngen_core.runtime.graphs import StepGraphs
+from tests.engine.step_helpers import run_mixed_jobs, run_to_finals
 
 pytestmark = pytest.mark.gpu
 
@@ -100,3 +103,24 @@ def test_decode_graph_logits_are_the_same_bits(bf16_fused_model: Model,
         logits[on] = [graphs.run(plan).clone() for _ in range(3)]
     for with_them, without in zip(logits[True], logits[False], strict=True):
         assert torch.equal(with_them, without)
+
+
+def test_a_generators_mixture_ends_the_same(bf16_fused_model: Model, bf16_fused_folder: Path,
+                                            launches_on: None) -> None:
+    model = bf16_fused_model
+    _sm90(model.device)
+    tokenizer = Tokenizer.from_model_dir(bf16_fused_folder)
+    finals = {}
+    for on in (False, True):
+        triton_support.DEPENDENT_LAUNCHES = on
+        generator = DynamicGenerator(model=model, cache=Cache(model, max_tokens=4096),
+                                     tokenizer=tokenizer)
+        mixture = run_mixed_jobs(generator)
+        # Then a job alone: every decode step one row, all its products the one-row kernel.
+        alone = Job(input_ids=list(range(20, 80)), max_new_tokens=12, stop_conditions=[],
+                    identifier="alone", gen_settings=SamplerSettings.greedy())
+        final = run_to_finals(generator, [alone])["alone"]
+        assert final["eos_reason"] == "max_new_tokens" and len(alone.new_token_ids) == 12
+        finals[on] = (mixture, list(alone.new_token_ids), final["full_completion"])
+        generator.check_invariant()
+    assert finals[True] == finals[False]
