@@ -17,7 +17,7 @@ from dyngen_core.kv.attention.base import AttentionBackend, ForwardBatch
 from dyngen_core.kv.storage import KVStorage
 from dyngen_core.model.parallel import SINGLE, TensorParallel, row_parallel_linear
 from dyngen_core.ops.fused_ops import add_rms_norm, rms_norm, rotary, silu_mul
-from dyngen_core.ops.skinny_matmul import linear
+from dyngen_core.ops.skinny_matmul import gated_linear, gated_routable, linear
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,9 @@ class GatedMLP(nn.Module):
 
     ``skinny_rows`` (set by `Model.set_skinny_matmul`; 0: off) routes products of that many
     rows or fewer through the Triton skinny matmul (`skinny_matmul.linear`). ``fused`` (set by
-    `Model.set_fused_ops`) runs silu(gate) * up as one Triton kernel (`fused_ops.silu_mul`)."""
+    `Model.set_fused_ops`) runs silu(gate) * up as one Triton kernel (`fused_ops.silu_mul`), and
+    with both, a one-row step's gate/up product and SiLU as one launch
+    (`skinny_matmul.gated_linear`)."""
 
     def __init__(self, config: ModelConfig, place: Placement,
                  parallel: TensorParallel = SINGLE) -> None:
@@ -74,9 +76,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.skinny_rows
-        gate_up = linear(x, self.gate_up_weight, skinny_rows=rows)
-        return row_parallel_linear(silu_mul(gate_up, fused=self.fused), self.down_weight, None,
-                                   self.parallel, skinny_rows=rows)
+        if self.fused and gated_routable(x, self.gate_up_weight, rows):
+            hidden = gated_linear(x, self.gate_up_weight)
+        else:
+            gate_up = linear(x, self.gate_up_weight, skinny_rows=rows)
+            hidden = silu_mul(gate_up, fused=self.fused)
+        return row_parallel_linear(hidden, self.down_weight, None, self.parallel,
+                                   skinny_rows=rows)
 
 
 class Attention(nn.Module):

@@ -29,6 +29,12 @@ without the dispatcher's overhead. A launch allocates only its output and depend
 alone, so it is captured in CUDA graphs like any kernel. Which shapes take which launch is the
 table `DEFAULT_CONFIGS` (benchmarks/kernels/skinny_matmul.py measures it against cuBLAS and
 benchmarks/kernels/skinny_sweep.py sweeps its one-row settings; BENCHMARKS.md, section 1).
+
+The gated MLP's one-row gate/up product and its SiLU are one launch, `gated_linear`
+(`skinny_gated_kernel`, while `GATED` is on): each program reads its gate rows and the matching
+up rows as interleaved (gate, up) pairs of one tile of the product's one-row shape, so every
+output is summed in the same order as the product's and rounded as the product writes it, and
+silu(gate) * up is the bits of the product followed by `fused_ops.silu_mul`.
 """
 
 from __future__ import annotations
@@ -111,6 +117,11 @@ DEFAULT_CONFIGS: Mapping[tuple[str, str], SkinnyConfig | None] = MappingProxyTyp
 DEFAULT_SKINNY_ROWS = 1
 
 
+# silu(gate) * up of a one-row gate/up product in one launch (`gated_linear`); False: the
+# product, then the fused SiLU kernel. Read at every call.
+GATED = True
+
+
 def shape_class(rows: int, n: int, k: int) -> tuple[str, str]:
     """The `DEFAULT_CONFIGS` key of a [rows, k] x [n, k]^T product."""
     row_class = "1" if rows == 1 else "2-4" if rows <= REDUCE_MAX_BLOCK_M else "5+"
@@ -122,6 +133,19 @@ def default_config(rows: int, n: int, k: int) -> SkinnyConfig | None:
     """The launch configuration of a [rows, k] x [n, k]^T product (`DEFAULT_CONFIGS`); None
     where ``F.linear`` is as fast."""
     return DEFAULT_CONFIGS[shape_class(rows, n, k)]
+
+
+def gated_config(rows: int, n: int, k: int) -> SkinnyConfig | None:
+    """The launch configuration of `gated_linear` for x [rows, k] and a gate/up weight [n, k]:
+    the product's own one-row "reduce" configuration (its row block split into gate/up pairs);
+    None where the product and SiLU stay two launches (`GATED` off, more than one row, an odd n,
+    or no one-row reduce configuration of an even row block for the shape)."""
+    if not GATED or rows != 1 or n % 2:
+        return None
+    config = default_config(rows, n, k)
+    if config is None or config.kernel != "reduce" or config.block_n % 2:
+        return None
+    return config
 
 
 def skinny_rows_for(device: torch.device, rows: int) -> int:
@@ -164,6 +188,48 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor,
     else:
         out = torch.addmm(bias.unsqueeze(1), weight, x.t())
     return out.t().contiguous()
+
+
+def gated_routable(x: torch.Tensor, weight: torch.Tensor, skinny_rows: int) -> bool:
+    """Whether `gated_linear` takes x @ weight^T (weight [2 * I, K], gate rows first) in one
+    launch: `linear` would route the product to the Triton kernel (``skinny_rows``), the step is
+    not being compiled, and `gated_config` has a configuration for its shape."""
+    return (bool(skinny_rows) and not torch.compiler.is_compiling()
+            and _routable(x, weight, None, skinny_rows)
+            and gated_config(x.shape[0], weight.shape[0], x.shape[1]) is not None)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, *, dependent: bool = True) -> torch.Tensor:
+    """silu(gate) * up [1, I] of gate_up = x @ weight^T in one `skinny_gated_kernel` launch:
+    the same bits as `skinny_linear` followed by `fused_ops.silu_mul` (the products rounded to
+    x's dtype before the SiLU).
+
+    x: [1, K], last dimension contiguous.
+    weight: [2 * I, K], the I gate rows first, then the I up rows; last dimension contiguous,
+        same dtype as x.
+    dependent: as in `launch`.
+
+    Raises ValueError for operands the kernel does not take (check with `gated_routable`).
+    """
+    _check_operands(x, weight, None)
+    rows, n, k = x.shape[0], weight.shape[0], x.shape[1]
+    config = gated_config(rows, n, k)
+    if config is None:
+        raise ValueError(f"gated_linear takes one row and an even number of weight rows with a "
+                         f"one-row reduce configuration (and GATED on); got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    inter = n // 2
+    pairs = config.block_n // 2
+    out = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
+    gdc = dependent and dependent_launches(x.device)
+    with launch_device(x.device):
+        skinny_gated_kernel[(-(-inter // pairs),)](
+            x, weight, out, inter, k, weight.stride(0),
+            EVEN_K=k % config.block_k == 0, BLOCK_PAIRS=pairs, BLOCK_K=config.block_k,
+            NUM_STAGES=config.num_stages, GDC=gdc, launch_pdl=gdc,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out
 
 
 def _routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -302,6 +368,36 @@ def skinny_dot_kernel(
         x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
         acc = tl.dot(w, tl.trans(x), acc)
     _store(tl.trans(acc), bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def skinny_gated_kernel(
+    x_ptr, w_ptr, y_ptr, INTER, K, stride_wn,
+    EVEN_K: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, GDC: tl.constexpr = False,
+):
+    """Program p writes y[0, p*BLOCK_PAIRS : +BLOCK_PAIRS] = silu(gate) * up for one row x,
+    W [2 * INTER, K] holding the gate rows, then the up rows. Its tile is the one-row product's
+    [1, 2 * BLOCK_PAIRS, BLOCK_K], rows interleaved (gate, up) per pair, summed over K as
+    `skinny_reduce_kernel` sums; both halves are rounded to y's dtype before the SiLU, as the
+    product then `fused_ops.silu_mul_kernel` would. GDC: as in `skinny_reduce_kernel`."""
+    wait_for_previous_kernel(GDC)
+    offs_j = tl.arange(0, 2 * BLOCK_PAIRS)
+    pairs = tl.program_id(0) * BLOCK_PAIRS + offs_j // 2
+    rows = (tl.minimum(pairs, INTER - 1) + (offs_j % 2) * INTER).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_k[None, :]
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((1, 2 * BLOCK_PAIRS, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.reshape(out, (BLOCK_PAIRS, 2)))
+    silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+    y = silu.to(tl.float32) * up
+    offs_p = tl.program_id(0) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    tl.store(y_ptr + offs_p, y.to(y_ptr.dtype.element_ty), mask=offs_p < INTER)
 
 
 @triton.jit
