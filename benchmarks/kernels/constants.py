@@ -25,7 +25,6 @@ MODULES = {
     "cascade_path": "dyngen_core.kv.attention.triton.cascade_path",
     "fused_ops": "dyngen_core.ops.fused_ops",
     "skinny_matmul": "dyngen_core.ops.skinny_matmul",
-    "triton_support": "dyngen_core.ops.triton_support",
     "fused": "dyngen_core.sampling.fused",
 }
 

@@ -39,8 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from dyngen_core.ops.triton_support import (
-    dependent_launches,
-    dependents_may_launch,
     launch_device,
     require_triton,
     tl,
@@ -165,7 +163,7 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             rows, n, inner, x.stride(0), stride_inner,
             0 if residual is None else residual.stride(0), eps,
             HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            TRIGGER=dependent_launches(x.device), num_warps=num_warps,
+            num_warps=num_warps,
         )
     return y, h
 
@@ -179,7 +177,7 @@ def launch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     with launch_device(gate_up.device):
         silu_mul_kernel[(rows, -(-inter // SILU_BLOCK))](
             gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
-            TRIGGER=dependent_launches(gate_up.device), num_warps=SILU_WARPS,
+            num_warps=SILU_WARPS,
         )
     return y
 
@@ -223,11 +221,8 @@ def rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, h_ptr, y_ptr,
     rows, n, inner, stride_xo, stride_xi, stride_res, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TRIGGER: tl.constexpr = False,
 ):
-    """Program m normalizes rows [m * BLOCK_M, (m + 1) * BLOCK_M) (module docstring).
-    TRIGGER: the next kernel may launch at once (`dependents_may_launch`)."""
-    dependents_may_launch(TRIGGER)
+    """Program m normalizes rows [m * BLOCK_M, (m + 1) * BLOCK_M) (module docstring)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     mask = (offs_m < rows)[:, None] & (offs_n < n)[None, :]
@@ -249,11 +244,8 @@ def rms_norm_kernel(
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr,
-                    TRIGGER: tl.constexpr = False):
-    """Program (row, b) writes y[row, b * BLOCK : (b + 1) * BLOCK]. TRIGGER: as in
-    `rms_norm_kernel`."""
-    dependents_may_launch(TRIGGER)
+def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
+    """Program (row, b) writes y[row, b * BLOCK : (b + 1) * BLOCK]."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

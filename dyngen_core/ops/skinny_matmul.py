@@ -47,12 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from dyngen_core.ops.triton_support import (
-    dependent_launches,
     launch_device,
     tl,
     triton,
     triton_by_default,
-    wait_for_previous_kernel,
 )
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -199,7 +197,7 @@ def gated_routable(x: torch.Tensor, weight: torch.Tensor, skinny_rows: int) -> b
             and gated_config(x.shape[0], weight.shape[0], x.shape[1]) is not None)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, *, dependent: bool = True) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up [1, I] of gate_up = x @ weight^T in one `skinny_gated_kernel` launch:
     the same bits as `skinny_linear` followed by `fused_ops.silu_mul` (the products rounded to
     x's dtype before the SiLU).
@@ -207,7 +205,6 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, *, dependent: bool = Tru
     x: [1, K], last dimension contiguous.
     weight: [2 * I, K], the I gate rows first, then the I up rows; last dimension contiguous,
         same dtype as x.
-    dependent: as in `launch`.
 
     Raises ValueError for operands the kernel does not take (check with `gated_routable`).
     """
@@ -221,12 +218,11 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, *, dependent: bool = Tru
     inter = n // 2
     pairs = config.block_n // 2
     out = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
-    gdc = dependent and dependent_launches(x.device)
     with launch_device(x.device):
         skinny_gated_kernel[(-(-inter // pairs),)](
             x, weight, out, inter, k, weight.stride(0),
             EVEN_K=k % config.block_k == 0, BLOCK_PAIRS=pairs, BLOCK_K=config.block_k,
-            NUM_STAGES=config.num_stages, GDC=gdc, launch_pdl=gdc,
+            NUM_STAGES=config.num_stages,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
@@ -239,15 +235,14 @@ def _routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  dependent: bool = True) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias) through the Triton kernel of `default_config`, y [M, N] in x's
     dtype (``F.linear`` where the table has no kernel for the shape).
 
     x: [M, K], M >= 1, last dimension contiguous (rows may be strided).
     weight: [N, K], last dimension contiguous, same dtype as x.
     bias: [N] or None.
-    dependent: as in `launch`.
 
     Raises ValueError for shapes or dtypes the kernel does not take.
     """
@@ -257,31 +252,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if config is None:
         return F.linear(x, weight, bias)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    launch(x, weight, bias, out, config, dependent=dependent)
+    launch(x, weight, bias, out, config)
     return out
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor, config: SkinnyConfig, *, dependent: bool = True) -> None:
+           out: torch.Tensor, config: SkinnyConfig) -> None:
     """Write x @ weight^T (+ bias) into ``out`` [M, N] (last dimension contiguous) with one
-    kernel launch of ``config`` (operands as `skinny_linear` takes them, unchecked).
-
-    dependent: a "reduce" launch is a programmatic dependent launch where the device has them
-    (`triton_support.dependent_launches`): it starts while the kernel in front runs (the fused
-    norm, SiLU and decode attention kernels let it) and waits for it before reading x. False
-    launches it plainly (the compiled step's custom op: inductor's kernels never let it start
-    early, and the wait then only costs)."""
+    kernel launch of ``config`` (operands as `skinny_linear` takes them, unchecked)."""
     rows, k = x.shape
     n = weight.shape[0]
     block_m = config.rows_per_program(rows)
+    kernel = skinny_reduce_kernel if config.kernel == "reduce" else skinny_dot_kernel
     grid = (-(-n // config.block_n), -(-rows // block_m))
-    extra: dict[str, object] = {}
-    if config.kernel == "reduce":
-        kernel = skinny_reduce_kernel
-        gdc = dependent and dependent_launches(x.device)
-        extra = {"GDC": gdc, "launch_pdl": gdc}
-    else:
-        kernel = skinny_dot_kernel
     # Triton launches on the current device: a layer on another GPU needs its own.
     with launch_device(x.device):
         kernel[grid](
@@ -290,7 +273,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
             BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-            num_stages=config.num_stages, **extra,
+            num_stages=config.num_stages,
         )
 
 
@@ -318,9 +301,8 @@ def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """`skinny_linear` as an op torch.compile does not trace. The compiled graph chooses its
     buffers' layouts: x gets a copy in the rare case its rows arrive strided along K (the
-    routing checked the traced layout). Launched plainly, not as a dependent launch (`launch`)."""
-    return skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias,
-                         dependent=False)
+    routing checked the traced layout)."""
+    return skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
 
 
 @skinny_linear_op.register_fake
@@ -335,12 +317,9 @@ def skinny_reduce_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, GDC: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr,
 ):
-    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]. GDC: launched as
-    a programmatic dependent launch (`triton_support.dependent_launches`): wait for the kernel
-    in front, which x comes from, before anything else."""
-    wait_for_previous_kernel(GDC)
+    """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]."""
     offs_m, offs_n, offs_k, x_ptrs, w_ptrs = _tile_pointers(
         x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -374,14 +353,13 @@ def skinny_dot_kernel(
 def skinny_gated_kernel(
     x_ptr, w_ptr, y_ptr, INTER, K, stride_wn,
     EVEN_K: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, GDC: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr,
 ):
     """Program p writes y[0, p*BLOCK_PAIRS : +BLOCK_PAIRS] = silu(gate) * up for one row x,
     W [2 * INTER, K] holding the gate rows, then the up rows. Its tile is the one-row product's
     [1, 2 * BLOCK_PAIRS, BLOCK_K], rows interleaved (gate, up) per pair, summed over K as
     `skinny_reduce_kernel` sums; both halves are rounded to y's dtype before the SiLU, as the
-    product then `fused_ops.silu_mul_kernel` would. GDC: as in `skinny_reduce_kernel`."""
-    wait_for_previous_kernel(GDC)
+    product then `fused_ops.silu_mul_kernel` would."""
     offs_j = tl.arange(0, 2 * BLOCK_PAIRS)
     pairs = tl.program_id(0) * BLOCK_PAIRS + offs_j // 2
     rows = (tl.minimum(pairs, INTER - 1) + (offs_j % 2) * INTER).to(tl.int64)

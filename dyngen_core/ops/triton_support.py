@@ -11,7 +11,6 @@ each kernel an object that raises when launched, which the routing above never d
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -83,43 +82,4 @@ def launch_device(device: torch.device) -> AbstractContextManager[object]:
     return nullcontext()
 
 
-# Programmatic dependent launches (sm_90+): the one-row skinny products launch while the kernel
-# in front of them runs and wait for it at their first statement (`skinny_matmul`); the small
-# kernels in front let them launch at once (`dependents_may_launch`). Read at every launch.
-DEPENDENT_LAUNCHES = True
-
-
-def dependent_launches(device: torch.device) -> bool:
-    """Whether Triton launches on ``device`` use programmatic dependent launches: CUDA devices
-    of compute capability 9.0 or above, while `DEPENDENT_LAUNCHES` is on."""
-    if not DEPENDENT_LAUNCHES or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _major_capability(index) >= 9
-
-
-@functools.cache
-def _major_capability(index: int) -> int:
-    # Asked on every eager launch: the device's properties once per device.
-    return torch.cuda.get_device_capability(index)[0]
-
-
-@triton.jit
-def dependents_may_launch(TRIGGER: tl.constexpr):
-    """With TRIGGER: let the kernel launched after this one as a programmatic dependent launch
-    start now (it waits for this kernel's completion before it reads or writes anything).
-    Without it: nothing (the interpreter, GPUs before sm_90)."""
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def wait_for_previous_kernel(GDC: tl.constexpr):
-    """With GDC (launched as a programmatic dependent launch): wait until the kernel before
-    this one has completed and its writes are visible. Without it: nothing."""
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-
-
-__all__ = ["dependent_launches", "dependents_may_launch", "wait_for_previous_kernel",
-           "launch_device", "require_triton", "tl", "triton", "triton_by_default"]
+__all__ = ["launch_device", "require_triton", "tl", "triton", "triton_by_default"]

@@ -2,9 +2,9 @@
 the same bits as the product followed by the fused SiLU kernel, for bf16 and fp16, K and I
 tails and several K steps; the routing takes exactly the one-row products the table gives a
 reduce configuration of pairs; a model's decode logits are the same bits with the switch on and
-off, replayed from a CUDA graph; a generator's mixture ends with the same tokens; and a launch
-reads what the kernel in front of it wrote (dependent launches). Kernel logic also runs on the
-CPU under TRITON_INTERPRET=1."""
+off, replayed from a CUDA graph; a generator's mixture ends with the same tokens; and a chain
+of norm -> gated launches replayed from a CUDA graph gives the eager two-launch result. Kernel
+logic also runs on the CPU under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -154,9 +154,9 @@ def test_a_generators_mixture_ends_the_same(bf16_fused_model: Model, bf16_fused_
     assert finals[True] == finals[False]
 
 
-def test_reads_what_the_kernel_in_front_wrote(cuda_device: torch.device, gated_on: None) -> None:
-    """norm -> gated launch, ten times over, in a CUDA graph: each launch may start while the
-    norm runs (dependent launches on sm_90) and must still read the norm's output."""
+def test_a_chain_replays_from_a_graph(cuda_device: torch.device, gated_on: None) -> None:
+    """norm -> gated launch, ten times over, eagerly and replayed from a CUDA graph: the same
+    bits as the two-launch chain."""
     gen = torch.Generator(device=cuda_device).manual_seed(0)
     hidden = 512
     weights = [torch.randn(2 * hidden, hidden, device=cuda_device, generator=gen,

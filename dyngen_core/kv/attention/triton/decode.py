@@ -54,12 +54,7 @@ from dyngen_core.kv.attention.triton.merge import count_in_and_merge, split_bloc
 from dyngen_core.kv.quant.format import GROUP_SIZE
 from dyngen_core.kv.quant.storage import QuantStorage
 from dyngen_core.kv.storage import KVStorage
-from dyngen_core.ops.triton_support import (
-    dependent_launches,
-    dependents_may_launch,
-    tl,
-    triton,
-)
+from dyngen_core.ops.triton_support import tl, triton
 
 LOG2_E = 1.4426950408889634
 
@@ -336,7 +331,6 @@ def launch_paged(q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ..
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE=counters is not None, WRITE_STEP=step_write is not None,
         SPLIT_BLOCK=split_block(splits, heads.group_pad),
-        TRIGGER=decode and dependent_launches(q.device),
     )
 
 
@@ -366,7 +360,7 @@ def paged_attention_kernel(
     DECODE: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
     HEADS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MERGE: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1, WRITE_STEP: tl.constexpr = False,
-    PAGE_WINDOW: tl.constexpr = 0, TRIGGER: tl.constexpr = False,
+    PAGE_WINDOW: tl.constexpr = 0,
 ):
     """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
     else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
@@ -388,9 +382,7 @@ def paged_attention_kernel(
     DOT_PRECISION: "ieee" for float32 inputs (exact, like torch), "tf32" otherwise.
     PAGE_WINDOW > 0 (a power of two; BLOCK_N must divide PAGE_SIZE): the key loop loads the
     page ids of that many pages ahead of their tiles, so its tile loads pipeline
-    (`key_loop.attend_key_windows`); 0: each tile loads its page ids.
-    TRIGGER: the next kernel may launch at once (`dependents_may_launch`)."""
-    dependents_may_launch(TRIGGER)
+    (`key_loop.attend_key_windows`); 0: each tile loads its page ids."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
