@@ -323,14 +323,14 @@ def launch_paged(q: torch.Tensor, ops: PageOperands, page_args: tuple[object, ..
         G=heads.group, G_PAD=heads.group_pad, BLOCK_Q=block_q, BLOCK_M=rows,
         BLOCK_N=BLOCK_N, HEAD_DIM=heads.head_dim, HEAD_PAD=heads.head_pad,
         PAGE_SIZE=batch.page_size, K_BITS=ops.key_bits, V_BITS=ops.value_bits,
-        NUM_SPLITS=splits, DECODE=decode, WRITE_PARTIALS=splits > 1,
+        DECODE=decode, WRITE_PARTIALS=splits > 1,
         HEADS=exact is not None, WINDOW=exact.window if exact is not None else 0,
         num_warps=DECODE_WARPS if decode else PREFILL_WARPS, num_stages=STAGES,
         PAGE_WINDOW=decode_page_window(batch.page_size, ops.key_bits > 0 or ops.value_bits > 0)
         if decode else 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE=counters is not None, WRITE_STEP=step_write is not None,
-        SPLIT_BLOCK=split_block(splits, heads.group_pad),
+        SPLIT_BLOCK=split_block(splits, heads.group_pad) if counters is not None else 1,
     )
 
 
@@ -356,16 +356,18 @@ def paged_attention_kernel(
     scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DECODE: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
     HEADS: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MERGE: tl.constexpr = False, SPLIT_BLOCK: tl.constexpr = 1, WRITE_STEP: tl.constexpr = False,
     PAGE_WINDOW: tl.constexpr = 0,
 ):
-    """Grid (query blocks, kv heads, splits). DECODE: block i is sequence i, one query token;
+    """Grid (query blocks, kv heads, splits): the split count is the grid's, a run-time value,
+    so batch sizes of different splits share a compiled kernel. DECODE: block i is sequence i, one
+    query token;
     else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
-    WRITE_PARTIALS: write each split's output and log-sum-exp for a later merge (required when
-    NUM_SPLITS > 1) instead of the output itself.
+    WRITE_PARTIALS: write each split's output and log-sum-exp for a later merge (required with
+    more than one split) instead of the output itself.
     MERGE (DECODE with WRITE_PARTIALS): the last split program of each
     (sequence, KV head) to finish merges the partials into the output, ``SPLIT_BLOCK`` splits
     at a time (`merge.count_in_and_merge`; ``counter_ptr``: one zeroed int32 per (sequence,
@@ -386,6 +388,7 @@ def paged_attention_kernel(
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     if DECODE:
         seq = block
         first = block * 0
@@ -409,7 +412,7 @@ def paged_attention_kernel(
 
     last_token = tl.minimum(first + BLOCK_Q, q_len)
     kv_end = ctx - q_len + last_token
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, kv_end)
     table_row = page_table_ptr + seq.to(tl.int64) * stride_pt
@@ -452,7 +455,7 @@ def paged_attention_kernel(
             BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_PAD, PAGE_SIZE, K_BITS, V_BITS, HEADS, WINDOW,
             DOT_PRECISION, PAGE_WINDOW)
     if WINDOW > 0:
-        if split == NUM_SPLITS - 1:
+        if split == num_splits - 1:
             m_i, l_i, acc = attend_exact_rows(
                 q, m_i, l_i, acc, tl.maximum(near_lo, 0), kv_end, position, kv_head, dims,
                 fresh_k_ptr, fresh_v_ptr, ring_k_ptr, ring_v_ptr, ring_pos_ptr, stride_er,
@@ -461,8 +464,8 @@ def paged_attention_kernel(
     acc = normalized_rows(acc, l_i, rot_ptr, V_BITS, BLOCK_M, HEAD_PAD)
     out_token = (q_start + token).to(tl.int64)
     if WRITE_PARTIALS:
-        # Partials: [T, H, NUM_SPLITS, HEAD_PAD] and log2-sum-exp [T, H, NUM_SPLITS].
-        part_row = (out_token * tl.num_programs(1) * G + head) * NUM_SPLITS + split
+        # Partials: [T, H, splits, HEAD_PAD] and log2-sum-exp [T, H, splits].
+        part_row = (out_token * tl.num_programs(1) * G + head) * num_splits + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + dims[None, :], acc,
                  mask=row_valid[:, None])
         tl.store(part_lse_ptr + part_row, log2_sum_exp(m_i, l_i), mask=row_valid)
@@ -470,14 +473,14 @@ def paged_attention_kernel(
             # Splits past the last non-empty one hold no key; the window's exact rows are
             # attended by the last split, so then all are read.
             if WINDOW > 0:
-                splits_read = NUM_SPLITS
+                splits_read = num_splits
             else:
                 splits_read = tl.cdiv(kv_end, tl.maximum(chunk, 1))
             count_in_and_merge(
                 counter_ptr + seq * tl.num_programs(1) + kv_head, part_out_ptr, part_lse_ptr,
                 out_ptr, q_start.to(tl.int64) * stride_ot, stride_oh,
                 (q_start.to(tl.int64) * tl.num_programs(1) + kv_head) * G, kv_head * G,
-                splits_read, NUM_SPLITS, G, G_PAD, SPLIT_BLOCK, HEAD_DIM, HEAD_PAD)
+                splits_read, num_splits, G, G_PAD, SPLIT_BLOCK, HEAD_DIM, HEAD_PAD)
     else:
         o_ptrs = out_ptr + (out_token * stride_ot + head * stride_oh)[:, None] + dims[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),

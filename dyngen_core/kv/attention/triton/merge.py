@@ -83,23 +83,23 @@ def launch_combine(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sp
 
 @triton.jit
 def count_in_and_merge(counter_ptr, part_out_ptr, part_lse_ptr, out_ptr, out_base,
-                       stride_oh, first_row, first_head, splits_read,
-                       NUM_SPLITS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                       stride_oh, first_row, first_head, splits_read, num_splits,
+                       G: tl.constexpr, G_PAD: tl.constexpr,
                        SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                        HEAD_PAD: tl.constexpr):
-    """Count this program in at ``counter_ptr``; the last of the ``NUM_SPLITS`` programs of
+    """Count this program in at ``counter_ptr``; the last of the ``num_splits`` programs of
     one (sequence, KV head) merges the partials of splits [0, splits_read) of its ``G`` query
     rows into the output and resets the counter.
 
-    Partials: [rows, NUM_SPLITS, HEAD_PAD] float32 at ``part_out_ptr`` and log2-sum-exp
-    [rows, NUM_SPLITS] at ``part_lse_ptr``; this KV head's rows start at ``first_row`` (int64).
+    Partials: [rows, num_splits, HEAD_PAD] float32 at ``part_out_ptr`` and log2-sum-exp
+    [rows, num_splits] at ``part_lse_ptr``; this KV head's rows start at ``first_row`` (int64).
     Output row g goes to ``out_ptr + out_base + (first_head + g) * stride_oh``. Splits past
     ``splits_read`` are never read (empty ones: they hold no key, so weigh 0)."""
     tl.debug_barrier()  # every thread's partial stores come before the release below
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    if arrived == NUM_SPLITS - 1:
+    if arrived == num_splits - 1:
         _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, out_base, stride_oh, first_row,
-                        first_head, splits_read, NUM_SPLITS, G, G_PAD, SPLIT_BLOCK, HEAD_DIM,
+                        first_head, splits_read, num_splits, G, G_PAD, SPLIT_BLOCK, HEAD_DIM,
                         HEAD_PAD)
         tl.store(counter_ptr, 0)
 
@@ -132,7 +132,7 @@ def fold_partials(m_i, l_i, acc, part_ptr, lse_ptr, first_row, count, valid, dim
 
 @triton.jit
 def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, out_base, stride_oh, first_row,
-                    first_head, splits_read, NUM_SPLITS: tl.constexpr, G: tl.constexpr,
+                    first_head, splits_read, num_splits, G: tl.constexpr,
                     G_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     HEAD_PAD: tl.constexpr):
     """Log-sum-exp merge of the splits of all G rows (`fold_partials` from an empty state),
@@ -142,7 +142,7 @@ def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, out_base, stride_oh, fi
     _, total, acc = fold_partials(
         tl.full([G_PAD], -1.0e30, tl.float32), tl.zeros([G_PAD], tl.float32),
         tl.zeros([G_PAD, HEAD_PAD], tl.float32), part_out_ptr, part_lse_ptr,
-        (first_row + group) * NUM_SPLITS, splits_read, group < G, dims, SPLIT_BLOCK, HEAD_PAD)
+        (first_row + group) * num_splits, splits_read, group < G, dims, SPLIT_BLOCK, HEAD_PAD)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     o_ptrs = out_ptr + out_base + (first_head + group)[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
