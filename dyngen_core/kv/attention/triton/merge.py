@@ -27,6 +27,9 @@ import torch
 from dyngen_core.ops.triton_support import tl, triton
 
 MIN_COUNTERS = 256
+# The fewest partials `combine_splits_kernel` loads a row: split counts up to it share one
+# compiled kernel (each power of two above it compiles its own).
+MIN_COMBINE_PAD = 8
 # Query rows x partials per load round of the in-kernel merge (`split_block`).
 MERGE_ROWS = 64
 
@@ -49,21 +52,22 @@ def split_buffers(tokens: int, heads: int, splits: int, head_pad: int,
     return parts, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-                          num_heads, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                          num_heads, num_splits, SPLITS_PAD: tl.constexpr,
                           HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """Grid (tokens, heads): merge the split partials of one query row into the output."""
+    """Grid (tokens, heads): merge the ``num_splits`` (at most SPLITS_PAD) split partials of
+    one query row into the output."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_PAD)
-    row = (token * num_heads + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    row = (token * num_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + row + splits, mask=splits < num_splits, other=float("-inf"))
     top = tl.max(lse, 0)
     weight = tl.exp2(lse - top)
     parts = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_PAD + dims[None, :],
-                    mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+                    mask=(splits < num_splits)[:, None], other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -76,7 +80,8 @@ def launch_combine(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sp
     num_tokens, num_heads = out.shape[0], out.shape[1]
     combine_splits_kernel[(num_tokens, num_heads)](
         parts, lse, out, out.stride(0), out.stride(1), num_heads,
-        NUM_SPLITS=splits, SPLITS_PAD=1 << (splits - 1).bit_length(), HEAD_DIM=head_dim,
+        splits, SPLITS_PAD=max(MIN_COMBINE_PAD, 1 << (splits - 1).bit_length()),
+        HEAD_DIM=head_dim,
         HEAD_PAD=head_pad, num_warps=4,
     )
 
