@@ -21,6 +21,7 @@ from dyngen_core.ops import fused_ops, skinny_matmul
 from dyngen_core.ops.skinny_matmul import SkinnyConfig, gated_config, gated_linear, gated_routable
 from dyngen_core.runtime.graphs import StepGraphs
 from tests.engine.step_helpers import run_mixed_jobs, run_to_finals
+from tests.gpu.conftest import interpreter_mode
 
 pytestmark = pytest.mark.gpu
 
@@ -75,6 +76,19 @@ def test_same_bits_as_the_product_then_silu(device: torch.device, gated_on: None
     reference = torch.nn.functional.silu(gate) * up
     error = ((hidden.double() - reference).norm() / reference.norm()).item()
     assert error < 2e-2, error
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_same_bits_in_the_wide_class(device: torch.device, gated_on: None,
+                                     dtype: torch.dtype) -> None:
+    """Gate/up products of more than 8,192 rows take the table's "wide" one-row entry (its own
+    K block), with an I tail."""
+    if interpreter_mode():
+        pytest.skip("thousands of programs: slow under the interpreter")
+    inter, k = 4100, 2048 + 64
+    assert skinny_matmul.shape_class(1, 2 * inter, k) == ("1", "wide")
+    x, weight = _operands(inter, k, dtype, device, seed=5)
+    assert torch.equal(gated_linear(x, weight), _two_launches(x, weight))
 
 
 def test_the_table_picks_the_one_row_pairs(gated_on: None,
