@@ -252,9 +252,17 @@ def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr
     x_row = x_ptr + row * stride_x
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
-    y = silu.to(tl.float32) * up.to(tl.float32)
+    y = silu_times_up(gate, up.to(tl.float32), y_ptr)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_times_up(gate, up, y_ptr):
+    """silu(gate) * up in float32 (gate and up float32), the SiLU rounded to ``y_ptr``'s element
+    type first: what every SiLU-and-mul of the package computes, so that they agree bit for
+    bit (`silu_mul_kernel`, `skinny_matmul.skinny_gated_kernel`)."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+    return silu.to(tl.float32) * up
 
 
 @triton.jit

@@ -46,6 +46,7 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
+from dyngen_core.ops.fused_ops import silu_times_up
 from dyngen_core.ops.triton_support import (
     launch_device,
     tl,
@@ -322,11 +323,8 @@ def skinny_reduce_kernel(
     """Program (n, m) writes y[m*BLOCK_M : +BLOCK_M, n*BLOCK_N : +BLOCK_N]."""
     offs_m, offs_n, offs_k, x_ptrs, w_ptrs = _tile_pointers(
         x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    out = tl.sum(acc, axis=2)
+    out = _reduce_over_k(x_ptrs, w_ptrs, K, offs_k, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_STAGES)
     _store(out, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
 
 
@@ -357,23 +355,20 @@ def skinny_gated_kernel(
 ):
     """Program p writes y[0, p*BLOCK_PAIRS : +BLOCK_PAIRS] = silu(gate) * up for one row x,
     W [2 * INTER, K] holding the gate rows, then the up rows. Its tile is the one-row product's
-    [1, 2 * BLOCK_PAIRS, BLOCK_K], rows interleaved (gate, up) per pair, summed over K as
-    `skinny_reduce_kernel` sums; both halves are rounded to y's dtype before the SiLU, as the
-    product then `fused_ops.silu_mul_kernel` would."""
+    [1, 2 * BLOCK_PAIRS, BLOCK_K], rows interleaved (gate, up) per pair, summed over K by the
+    reduce kernel's own loop (`_reduce_over_k`); both halves are rounded to y's dtype before
+    the SiLU (`fused_ops.silu_times_up`), as the product then `fused_ops.silu_mul_kernel` do."""
     offs_j = tl.arange(0, 2 * BLOCK_PAIRS)
     pairs = tl.program_id(0) * BLOCK_PAIRS + offs_j // 2
     rows = (tl.minimum(pairs, INTER - 1) + (offs_j % 2) * INTER).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_k[None, :]
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((1, 2 * BLOCK_PAIRS, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    out = tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty).to(tl.float32)
-    gate, up = tl.split(tl.reshape(out, (BLOCK_PAIRS, 2)))
-    silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
-    y = silu.to(tl.float32) * up
+    out = _reduce_over_k(x_ptrs, w_ptrs, K, offs_k, EVEN_K, 1, 2 * BLOCK_PAIRS, BLOCK_K,
+                         NUM_STAGES)
+    gate, up = tl.split(tl.reshape(out.to(y_ptr.dtype.element_ty).to(tl.float32),
+                                   (BLOCK_PAIRS, 2)))
+    y = silu_times_up(gate, up, y_ptr)
     offs_p = tl.program_id(0) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
     tl.store(y_ptr + offs_p, y.to(y_ptr.dtype.element_ty), mask=offs_p < INTER)
 
@@ -392,6 +387,20 @@ def _tile_pointers(x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M: tl.constex
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     return offs_m, offs_n, offs_k, x_ptrs, w_ptrs
+
+
+@triton.jit
+def _reduce_over_k(x_ptrs, w_ptrs, K, offs_k, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 sums over K of x [BLOCK_M, BLOCK_K] tiles times W [BLOCK_N,
+    BLOCK_K] tiles (pointers at K offset 0): the products accumulate element-wise in a
+    [BLOCK_M, BLOCK_N, BLOCK_K] register tile, summed over K once after the loop, so the loop
+    body is loads and FMAs only; ``NUM_STAGES`` > 1 pipelines it through shared memory."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x, w = _load_tile(x_ptrs + k0, w_ptrs + k0, k0, K, offs_k, EVEN_K)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return tl.sum(acc, axis=2)
 
 
 @triton.jit

@@ -363,9 +363,9 @@ def paged_attention_kernel(
     PAGE_WINDOW: tl.constexpr = 0,
 ):
     """Grid (query blocks, kv heads, splits): the split count is the grid's, a run-time value,
-    so batch sizes of different splits share a compiled kernel. DECODE: block i is sequence i, one
-    query token;
-    else block i is sequence ``block_seq[i]`` from its query token ``block_first[i]``.
+    so batch sizes of different splits share a compiled kernel. DECODE: block i is sequence i,
+    one query token; else block i is sequence ``block_seq[i]`` from its query token
+    ``block_first[i]``.
     WRITE_PARTIALS: write each split's output and log-sum-exp for a later merge (required with
     more than one split) instead of the output itself.
     MERGE (DECODE with WRITE_PARTIALS): the last split program of each

@@ -1,5 +1,5 @@
 """Merging the split partials of decode attention. A decode launch splits each sequence's context
-into ``NUM_SPLITS`` parts (flash-decoding), each writing a float32 partial output and its
+into parts, its splits (flash-decoding), each writing a float32 partial output and its
 log2-sum-exp; the parts are merged either by a second kernel (`combine_splits_kernel`,
 `launch_combine`) or inside the attention kernel itself (`count_in_and_merge`), which saves a
 kernel boundary per layer (the backend's rule says when: `decode.merges_in_kernel`).
@@ -81,8 +81,7 @@ def launch_combine(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sp
     combine_splits_kernel[(num_tokens, num_heads)](
         parts, lse, out, out.stride(0), out.stride(1), num_heads,
         splits, SPLITS_PAD=max(MIN_COMBINE_PAD, 1 << (splits - 1).bit_length()),
-        HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, num_warps=4,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, num_warps=4,
     )
 
 
