@@ -91,5 +91,6 @@ def main() -> None:
     alternate(model, variants, rounds=args.rounds, batch=args.batch, context=args.context,
               steps=args.steps, compiled=args.compiled)
 
+
 if __name__ == "__main__":
     main()
