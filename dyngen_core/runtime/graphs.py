@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dyngen_core.engine.plan import StepPlan
+from dyngen_core.engine.plan import SequenceSlice, StepPlan
 from dyngen_core.kv.attention.base import (
     AttentionBackend,
     ForwardBatch,
@@ -119,6 +119,14 @@ class _StaticInputs:
     def page_table(self, ints: torch.Tensor) -> torch.Tensor:
         return ints[3 * self.rows + 1 + self.tables_size:].view(self.rows, self.width)
 
+    def host_views(self) -> DecodeViews:
+        """Numpy views of the pinned staging buffers that a decode step writes."""
+        ints = self.host_ints
+        return DecodeViews(longs=self.host_longs.numpy(), context=ints[:self.rows].numpy(),
+                           slots=self.seq_slots(ints).numpy(),
+                           query_start=self.query_start(ints).numpy(),
+                           tables=self.page_table(ints).numpy())
+
     def used(self, rows: int) -> int:
         """The prefix of ``ints`` a bucket of ``rows`` reads."""
         return 3 * self.rows + 1 + self.tables_size + rows * self.width
@@ -140,6 +148,81 @@ class _StaticInputs:
             page_size=page_size, seq_slots=seq_slots, token_seq_slots=seq_slots,
             graph_tables=tables,
         )
+
+
+@dataclass
+class DecodeViews:
+    """The host arrays a decode step is staged in: ``longs`` [3, tokens] (input ids,
+    positions, slots of the cache), ``context`` [rows] (context lengths), ``slots`` [rows]
+    (sequence slots), ``query_start`` [rows + 1] and ``tables`` [rows, width] (page tables)."""
+
+    longs: np.ndarray
+    context: np.ndarray
+    slots: np.ndarray
+    query_start: np.ndarray
+    tables: np.ndarray
+
+
+class DecodeStaging:
+    """Writes decode steps into `DecodeViews`, a column at a time.
+
+    A row's page table is written only when its slice brings another list than the one the row
+    holds, or needs more of its pages: a job's decode slices share one list while its table
+    does not change, and a planned list is never changed in place (`SequenceSlice`), so the
+    row already holds those pages. Whatever else writes the tables must call `forget_tables`.
+
+    views: the arrays to write.
+    page_size: slots per page.
+    """
+
+    def __init__(self, views: DecodeViews, page_size: int) -> None:
+        self.views = views
+        self.page_size = page_size
+        rows = views.tables.shape[0]
+        self._row_index = np.arange(rows)
+        self._steps = np.arange(rows + 1, dtype=views.query_start.dtype)
+        # Per row: the list it holds (kept alive, so identity is meaningful) and how many of
+        # its pages were written.
+        self._lists: list[list[int] | None] = [None] * rows
+        self._pages = [0] * rows
+
+    def forget_tables(self) -> None:
+        """The tables were written by someone else: the next step writes every row."""
+        self._lists = [None] * len(self._lists)
+
+    def stage(self, slices: Sequence[SequenceSlice], bucket: int,
+              seq_slots: Sequence[int] | None) -> None:
+        """Write a decode step (each slice one token, none past the tables' width) for a graph
+        of ``bucket`` rows; rows past the slices repeat the last one. ``seq_slots``: each
+        slice's sequence slot (None: -1, no per-sequence state)."""
+        views, page_size = self.views, self.page_size
+        size = len(slices)
+        positions = np.array([s.start_pos for s in slices], dtype=np.int64)
+        pages = positions // page_size
+        self._write_tables(slices, (pages + 1).tolist())
+        longs, tables = views.longs, views.tables
+        longs[0, :size] = [s.token_ids[0] for s in slices]
+        longs[1, :size] = positions
+        slot_pages = tables[self._row_index[:size], pages].astype(np.int64)
+        longs[2, :size] = slot_pages * page_size + positions % page_size
+        views.context[:size] = positions + 1
+        views.slots[:size] = -1 if seq_slots is None else seq_slots
+        views.query_start[:bucket + 1] = self._steps[:bucket + 1]
+        if bucket > size:
+            longs[:, size:bucket] = longs[:, size - 1:size]
+            views.context[size:bucket] = views.context[size - 1]
+            views.slots[size:bucket] = views.slots[size - 1]
+            tables[size:bucket] = tables[size - 1]
+            self._lists[size:bucket] = [None] * (bucket - size)
+
+    def _write_tables(self, slices: Sequence[SequenceSlice], used: list[int]) -> None:
+        lists, pages, tables = self._lists, self._pages, self.views.tables
+        for row, (piece, count) in enumerate(zip(slices, used, strict=True)):
+            table = piece.page_table
+            if lists[row] is not table or pages[row] < count:
+                tables[row, :count] = table[:count]
+                lists[row] = table
+                pages[row] = count
 
 
 @dataclass
@@ -195,6 +278,9 @@ class StepGraphs:
             self._tables = backend.graph_tables(storage, config.num_heads, config.num_kv_heads,
                                                 self.buckets[-1])
         self._inputs = self._allocate(self.buckets[-1])
+        self._staging = DecodeStaging(self._inputs.host_views(), page_size)
+        # The last plan `can_run` accepted and its query length (`run` reads it back).
+        self._query_lens: tuple[StepPlan | None, int] = (None, 1)
         # Keyed by (bucket, query length, reads the backend's tables); all but the plain
         # decode graphs are captured on first use.
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
@@ -211,12 +297,18 @@ class StepGraphs:
         slices = plan.slices
         if not slices or len(slices) > self.buckets[-1]:
             return False
-        limit = self.width * self.page_size
-        if not all(len(s.token_ids) == 1 and s.sample and s.end_pos <= limit for s in slices):
-            return False
-        query_len = _query_len(plan)
-        return query_len == 1 or (self.verify_steps
-                                  and self._bucket(len(slices)) * query_len <= MAX_VERIFY_TOKENS)
+        last_position = self.width * self.page_size - 1
+        longest_draft = 0
+        for s in slices:  # one lean pass: this runs every step over every job
+            drafts = len(s.draft_ids)
+            if len(s.token_ids) != 1 or not s.sample or s.start_pos + drafts > last_position:
+                return False
+            if drafts > longest_draft:
+                longest_draft = drafts
+        self._query_lens = (plan, 1 + longest_draft)
+        return longest_draft == 0 or (
+            self.verify_steps
+            and self._bucket(len(slices)) * (1 + longest_draft) <= MAX_VERIFY_TOKENS)
 
     def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None,
             feed: TokenFeed | None = None) -> torch.Tensor:
@@ -230,7 +322,10 @@ class StepGraphs:
         """
         size = len(plan.slices)
         bucket = self._bucket(size)
-        query_len = _query_len(plan)
+        known, query_len = self._query_lens
+        self._query_lens = (None, 1)
+        if known is not plan:
+            query_len = _query_len(plan)
         if query_len == 1:
             writer = self._tables.stage(plan) if self._tables is not None else None
             self._stage_decode(plan, bucket, seq_slots, writer)
@@ -338,27 +433,7 @@ class StepGraphs:
         ``writer``) and copy them into the static device inputs."""
         inputs = self._inputs
         inputs.copied.synchronize()  # the previous step's copy has read the staging buffers
-        longs = inputs.host_longs.numpy()
-        ints = inputs.host_ints.numpy()
-        tables = inputs.page_table(inputs.host_ints).numpy()
-        slots = inputs.seq_slots(inputs.host_ints).numpy()
-        size = len(plan.slices)
-        slots[:size] = -1 if seq_slots is None else seq_slots
-        inputs.query_start(inputs.host_ints).numpy()[:bucket + 1] = np.arange(bucket + 1)
-        page_size = self.page_size
-        for row, piece in enumerate(plan.slices):
-            pos = piece.start_pos
-            pages_used = pos // page_size + 1
-            longs[0, row] = piece.token_ids[0]
-            longs[1, row] = pos
-            longs[2, row] = piece.page_table[pos // page_size] * page_size + pos % page_size
-            ints[row] = pos + 1
-            tables[row, :pages_used] = piece.page_table[:pages_used]
-        if bucket > size:
-            longs[:, size:bucket] = longs[:, size - 1:size]
-            ints[size:bucket] = ints[size - 1]
-            slots[size:bucket] = slots[size - 1]
-            tables[size:bucket] = tables[size - 1]
+        self._staging.stage(plan.slices, bucket, seq_slots)
         if writer is not None:
             writer(inputs.tables_region(inputs.host_ints).numpy())
         self._copy(bucket)
@@ -368,6 +443,7 @@ class StepGraphs:
         them into the static device inputs; returns the step's token count."""
         inputs = self._inputs
         inputs.copied.synchronize()
+        self._staging.forget_tables()  # rows get the verify step's pages
         longs = inputs.host_longs.numpy()
         context = inputs.host_ints.numpy()[:inputs.rows]
         starts = inputs.query_start(inputs.host_ints).numpy()

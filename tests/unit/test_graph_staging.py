@@ -1,0 +1,116 @@
+"""`DecodeStaging` writes exactly what staging each decode row one by one writes.
+
+The graphed decode step stages its inputs a column at a time and rewrites a row's page table
+only when the row's slice brings another list or needs more pages. Against a row-by-row oracle
+(every field of every row written every step), over steps that advance, cross pages, change
+and reorder jobs, shrink and grow the batch (padding rows), carry sequence slots and follow
+writes from elsewhere (`forget_tables`), the whole staging buffers must stay equal. Pure numpy:
+runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from dyngen_core.engine.plan import SequenceSlice
+from dyngen_core.runtime.graphs import DecodeStaging, DecodeViews
+
+PAGE = 4
+ROWS = 12
+WIDTH = 8
+
+
+def _views() -> DecodeViews:
+    ints = np.zeros(ROWS * (3 + WIDTH) + 1, dtype=np.int32)
+    return DecodeViews(longs=np.zeros((3, ROWS), dtype=np.int64), context=ints[:ROWS],
+                       slots=ints[ROWS:2 * ROWS], query_start=ints[2 * ROWS:3 * ROWS + 1],
+                       tables=ints[3 * ROWS + 1:].reshape(ROWS, WIDTH))
+
+
+def _oracle(views: DecodeViews, slices: list[SequenceSlice], bucket: int,
+            seq_slots: list[int] | None) -> None:
+    """Every field of every row, one row at a time."""
+    size = len(slices)
+    views.slots[:size] = -1 if seq_slots is None else seq_slots
+    views.query_start[:bucket + 1] = np.arange(bucket + 1)
+    for row, piece in enumerate(slices):
+        pos = piece.start_pos
+        used = pos // PAGE + 1
+        views.longs[0, row] = piece.token_ids[0]
+        views.longs[1, row] = pos
+        views.longs[2, row] = piece.page_table[pos // PAGE] * PAGE + pos % PAGE
+        views.context[row] = pos + 1
+        views.tables[row, :used] = piece.page_table[:used]
+    if bucket > size:
+        views.longs[:, size:bucket] = views.longs[:, size - 1:size]
+        views.context[size:bucket] = views.context[size - 1]
+        views.slots[size:bucket] = views.slots[size - 1]
+        views.tables[size:bucket] = views.tables[size - 1]
+
+
+class _Job:
+    """A decoding job as the scheduler plans it: one table list while its pages do not change."""
+
+    def __init__(self, job_id: int, rng: random.Random) -> None:
+        self.job_id = job_id
+        self.pos = rng.randrange(0, 3 * PAGE)
+        self.spare = rng.choice((0, 1))  # room for drafts: a page past the one written
+        self.pages = [rng.randrange(1000) for _ in range(self.pos // PAGE + 1 + self.spare)]
+        self.table = self.pages[:]
+
+    def slice(self, token: int) -> SequenceSlice:
+        if self.pos // PAGE + 1 + self.spare > len(self.pages):
+            self.pages.append(self.pages[-1] + 1)
+            self.table = self.pages[:]  # a new list once the table changes
+        return SequenceSlice(self.job_id, [token], self.pos, self.table, True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_column_staging_equals_row_by_row_staging(seed: int) -> None:
+    rng = random.Random(seed)
+    fast, slow = _views(), _views()
+    staging = DecodeStaging(fast, PAGE)
+    jobs = [_Job(i, rng) for i in range(ROWS)]
+    next_id = ROWS
+    for step in range(60):
+        size = rng.randrange(1, ROWS + 1)
+        if rng.random() < 0.2:  # jobs end, new ones come, the order changes
+            rng.shuffle(jobs)
+            for k in range(rng.randrange(0, 3)):
+                jobs[k] = _Job(next_id, rng)
+                next_id += 1
+        live = [job for job in jobs[:size] if job.pos < (WIDTH - 1) * PAGE]
+        if not live:
+            jobs = [_Job(next_id + i, rng) for i in range(ROWS)]
+            next_id += ROWS
+            continue
+        slices = [job.slice(rng.randrange(-1, 500)) for job in live]
+        bucket = rng.randrange(len(slices), ROWS + 1)
+        seq_slots = None if rng.random() < 0.5 else [rng.randrange(-1, 8) for _ in slices]
+        staging.stage(slices, bucket, seq_slots)
+        _oracle(slow, slices, bucket, seq_slots)
+        for name in ("longs", "context", "slots", "query_start", "tables"):
+            assert np.array_equal(getattr(fast, name), getattr(slow, name)), (step, name)
+        for job in live:
+            job.pos += 1
+        if rng.random() < 0.1:  # a verify step wrote the tables in between
+            junk = np.asarray([rng.randrange(1000) for _ in range(ROWS * WIDTH)])
+            fast.tables[:] = slow.tables[:] = junk.reshape(ROWS, WIDTH)
+            staging.forget_tables()
+
+
+def test_unchanged_rows_are_not_rewritten() -> None:
+    """The point of the row cache: a row whose job kept its list is left as it is."""
+    views = _views()
+    staging = DecodeStaging(views, PAGE)
+    table = [5, 6, 7]
+    staging.stage([SequenceSlice(0, [1], 5, table, True)], 1, None)
+    views.tables[0, 0] = 99  # not something staging would write: it must survive
+    staging.stage([SequenceSlice(0, [1], 6, table, True)], 1, None)
+    assert views.tables[0, 0] == 99
+    staging.stage([SequenceSlice(0, [1], 8, table, True)], 1, None)  # a third page needed
+    assert views.tables[0, :3].tolist() == [5, 6, 7]
+    assert views.longs[2, 0] == 7 * PAGE
