@@ -297,18 +297,12 @@ class StepGraphs:
         slices = plan.slices
         if not slices or len(slices) > self.buckets[-1]:
             return False
-        last_position = self.width * self.page_size - 1
-        longest_draft = 0
-        for s in slices:  # one lean pass: this runs every step over every job
-            drafts = len(s.draft_ids)
-            if len(s.token_ids) != 1 or not s.sample or s.start_pos + drafts > last_position:
-                return False
-            if drafts > longest_draft:
-                longest_draft = drafts
-        self._query_lens = (plan, 1 + longest_draft)
-        return longest_draft == 0 or (
-            self.verify_steps
-            and self._bucket(len(slices)) * (1 + longest_draft) <= MAX_VERIFY_TOKENS)
+        query_len = decode_query_len(slices, self.width * self.page_size)
+        if query_len is None:
+            return False
+        self._query_lens = (plan, query_len)
+        return query_len == 1 or (self.verify_steps
+                                  and self._bucket(len(slices)) * query_len <= MAX_VERIFY_TOKENS)
 
     def run(self, plan: StepPlan, seq_slots: Sequence[int] | None = None,
             feed: TokenFeed | None = None) -> torch.Tensor:
@@ -478,6 +472,21 @@ class StepGraphs:
         inputs.copied.record()
 
 
+def decode_query_len(slices: Sequence[SequenceSlice], max_context: int) -> int | None:
+    """One plus the longest draft of ``slices`` when each is a sampled decode of one token
+    (drafts allowed) ending within ``max_context`` positions; else None (one pass, as lean as
+    it can be: it runs every step over every job)."""
+    last_position = max_context - 1
+    longest = 0
+    for s in slices:
+        drafts = len(s.draft_ids)
+        if len(s.token_ids) != 1 or not s.sample or s.start_pos + drafts > last_position:
+            return None
+        if drafts > longest:
+            longest = drafts
+    return 1 + longest
+
+
 def _query_len(plan: StepPlan) -> int:
     """One plus the longest draft of the plan's slices (1: a decode step)."""
     return 1 + max(len(s.draft_ids) for s in plan.slices)
@@ -515,4 +524,5 @@ def step_graphs_for(model: Model, storage: KVStorage, backend: AttentionBackend,
                       verify_steps=verify_steps)
 
 
-__all__ = ["MAX_VERIFY_TOKENS", "StepGraphs", "default_buckets", "step_graphs_for"]
+__all__ = ["MAX_VERIFY_TOKENS", "DecodeStaging", "DecodeViews", "StepGraphs", "decode_query_len",
+           "default_buckets", "step_graphs_for"]

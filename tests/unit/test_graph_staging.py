@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dyngen_core.engine.plan import SequenceSlice
-from dyngen_core.runtime.graphs import DecodeStaging, DecodeViews
+from dyngen_core.runtime.graphs import DecodeStaging, DecodeViews, decode_query_len
 
 PAGE = 4
 ROWS = 12
@@ -114,3 +114,17 @@ def test_unchanged_rows_are_not_rewritten() -> None:
     staging.stage([SequenceSlice(0, [1], 8, table, True)], 1, None)  # a third page needed
     assert views.tables[0, :3].tolist() == [5, 6, 7]
     assert views.longs[2, 0] == 7 * PAGE
+
+
+def test_decode_query_len_names_the_graphable_steps() -> None:
+    def piece(tokens: int = 1, start: int = 0, sample: bool = True,
+              drafts: int = 0) -> SequenceSlice:
+        return SequenceSlice(0, [1] * tokens, start, [0, 1], sample, [2] * drafts)
+
+    assert decode_query_len([piece(), piece(start=7)], 8) == 1
+    assert decode_query_len([piece(drafts=2), piece(), piece(drafts=4)], 16) == 5
+    assert decode_query_len([piece(start=5, drafts=2)], 8) == 3  # ends at position 8
+    assert decode_query_len([piece(start=6, drafts=2)], 8) is None  # would end at 9
+    assert decode_query_len([piece(start=8)], 8) is None
+    assert decode_query_len([piece(), piece(tokens=2)], 8) is None  # a prefill chunk
+    assert decode_query_len([piece(sample=False)], 8) is None

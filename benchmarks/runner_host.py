@@ -1,0 +1,97 @@
+"""Host time of a graphed decode step in the runner, 256 jobs: what `ModelRunner.run` does on
+the host before it copies the step's inputs and replays a CUDA graph (`StepGraphs`).
+
+`host_overhead.py` measures the scheduler, sampler and emitter around a stand-in runner; this
+measures what the stand-in leaves out. A real `Scheduler` plans steady decode steps of
+``--jobs`` jobs with ``--prompt``-token prompts (their pages crossed as they grow), and each
+step is timed through: the graph check (`graphs.decode_query_len`), the staging of its inputs
+into buffers shaped like the graphs' (`graphs.DecodeStaging`) and the shared-prefix planning
+the Triton backend's graphs ask for every step (`cascade.SharedPrefixTracker`). Pure host
+work: it runs on the CPU, and the figures are the CPU's.
+
+    python benchmarks/runner_host.py [--jobs 256] [--prompt 512] [--steps 300]
+
+``check_ms``, ``stage_ms``, ``cascade_ms``: the medians of each part; ``total_ms`` the median
+of their sum per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from _common import report
+
+from dyngen_core.config import CacheConfig, SchedulerConfig
+from dyngen_core.engine.cascade import SharedPrefixTracker
+from dyngen_core.engine.scheduler import Scheduler
+from dyngen_core.runtime.graphs import DecodeStaging, DecodeViews, decode_query_len
+
+PAGE_SIZE = 256
+
+
+def staging_views(rows: int, width: int) -> DecodeViews:
+    """Buffers laid out as `StepGraphs` lays out its pinned staging area."""
+    ints = np.zeros(rows * (3 + width) + 1, dtype=np.int32)
+    return DecodeViews(longs=np.zeros((3, rows), dtype=np.int64), context=ints[:rows],
+                       slots=ints[rows:2 * rows], query_start=ints[2 * rows:3 * rows + 1],
+                       tables=ints[3 * rows + 1:].reshape(rows, width))
+
+
+def decoding_scheduler(jobs: int, prompt: int, steps: int) -> Scheduler:
+    """A scheduler with ``jobs`` distinct prompts prefilled: every later plan is a decode."""
+    total = jobs * (prompt + steps + 2 * PAGE_SIZE)
+    scheduler = Scheduler(CacheConfig(max_tokens=total, page_size=PAGE_SIZE),
+                          SchedulerConfig(max_batch_size=jobs, max_chunk_size=jobs * prompt))
+    for job in range(jobs):
+        scheduler.add(job, [1 + (job * 7919 + i) % 30000 for i in range(prompt)], steps + 8)
+    for _ in range(4):
+        plan = scheduler.schedule()
+        if all(len(s.token_ids) == 1 for s in plan.slices):
+            break
+        scheduler.apply_tokens(plan, [5] * sum(s.sample for s in plan.slices))
+    return scheduler
+
+
+def measure(jobs: int, prompt: int, steps: int) -> dict[str, float]:
+    scheduler = decoding_scheduler(jobs, prompt, steps)
+    width = -(-(prompt + steps + 16) // PAGE_SIZE)
+    staging = DecodeStaging(staging_views(jobs, width), PAGE_SIZE)
+    tracker = SharedPrefixTracker(PAGE_SIZE)
+    max_context = width * PAGE_SIZE
+    parts: dict[str, list[float]] = {"check": [], "stage": [], "cascade": [], "total": []}
+    clock = time.perf_counter
+    for step in range(steps):
+        plan = scheduler.schedule()
+        slices = plan.slices
+        start = clock()
+        query_len = decode_query_len(slices, max_context)
+        checked = clock()
+        staging.stage(slices, len(slices), None)
+        staged = clock()
+        tracker.plan(slices)
+        end = clock()
+        if query_len != 1 or len(slices) != jobs:
+            raise RuntimeError(f"step {step} is not a decode of every job")
+        parts["check"].append(checked - start)
+        parts["stage"].append(staged - checked)
+        parts["cascade"].append(end - staged)
+        parts["total"].append(end - start)
+        scheduler.apply_tokens(plan, [7] * len(slices))
+    return {f"{name}_ms": sorted(values)[len(values) // 2] * 1e3
+            for name, values in parts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    report("runner_host.decode_step", device="cpu", jobs=args.jobs, prompt=args.prompt,
+           **measure(args.jobs, args.prompt, args.steps))
+
+
+if __name__ == "__main__":
+    main()
