@@ -31,3 +31,17 @@ def test_the_host_overhead_benchmark_runs_every_job_through_its_steps(monkeypatc
     finally:
         sys.modules.pop("host_overhead", None)
         sys.modules.pop("_common", None)
+
+
+def test_the_runner_host_benchmark_times_decodes_of_every_job(monkeypatch):
+    """`benchmarks/runner_host.py` drives a real scheduler: its steps must stay decodes of every
+    job, across a page boundary (`measure` raises on any other step)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    runner_host = importlib.import_module("runner_host")
+    try:
+        figures = runner_host.measure(jobs=4, prompt=250, steps=12)
+        assert set(figures) == {"check_ms", "stage_ms", "cascade_ms", "total_ms"}
+        assert all(value > 0 for value in figures.values())
+    finally:
+        sys.modules.pop("runner_host", None)
+        sys.modules.pop("_common", None)
