@@ -26,6 +26,11 @@ loading: full collections then no longer walk the model's and libraries' objects
 ``--torch-draw`` keeps the sampler's torch draw on CUDA (by default the compact draw is one
 fused Triton kernel there when triton is installed), to compare the two; ``--no-draw-graphs``
 launches the fused draw eagerly instead of replaying it from a CUDA graph (`draw.DrawGraphs`).
+``--split`` adds the host part's components, each a median over the measured steps
+(``split_schedule_ms``: `Scheduler.schedule`; ``split_apply_ms`` / ``split_resolve_ms``:
+`Scheduler.apply_tokens` / `resolve_tokens`; ``split_emit_ms``: `ResultEmitter.emit_step`;
+``split_feed_ms``: the token feed; ``split_runner_ms``: the stand-in runner; ``split_rest_ms``:
+the host part less those), timed by wrappers around each call (a few microseconds of their own).
 ``--ngram`` drafts by prompt lookup (the compiled index) with every row's logits the same, so
 each greedy job repeats one token and every draft is accepted: each step is a verify step of
 5 tokens a job (``tokens_per_step``), the host's work for speculative decoding at 256 jobs.
@@ -47,6 +52,7 @@ from _common import GREEDY, device_name, report, word_tokenizer
 from dyngen_core import Cache, DynamicGenerator, Job, Model, SamplerSettings
 from dyngen_core.config import ModelConfig
 from dyngen_core.engine.plan import StepPlan
+from dyngen_core.runtime import generator as generator_module
 from dyngen_core.sampling.fused import fused_draw_default
 from dyngen_core.sampling.step import SampledStep
 
@@ -109,6 +115,46 @@ class SamplerClock:
             self.cpu_seconds += time.process_time() - start_cpu
 
 
+class ComponentClocks:
+    """Wraps the generator's parts to add up, per step, the time spent in each (`--split`)."""
+
+    PARTS = (("schedule", "_scheduler", "schedule"), ("apply", "_scheduler", "apply_tokens"),
+             ("resolve", "_scheduler", "resolve_tokens"), ("emit", "_emitter", "emit_step"),
+             ("runner", "_runner", "run"))
+
+    def __init__(self, generator: DynamicGenerator) -> None:
+        self.seconds = dict.fromkeys([name for name, _, _ in self.PARTS] + ["feed"], 0.0)
+        self.steps: list[dict[str, float]] = []
+        for name, owner, method in self.PARTS:
+            target = getattr(generator, owner)
+            setattr(target, method, self._clocked(name, getattr(target, method)))
+        self._feed = generator_module.token_feed
+        generator_module.token_feed = self._clocked("feed", self._feed)  # type: ignore[assignment]
+
+    def _clocked(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def clocked(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return clocked
+
+    def end_step(self) -> None:
+        self.steps.append(self.seconds)
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+    def restore(self) -> None:
+        generator_module.token_feed = self._feed  # type: ignore[assignment]
+
+    def medians(self, host: list[float]) -> dict[str, float]:
+        figures = {f"split_{name}_ms": _median([step[name] for step in self.steps]) * 1e3
+                   for name in self.seconds}
+        rest = [h - sum(step.values()) for h, step in zip(host, self.steps, strict=True)]
+        figures["split_rest_ms"] = _median(rest) * 1e3
+        return figures
+
+
 class CollectionClock:
     """Adds up the time of the cyclic garbage collector's runs (`gc.callbacks`), and counts
     the full (oldest generation) ones."""
@@ -130,7 +176,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
             steps: int, profile: int = 0, freeze_gc: bool = False,
             torch_draw: bool = False, overlap: bool = True,
             draw_graphs: bool = True, fused_topk: str | None = None,
-            ngram: bool = False) -> dict[str, float]:
+            ngram: bool = False, split: bool = False) -> dict[str, float]:
     model = tiny_model(vocab, device)
     cache = Cache(model, max_tokens=jobs * 512, mode="fp16")
     generator = DynamicGenerator(model=model, cache=cache, tokenizer=word_tokenizer(vocab),
@@ -184,6 +230,7 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     sampler: list[float] = []
     host_cpu: list[float] = []
     profiler = cProfile.Profile() if profile else None
+    components = ComponentClocks(generator) if split else None
     waited: list[float] = []
     collections = CollectionClock()
     gc.callbacks.append(collections)
@@ -202,6 +249,8 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
         sampler.append(sum(clock.seconds for clock in clocks))
         waited.append(waits.seconds)
         host_cpu.append(cpu[-1] - sum(clock.cpu_seconds for clock in (*clocks, waits)))
+        if components is not None:
+            components.end_step()
     gc.callbacks.remove(collections)
     running = generator.stats().jobs_active
     generator.clear_queue()
@@ -211,13 +260,17 @@ def step_ms(device: torch.device, jobs: int, vocab: int, settings: SamplerSettin
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(profile)
     host = [w - s - t for w, s, t in zip(wall, sampler, waited, strict=True)]
+    split_figures = {}
+    if components is not None:
+        components.restore()
+        split_figures = components.medians(host)
     return {"median_ms": _median(wall) * 1e3, "mean_ms": sum(wall) / len(wall) * 1e3,
             "p90_ms": sorted(wall)[int(len(wall) * 0.9)] * 1e3,
             "cpu_ms": _median(cpu) * 1e3, "sampler_ms": _median(sampler) * 1e3,
             "wait_ms": _median(waited) * 1e3,
             "host_ms": _median(host) * 1e3, "host_cpu_ms": _median(host_cpu) * 1e3,
             "gc_ms": collections.seconds / steps * 1e3, "full_gcs": collections.full,
-            "jobs_active": running, "tokens_per_step": _median(emitted)}
+            "jobs_active": running, "tokens_per_step": _median(emitted), **split_figures}
 
 
 def _median(values: list[float]) -> float:
@@ -245,6 +298,8 @@ def main() -> None:
                         help="launch the fused draw eagerly instead of from CUDA graphs")
     parser.add_argument("--ngram", action="store_true",
                         help="n-gram drafting, all drafts accepted: verify steps of 5 tokens a job")
+    parser.add_argument("--split", action="store_true",
+                        help="time the host part's components (schedule, apply, emit, ...)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -256,7 +311,7 @@ def main() -> None:
             figures = step_ms(device, args.jobs, args.vocab, SETTINGS[label], args.steps,
                               args.profile, args.gc_freeze, args.torch_draw,
                               not args.no_overlap, not args.no_draw_graphs, args.fused_topk,
-                              args.ngram)
+                              args.ngram, args.split)
             fused = not args.torch_draw and fused_draw_default(device)
             graphs = fused and device.type == "cuda" and not args.no_draw_graphs
             report("host_overhead.step", device=name, device_name=device_name(),

@@ -28,6 +28,13 @@ def test_the_host_overhead_benchmark_runs_every_job_through_its_steps(monkeypatc
         figures = host_overhead.step_ms(torch.device("cpu"), jobs=6, vocab=512,
                                         settings=host_overhead.GREEDY, steps=4, ngram=True)
         assert figures["jobs_active"] == 6 and figures["tokens_per_step"] == 6 * 5
+        # --split: every component is timed, and the generator is left as it was.
+        figures = host_overhead.step_ms(torch.device("cpu"), jobs=6, vocab=512,
+                                        settings=host_overhead.GREEDY, steps=4, split=True)
+        parts = [name for name in figures if name.startswith("split_")]
+        assert len(parts) == 7 and figures["split_emit_ms"] > 0 and figures["split_schedule_ms"] > 0
+        from dyngen_core.runtime import generator, overlap
+        assert generator.token_feed is overlap.token_feed
     finally:
         sys.modules.pop("host_overhead", None)
         sys.modules.pop("_common", None)
