@@ -233,7 +233,9 @@ class SharedPrefixTracker:
         self.page_size = page_size
         self.policy = policy or CascadePolicy()
         self.replans = 0
-        # job -> (context pages, own copy of its table, visible pages if a candidate else -1)
+        # job -> (context pages, its table's list, visible pages if a candidate else -1): the
+        # slice's own list, which plans never change in place (`SequenceSlice`), so a job's
+        # unchanged table is seen by identity (the scheduler hands a job's decodes one list).
         self._seen: dict[int, tuple[int, list[int], int]] = {}
         self._holders: dict[int, int] = {}  # page -> candidates whose visible pages hold it
         self._order: list[int] = []
@@ -246,7 +248,8 @@ class SharedPrefixTracker:
         token. None as well when a slice is not a decode of one token (no drafts).
 
         slices: the step's slices; a job in a later step is the same sequence, its table
-            grown, shrunk or rewritten. A step repeating a job is planned from scratch.
+            grown, shrunk or rewritten (in a new list: a slice's list is never changed once
+            passed here). A step repeating a job is planned from scratch.
         """
         seen, page_size = self._seen, self.page_size
         get = seen.get
@@ -260,7 +263,8 @@ class SharedPrefixTracker:
             add_job(job)
             pages = (piece.start_pos + 1) // page_size
             entry = get(job)
-            if entry is None or entry[0] != pages or entry[1] != piece.page_table:
+            if entry is None or entry[0] != pages or (entry[1] is not piece.page_table
+                                                      and entry[1] != piece.page_table):
                 changed.append((piece, pages))
         kept = self._valid
         for piece, pages in changed:
@@ -295,7 +299,7 @@ class SharedPrefixTracker:
                                     [piece.start_pos + 1 for piece in slices],
                                     [1] * len(slices), self.page_size, self.policy)
 
-    def _record(self, job: int, table: Sequence[int], pages: int) -> bool:
+    def _record(self, job: int, table: list[int], pages: int) -> bool:
         """Store a job's changed table or page count; True when no common prefix changed."""
         entry = self._seen.get(job)
         visible = min(pages, len(table))
@@ -313,7 +317,7 @@ class SharedPrefixTracker:
             if new >= 0:
                 self._hold(table[:new])
                 kept = self._holders[table[0]] == 1 and kept
-        self._seen[job] = (pages, list(table), new)
+        self._seen[job] = (pages, table, new)
         return kept
 
     def _forget(self, job: int) -> bool:
