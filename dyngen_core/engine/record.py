@@ -115,6 +115,9 @@ class TextStream(Protocol):
     @property
     def completion(self) -> str: ...
 
+    @property
+    def released_tokens(self) -> int: ...
+
     def advance(self, token_id: int) -> Any: ...
 
     def cancel_text(self) -> str: ...
@@ -144,6 +147,12 @@ class JobRecord(SampleRequest):
     time_first_token: float | None = None
     # Set when the generator ends the job (it is then out of its records).
     ended: bool = field(default=False, init=False)
+    # A job with banned strings streams a token only once its stream settles it
+    # (`TextStream.released_tokens`): until then a rewind may take it back. ``held_tokens``:
+    # the sampled tokens after the ``tokens_out`` streamed ones, each with its extra outputs.
+    held_tokens: list[tuple[int, SampledTokens | None]] = field(default_factory=list,
+                                                                init=False)
+    tokens_out: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         job = self.job
@@ -167,8 +176,12 @@ class JobRecord(SampleRequest):
         # ban a token at a position.
         self.may_ban = bool(job.banned_strings
                             or (job.min_new_tokens and self.stream.stop_token_ids))
-        # A plain stream's accepted token needs no constraint check and its result no extras.
-        self.plain_stream = self.matcher is None and not self.wants_extras
+        # Its tokens wait in ``held_tokens`` until the stream settles them.
+        self.holds_tokens = bool(job.banned_strings)
+        # A plain stream's accepted token needs no constraint check, its result no extras, and
+        # is streamed at once.
+        self.plain_stream = (self.matcher is None and not self.wants_extras
+                             and not self.holds_tokens)
         # Its token may be chosen on the device and read a step later.
         self.launchable = self.plain_stream and not self.may_ban
         # Its token is always the argmax of its logits row: no stage, mask or extra output.

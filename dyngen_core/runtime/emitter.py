@@ -75,10 +75,7 @@ class ResultEmitter:
                     record.time_first_token = now
                 update = record.stream.advance(token)
                 if update.__class__ is not str or not record.plain_stream:
-                    result = self._stream_update(record, token, extras.get(record.job_id),
-                                                 update)
-                    if result is not None:
-                        append(result)
+                    self._stream_update(record, token, extras.get(record.job_id), update, out)
                     continue
                 # The common case, no end, rewind, constraint or extras: `_stream_update`
                 # inlined.
@@ -110,10 +107,8 @@ class ResultEmitter:
                         record.history.append(token)
                     out.append(streaming_result(record.job, update, token))
                     continue
-                result = self._stream_update(record, token, extras.get(record.job_id), update,
-                                             unread=len(run) - 1 - i)
-                if result is not None:
-                    out.append(result)
+                self._stream_update(record, token, extras.get(record.job_id), update, out,
+                                    unread=len(run) - 1 - i)
                 if record.ended or (not isinstance(update, str) and update.rewind):
                     break
         except Exception as exc:  # noqa: BLE001 - one job's fault ends that job alone
@@ -136,31 +131,62 @@ class ResultEmitter:
                                      prefill_total=seq.num_tokens))
 
     def _stream_update(self, record: JobRecord, token_id: int, tokens: SampledTokens | None,
-                       update: str | StreamUpdate, unread: int = 0) -> Result | None:
-        """Apply one token's stream update; ``unread``: tokens of the same run after this one
-        (in the scheduler already, not yet in the stream), taken back with a rewind."""
+                       update: str | StreamUpdate, out: list[Result], unread: int = 0) -> None:
+        """Apply one token's stream update and append its result, if any, to ``out``;
+        ``unread``: tokens of the same run after this one (in the scheduler already, not yet in
+        the stream), taken back with a rewind. A job that holds its tokens (banned strings)
+        streams those the stream settled, each with its extra outputs."""
         if isinstance(update, str):
             update = StreamUpdate(update, token_ids=[token_id])
         if update.rewind:
             self._scheduler.rewind(record.job_id, update.rewind + unread)
             record.on_rewind(update.rewind, update.banned_token_id)
-            return None
+            if record.holds_tokens:  # the taken-back tokens were never streamed
+                del record.held_tokens[len(record.job.new_token_ids) - record.tokens_out:]
+            return
         error = record.on_token(token_id)
         eos = EosReason.ERROR if error else record.end_reason(update.eos_reason)
         if eos is None:
-            return record.streaming_result(update.text, token_id, tokens)
+            if record.holds_tokens:
+                record.held_tokens.append((token_id, tokens))
+                self._stream_settled(record, update.text, out)
+            else:
+                out.append(record.streaming_result(update.text, token_id, tokens))
+            return
         chunk = dict(text=update.text, token_ids=update.token_ids)
         if record.wants_extras:
             assert tokens is not None
             chunk.update(record.extras(tokens))
+        # The final result carries this token; any held before it are streamed first.
         self.end_job(record.job_id, eos, chunk=chunk, error=error)
-        return None
+
+    def _stream_settled(self, record: JobRecord, text: str, out: list[Result]) -> None:
+        """Stream the held tokens the job's stream has settled since the last call, one result
+        each, ``text`` (what the stream released now) with the last of them; text released
+        with no token settled goes alone."""
+        settled = record.stream.released_tokens - record.tokens_out
+        if settled <= 0:
+            if text:
+                out.append(record.result("streaming", text=text, token_ids=[]))
+            return
+        held = record.held_tokens
+        for i in range(settled):
+            token_id, tokens = held[i]
+            out.append(record.streaming_result(text if i == settled - 1 else "", token_id,
+                                               tokens))
+        del held[:settled]
+        record.tokens_out += settled
 
     def end_job(self, job_id: int, reason: EosReason, *, chunk: dict[str, Any] | None = None,
                  error: BaseException | None = None) -> None:
-        """Free the job's pages now and queue its final result (carrying the last chunk)."""
+        """Free the job's pages now and queue its final result (carrying the last chunk),
+        after a result for each token the job still held (the job's end settles them)."""
         record = self._records.pop(job_id)
         record.ended = True
+        for token_id, tokens in record.held_tokens:
+            self.finished.append(record.streaming_result("", token_id, tokens))
+        record.tokens_out += len(record.held_tokens)
+        record.held_tokens.clear()
         seq = self._scheduler.sequence(job_id)
         cached_tokens = seq.num_cached_tokens if seq is not None else 0
         self._scheduler.finish(job_id)

@@ -88,6 +88,15 @@ class JobStream:
         )
 
     @property
+    def released_tokens(self) -> int:
+        """How many of the job's generated tokens are settled: no banned-string rewind can take
+        them back any more (every token, for a job without banned strings). A caller that
+        streams token ids holds the others back."""
+        if self.banned is None:
+            return len(self.job.new_token_ids)
+        return self._held_from
+
+    @property
     def completion(self) -> str:
         """All text released so far."""
         if len(self._chunks) > 1:

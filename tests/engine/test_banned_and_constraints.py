@@ -93,3 +93,71 @@ def test_constraint_that_cannot_finish_reports_incomplete(make_generator):
               gen_settings=SamplerSettings.greedy(), constraint=re.compile(r"[a-z]{20}"))
     _, finals = _run(generator, [job])
     assert finals[None]["eos_reason"] == "constraint_incomplete"
+
+
+def _streamed(generator, jobs, cancel_after: dict[str, int] | None = None):
+    """Run ``jobs`` to their ends, cancelling each job named in ``cancel_after`` once it has
+    streamed that many results; each job's streamed token ids, text, extra rows and final."""
+    generator.enqueue(jobs)
+    by_name = {job.identifier: job for job in jobs}
+    ids = {name: [] for name in by_name}
+    text = dict.fromkeys(by_name, "")
+    rows = dict.fromkeys(by_name, 0)
+    seen = dict.fromkeys(by_name, 0)
+    finals = {}
+    for _ in range(400):
+        if not generator.num_remaining_jobs():
+            break
+        for r in generator.iterate():
+            name = r["identifier"]
+            ids[name] += r.get("token_ids", [])
+            text[name] += r.get("text", "")
+            probs = r.get("token_probs")
+            rows[name] += 0 if probs is None else len(probs)
+            seen[name] += r["stage"] == "streaming"
+            if r["eos"]:
+                finals[name] = r
+            elif cancel_after and seen[name] == cancel_after.get(name):
+                generator.cancel(by_name[name])
+    return ids, text, rows, finals
+
+
+def _holding_mixture(prompt: list[int]) -> list[Job]:
+    """Banned-string jobs (greedy with probabilities, sampled, one to draft, one to cancel)
+    beside a plain job."""
+    sampled = SamplerSettings(temperature=1.0, top_p=0.95)
+    greedy = SamplerSettings.greedy()
+    return [
+        Job(input_ids=prompt, max_new_tokens=20, stop_conditions=[], gen_settings=greedy,
+            banned_strings=["e"], identifier="greedy", return_probs=True),
+        Job(input_ids=prompt, max_new_tokens=20, stop_conditions=[], gen_settings=sampled,
+            seed=4, banned_strings=["a", "o"], identifier="sampled"),
+        Job(input_ids=prompt, max_new_tokens=20, stop_conditions=[], gen_settings=greedy,
+            banned_strings=["e"], identifier="drafting"),
+        Job(input_ids=prompt, max_new_tokens=12, stop_conditions=[], gen_settings=greedy,
+            identifier="plain", return_probs=True),
+        Job(input_ids=prompt, max_new_tokens=40, stop_conditions=[], gen_settings=greedy,
+            banned_strings=["e"], identifier="cancelled"),
+    ]
+
+
+def test_streamed_tokens_are_never_taken_back(make_generator):
+    """A banned-string rewind takes back tokens whose text was held: their ids (and extra
+    outputs) are held too, so what a job streams is exactly its tokens, in a mixture with plain
+    and sampled jobs, with drafts, overlapped or not, and when the job is cancelled mid-hold."""
+    for overlap in (True, False):
+        generator = make_generator(overlap_steps=overlap, use_ngram_draft=True)
+        made = _holding_mixture(generator.tokenizer.encode("the quick brown fox"))
+        ids, text, rows, finals = _streamed(generator, made, cancel_after={"cancelled": 4})
+        for job in made:
+            name = job.identifier
+            assert ids[name] == job.new_token_ids, (overlap, name)
+            assert finals[name]["new_tokens"] == len(job.new_token_ids)
+            assert text[name] == finals[name]["full_completion"], (overlap, name)
+            if job.return_probs:
+                assert rows[name] == len(job.new_token_ids), (overlap, name)
+        assert finals["cancelled"]["eos_reason"] == "cancelled"
+        assert "e" not in finals["greedy"]["full_completion"].lower()
+        stats = generator.stats()  # verify steps ran (their runs stream token by token)
+        assert stats.draft_tokens_accepted + stats.draft_tokens_rejected > 0
+        generator.check_invariant()
