@@ -101,8 +101,10 @@ class Scheduler:
 
     def add(self, job_id: int, prompt_ids: SequenceOf[int], max_new_tokens: int, *,
             num_draft_tokens: int = 0) -> None:
-        """Queue a job. ``num_draft_tokens``: speculative tokens each decode may carry (room for
-        them is allocated; the caller assigns ``SequenceSlice.draft_ids`` up to that many).
+        """Queue a job. ``num_draft_tokens``: speculative tokens each decode may carry (pages for
+        them are allocated ahead, never past the job's last position: drafts never reach past
+        ``max_new_tokens``, so they take no room the job does not need anyway; the caller
+        assigns ``SequenceSlice.draft_ids`` up to that many, within the slice's pages).
 
         Raises JobTooLargeError if the job could never fit in the whole cache, JobError for a
         duplicate id, an empty prompt or negative counts."""
@@ -114,8 +116,8 @@ class Scheduler:
         if max_new_tokens < 0 or num_draft_tokens < 0:
             raise JobError(f"job {job_id}: max_new_tokens ({max_new_tokens}) and "
                            f"num_draft_tokens ({num_draft_tokens}) must be >= 0")
-        check_fits(job_id, len(tokens) + max_new_tokens + num_draft_tokens, self.pool,
-                   f"{len(tokens)} prompt + {max_new_tokens} new + {num_draft_tokens} draft")
+        check_fits(job_id, len(tokens) + max_new_tokens, self.pool,
+                   f"{len(tokens)} prompt + {max_new_tokens} new")
         seq = Sequence(job_id, tokens, len(tokens), max_new_tokens, num_draft_tokens,
                        arrival=self._arrivals)
         self._arrivals += 1
@@ -340,7 +342,8 @@ class Scheduler:
     def _schedule_decode(self, seq: Sequence, step: _Step) -> None:
         """A decode that needs a new page (`schedule` plans the others inline)."""
         start = len(seq.token_ids) - 1
-        if self._ensure_pages(seq, start + 1 + seq.num_draft_tokens, step):
+        end = min(start + 1 + seq.num_draft_tokens, seq.prompt_len + seq.max_new_tokens)
+        if self._ensure_pages(seq, end, step):
             step.slices[seq.job_id] = SequenceSlice(seq.job_id, [seq.token_ids[-1]], start,
                                                     list(seq.page_table), True)
 

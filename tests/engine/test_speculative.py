@@ -594,3 +594,39 @@ def test_plain_greedy_verify_steps_then_a_mixed_batch_keep_output(make_generator
         prompt = got["final"]["job"].input_ids
         assert_same_output(plain[name], got, model, list(prompt), name)
     assert generator.stats().draft_tokens_accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_a_job_that_fills_the_whole_cache_still_drafts(speculative, engine_parts, drafter):
+    """Drafts never run past max_new_tokens, so they need no room the job does not: a job of
+    exactly the cache's size passes `validate` and `enqueue` with a drafter (enqueue used to
+    refuse it, after validate, and so `submit`, had accepted it), drafts to its end, and a
+    second such job waits for the pages and runs after it."""
+    model, tokenizer = engine_parts
+    generator = speculative(drafter, cache_tokens=256)
+    prompt = (tokenizer.encode(REPEAT) * 40)[:244]
+
+    def job(name: str) -> Job:
+        return Job(input_ids=prompt, max_new_tokens=12, stop_conditions=[],
+                   gen_settings=SamplerSettings.greedy(), identifier=name)
+
+    jobs = [job("first"), job("second")]
+    for made in jobs:
+        generator.validate(made)
+    got = run_tokens(generator, jobs)
+    plain = run_tokens(make_plain(engine_parts), [job("first")])
+    for name in ("first", "second"):
+        final = got[name]["final"]
+        assert final["eos_reason"] == "max_new_tokens" and final["new_tokens"] == 12, final
+        assert_same_output(plain["first"], got[name], model, prompt, (drafter, name))
+    drafted = sum(got[n]["final"]["accepted_draft_tokens"]
+                  + got[n]["final"]["rejected_draft_tokens"] for n in got)
+    # The oracle drafts every step up to the cache's last slot; n-gram lookups find no match
+    # in this random model's output, and only show the job is taken.
+    assert drafted > 0 or drafter == "ngram"
+    generator.check_invariant()
+
+
+def make_plain(engine_parts: tuple[Model, Tokenizer]) -> DynamicGenerator:
+    model, tokenizer = engine_parts
+    return DynamicGenerator(model=model, cache=Cache(model, max_tokens=256), tokenizer=tokenizer)
