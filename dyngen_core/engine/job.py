@@ -89,7 +89,10 @@ class Job:
         min_new_tokens: stop tokens and stop strings are ignored until this many were generated.
         stop_conditions: token ids and strings that end the job; a matched string is cut from
             the text, a stop token never appears as text. None (the default) means the model's
-            end-of-sequence ids; [] means none (only max_new_tokens ends the job).
+            end-of-sequence ids; [] means none (only max_new_tokens ends the job). With a
+            ``constraint``, a stop string ends the job only where the reply before it is
+            complete under the constraint: it never cuts a structure the constraint is writing
+            (a JSON value, a forced tool call), and still ends free text the constraint allows.
         gen_settings: a `SamplerSettings`; None uses the model's generation_config.json defaults.
         identifier: any object, echoed in every result of this job.
         seed: makes sampling reproducible regardless of which other jobs share the batch.

@@ -291,13 +291,15 @@ class DynamicGenerator:
                 f"gen_settings must be a SamplerSettings; got {type(settings).__name__}")
         settings.check_token_ids(self.model.config.vocab_size)
         stops = self._eos_token_ids if job.uses_default_stops else job.stop_token_ids
+        matcher = None if job.constraint is None else self._sampler.matcher(job.constraint)
+        # A constrained job's stop strings end it only where its reply could end.
         stream = JobStream(job, self.tokenizer, frozenset(stops), self._pieces,
-                           self._stop_indexes)
+                           self._stop_indexes,
+                           stop_gate=None if matcher is None else matcher.is_accepting)
         return JobRecord(
             job=job, stream=stream, settings=settings,
             seed=job.seed if job.seed is not None else random.getrandbits(63),
-            matcher=None if job.constraint is None else self._sampler.matcher(job.constraint),
-            speculative=job.speculative and self._speculator is not None,
+            matcher=matcher, speculative=job.speculative and self._speculator is not None,
         )
 
     def num_remaining_jobs(self) -> int:

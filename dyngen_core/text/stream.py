@@ -7,6 +7,7 @@ generator feeds it token ids and emits what it returns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dyngen_core.engine.job import Job
@@ -39,11 +40,17 @@ class JobStream:
     stop_token_ids: ids that end the job (after ``min_new_tokens``).
     pieces: the tokenizer's shared `TokenPieces` (the detokenizer's fast path), or None.
     stop_indexes: stop-string tables shared with other jobs (`StopIndexes`), or None.
+    stop_gate: for a constrained job, whether the reply so far is complete under its
+        constraint (`ConstraintMatcher.is_accepting`), asked before each token's text is
+        matched: a stop string ends the job only where the reply could end, so it never cuts
+        a structure the constraint is writing (a JSON value, a tool call) but still ends free
+        text (an "auto" tool choice's). None: stop strings apply everywhere.
     """
 
     def __init__(self, job: Job, tokenizer: Tokenizer, stop_token_ids: frozenset[int],
                  pieces: TokenPieces | None = None,
-                 stop_indexes: StopIndexes | None = None) -> None:
+                 stop_indexes: StopIndexes | None = None,
+                 stop_gate: Callable[[], bool] | None = None) -> None:
         self.job = job
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
@@ -59,8 +66,11 @@ class JobStream:
         self._min_new_tokens = job.min_new_tokens
         self._max_new_tokens = job.max_new_tokens
         self.banned = BannedStringMatcher(list(job.banned_strings)) if job.banned_strings else None
-        # Every token may end the job and none is held for a rewind: `advance`'s short path.
-        self._plain = self.banned is None and self._min_new_tokens == 0
+        self._stop_gate = stop_gate if self._has_stop_strings else None
+        # Every token may end the job, none is held for a rewind and no constraint gates the
+        # stop strings: `advance`'s short path.
+        self._plain = (self.banned is None and self._min_new_tokens == 0
+                       and self._stop_gate is None)
         self.detok = self._new_detokenizer(job.input_ids)
         # The detokenizer's fast path, taken here without a call (`add_token` says how).
         self._after: list[str | None] = pieces.after if pieces is not None else []
@@ -172,7 +182,7 @@ class JobStream:
         eos_reason = None
         if self._has_stop_strings:
             stop = self.stop
-            if can_stop:
+            if can_stop and (self._stop_gate is None or self._stop_gate()):
                 text = stop.feed(text)
                 if stop.matched is not None:
                     eos_reason = EosReason.STOP_STRING
@@ -263,8 +273,11 @@ class JobStream:
             self._held_from = len(self.job.new_token_ids)
             self._held_ends.clear()
         if self.job.stop_strings:
-            released, _ = self.stop.feed_text(text)
-            text = released + self.stop.flush()
+            if self._stop_gate is None or self._stop_gate():
+                released, _ = self.stop.feed_text(text)
+                text = released + self.stop.flush()
+            else:  # inside a structure: the text held before it, then the rest, unmatched
+                text = self.stop.flush() + text
         return text
 
     def cancel_text(self) -> str:

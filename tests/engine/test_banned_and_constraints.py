@@ -95,6 +95,46 @@ def test_constraint_that_cannot_finish_reports_incomplete(make_generator):
     assert finals[None]["eos_reason"] == "constraint_incomplete"
 
 
+def test_stop_strings_never_cut_what_a_constraint_writes(make_generator):
+    """Stop strings that occur inside a JSON value or a choice do not end those jobs (the
+    structure is always whole), in a mixture with a job whose constraint allows any text, where
+    the same stop string still ends the reply, and a plain job."""
+    import json
+
+    import jsonschema
+
+    generator = make_generator()
+    prompt = generator.tokenizer.encode("person:")
+    sampled = SamplerSettings(temperature=1.0)
+    inside = ["name", ":", '"', "e", "y"]  # JSON keys and punctuation; in "yes" and "maybe"
+    jobs = [Job(input_ids=prompt, max_new_tokens=80, gen_settings=sampled, seed=s,
+                identifier=f"json{s}", constraint=SCHEMA, stop_conditions=inside)
+            for s in range(4)]
+    jobs += [Job(input_ids=prompt, max_new_tokens=20, gen_settings=sampled, seed=s,
+                 identifier=f"choice{s}", constraint=["yes", "no", "maybe later"],
+                 stop_conditions=inside) for s in range(4)]
+    free = re.compile(r"[^\n]{0,60}")
+    jobs.append(Job(input_ids=prompt, max_new_tokens=60, gen_settings=SamplerSettings.greedy(),
+                    identifier="free", constraint=free, stop_conditions=[]))
+    jobs.append(Job(input_ids=prompt, max_new_tokens=60, gen_settings=SamplerSettings.greedy(),
+                    identifier="plain", stop_conditions=[]))
+    texts, finals = _run(generator, jobs)
+    for s in range(4):
+        assert finals[f"json{s}"]["eos_reason"] == "stop_token", finals[f"json{s}"]
+        jsonschema.validate(json.loads(texts[f"json{s}"]), SCHEMA)
+        assert texts[f"choice{s}"] in ("yes", "no", "maybe later")
+    # Where any text is a whole reply, a stop string taken from it ends the job there.
+    reply = texts["free"]
+    assert len(reply) > 12, reply
+    stop = reply[8:11]
+    cut = reply.index(stop)
+    again = Job(input_ids=prompt, max_new_tokens=60, gen_settings=SamplerSettings.greedy(),
+                identifier="free", constraint=free, stop_conditions=[stop])
+    texts, finals = _run(generator, [again])
+    assert texts["free"] == reply[:cut] and finals["free"]["eos_reason"] == "stop_string"
+    generator.check_invariant()
+
+
 def _streamed(generator, jobs, cancel_after: dict[str, int] | None = None):
     """Run ``jobs`` to their ends, cancelling each job named in ``cancel_after`` once it has
     streamed that many results; each job's streamed token ids, text, extra rows and final."""

@@ -212,6 +212,35 @@ def test_response_format_holds_the_reply_to_a_schema(client: Any) -> None:
     assert isinstance(json.loads(loose.choices[0].message.content), dict)
 
 
+def test_stop_sequences_never_cut_a_forced_call_or_a_schema(client: Any) -> None:
+    """The stop sequences "a" and '"' occur in the call ``{"a": 2, "b": 3}`` and in any JSON:
+    they end free text, never what a forced tool call or a response format writes."""
+    ask = [{"role": "user", "content": "What is 2 plus 3?"}]
+    for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+        reply = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, ADD],
+                                               tool_choice=choice, max_tokens=40, temperature=0,
+                                               stop=["a", '"'])
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+        [call] = reply.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments),
+                            ADD["function"]["parameters"])
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], max_tokens=40,
+        temperature=0, stop=[":", "name"],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    # Under tool_choice "auto" this question gets text, which a stop sequence still ends.
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER, ADD],
+                                           tool_choice="auto", max_tokens=40, temperature=0,
+                                           stop=[","])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice
+    assert choice.message.content and "," not in choice.message.content
+
+
 def test_the_metrics_show_engine_and_request_figures(client: Any, server: Any,
                                                      engine: BackgroundGenerator) -> None:
     import httpx

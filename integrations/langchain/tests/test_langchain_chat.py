@@ -132,6 +132,16 @@ def test_a_named_tool_choice_forces_that_call(chat: ChatDynGen) -> None:
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("Add", call["args"])]
 
 
+def test_stop_sequences_never_cut_a_forced_call(chat: ChatDynGen) -> None:
+    """"a" and '"' occur in the call {"a": 2, "b": 3}: a forced call is written whole."""
+    bound = chat.bind_tools([GetWeather, Add], tool_choice="Add", max_tokens=40)
+    message = bound.invoke("What is 2 plus 3?", stop=["a", '"'])
+    assert not message.invalid_tool_calls, message.invalid_tool_calls
+    assert [c["name"] for c in message.tool_calls] == ["Add"]
+    assert set(message.tool_calls[0]["args"]) == {"a", "b"}
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+
+
 def test_any_forces_a_call_and_none_forbids_one(chat: ChatDynGen) -> None:
     forced = chat.bind_tools([GetWeather, Add], tool_choice="any", parallel_tool_calls=False,
                              max_tokens=40).invoke("How is the weather in Paris?")
