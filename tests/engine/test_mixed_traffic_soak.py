@@ -31,17 +31,11 @@ import pytest
 from dyngen_core import Cache, DynamicGenerator, Job, SamplerSettings
 from dyngen_core.errors import JobTooLargeError
 from tests.engine.step_helpers import kill_row
+from tests.engine.test_mixed_steps import SCHEMA
 from tests.engine.test_speculative import assert_same_output, run_tokens
 
 SEEDS = [0, 3, 6, 7, 21, 31, 36]
 EXTRA_ROUNDS = int(os.environ.get("DYNGEN_SOAK_ROUNDS", "0"))
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 6},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 CHOICES = ["yes", "no", "maybe later"]
 KINDS = ("greedy", "sampled", "stop", "banned", "schema", "choice", "extras", "min_tokens")
 
