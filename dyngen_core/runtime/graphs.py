@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -164,12 +165,12 @@ class DecodeViews:
 
 
 class DecodeStaging:
-    """Writes decode steps into `DecodeViews`, a column at a time.
+    """Writes decode and verify steps into `DecodeViews`, a column at a time.
 
     A row's page table is written only when its slice brings another list than the one the row
     holds, or needs more of its pages: a job's decode slices share one list while its table
     does not change, and a planned list is never changed in place (`SequenceSlice`), so the
-    row already holds those pages. Whatever else writes the tables must call `forget_tables`.
+    row already holds those pages. Only this object writes the tables.
 
     views: the arrays to write.
     page_size: slots per page.
@@ -185,10 +186,6 @@ class DecodeStaging:
         # its pages were written.
         self._lists: list[list[int] | None] = [None] * rows
         self._pages = [0] * rows
-
-    def forget_tables(self) -> None:
-        """The tables were written by someone else: the next step writes every row."""
-        self._lists = [None] * len(self._lists)
 
     def stage(self, slices: Sequence[SequenceSlice], bucket: int,
               seq_slots: Sequence[int] | None) -> None:
@@ -214,6 +211,36 @@ class DecodeStaging:
             views.slots[size:bucket] = views.slots[size - 1]
             tables[size:bucket] = tables[size - 1]
             self._lists[size:bucket] = [None] * (bucket - size)
+
+    def stage_verify(self, slices: Sequence[SequenceSlice], bucket: int, query_len: int) -> int:
+        """Write a verify step (each slice one token and its drafts, `decode_query_len`) for a
+        graph of ``bucket`` rows of ``query_len`` tokens, packed: the slices' tokens back to
+        back with their true lengths (``query_start``); rows past the slices hold no token and
+        no key (context 0), and tokens past the step's are padding at slot -1. Returns the
+        step's token count."""
+        views, page_size = self.views, self.page_size
+        size = len(slices)
+        lengths = np.array([1 + len(s.draft_ids) for s in slices], dtype=np.int64)
+        firsts = np.array([s.start_pos for s in slices], dtype=np.int64)
+        ends = firsts + lengths
+        self._write_tables(slices, (-(-ends // page_size)).tolist())
+        bounds = np.cumsum(lengths)
+        total = int(bounds[-1])
+        rows = np.repeat(self._row_index[:size], lengths)
+        positions = np.repeat(firsts - (bounds - lengths), lengths) + np.arange(total)
+        longs = views.longs
+        longs[0, :total] = list(chain.from_iterable(s.token_ids + s.draft_ids for s in slices))
+        longs[1, :total] = positions
+        slot_pages = views.tables[rows, positions // page_size].astype(np.int64)
+        longs[2, :total] = slot_pages * page_size + positions % page_size
+        views.context[:size] = ends
+        views.context[size:bucket] = 0
+        views.query_start[0] = 0
+        views.query_start[1:size + 1] = bounds
+        views.query_start[size + 1:bucket + 1] = total
+        longs[:2, total:bucket * query_len] = 0
+        longs[2, total:bucket * query_len] = -1  # padding tokens: not stored
+        return total
 
     def _write_tables(self, slices: Sequence[SequenceSlice], used: list[int]) -> None:
         lists, pages, tables = self._lists, self._pages, self.views.tables
@@ -435,34 +462,10 @@ class StepGraphs:
     def _stage_verify(self, plan: StepPlan, bucket: int, query_len: int) -> int:
         """Fill the staging buffers with a verify step, packed (module docstring), and copy
         them into the static device inputs; returns the step's token count."""
-        inputs = self._inputs
-        inputs.copied.synchronize()
-        self._staging.forget_tables()  # rows get the verify step's pages
-        longs = inputs.host_longs.numpy()
-        context = inputs.host_ints.numpy()[:inputs.rows]
-        starts = inputs.query_start(inputs.host_ints).numpy()
-        tables = inputs.page_table(inputs.host_ints).numpy()
-        page_size = self.page_size
-        token = 0
-        starts[0] = 0
-        for row, piece in enumerate(plan.slices):
-            ids = piece.token_ids + piece.draft_ids
-            end = token + len(ids)
-            positions = np.arange(piece.start_pos, piece.end_pos)
-            pages = np.asarray(piece.page_table[:-(-piece.end_pos // page_size)])
-            longs[0, token:end] = ids
-            longs[1, token:end] = positions
-            longs[2, token:end] = pages[positions // page_size] * page_size + positions % page_size
-            context[row] = piece.end_pos
-            tables[row, :len(pages)] = pages
-            token = starts[row + 1] = end
-        size = len(plan.slices)
-        starts[size + 1:bucket + 1] = token  # rows past the batch: no token, no key
-        context[size:bucket] = 0
-        longs[:2, token:bucket * query_len] = 0
-        longs[2, token:bucket * query_len] = -1  # padding tokens: not stored
+        self._inputs.copied.synchronize()
+        tokens = self._staging.stage_verify(plan.slices, bucket, query_len)
         self._copy(bucket)
-        return token
+        return tokens
 
     def _copy(self, bucket: int) -> None:
         inputs = self._inputs

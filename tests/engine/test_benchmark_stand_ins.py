@@ -49,6 +49,9 @@ def test_the_runner_host_benchmark_times_decodes_of_every_job(monkeypatch):
         figures = runner_host.measure(jobs=4, prompt=250, steps=12)
         assert set(figures) == {"check_ms", "stage_ms", "cascade_ms", "total_ms"}
         assert all(value > 0 for value in figures.values())
+        # --drafts: verify steps of every job's token and its drafts, across a page boundary.
+        figures = runner_host.measure(jobs=4, prompt=250, steps=12, drafts=3)
+        assert figures["stage_ms"] > 0
     finally:
         sys.modules.pop("runner_host", None)
         sys.modules.pop("_common", None)

@@ -1,11 +1,11 @@
-"""`DecodeStaging` writes exactly what staging each decode row one by one writes.
+"""`DecodeStaging` writes exactly what staging each decode or verify row one by one writes.
 
-The graphed decode step stages its inputs a column at a time and rewrites a row's page table
-only when the row's slice brings another list or needs more pages. Against a row-by-row oracle
-(every field of every row written every step), over steps that advance, cross pages, change
-and reorder jobs, shrink and grow the batch (padding rows), carry sequence slots and follow
-writes from elsewhere (`forget_tables`), the whole staging buffers must stay equal. Pure numpy:
-runs on the CPU.
+The graphed decode and verify steps stage their inputs a column at a time and rewrite a row's
+page table only when the row's slice brings another list or needs more pages. Against row-by-row
+oracles (every field of every row written every step), over steps that advance, cross pages,
+change and reorder jobs, shrink and grow the batch (padding rows), carry sequence slots and
+alternate decode and verify steps, the whole staging buffers must stay equal. Pure numpy: runs
+on the CPU.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from dyngen_core.runtime.graphs import DecodeStaging, DecodeViews, decode_query_
 PAGE = 4
 ROWS = 12
 WIDTH = 8
+LONGS = 32  # token columns: a verify step packs at most this many
 
 
 def _views() -> DecodeViews:
     ints = np.zeros(ROWS * (3 + WIDTH) + 1, dtype=np.int32)
-    return DecodeViews(longs=np.zeros((3, ROWS), dtype=np.int64), context=ints[:ROWS],
+    return DecodeViews(longs=np.zeros((3, LONGS), dtype=np.int64), context=ints[:ROWS],
                        slots=ints[ROWS:2 * ROWS], query_start=ints[2 * ROWS:3 * ROWS + 1],
                        tables=ints[3 * ROWS + 1:].reshape(ROWS, WIDTH))
 
@@ -51,6 +52,30 @@ def _oracle(views: DecodeViews, slices: list[SequenceSlice], bucket: int,
         views.tables[size:bucket] = views.tables[size - 1]
 
 
+def _verify_oracle(views: DecodeViews, slices: list[SequenceSlice], bucket: int,
+                   query_len: int) -> int:
+    """A verify step packed row by row, as `StepGraphs` staged it before the column form."""
+    token = 0
+    views.query_start[0] = 0
+    for row, piece in enumerate(slices):
+        ids = piece.token_ids + piece.draft_ids
+        end = token + len(ids)
+        positions = np.arange(piece.start_pos, piece.end_pos)
+        pages = np.asarray(piece.page_table[:-(-piece.end_pos // PAGE)])
+        views.longs[0, token:end] = ids
+        views.longs[1, token:end] = positions
+        views.longs[2, token:end] = pages[positions // PAGE] * PAGE + positions % PAGE
+        views.context[row] = piece.end_pos
+        views.tables[row, :len(pages)] = pages
+        token = views.query_start[row + 1] = end
+    size = len(slices)
+    views.query_start[size + 1:bucket + 1] = token
+    views.context[size:bucket] = 0
+    views.longs[:2, token:bucket * query_len] = 0
+    views.longs[2, token:bucket * query_len] = -1
+    return token
+
+
 class _Job:
     """A decoding job as the scheduler plans it: one table list while its pages do not change."""
 
@@ -61,14 +86,15 @@ class _Job:
         self.pages = [rng.randrange(1000) for _ in range(self.pos // PAGE + 1 + self.spare)]
         self.table = self.pages[:]
 
-    def slice(self, token: int) -> SequenceSlice:
-        if self.pos // PAGE + 1 + self.spare > len(self.pages):
+    def slice(self, token: int, drafts: int = 0) -> SequenceSlice:
+        while (self.pos + drafts) // PAGE + 1 + self.spare > len(self.pages):
             self.pages.append(self.pages[-1] + 1)
             self.table = self.pages[:]  # a new list once the table changes
-        return SequenceSlice(self.job_id, [token], self.pos, self.table, True)
+        return SequenceSlice(self.job_id, [token], self.pos, self.table, True,
+                             [token + 1 + d for d in range(drafts)])
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_column_staging_equals_row_by_row_staging(seed: int) -> None:
     rng = random.Random(seed)
     fast, slow = _views(), _views()
@@ -82,24 +108,28 @@ def test_column_staging_equals_row_by_row_staging(seed: int) -> None:
             for k in range(rng.randrange(0, 3)):
                 jobs[k] = _Job(next_id, rng)
                 next_id += 1
-        live = [job for job in jobs[:size] if job.pos < (WIDTH - 1) * PAGE]
+        live = [job for job in jobs[:size] if job.pos < (WIDTH - 2) * PAGE]
         if not live:
             jobs = [_Job(next_id + i, rng) for i in range(ROWS)]
             next_id += ROWS
             continue
-        slices = [job.slice(rng.randrange(-1, 500)) for job in live]
-        bucket = rng.randrange(len(slices), ROWS + 1)
-        seq_slots = None if rng.random() < 0.5 else [rng.randrange(-1, 8) for _ in slices]
-        staging.stage(slices, bucket, seq_slots)
-        _oracle(slow, slices, bucket, seq_slots)
+        bucket = rng.randrange(len(live), ROWS + 1)
+        if rng.random() < 0.3:  # a verify step: each job its token and 0..3 drafts
+            query_len = 4
+            bucket = min(bucket, LONGS // query_len)
+            slices = [job.slice(rng.randrange(500), rng.randrange(query_len))
+                      for job in live[:bucket]]
+            got = staging.stage_verify(slices, bucket, query_len)
+            assert got == _verify_oracle(slow, slices, bucket, query_len), step
+        else:
+            slices = [job.slice(rng.randrange(-1, 500)) for job in live]
+            seq_slots = None if rng.random() < 0.5 else [rng.randrange(-1, 8) for _ in slices]
+            staging.stage(slices, bucket, seq_slots)
+            _oracle(slow, slices, bucket, seq_slots)
         for name in ("longs", "context", "slots", "query_start", "tables"):
             assert np.array_equal(getattr(fast, name), getattr(slow, name)), (step, name)
         for job in live:
             job.pos += 1
-        if rng.random() < 0.1:  # a verify step wrote the tables in between
-            junk = np.asarray([rng.randrange(1000) for _ in range(ROWS * WIDTH)])
-            fast.tables[:] = slow.tables[:] = junk.reshape(ROWS, WIDTH)
-            staging.forget_tables()
 
 
 def test_unchanged_rows_are_not_rewritten() -> None:
