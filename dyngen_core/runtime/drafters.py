@@ -264,14 +264,23 @@ class ModelDrafter:
 
     def follow(self, plan: StepPlan) -> None:
         """Run the plan's page copies and prefill chunks through the draft model (a chunk's
-        keys and values then sit in the same slots of both caches)."""
-        chunks = [SequenceSlice(s.job_id, s.token_ids, s.start_pos, s.page_table, False)
-                  for s in plan.slices if s.is_prefill]
+        keys and values then sit in the same slots of both caches). A one-token slice the
+        target samples (a decode, or a prompt's last token fed alone after a prompt-cache hit)
+        is the draft model's to feed from there on: what lies before it came from chunks,
+        shared pages or copies, so at most its start is valid in the draft cache."""
+        chunks = []
+        valid = self._valid
+        for s in plan.slices:
+            if s.is_prefill:
+                chunks.append(SequenceSlice(s.job_id, s.token_ids, s.start_pos, s.page_table,
+                                            False))
+            elif valid.get(s.job_id, s.start_pos + 1) > s.start_pos:
+                valid[s.job_id] = s.start_pos
         if not chunks and not plan.copies:
             return
         self.runner.run(StepPlan(slices=chunks, copies=plan.copies))
         for chunk in chunks:
-            self._valid[chunk.job_id] = chunk.end_pos
+            valid[chunk.job_id] = chunk.end_pos
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """Drafts (greedy, or sampled for requests with ``sampling``; under the constraint's

@@ -630,3 +630,28 @@ def test_a_job_that_fills_the_whole_cache_still_drafts(speculative, engine_parts
 def make_plain(engine_parts: tuple[Model, Tokenizer]) -> DynamicGenerator:
     model, tokenizer = engine_parts
     return DynamicGenerator(model=model, cache=Cache(model, max_tokens=256), tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_a_prompt_cache_hit_leaves_the_draft_cache_whole(speculative, engine_parts, dedup):
+    """A prompt of one full page run twice: the second time its page comes from the prompt
+    cache (a copy of all slots but the last, without dedup) and its last token is recomputed
+    alone, as a one-token sampling slice. The draft model must write that token's keys too:
+    with the target as its own draft model every draft is then accepted, the second time as
+    the first (with the slot missing, the second run without dedup had 5 drafts rejected)."""
+    model, tokenizer = engine_parts
+    generator = speculative("oracle", dedup=dedup, overlap_steps=False)
+    prompt = [(37 * i) % 480 + 10 for i in range(256)]
+
+    def job(name: str) -> Job:
+        return Job(input_ids=prompt, max_new_tokens=24, stop_conditions=[],
+                   gen_settings=SamplerSettings.greedy(), identifier=name)
+
+    first = run_tokens(generator, [job("first")])["first"]
+    again = run_tokens(generator, [job("again")])["again"]
+    assert again["final"]["cached_tokens"] > 0
+    assert again["tokens"] == first["tokens"]
+    for got in (first, again):
+        assert got["final"]["accepted_draft_tokens"] > 0
+        assert got["final"]["rejected_draft_tokens"] == 0, got["final"]
+    generator.check_invariant()
