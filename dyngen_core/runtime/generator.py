@@ -207,12 +207,18 @@ class DynamicGenerator:
     def close(self) -> None:
         """Stop the tensor-parallel workers of a split model (their loops return; those
         `from_model_dir` started are waited for, and this process leaves the group); a no-op
-        for a model in one process. A closed split generator cannot run steps."""
+        for a model in one process. A closed split generator cannot run steps. Workers of a
+        group a failed step left out of step (`BroadcastRunner.broken`) are killed at once."""
+        broken = False
         if isinstance(self._runner, BroadcastRunner):
             self._runner.close()
+            broken = self._runner.broken is not None
         if self._workers is not None:
             workers, self._workers = self._workers, None
-            workers.stop()
+            if broken:
+                workers.kill()
+            else:
+                workers.stop()
 
     # ---- queue -------------------------------------------------------------------------------
 

@@ -205,7 +205,12 @@ def build_runner(model: Model, cache: Cache, attention_backend: str | AttentionB
 class BroadcastRunner:
     """Rank 0's runner of a split model: sends every plan to the other ranks, then runs it
     (`ModelRunner.run`'s contract). `close` stops the other ranks' loops; a closed runner
-    refuses to run."""
+    refuses to run.
+
+    A step that raises on rank 0 once its plan was sent leaves the other ranks inside that
+    step's collectives: the group is out of step for good (``broken`` holds the error). Every
+    later step then raises at once, naming it, instead of hanging until the group's timeout,
+    and `close` sends nothing (the other ranks could not take it)."""
 
     def __init__(self, model: Model, cache: Cache, options: RunnerOptions) -> None:
         if not model.parallel.is_first:
@@ -217,6 +222,7 @@ class BroadcastRunner:
         self.channel.send_options(options)  # before our runner: both ranks capture graphs together
         self.runner = options.build(model, cache)
         self.closed = False
+        self.broken: BaseException | None = None
 
     @property
     def graph_captures(self) -> int:
@@ -232,14 +238,24 @@ class BroadcastRunner:
         if self.closed:
             raise RuntimeError("this generator was closed (its tensor-parallel workers have "
                                "stopped); build a new one")
-        self.channel.send_step(plan, feed)
-        return self.runner.run(plan, feed)
+        if self.broken is not None:
+            raise RuntimeError(
+                f"a step failed on rank 0 after the other ranks had started it "
+                f"({self.broken!r}), so the tensor-parallel group is out of step and runs no "
+                "more steps; close this generator and build a new one") from self.broken
+        try:
+            self.channel.send_step(plan, feed)
+            return self.runner.run(plan, feed)
+        except BaseException as exc:
+            self.broken = exc
+            raise
 
     def close(self) -> None:
-        """Stop the other ranks' loops (once)."""
+        """Stop the other ranks' loops (once; a broken group is sent nothing)."""
         if not self.closed:
             self.closed = True
-            self.channel.send_stop()
+            if self.broken is None:
+                self.channel.send_stop()
 
 
 def serve_tensor_parallel_worker(model: Model, cache: Cache) -> int:
