@@ -181,7 +181,7 @@ class DecodeStaging:
         self.page_size = page_size
         rows = views.tables.shape[0]
         self._row_index = np.arange(rows)
-        self._steps = np.arange(rows + 1, dtype=views.query_start.dtype)
+        self._one_token_starts = np.arange(rows + 1, dtype=views.query_start.dtype)
         # Per row: the list it holds (kept alive, so identity is meaningful) and how many of
         # its pages were written.
         self._lists: list[list[int] | None] = [None] * rows
@@ -204,7 +204,7 @@ class DecodeStaging:
         longs[2, :size] = slot_pages * page_size + positions % page_size
         views.context[:size] = positions + 1
         views.slots[:size] = -1 if seq_slots is None else seq_slots
-        views.query_start[:bucket + 1] = self._steps[:bucket + 1]
+        views.query_start[:bucket + 1] = self._one_token_starts[:bucket + 1]
         if bucket > size:
             longs[:, size:bucket] = longs[:, size - 1:size]
             views.context[size:bucket] = views.context[size - 1]
