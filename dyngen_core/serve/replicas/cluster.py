@@ -39,8 +39,10 @@ def deploy(serve_options: ServeOptions, replica_options: ReplicaOptions) -> None
 def run_replicas(serve_options: ServeOptions, replica_options: ReplicaOptions) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM), then remove the application (and shut Ray
     down when this process started it)."""
-    signal.signal(signal.SIGTERM, _interrupt)
     ray.init(address=replica_options.ray_address, log_to_driver=True)
+    # After ray.init, which puts in its own SIGTERM handler (it ends the driver within seconds,
+    # cutting the clean-up below short and leaving Ray's agents running).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         deploy(serve_options, replica_options)
         logger.warning("dyngen: %d replica(s) of %s serving on http://%s:%d",
