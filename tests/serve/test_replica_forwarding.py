@@ -4,13 +4,14 @@ engine replica answers the ingress (no Ray, no model)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dyngen_core.serve.replicas.forwarding import ForwardedRequest, ResponseStart, answer
@@ -80,3 +81,32 @@ def test_an_unknown_path_gets_the_applications_404() -> None:
     parts = asyncio.run(_collect(answer(_app([]), ForwardedRequest("GET", "/nope", b"", (),
                                                                    b""))))
     assert isinstance(parts[0], ResponseStart) and parts[0].status == 404
+
+
+def test_a_reader_that_leaves_lets_the_application_answer_its_disconnect() -> None:
+    """The application sees the disconnect and ends its own way (as a generation route
+    answers and counts 499), instead of being cancelled at once (counted as a 500)."""
+    events: list[str] = []
+
+    async def waits(request: Request) -> Response:
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            events.append("answered 499")
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+
+    app = Starlette(routes=[Route("/wait", waits, methods=["POST"])])
+
+    async def leave_early() -> None:
+        parts = answer(app, ForwardedRequest("POST", "/wait", b"", (), b"{}"))
+        reader = asyncio.ensure_future(_collect(parts))
+        await asyncio.sleep(0.05)
+        reader.cancel()  # the ingress's call was cancelled: its client left
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+    asyncio.run(leave_early())
+    assert events == ["answered 499"]

@@ -21,6 +21,8 @@ from starlette.types import ASGIApp, Message
 
 # Hop-by-hop and framing headers the ingress re-creates itself.
 _DROPPED_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+# How long an application whose client left may take to end by itself before it is cancelled.
+DISCONNECT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,20 @@ async def answer(app: ASGIApp, request: ForwardedRequest,
     finally:
         if not answered:  # the reader left early: the client is gone
             client_gone.set()
-            task.cancel()
+            await _let_finish(task)
+
+
+async def _let_finish(task: asyncio.Future[Any]) -> None:
+    """Give an application whose client left `DISCONNECT_GRACE_S` to see the disconnect and
+    end its own way (a route then cancels its jobs and answers, and counts, 499); cancel it
+    after that."""
+    try:
+        await asyncio.wait_for(asyncio.shield(task), DISCONNECT_GRACE_S)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    except Exception:  # noqa: BLE001 - timed out, or the application failed: it ends here
+        task.cancel()
 
 
 def _scope(request: ForwardedRequest) -> dict[str, Any]:
