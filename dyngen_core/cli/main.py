@@ -114,6 +114,16 @@ class OptionError(DynGenError, ValueError):
     """A command-line option the model or machine cannot take (printed as one line)."""
 
 
+def _option_error(exc: ValueError) -> OptionError:
+    """One line for an option's ValueError; pydantic's (a ValueError) names each bad field."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        return OptionError("; ".join(
+            f"{'.'.join(map(str, error['loc'])) or 'value'}={error.get('input')!r}: "
+            f"{error['msg'].removeprefix('Value error, ')}" for error in errors()))
+    return OptionError(str(exc))
+
+
 @contextmanager
 def _generator(args: argparse.Namespace) -> Iterator[Any]:
     """The command's generator, closed when the command ends (a split model's workers end)."""
@@ -130,7 +140,7 @@ def _generator(args: argparse.Namespace) -> Iterator[Any]:
     except ValueError as exc:  # an option this model or machine cannot take: one clear line
         if isinstance(exc, DynGenError):
             raise
-        raise OptionError(str(exc)) from exc
+        raise _option_error(exc) from exc
     try:
         yield generator
     finally:
@@ -138,21 +148,27 @@ def _generator(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def _settings(args: argparse.Namespace) -> Any:
+    """The sampling options' settings (None: the model's defaults); checked before the model
+    loads, so a bad value fails at once."""
     from dyngen_core.engine.settings import SamplerSettings
 
     given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                ("top_k", args.top_k)) if v is not None}
     if not given:
         return None
-    return SamplerSettings(**given)
+    try:
+        return SamplerSettings(**given)
+    except ValueError as exc:
+        raise _option_error(exc) from exc
 
 
-def _stream(generator: Any, input_ids: list[int], args: argparse.Namespace) -> Any:
+def _stream(generator: Any, input_ids: list[int], args: argparse.Namespace,
+            settings: Any) -> Any:
     """Run one job, printing text as it streams; returns the final result."""
     from dyngen_core.engine.job import Job
 
     generator.enqueue(Job(input_ids=input_ids, max_new_tokens=args.max_new_tokens,
-                          gen_settings=_settings(args), seed=args.seed))
+                          gen_settings=settings, seed=args.seed))
     final = None
     while generator.num_remaining_jobs():
         for result in generator.iterate():
@@ -172,6 +188,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    settings = _settings(args)
     with _generator(args) as generator:
         tokenizer = generator.tokenizer
         prompts = [
@@ -180,10 +197,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         ]
         if len(prompts) == 1:
             _stream(generator, tokenizer.encode(prompts[0], encode_special_tokens=args.chat),
-                    args)
+                    args, settings)
             return 0
         texts = generator.generate(prompts, max_new_tokens=args.max_new_tokens,
-                                   gen_settings=_settings(args), seed=args.seed,
+                                   gen_settings=settings, seed=args.seed,
                                    encode_special_tokens=args.chat)
     for prompt, text in zip(args.prompt, texts):
         print(f"### {prompt}\n{text}\n")
@@ -197,12 +214,13 @@ def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
+    settings = _settings(args)
     with _generator(args) as generator:
-        _chat(generator, args)
+        _chat(generator, args, settings)
     return 0
 
 
-def _chat(generator: Any, args: argparse.Namespace) -> None:
+def _chat(generator: Any, args: argparse.Namespace, settings: Any) -> None:
     """Read user messages from stdin until an empty line or EOF, streaming each reply."""
     tokenizer = generator.tokenizer
     messages: list[dict[str, str]] = []
@@ -215,23 +233,38 @@ def _chat(generator: Any, args: argparse.Namespace) -> None:
         messages.append({"role": "user", "content": line.strip()})
         prompt = tokenizer.apply_chat_template(messages)
         # Each turn's prompt extends the last one, so it starts from the prompt cache.
-        final = _stream(generator, tokenizer.encode(prompt, encode_special_tokens=True), args)
+        final = _stream(generator, tokenizer.encode(prompt, encode_special_tokens=True), args,
+                        settings)
         messages.append({"role": "assistant", "content": final["full_completion"]})
         print(f"[{final['new_tokens']} tokens, {final['cached_tokens']} prompt tokens cached]",
               file=sys.stderr)
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated job counts")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default="1,8,32",
+                        help="comma-separated job counts")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     _add_engine_arguments(parser)
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """A --batch-sizes value: comma-separated job counts of at least 1 (argparse reports the
+    error)."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of job counts; use integers "
+                                         ">= 1 separated by commas, e.g. 1,8,32")
+    return sizes
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     with _generator(args) as generator:
         print(f"{'jobs':>6} {'prefill s':>10} {'decode tok/s':>13} {'total tok/s':>12}")
-        for n in (int(x) for x in args.batch_sizes.split(",")):
+        for n in args.batch_sizes:
             _bench_batch(generator, n, args)
     return 0
 
@@ -281,12 +314,17 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 1
     from dyngen_core.cli.convert.demo import fetch_demo_model
     from dyngen_core.serve.options import serve_options
+    from dyngen_core.serve.replicas.options import replica_options
 
-    options = serve_options(args, str(args.model or fetch_demo_model()))
-    if args.replicas:
-        from dyngen_core.serve.replicas.options import replica_options
-
-        run_replicas(options, replica_options(args))
+    try:  # every option checked before a model loads or a cluster starts
+        options = serve_options(args, str(args.model or fetch_demo_model()))
+        replicas = replica_options(args) if args.replicas else None
+    except ValueError as exc:
+        if isinstance(exc, DynGenError):
+            raise
+        raise _option_error(exc) from exc
+    if replicas is not None:
+        run_replicas(options, replicas)
     else:
         run_server(options)
     return 0

@@ -286,13 +286,25 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """None or "auto" gives the current CUDA device when CUDA is available, else the CPU.
 
-    A bare "cuda" is pinned to the current CUDA index so device comparisons stay exact.
+    A bare "cuda" is pinned to the current CUDA index so device comparisons stay exact. Raises
+    ValueError for a name torch does not know, or a CUDA device this torch or machine lacks.
     """
     if device is None or device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device; use 'cpu', 'cuda', "
+                         "'cuda:N' or 'auto'") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asks for CUDA, which this torch or machine "
+                             "does not have; use 'cpu' or 'auto'")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+        elif resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
     return resolved
 
 
