@@ -4,7 +4,8 @@ driven by a stand-in model that returns fixed logits (no forward), on the CPU an
 Each job has a short prompt and a long budget, so after the first steps all 256 jobs decode in
 every step. The step time is measured over many `iterate()` calls once every job is running;
 on the GPU it includes on-device sampling of [256, vocab] logits and the copy of the sampled ids
-back. Target: <= 1 ms per step.
+back. Target: <= 1 ms per step. The real runner's own host work (a graphed step's check and
+input staging) is not in it: `runner_host.py` measures that.
 
     python benchmarks/host_overhead.py [--jobs 256] [--vocab 128256] [--devices cpu,cuda]
         [--threads N] [--profile 30]
