@@ -125,22 +125,30 @@ def _option_error(exc: ValueError) -> OptionError:
 
 
 @contextmanager
+def _checked_options() -> Iterator[None]:
+    """A ValueError the options cause becomes one `OptionError` line (dyngen's own errors go
+    through as they are)."""
+    try:
+        yield
+    except ValueError as exc:
+        if isinstance(exc, DynGenError):
+            raise
+        raise _option_error(exc) from exc
+
+
+@contextmanager
 def _generator(args: argparse.Namespace) -> Iterator[Any]:
     """The command's generator, closed when the command ends (a split model's workers end)."""
     from dyngen_core.cli.convert.demo import fetch_demo_model
     from dyngen_core.runtime.generator import DynamicGenerator
 
     model_dir = args.model or fetch_demo_model()
-    try:
+    with _checked_options():  # an option this model or machine cannot take: one clear line
         generator = DynamicGenerator.from_model_dir(
             model_dir, cache_tokens=args.cache_tokens, cache_mode=args.cache_mode,
             device=args.device, dtype=args.dtype, progress=True,
             tensor_parallel=args.tensor_parallel,
         )
-    except ValueError as exc:  # an option this model or machine cannot take: one clear line
-        if isinstance(exc, DynGenError):
-            raise
-        raise _option_error(exc) from exc
     try:
         yield generator
     finally:
@@ -156,10 +164,8 @@ def _settings(args: argparse.Namespace) -> Any:
                                ("top_k", args.top_k)) if v is not None}
     if not given:
         return None
-    try:
+    with _checked_options():
         return SamplerSettings(**given)
-    except ValueError as exc:
-        raise _option_error(exc) from exc
 
 
 def _stream(generator: Any, input_ids: list[int], args: argparse.Namespace,
@@ -316,13 +322,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     from dyngen_core.serve.options import serve_options
     from dyngen_core.serve.replicas.options import replica_options
 
-    try:  # every option checked before a model loads or a cluster starts
+    with _checked_options():  # every option checked before a model loads or a cluster starts
         options = serve_options(args, str(args.model or fetch_demo_model()))
         replicas = replica_options(args) if args.replicas else None
-    except ValueError as exc:
-        if isinstance(exc, DynGenError):
-            raise
-        raise _option_error(exc) from exc
     if replicas is not None:
         run_replicas(options, replicas)
     else:

@@ -50,22 +50,10 @@ class ServeOptions:
             raise ValueError(f"port must be 0 to 65535 (0: any free port); got {self.port}")
 
 
-def _port(text: str) -> int:
-    """A --port value: an integer from 0 to 65535 (argparse reports the error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port; use 0 to 65535 (0: any "
-                                         "free port)")
-    return value
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own arguments (``dyngen serve`` adds the engine's beside them)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=_port, default=8000, help="port (0: any free port)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
                         f"${API_KEY_ENV} when set, else no key)")

@@ -23,6 +23,8 @@ MISSING = "/nonexistent/model"  # never opened: the value fails first
     (["serve", "--model", MISSING, "--cache-tokens", "5"], "cache_tokens"),
     (["serve", "--model", MISSING, "--max-n", "0"], "max_n"),
     (["serve", "--model", MISSING, "--replicas", "-1"], "replicas"),
+    (["serve", "--model", MISSING, "--port", "99999"], "port"),
+    (["serve", "--model", MISSING, "--port", "-1"], "port"),
 ])
 def test_a_bad_value_is_one_line_naming_it(argv: list[str], names: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,12 +50,10 @@ def test_a_device_this_machine_lacks_is_one_line(device: str, tmp_path: Path,
 
 
 @pytest.mark.parametrize(("argv", "option"), [
-    (["serve", "--model", MISSING, "--port", "99999"], "--port"),
-    (["serve", "--model", MISSING, "--port", "-1"], "--port"),
     (["bench", "--model", MISSING, "--batch-sizes", "1,x"], "--batch-sizes"),
     (["bench", "--model", MISSING, "--batch-sizes", "0"], "--batch-sizes"),
 ])
-def test_argparse_refuses_values_out_of_range(argv: list[str], option: str,
+def test_argparse_refuses_batch_sizes_that_are_not_counts(argv: list[str], option: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
