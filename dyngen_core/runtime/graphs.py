@@ -345,8 +345,12 @@ class StepGraphs:
         bucket = self._bucket(size)
         known, query_len = self._query_lens
         self._query_lens = (None, 1)
-        if known is not plan:
-            query_len = _query_len(plan)
+        if known is not plan:  # `can_run` was asked of another plan, or not at all
+            checked = decode_query_len(plan.slices, self.width * self.page_size)
+            if checked is None:
+                raise ValueError("StepGraphs.run takes decode and verify steps only (see "
+                                 "can_run)")
+            query_len = checked
         if query_len == 1:
             writer = self._tables.stage(plan) if self._tables is not None else None
             self._stage_decode(plan, bucket, seq_slots, writer)
@@ -488,11 +492,6 @@ def decode_query_len(slices: Sequence[SequenceSlice], max_context: int) -> int |
         if drafts > longest:
             longest = drafts
     return 1 + longest
-
-
-def _query_len(plan: StepPlan) -> int:
-    """One plus the longest draft of the plan's slices (1: a decode step)."""
-    return 1 + max(len(s.draft_ids) for s in plan.slices)
 
 
 class _EagerAttention:
