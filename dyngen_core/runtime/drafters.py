@@ -274,8 +274,10 @@ class ModelDrafter:
             if s.is_prefill:
                 chunks.append(SequenceSlice(s.job_id, s.token_ids, s.start_pos, s.page_table,
                                             False))
-            elif valid.get(s.job_id, s.start_pos + 1) > s.start_pos:
-                valid[s.job_id] = s.start_pos
+            else:
+                known = valid.get(s.job_id)
+                if known is None or known > s.start_pos:
+                    valid[s.job_id] = s.start_pos
         if not chunks and not plan.copies:
             return
         self.runner.run(StepPlan(slices=chunks, copies=plan.copies))
