@@ -649,9 +649,23 @@ def test_a_prompt_cache_hit_leaves_the_draft_cache_whole(speculative, engine_par
 
     first = run_tokens(generator, [job("first")])["first"]
     again = run_tokens(generator, [job("again")])["again"]
-    assert again["final"]["cached_tokens"] > 0
-    assert again["tokens"] == first["tokens"]
-    for got in (first, again):
-        assert got["final"]["accepted_draft_tokens"] > 0
-        assert got["final"]["rejected_draft_tokens"] == 0, got["final"]
+    # A third time among other traffic (prompts of their own): a seeded sampled job, a
+    # constrained one, and one cancelled while it runs.
+    own = [(53 * i) % 470 + 20 for i in range(60)]
+    others = [Job(input_ids=own[:40], max_new_tokens=12, stop_conditions=[], seed=3,
+                  gen_settings=SamplerSettings(temperature=0.9), identifier="sampled"),
+              Job(input_ids=own[10:40], max_new_tokens=8, identifier="choice",
+                  gen_settings=SamplerSettings.greedy(), constraint=["yes", "no"]),
+              Job(input_ids=own[5:55], max_new_tokens=40, stop_conditions=[],
+                  gen_settings=SamplerSettings.greedy(), identifier="cancelled")]
+    mixed = run_tokens(generator, [job("mixed"), *others], cancel=("cancelled", 3))
+    for one in (again, mixed["mixed"]):
+        assert one["final"]["cached_tokens"] > 0
+        assert one["tokens"] == first["tokens"]
+    for one in (first, again, mixed["mixed"]):
+        assert one["final"]["accepted_draft_tokens"] > 0
+        assert one["final"]["rejected_draft_tokens"] == 0, one["final"]
+    assert mixed["cancelled"]["final"]["eos_reason"] == "cancelled"
+    assert mixed["choice"]["final"]["full_completion"] in ("yes", "no")
+    assert mixed["sampled"]["final"]["new_tokens"] == 12
     generator.check_invariant()
