@@ -169,13 +169,18 @@ class ResultEmitter:
             if text:
                 out.append(record.result("streaming", text=text, token_ids=[]))
             return
+        self._stream_held(record, settled, text, out)
+
+    @staticmethod
+    def _stream_held(record: JobRecord, count: int, text: str, out: list[Result]) -> None:
+        """Append a result for each of the first ``count`` held tokens of ``record`` (``text``
+        with the last) to ``out``; they are streamed from then on."""
         held = record.held_tokens
-        for i in range(settled):
+        for i in range(count):
             token_id, tokens = held[i]
-            out.append(record.streaming_result(text if i == settled - 1 else "", token_id,
-                                               tokens))
-        del held[:settled]
-        record.tokens_out += settled
+            out.append(record.streaming_result(text if i == count - 1 else "", token_id, tokens))
+        del held[:count]
+        record.tokens_out += count
 
     def end_job(self, job_id: int, reason: EosReason, *, chunk: dict[str, Any] | None = None,
                  error: BaseException | None = None) -> None:
@@ -183,10 +188,7 @@ class ResultEmitter:
         after a result for each token the job still held (the job's end settles them)."""
         record = self._records.pop(job_id)
         record.ended = True
-        for token_id, tokens in record.held_tokens:
-            self.finished.append(record.streaming_result("", token_id, tokens))
-        record.tokens_out += len(record.held_tokens)
-        record.held_tokens.clear()
+        self._stream_held(record, len(record.held_tokens), "", self.finished)
         seq = self._scheduler.sequence(job_id)
         cached_tokens = seq.num_cached_tokens if seq is not None else 0
         self._scheduler.finish(job_id)
