@@ -92,7 +92,8 @@ def tiny_model(vocab: int, device: torch.device) -> Model:
 
 
 class SamplerClock:
-    """Wraps a sampler's `sample` to add up the time (wall and CPU) spent inside it.
+    """Wraps a sampler's `sample` (or any call) to add up the time (wall and CPU) spent
+    inside it.
 
     nesting: a list shared by the clocks of one sampler; a call made inside another clocked
     call (`greedy_ids` calls `greedy_on_device`) is not counted twice."""
@@ -117,40 +118,34 @@ class SamplerClock:
 
 
 class ComponentClocks:
-    """Wraps the generator's parts to add up, per step, the time spent in each (`--split`)."""
+    """Wraps the generator's parts in `SamplerClock`s to add up, per step, the time spent in
+    each (`--split`)."""
 
     PARTS = (("schedule", "_scheduler", "schedule"), ("apply", "_scheduler", "apply_tokens"),
              ("resolve", "_scheduler", "resolve_tokens"), ("emit", "_emitter", "emit_step"),
              ("runner", "_runner", "run"))
 
     def __init__(self, generator: DynamicGenerator) -> None:
-        self.seconds = dict.fromkeys([name for name, _, _ in self.PARTS] + ["feed"], 0.0)
-        self.steps: list[dict[str, float]] = []
+        self.clocks: dict[str, SamplerClock] = {}
         for name, owner, method in self.PARTS:
             target = getattr(generator, owner)
-            setattr(target, method, self._clocked(name, getattr(target, method)))
-        self._feed = generator_module.token_feed
-        generator_module.token_feed = self._clocked("feed", self._feed)  # type: ignore[assignment]
-
-    def _clocked(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        def clocked(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-        return clocked
+            self.clocks[name] = SamplerClock(getattr(target, method))
+            setattr(target, method, self.clocks[name])
+        self.clocks["feed"] = SamplerClock(generator_module.token_feed)
+        generator_module.token_feed = self.clocks["feed"]  # type: ignore[assignment]
+        self.steps: list[dict[str, float]] = []
 
     def end_step(self) -> None:
-        self.steps.append(self.seconds)
-        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.steps.append({name: clock.seconds for name, clock in self.clocks.items()})
+        for clock in self.clocks.values():
+            clock.seconds = clock.cpu_seconds = 0.0
 
     def restore(self) -> None:
-        generator_module.token_feed = self._feed  # type: ignore[assignment]
+        generator_module.token_feed = self.clocks["feed"]._sample  # type: ignore[assignment]
 
     def medians(self, host: list[float]) -> dict[str, float]:
         figures = {f"split_{name}_ms": _median([step[name] for step in self.steps]) * 1e3
-                   for name in self.seconds}
+                   for name in self.clocks}
         rest = [h - sum(step.values()) for h, step in zip(host, self.steps, strict=True)]
         figures["split_rest_ms"] = _median(rest) * 1e3
         return figures
