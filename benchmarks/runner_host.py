@@ -24,7 +24,6 @@ import argparse
 import time
 from dataclasses import replace
 
-import numpy as np
 from _common import report
 
 from dyngen_core.config import CacheConfig, SchedulerConfig
@@ -38,14 +37,6 @@ from dyngen_core.runtime.graphs import (
 )
 
 PAGE_SIZE = 256
-
-
-def staging_views(rows: int, width: int) -> DecodeViews:
-    """Buffers laid out as `StepGraphs` lays out its pinned staging area."""
-    ints = np.zeros(rows * (3 + width) + 1, dtype=np.int32)
-    return DecodeViews(longs=np.zeros((3, rows), dtype=np.int64), context=ints[:rows],
-                       slots=ints[rows:2 * rows], query_start=ints[2 * rows:3 * rows + 1],
-                       tables=ints[3 * rows + 1:].reshape(rows, width))
 
 
 def decoding_scheduler(jobs: int, prompt: int, steps: int, drafts: int = 0) -> Scheduler:
@@ -67,7 +58,8 @@ def decoding_scheduler(jobs: int, prompt: int, steps: int, drafts: int = 0) -> S
 def measure(jobs: int, prompt: int, steps: int, drafts: int = 0) -> dict[str, float]:
     scheduler = decoding_scheduler(jobs, prompt, steps, drafts)
     width = -(-(prompt + steps + drafts + 16) // PAGE_SIZE)
-    staging = DecodeStaging(staging_views(max(jobs, MAX_VERIFY_TOKENS), width), PAGE_SIZE)
+    staging = DecodeStaging(DecodeViews.zeros(jobs, width, max(jobs, MAX_VERIFY_TOKENS)),
+                            PAGE_SIZE)
     tracker = SharedPrefixTracker(PAGE_SIZE)
     max_context = width * PAGE_SIZE
     parts: dict[str, list[float]] = {"check": [], "stage": [], "cascade": [], "total": []}

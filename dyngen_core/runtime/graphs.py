@@ -163,6 +163,16 @@ class DecodeViews:
     query_start: np.ndarray
     tables: np.ndarray
 
+    @classmethod
+    def zeros(cls, rows: int, width: int, tokens: int) -> DecodeViews:
+        """Zeroed arrays for ``rows`` sequences of up to ``width`` pages and ``tokens`` token
+        columns, apart from any staging buffer (what `StepGraphs` stages into are views of its
+        pinned buffers, `_StaticInputs.host_views`)."""
+        return cls(longs=np.zeros((3, tokens), dtype=np.int64),
+                   context=np.zeros(rows, dtype=np.int32), slots=np.zeros(rows, dtype=np.int32),
+                   query_start=np.zeros(rows + 1, dtype=np.int32),
+                   tables=np.zeros((rows, width), dtype=np.int32))
+
 
 class DecodeStaging:
     """Writes decode and verify steps into `DecodeViews`, a column at a time.

@@ -24,13 +24,6 @@ WIDTH = 8
 LONGS = 32  # token columns: a verify step packs at most this many
 
 
-def _views() -> DecodeViews:
-    ints = np.zeros(ROWS * (3 + WIDTH) + 1, dtype=np.int32)
-    return DecodeViews(longs=np.zeros((3, LONGS), dtype=np.int64), context=ints[:ROWS],
-                       slots=ints[ROWS:2 * ROWS], query_start=ints[2 * ROWS:3 * ROWS + 1],
-                       tables=ints[3 * ROWS + 1:].reshape(ROWS, WIDTH))
-
-
 def _oracle(views: DecodeViews, slices: list[SequenceSlice], bucket: int,
             seq_slots: list[int] | None) -> None:
     """Every field of every row, one row at a time."""
@@ -97,7 +90,7 @@ class _Job:
 @pytest.mark.parametrize("seed", range(8))
 def test_column_staging_equals_row_by_row_staging(seed: int) -> None:
     rng = random.Random(seed)
-    fast, slow = _views(), _views()
+    fast, slow = DecodeViews.zeros(ROWS, WIDTH, LONGS), DecodeViews.zeros(ROWS, WIDTH, LONGS)
     staging = DecodeStaging(fast, PAGE)
     jobs = [_Job(i, rng) for i in range(ROWS)]
     next_id = ROWS
@@ -134,7 +127,7 @@ def test_column_staging_equals_row_by_row_staging(seed: int) -> None:
 
 def test_unchanged_rows_are_not_rewritten() -> None:
     """The point of the row cache: a row whose job kept its list is left as it is."""
-    views = _views()
+    views = DecodeViews.zeros(ROWS, WIDTH, LONGS)
     staging = DecodeStaging(views, PAGE)
     table = [5, 6, 7]
     staging.stage([SequenceSlice(0, [1], 5, table, True)], 1, None)
